@@ -1,0 +1,52 @@
+"""The framework-free contract of a model adapter.
+
+An adapter builds the model for a dataset and computes, for one batch, the *summed* loss and the
+summed metrics (for example the number of correct predictions). Sums, not means, so that the loop can
+weight ranks by how many samples each saw and average exactly across ranks and batches.
+
+``hvdtrain.torch.models.ClassifierAdapter`` and ``hvdtrain.tensorflow.models.ClassifierAdapter``
+implement the loss and metrics for classification; a user's model usually overrides ``build`` only.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from hvdtrain.data import DatasetSpec
+from hvdtrain.errors import HvdtrainError
+
+
+class ModelAdapter(abc.ABC):
+    """Builds a model and scores batches. ``model.options`` from the config arrive as ``options``."""
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    @abc.abstractmethod
+    def build(self, spec: DatasetSpec) -> Any:
+        """Returns a new model (``torch.nn.Module`` or ``keras.Model``) for data described by ``spec``."""
+
+    @abc.abstractmethod
+    def loss_and_metrics(self, model: Any, x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
+        """Returns ``(loss_sum, {metric_name: metric_sum})`` over the samples of one batch."""
+
+
+def make_adapter(obj: Any, options: dict[str, Any], name: str,
+                 default: type[ModelAdapter]) -> ModelAdapter:
+    """An adapter from a registry entry or import path.
+
+    ``obj`` is either a :class:`ModelAdapter` subclass, instantiated with ``options``, or a plain
+    function ``build(spec, **options)`` returning a model, which gets the framework's ``default``
+    adapter (classification) around it.
+    """
+    try:
+        if isinstance(obj, type) and issubclass(obj, ModelAdapter):
+            return obj(**options)
+        if callable(obj):
+            wrapped = type(f"{default.__name__}For_{getattr(obj, '__name__', 'model')}", (default,),
+                           {"build": lambda self, spec: obj(spec, **self.options)})
+            return wrapped(**options)
+    except TypeError as exc:
+        raise HvdtrainError(f"model.options for {name!r}: {exc}") from None
+    raise HvdtrainError(f"model.name={name!r} is neither a ModelAdapter subclass nor a model factory")

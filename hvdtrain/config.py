@@ -1,0 +1,218 @@
+"""The run configuration: nested, typed, documented dataclasses.
+
+Sources, later ones winning: the YAML file, ``HVDTRAIN_<SECTION>__<KEY>`` environment variables
+(``HVDTRAIN_TRAIN__EPOCHS=3``), then dotted command-line overrides (``train.epochs=3``). Every key,
+type and range is checked before anything runs; a mistake raises :class:`ConfigError` naming the
+key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from hvdtrain.configcheck import check_section, coerce_value, nearest_key
+from hvdtrain.errors import ConfigError
+
+
+def _opt(default: Any, *, min: float | None = None, max: float | None = None,
+         choices: Sequence[str] | None = None) -> Any:
+    """A dataclass field with the range or choices that validation enforces."""
+    meta = {"min": min, "max": max, "choices": tuple(choices) if choices else None}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "mlp"
+    """Registered model name (``mlp``) or an import path ``package.module:Name``."""
+    options: dict = _opt({})
+    """Keyword arguments for the model adapter, e.g. ``{hidden: [128]}`` for ``mlp``."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = "digits"
+    """Registered dataset name (``digits``) or an import path ``package.module:Name``."""
+    options: dict = _opt({})
+    """Keyword arguments for the dataset."""
+    batch_size: int = _opt(32, min=1)
+    """Samples per rank per micro-batch; the global batch is this times the world size."""
+    eval_batch_size: int = _opt(256, min=1)
+    """Samples per rank per evaluation batch."""
+    shuffle: bool = True
+    """Shuffle the training samples every epoch (from ``seed`` and the epoch number)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = _opt(10, min=1)
+    """Passes over the training split."""
+    max_steps: int = _opt(0, min=0)
+    """Stop after this many optimizer steps in all (0: no limit)."""
+    backward_passes_per_step: int = _opt(1, min=1)
+    """Micro-batches accumulated locally before each allreduce and optimizer step."""
+    threads: int = _opt(0, min=0)
+    """Compute threads per rank (0: the machine's cores divided by the ranks on this host)."""
+    eval_every_epochs: int = _opt(1, min=1)
+    """Evaluate on the test split every this many epochs (and always after the last)."""
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = _opt("sgd", choices=("sgd", "adam", "adamw"))
+    """Optimizer."""
+    lr: float = _opt(0.05, min=0.0)
+    """Learning rate for one rank; multiplied by the world size when ``scale_lr`` is on."""
+    momentum: float = _opt(0.9, min=0.0, max=1.0)
+    """SGD momentum (ignored by Adam)."""
+    weight_decay: float = _opt(0.0, min=0.0)
+    """L2 weight decay."""
+    scale_lr: bool = True
+    """Multiply ``lr`` by the world size, since the global batch grows with it (Goyal et al., 2017)."""
+    warmup_steps: int = _opt(0, min=0)
+    """Steps of linear warm-up from ``lr`` to the scaled learning rate (0: none)."""
+    schedule: str = _opt("constant", choices=("constant", "cosine"))
+    """Learning-rate shape after warm-up."""
+
+
+@dataclass(kw_only=True)
+class CommConfig:
+    compression: str = _opt("none", choices=("none", "fp16"))
+    """Gradient compression on the wire."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    enabled: bool = True
+    """Write checkpoints (rank 0 only)."""
+    every_steps: int = _opt(0, min=0)
+    """Checkpoint every this many optimizer steps (0: only at the end)."""
+    keep: int = _opt(3, min=1)
+    """Keep the newest this many checkpoints."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    dir: str = ""
+    """Run directory (default ``runs/<name>``)."""
+    every_steps: int = _opt(10, min=1)
+    """Log averaged training metrics every this many optimizer steps."""
+    console: bool = True
+    """Print progress to the console (rank 0)."""
+    overwrite: bool = True
+    """Allow a run directory that already holds a run; its files are replaced."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    name: str = "run"
+    """Run name; the default run directory is ``runs/<name>``."""
+    framework: str = _opt("torch", choices=("torch", "tensorflow"))
+    """Which engine trains the model."""
+    seed: int = _opt(0, min=0)
+    """Base seed: rank r seeds its generators with ``seed + r``; shuffling uses ``seed`` alone."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        """Where this run writes its outputs."""
+        return Path(self.log.dir or f"runs/{self.name}")
+
+    def to_dict(self) -> dict:
+        """The resolved config as plain data, ready for YAML."""
+        return dataclasses.asdict(self)
+
+
+ENV_PREFIX = "HVDTRAIN_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """Turns ``HVDTRAIN_TRAIN__EPOCHS=3`` into the override ``train.epochs=3``."""
+    out = []
+    for key, value in sorted(environ.items()):
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            out.append(f"{dotted}={value}")
+    return out
+
+
+def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
+    """Sets ``tree[a][b] = value`` for ``a.b``; the value is parsed as YAML (``0.1``, ``[64]``)."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: cannot set a key inside a {type(node).__name__}")
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        node[leaf] = raw
+
+
+def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
+    """Applies ``key.sub=value`` overrides to a raw config tree."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. train.epochs=3")
+        _set_dotted(tree, key.strip(), raw.strip())
+    return tree
+
+
+def build(cls: type, tree: Any, prefix: str = "") -> Any:
+    """Builds dataclass ``cls`` from a raw tree, checking every key, type and range."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={tree!r}: expected a mapping of keys")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown key {path!r}{nearest_key(str(key), fields, prefix)}")
+        ftype = types[key]
+        if dataclasses.is_dataclass(ftype):
+            kwargs[key] = build(ftype, {} if value is None else value, f"{path}.")
+        else:
+            kwargs[key] = coerce_value(path, value, ftype)
+    obj = cls(**kwargs)
+    check_section(obj, prefix)
+    return obj
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Reads the YAML file, applies environment and command-line overrides, and validates."""
+    tree: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    environ = os.environ if environ is None else environ
+    apply_overrides(tree, [*env_overrides(environ), *overrides])
+    return build(Config, tree)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Writes the resolved config as YAML."""
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,49 @@
+"""Type and range checks for config values, kept apart so config.py reads as the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Iterable
+
+from hvdtrain.errors import ConfigError
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               dict: "a mapping", list: "a list"}
+
+
+def nearest_key(key: str, known: Iterable[str], prefix: str = "") -> str:
+    """A ``; did you mean ...`` hint for a misspelt key, listing the known keys otherwise."""
+    known = sorted(known)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix + close[0]!r}?"
+    return f"; known keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(known)}"
+
+
+def coerce_value(path: str, value: Any, ftype: type) -> Any:
+    """Returns ``value`` as ``ftype`` or raises naming the key, the value and the type wanted.
+
+    Only lossless conversions happen: an int where a float is wanted. ``1.5`` for an int, ``"abc"``
+    for a number and ``1`` for a bool are all rejected.
+    """
+    ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
+    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ConfigError(f"{path}={value!r}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
+    return value
+
+
+def check_section(obj: Any, prefix: str = "") -> None:
+    """Checks every field of dataclass ``obj`` against its ``min``, ``max`` and ``choices``."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        lo, hi, choices = (f.metadata.get(k) for k in ("min", "max", "choices"))
+        if choices and value not in choices:
+            raise ConfigError(f"{path}={value!r}: must be one of {', '.join(choices)}")
+        if lo is not None and value < lo:
+            raise ConfigError(f"{path}={value!r}: must be >= {lo}")
+        if hi is not None and value > hi:
+            raise ConfigError(f"{path}={value!r}: must be <= {hi}")

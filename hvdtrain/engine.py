@@ -1,0 +1,72 @@
+"""The Engine: what the framework-free loop needs from a framework.
+
+``hvdtrain.torch.engine.TorchEngine`` and ``hvdtrain.tensorflow.engine.TensorFlowEngine`` implement it.
+Every method is called on every rank in the same order, because several of them run collectives.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from pathlib import Path
+from typing import IO, Any, Iterable
+
+import numpy as np
+
+from hvdtrain.config import Config
+from hvdtrain.data import Dataset, StepIndices
+from hvdtrain.errors import HvdtrainError
+
+
+class Engine(abc.ABC):
+    """One framework's side of training: model, optimizer, Horovod collectives and checkpoints."""
+
+    framework: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    @abc.abstractmethod
+    def prepare(self, cfg: Config, dataset: Dataset) -> None:
+        """Builds model and optimizer, loads the data, and broadcasts rank 0's initial state."""
+
+    @abc.abstractmethod
+    def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
+        """Runs one optimizer step; returns this rank's sums (``loss``, ``count``, metrics)."""
+
+    @abc.abstractmethod
+    def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
+        """Scores the test samples of these index batches; returns this rank's sums."""
+
+    @abc.abstractmethod
+    def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sums each value over all ranks (one collective for the whole dict)."""
+
+    @abc.abstractmethod
+    def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
+        """Serialises model, optimizer and ``meta`` into an open binary file."""
+
+    @abc.abstractmethod
+    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Restores model and optimizer from a checkpoint file; returns its ``meta``."""
+
+    @abc.abstractmethod
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The model's parameters by name, as NumPy arrays (for checks and tests)."""
+
+    @abc.abstractmethod
+    def versions(self) -> dict[str, str]:
+        """Versions of the framework and Horovod, for the run summary."""
+
+
+def make_engine(framework: str) -> Engine:
+    """Imports the framework's engine (only now, so the core stays framework-free) and starts it."""
+    module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
+                   "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[framework]
+    try:
+        engine_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise HvdtrainError(f"framework={framework!r}: cannot load its engine ({exc}); "
+                            "run `hvdtrain doctor`") from None
+    return engine_cls()

@@ -1,0 +1,106 @@
+"""``train(cfg)``: the whole run on one rank, from plug-in checks to ``summary.json``.
+
+Every rank calls it (under ``horovodrun`` or alone). Nothing is written before the config, the
+dataset and the model have been checked and built, so a mistake leaves no half-made run directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hvdtrain.checkpoint import CheckpointManager, atomic_write
+from hvdtrain.config import Config, save_config
+from hvdtrain.data import Dataset
+from hvdtrain.engine import Engine, make_engine
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.loop import Loop
+from hvdtrain.metrics import ConsoleSink, JsonlSink, MetricsLogger, Sink
+from hvdtrain.registry import DATASETS, MODELS
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns on every rank."""
+
+    summary: dict[str, Any]
+    run_dir: Path
+    local_eval: dict[str, float]
+    """This rank's own evaluation sums, before the cross-rank allreduce."""
+    engine: Engine
+
+
+def make_dataset(cfg: Config) -> Dataset:
+    """Instantiates the configured dataset with ``data.options``."""
+    cls = DATASETS.get(cfg.data.name)
+    try:
+        dataset = cls(**cfg.data.options)
+    except TypeError as exc:
+        raise HvdtrainError(f"data.options for {cfg.data.name!r}: {exc}") from None
+    if not isinstance(dataset, Dataset):
+        raise HvdtrainError(f"data.name={cfg.data.name!r} is not a hvdtrain.data.Dataset")
+    return dataset
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuses to mix two runs in one directory unless asked to overwrite.
+
+    Checked on every rank before Horovod starts, so that no rank is left waiting in a collective
+    for a rank 0 that stopped here.
+    """
+    run_dir = cfg.run_dir
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing and not cfg.log.overwrite:
+        raise HvdtrainError(f"run directory {str(run_dir)!r} already holds a run ({existing[0]}); "
+                            "set log.overwrite=true or choose another log.dir")
+
+
+def prepare_run_dir(cfg: Config, writer: bool) -> Path:
+    """Creates the run directory on rank 0, replacing an earlier run's files, and saves the config."""
+    run_dir = cfg.run_dir
+    if not writer:
+        return run_dir
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for old in (run_dir / "checkpoints").glob("step-*"):
+        old.unlink()
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int) -> MetricsLogger:
+    """Rank 0 logs to ``metrics.jsonl`` and the console; the other ranks get no sinks."""
+    sinks: list[Sink] = []
+    if writer:
+        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if cfg.log.console:
+            sinks.append(ConsoleSink(total_steps))
+    return MetricsLogger(sinks)
+
+
+def train(cfg: Config) -> TrainResult:
+    """Trains ``cfg`` on this rank and returns the result; rank 0 writes the run directory."""
+    DATASETS.check(cfg.data.name)
+    MODELS[cfg.framework].check(cfg.model.name)
+    check_run_dir(cfg)
+    dataset = make_dataset(cfg)
+    engine = make_engine(cfg.framework)
+    engine.prepare(cfg, dataset)
+    writer = engine.rank == 0
+    run_dir = prepare_run_dir(cfg, writer)
+    checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", writer=writer)
+    loop = Loop(cfg, engine, dataset, checkpoints)
+    logger = make_logger(cfg, run_dir, writer, loop.total_steps)
+    try:
+        summary = loop.run(logger)
+    finally:
+        logger.close()
+    if writer:
+        text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
+        atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
+    return TrainResult(summary=summary, run_dir=run_dir, local_eval=loop.local_eval, engine=engine)

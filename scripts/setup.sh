@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# One-command set-up of hvdtrain: system packages, .venv, pinned Python packages, Horovod 0.28.1
+# built from its sdist (patched for current torch and TensorFlow) and cached outside the clone.
+#
+# Idempotent: each step checks first and does only what is missing, so a second run takes seconds.
+#
+# Environment:
+#   HVDTRAIN_CACHE   where built Horovod wheels are kept (default ~/.cache/hvdtrain)
+#   HVDTRAIN_CUDA=1  GPU clusters: take PyPI's CUDA build of torch 2.13.0 and build Horovod with
+#                    HOROVOD_GPU_OPERATIONS=NCCL (needs the CUDA toolkit and NCCL on the machine).
+#   HVDTRAIN_PYTHON  the interpreter that creates .venv (default python3)
+#
+# Usage: scripts/setup.sh           set up (or check) everything
+#        scripts/setup.sh --freeze  rewrite constraints.txt from the current .venv
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="$VENV/bin/python"
+HOROVOD_VERSION=0.28.1
+TORCH_VERSION=2.13.0
+TF_VERSION=2.21.0
+CACHE="${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}"
+CUDA="${HVDTRAIN_CUDA:-0}"
+APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make python3-dev)
+
+say() { printf '==> [setup] %s\n' "$*"; }
+fail() { printf '!!! [setup] step "%s" failed: %s\n' "$1" "$2" >&2; exit 1; }
+
+# run_step NAME HINT CMD...: runs CMD, and on failure names the step and what to do.
+run_step() {
+  local name="$1" hint="$2"; shift 2
+  say "$name"
+  "$@" || fail "$name" "$hint"
+}
+
+apt_missing() {
+  local missing=() p
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  echo "${missing[@]:-}"
+}
+
+step_system_packages() {
+  local missing; missing="$(apt_missing)"
+  if [ -z "$missing" ]; then say "system packages: present (${APT_PACKAGES[*]})"; return; fi
+  if [ "$(id -u)" != 0 ]; then
+    fail "system packages" "missing: $missing. Install them (sudo apt-get install $missing) and rerun."
+  fi
+  run_step "system packages: apt-get install $missing" "check that apt-get can reach Debian's mirrors" \
+    bash -c "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing"
+}
+
+step_venv() {
+  if [ -x "$PY" ]; then say "virtual environment: $VENV exists"; return; fi
+  run_step "virtual environment: create $VENV" "install python3-venv, or set HVDTRAIN_PYTHON" \
+    "${HVDTRAIN_PYTHON:-python3}" -m venv "$VENV"
+}
+
+# The stamp is a hash of what was asked for, so an unchanged request skips pip entirely.
+requirements_stamp() { cat "$ROOT/requirements.in" "$ROOT/constraints.txt" <(echo "cuda=$CUDA") | sha256sum | cut -c1-16; }
+
+step_python_packages() {
+  local stamp="$VENV/.hvdtrain-requirements-$(requirements_stamp)"
+  if [ -f "$stamp" ]; then say "python packages: up to date"; return; fi
+  local torch_spec=()
+  # The CPU wheel of torch ends in +cpu; PyPI's plain 2.13.0 is the CUDA build.
+  [ "$CUDA" = 1 ] && torch_spec=("torch==$TORCH_VERSION")
+  run_step "python packages: pip install (pinned by constraints.txt)" \
+    "see pip's error above; check that PyPI is reachable" \
+    "$PY" -m pip install -q -r "$ROOT/requirements.in" -c "$ROOT/constraints.txt" "${torch_spec[@]}"
+  rm -f "$VENV"/.hvdtrain-requirements-*
+  touch "$stamp"
+}
+
+python_tag() { "$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")'; }
+wheel_dir() { echo "$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-tf$TF_VERSION-$(python_tag)-cuda$CUDA"; }
+
+horovod_installed() {
+  "$PY" - <<EOF 2>/dev/null
+import horovod, horovod.torch, horovod.tensorflow
+assert horovod.__version__ == "$HOROVOD_VERSION"
+EOF
+}
+
+# Applies the two fixes from shared/DESIGN.md to an unpacked Horovod sdist and checks they took.
+patch_horovod_source() {
+  local src="$1"
+  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
+    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+  sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+  ! grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" &&
+    ! grep -q 'xla_mpi_ops' "$src/horovod/tensorflow/CMakeLists.txt"
+}
+
+build_horovod_wheel() {
+  local out="$1" work; work="$(mktemp -d)"
+  run_step "horovod: download sdist $HOROVOD_VERSION" "check that PyPI is reachable" \
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+  tar -xzf "$work"/horovod-*.tar.gz -C "$work"
+  run_step "horovod: patch for C++17 (torch >= 2.1) and drop xla_mpi_ops.cc (TF 2.21)" \
+    "the sdist layout changed; compare with shared/DESIGN.md" patch_horovod_source "$work/horovod-$HOROVOD_VERSION"
+  local gpu_env=(HOROVOD_GPU_OPERATIONS=)
+  [ "$CUDA" = 1 ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL)
+  say "horovod: building the wheel (about 8-15 minutes on 2 cores; log in $work/build.log)"
+  if ! env "${gpu_env[@]}" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+      HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$(nproc)" \
+      "$PY" -m pip wheel -v --no-build-isolation --no-deps -w "$work/dist" "$work/horovod-$HOROVOD_VERSION" \
+      >"$work/build.log" 2>&1; then
+    tail -n 40 "$work/build.log" >&2
+    fail "horovod: build" "see $work/build.log; the usual causes are a missing libopenmpi-dev, cmake or g++"
+  fi
+  mkdir -p "$out"
+  mv "$work"/dist/horovod-*.whl "$out/"
+  rm -rf "$work"
+}
+
+step_horovod() {
+  if horovod_installed; then say "horovod $HOROVOD_VERSION: installed"; return; fi
+  local dir; dir="$(wheel_dir)"
+  if ! ls "$dir"/horovod-*.whl >/dev/null 2>&1; then build_horovod_wheel "$dir"; fi
+  say "horovod: cached wheel $(ls "$dir"/horovod-*.whl)"
+  run_step "horovod: install cached wheel" "delete $dir and rerun to rebuild it" \
+    "$PY" -m pip install -q --no-deps --force-reinstall "$dir"/horovod-*.whl
+}
+
+step_hvdtrain() {
+  if "$PY" -c 'import hvdtrain' 2>/dev/null && [ -x "$VENV/bin/hvdtrain" ]; then
+    say "hvdtrain: installed (editable)"; return
+  fi
+  run_step "hvdtrain: pip install -e ." "see pip's error above" \
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
+}
+
+freeze() {
+  { echo "# Every Python package of .venv, pinned. Generated by scripts/setup.sh --freeze; edit requirements.in instead."
+    "$PY" -m pip freeze --exclude-editable | grep -v -E '^(horovod|hvdtrain)[ =]' |
+      sed -E 's/^torch==([^+]*)\+.*/torch==\1/'; } >"$ROOT/constraints.tmp" && mv "$ROOT/constraints.tmp" "$ROOT/constraints.txt"
+  say "wrote constraints.txt"
+}
+
+main() {
+  if [ "${1:-}" = "--freeze" ]; then freeze; return; fi
+  step_system_packages
+  step_venv
+  step_python_packages
+  step_horovod
+  step_hvdtrain
+  run_step "check: hvdtrain doctor" "read the doctor's report above" "$VENV/bin/hvdtrain" doctor --quiet
+  say "done"
+}
+
+main "$@"

@@ -1,0 +1,87 @@
+"""Config parsing, overrides and every rejection path."""
+
+import pytest
+
+from hvdtrain.config import Config, apply_overrides, env_overrides, load_config, save_config
+from hvdtrain.errors import ConfigError
+
+CONFIG = "configs/digits_torch.yaml"
+
+
+def test_yaml_and_overrides_are_typed():
+    cfg = load_config(CONFIG, ["train.epochs=3", "optim.lr=0.1", "model.options.hidden=[64, 32]"],
+                      environ={})
+    assert cfg.train.epochs == 3
+    assert cfg.optim.lr == 0.1 and isinstance(cfg.optim.lr, float)
+    assert cfg.model.options == {"hidden": [64, 32]}
+    assert cfg.framework == "torch" and cfg.data.name == "digits"
+
+
+def test_int_is_accepted_where_a_float_is_wanted():
+    assert load_config(CONFIG, ["optim.lr=1"], environ={}).optim.lr == 1.0
+
+
+def test_env_sits_between_yaml_and_cli():
+    env = {"HVDTRAIN_TRAIN__EPOCHS": "4", "HVDTRAIN_OPTIM__LR": "0.2", "PATH": "/bin"}
+    assert env_overrides(env) == ["optim.lr=0.2", "train.epochs=4"]
+    cfg = load_config(CONFIG, ["train.epochs=5"], environ=env)
+    assert cfg.train.epochs == 5 and cfg.optim.lr == 0.2
+
+
+def test_defaults_without_a_file():
+    cfg = load_config(None, [], environ={})
+    assert cfg == Config()
+    assert str(cfg.run_dir) == "runs/run"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=abc", "optim.lr='abc': expected a number"),
+    ("train.epochs=1.5", "train.epochs=1.5: expected an integer"),
+    ("train.epochs=0", "train.epochs=0: must be >= 1"),
+    ("optim.momentum=1.5", "optim.momentum=1.5: must be <= 1.0"),
+    ("optim.name=lamb", "optim.name='lamb': must be one of sgd, adam, adamw"),
+    ("framework=jax", "framework='jax': must be one of torch, tensorflow"),
+    ("optim.scale_lr=1", "optim.scale_lr=1: expected true or false"),
+    ("model.options=3", "model.options=3: expected a mapping"),
+    ("data=3", "data=3: expected a mapping of keys"),
+    ("optim.lrr=0.1", "unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
+    ("trian.epochs=3", "unknown key 'trian'; did you mean 'train'?"),
+    ("zzz=1", "unknown key 'zzz'; known keys under the top level: checkpoint, comm, data"),
+    ("train.epochs", "override 'train.epochs': expected KEY=VALUE"),
+    ("=3", "expected KEY=VALUE"),
+])
+def test_rejections_name_key_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIG, [override], environ={})
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(bad, environ={})
+
+
+def test_unknown_key_inside_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  epocs: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'train.epocs'; did you mean 'train.epochs'"):
+        load_config(path, environ={})
+
+
+def test_override_cannot_descend_into_a_value():
+    with pytest.raises(ConfigError, match="optim.lr.x: cannot set a key inside a float"):
+        apply_overrides({"optim": {"lr": 0.1}}, ["optim.lr.x=1"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIG, ["train.epochs=2"], environ={})
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", environ={}) == cfg

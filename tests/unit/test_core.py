@@ -1,0 +1,100 @@
+"""Registry, schedule, checkpoint I/O, metrics and the framework-free import rule."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hvdtrain.checkpoint import CheckpointManager, atomic_write
+from hvdtrain.config import CheckpointConfig, OptimConfig
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.metrics import JsonlSink, MetricsLogger
+from hvdtrain.registry import DATASETS, MODELS, Registry, import_object
+from hvdtrain.schedule import lr_at, peak_lr
+
+
+def test_import_hvdtrain_and_the_unit_tests_load_no_framework():
+    code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.trainer, "
+            "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor\n"
+            "bad = [m for m in ('torch', 'tensorflow', 'horovod') if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert "torch" not in sys.modules and "tensorflow" not in sys.modules
+
+
+def test_registry_rejects_duplicates_and_lists_known_names():
+    reg = Registry("widget", {"a": 1})
+    with pytest.raises(HvdtrainError, match="widget 'a' is already registered"):
+        reg.register("a", 2)
+    with pytest.raises(HvdtrainError, match="unknown widget 'b'; known: a"):
+        reg.get("b")
+
+    @reg.register("c")
+    def make_c():
+        return 3
+
+    assert reg.get("c") is make_c and list(reg) == ["a", "c"]
+
+
+def test_import_paths_resolve_and_fail_clearly():
+    assert DATASETS.get("hvdtrain.data:DigitsDataset").__name__ == "DigitsDataset"
+    assert import_object("hvdtrain.config:Config.to_dict").__name__ == "to_dict"
+    with pytest.raises(HvdtrainError, match="cannot import 'no_such_pkg.mod'"):
+        DATASETS.get("no_such_pkg.mod:X")
+    with pytest.raises(HvdtrainError, match="has no attribute 'Nope'"):
+        DATASETS.get("hvdtrain.data:Nope")
+    with pytest.raises(HvdtrainError, match="unknown torch model 'resnet'; known: mlp"):
+        MODELS["torch"].check("resnet")
+
+
+def test_lr_scaling_warmup_and_cosine():
+    cfg = OptimConfig(lr=0.1, warmup_steps=4, schedule="cosine")
+    assert peak_lr(cfg, 4) == pytest.approx(0.4)
+    assert peak_lr(OptimConfig(lr=0.1, scale_lr=False), 4) == pytest.approx(0.1)
+    warm = [lr_at(s, 104, cfg, 4) for s in range(4)]
+    assert warm == pytest.approx([0.175, 0.25, 0.325, 0.4])
+    assert lr_at(4, 104, cfg, 4) == pytest.approx(0.4)
+    assert lr_at(54, 104, cfg, 4) == pytest.approx(0.2)
+    assert lr_at(103, 104, cfg, 4) < 0.001
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    target = tmp_path / "a.bin"
+    atomic_write(target, lambda f: f.write(b"old"))
+
+    def crash(f):
+        f.write(b"partial")
+        raise RuntimeError("disk gone")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(target, crash)
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.bin"]
+
+
+class _FakeWriter:
+    """Stands in for the engine's serialiser only: the manager's own logic is what is tested."""
+
+    def write_checkpoint(self, fileobj, meta):
+        fileobj.write(json.dumps(meta).encode())
+
+
+def test_checkpoint_policy_keeps_the_newest(tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(every_steps=5, keep=2), tmp_path, writer=True)
+    assert [s for s in range(1, 21) if mgr.due(s)] == [5, 10, 15, 20]
+    for step in (5, 10, 15):
+        mgr.save(_FakeWriter(), step, {"epoch": 0})
+    assert [p.name for p in mgr.checkpoints()] == ["step-00000010.ckpt", "step-00000015.ckpt"]
+    assert json.loads(mgr.checkpoints()[-1].read_text()) == {"epoch": 0, "step": 15}
+    reader = CheckpointManager(CheckpointConfig(every_steps=5), tmp_path / "r", writer=False)
+    assert reader.save(_FakeWriter(), 5, {}) is None and not (tmp_path / "r").exists()
+
+
+def test_jsonl_sink_writes_one_object_per_record(tmp_path):
+    logger = MetricsLogger([JsonlSink(tmp_path / "m.jsonl")])
+    logger.log({"step": 1, "loss": 0.5})
+    logger.log({"step": 2, "loss": float("nan")})
+    logger.close()
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]
