@@ -108,8 +108,8 @@ class LogConfig:
     """Log averaged training metrics every this many optimizer steps."""
     console: bool = True
     """Print progress to the console (rank 0)."""
-    overwrite: bool = True
-    """Allow a run directory that already holds a run; its files are replaced."""
+    overwrite: bool = False
+    """Replace the files of an earlier run in the same directory (otherwise that is an error)."""
 
 
 @dataclass(kw_only=True)

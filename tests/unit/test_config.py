@@ -85,3 +85,22 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(CONFIG, ["train.epochs=2"], environ={})
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml", environ={}) == cfg
+
+
+def _dotted_keys(obj, prefix=""):
+    import dataclasses
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _dotted_keys(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+def test_readme_config_reference_matches_the_code():
+    from pathlib import Path
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for key, default in _dotted_keys(Config()):
+        shown = str(default).lower() if isinstance(default, bool) else (default or repr(default))
+        row = f"| `{key}` | `{shown}` |".replace("`''`", '`""`')
+        assert row in readme, f"README config reference lacks or mis-states {row}"

@@ -1,0 +1,127 @@
+"""The baseline of the overhead benchmark: a Horovod PyTorch loop written by hand.
+
+It is what a user writes after Horovod's ``examples/pytorch/pytorch_mnist.py``, trained on the same
+problem as ``configs/digits_torch.yaml``: scikit-learn's digits (same stratified split as
+``hvdtrain.data.DigitsDataset``), the same MLP, SGD at ``0.05 x size`` with momentum 0.9,
+``hvd.DistributedOptimizer``, a per-rank batch of 32 sharded by ``DistributedSampler`` with a
+shuffle per epoch, then one evaluation on the test split and one ``torch.save`` on rank 0.
+The data stay in memory and batches are cut by tensor indexing, as hvdtrain does, so that a
+``DataLoader``'s per-sample collation does not enter the comparison. It deliberately does not import
+hvdtrain.
+
+Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_torch.py --epochs 10``. Rank 0
+prints one JSON line ``{"steps", "wall_time_s", "step_time_s", ...}``; the wall time runs from the
+first step through the final evaluation and save (process start, imports, ``hvd.init``, data
+loading and the initial broadcasts are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from torch.utils.data.distributed import DistributedSampler
+
+BATCH_SIZE = 32
+EVAL_BATCH_SIZE = 256
+BASE_LR = 0.05
+MOMENTUM = 0.9
+SEED = 0
+
+
+def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train and test tensors of the digits, split exactly as ``hvdtrain.data.DigitsDataset``."""
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y.astype(np.int64), test_size=0.2,
+                                          random_state=0, stratify=y)
+    return tuple(torch.from_numpy(a) for a in (xtr, ytr, xte, yte))  # type: ignore[return-value]
+
+
+def make_model() -> nn.Module:
+    """The MLP that hvdtrain's ``mlp`` builds with ``hidden: [128]`` for 64 inputs and 10 classes."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: DistributedSampler,
+          x: torch.Tensor, y: torch.Tensor, epochs: int) -> int:
+    """Trains for ``epochs`` epochs and returns the number of optimizer steps."""
+    model.train()
+    steps = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        for begin in range(0, len(order), BATCH_SIZE):
+            idx = order[begin:begin + BATCH_SIZE]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            optimizer.step()
+            steps += 1
+    return steps
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Mean test loss and accuracy over all ranks; each rank scores every ``size``-th sample."""
+    model.eval()
+    mine = torch.arange(hvd.rank(), len(y), hvd.size())
+    loss_sum = correct = 0.0
+    for begin in range(0, len(mine), EVAL_BATCH_SIZE):
+        idx = mine[begin:begin + EVAL_BATCH_SIZE]
+        logits = model(x[idx])
+        loss_sum += F.cross_entropy(logits, y[idx], reduction="sum").item()
+        correct += (logits.argmax(dim=1) == y[idx]).sum().item()
+    totals = hvd.allreduce(torch.tensor([loss_sum, correct, float(len(mine))], dtype=torch.float64),
+                           op=hvd.Sum, name="eval")
+    return totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
+
+
+def main() -> None:
+    """Parses the arguments, trains, evaluates, saves, and prints the measurement on rank 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--out-dir", default="", help="where rank 0 saves the checkpoint (default: a temp dir)")
+    args = parser.parse_args()
+
+    hvd.init()
+    # Ranks sharing a host would otherwise each start one thread per core and fight over them.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.manual_seed(SEED + hvd.rank())
+    train_x, train_y, test_x, test_y = load_data()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR * hvd.size(), momentum=MOMENTUM)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    sampler = DistributedSampler(torch.utils.data.TensorDataset(train_x, train_y),
+                                 num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=SEED)
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="handwritten-"))
+
+    started = time.perf_counter()
+    steps = train(model, optimizer, sampler, train_x, train_y, args.epochs)
+    eval_loss, eval_accuracy = evaluate(model, test_x, test_y)
+    if hvd.rank() == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                   out_dir / "checkpoint.pt")
+    wall = time.perf_counter() - started
+
+    if hvd.rank() == 0:
+        print(json.dumps({"steps": steps, "wall_time_s": wall, "step_time_s": wall / steps,
+                          "eval_loss": eval_loss, "eval_accuracy": eval_accuracy}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Runs one or more hvdtrain trainings on this rank and saves what the tests compare across ranks.
+
+Usage (under horovodrun): worker.py OUT_DIR NAME:override,override [NAME:... ...]
+For each NAME it trains configs/digits_torch.yaml with the overrides (log.dir = OUT_DIR/NAME) and
+writes OUT_DIR/NAME/rank<r>.npz (parameters) and OUT_DIR/NAME/rank<r>.json (this rank's own eval sums
+and the summary), so a test can check that ranks agree and that the summary is their average.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from hvdtrain.config import load_config
+from hvdtrain.trainer import train
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for spec in sys.argv[2:]:
+        name, _, overrides = spec.partition(":")
+        run_dir = out / name
+        cfg = load_config(Path(__file__).parents[2] / "configs" / "digits_torch.yaml",
+                          [f"log.dir={run_dir}", "log.overwrite=true", "name=" + name,
+                           *filter(None, overrides.split(","))])
+        result = train(cfg)
+        rank = result.engine.rank
+        run_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(run_dir / f"rank{rank}.npz", **result.engine.parameters())
+        (run_dir / f"rank{rank}.json").write_text(
+            json.dumps({"local_eval": result.local_eval, "summary": result.summary}))
+
+
+if __name__ == "__main__":
+    main()
