@@ -11,6 +11,7 @@ implement the loss and metrics for classification; a user's model usually overri
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any
 
 from hvdtrain.data import DatasetSpec
@@ -44,6 +45,7 @@ def make_adapter(obj: Any, options: dict[str, Any], name: str,
         if isinstance(obj, type) and issubclass(obj, ModelAdapter):
             return obj(**options)
         if callable(obj):
+            inspect.signature(obj).bind(None, **options)  # the spec, then the options
             wrapped = type(f"{default.__name__}For_{getattr(obj, '__name__', 'model')}", (default,),
                            {"build": lambda self, spec: obj(spec, **self.options)})
             return wrapped(**options)

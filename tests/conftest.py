@@ -43,11 +43,15 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# Set by pytest itself, and by torch on its first use (OpenMP and inductor settings), not by tests.
+FRAMEWORK_SET = ("PYTEST_CURRENT_TEST", "KMP_", "TORCHINDUCTOR_")
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_environment():
     """Fails a test that leaves environment variables changed behind it."""
     before = dict(os.environ)
     yield
     changed = {k for k in set(before) | set(os.environ)
-               if before.get(k) != os.environ.get(k) and k != "PYTEST_CURRENT_TEST"}
+               if before.get(k) != os.environ.get(k) and not k.startswith(FRAMEWORK_SET)}
     assert not changed, f"test leaked environment variables: {sorted(changed)}"

@@ -118,8 +118,9 @@ def _version(distribution: str) -> str | None:
 def machine_record() -> dict[str, Any]:
     """What the numbers were measured on: CPU, cores, OS, Python and package versions, load.
 
-    Versions are read from package metadata, never by importing the packages. Packages of
-    :data:`PACKAGES` that are not installed are left out.
+    Keys: ``cpu``, ``cores``, ``os``, ``python``, one per installed package of :data:`PACKAGES`
+    (read from package metadata, never by importing the package), and ``loadavg`` (the 1, 5 and
+    15 minute load averages, where the OS has them).
     """
     record: dict[str, Any] = {
         "cpu": _cpu_model(),
@@ -133,7 +134,7 @@ def machine_record() -> dict[str, Any]:
             record[name] = version
     if hasattr(os, "getloadavg"):
         # The machine may be shared: the load when the benchmark started says how busy it was.
-        record["load_1_5_15min"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        record["loadavg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return record
 
 
@@ -142,7 +143,7 @@ def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], 
                      scale: float = 1e3) -> str:
     """A dated Markdown section: title, the command that reproduces it, the machine, the table, notes."""
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    machine_text = ", ".join(f"{key} {value}" for key, value in machine.items())
+    machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
     parts = [f"## {title}", "", f"Date: {date}", "", "Reproduce (from the repository root):", "",
              "```", command_line, "```", "", f"Machine: {machine_text}.", "",
              markdown_table(rows, unit=unit, scale=scale).rstrip("\n")]

@@ -31,6 +31,7 @@ CONFIG = ROOT / "configs" / "digits_torch.yaml"
 def overrides(epochs: int, log_dir: str) -> list[str]:
     """Config overrides that pin every setting the hand-written loop hard-codes."""
     return [
+        "framework=torch", "model.name=mlp", "model.options.hidden=[128]", "data.name=digits",
         f"train.epochs={epochs}", "train.max_steps=0", "train.threads=0",
         "train.backward_passes_per_step=1",
         # The hand-written loop evaluates once, after the last epoch.

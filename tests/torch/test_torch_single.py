@@ -61,7 +61,10 @@ def test_user_model_by_import_path(tmp_path, name, options):
 @pytest.mark.parametrize("override, message", [
     ("model.name=resnet", "unknown torch model 'resnet'; known: mlp"),
     ("model.name=tests.torch.user_models:nope", "has no attribute 'nope'"),
-    ("model.name=tests.torch.user_models:not_a_module", "build() must return a torch.nn.Module"),
+    ("model.name=tests.torch.user_models:tiny_net", "model.options for 'tests.torch.user_models:tiny_net': "
+                                                    "got an unexpected keyword argument 'hidden'"),
+    (("model.name=tests.torch.user_models:not_a_module", "model.options={}"),
+     "build() must return a torch.nn.Module"),
     ("model.options={hidden: [0]}", "model.options.hidden=[0]: expected a list of positive integers"),
     ("model.options={depth: 3}", "unknown option(s) for mlp: depth"),
     ("data.name=mnist", "unknown dataset 'mnist'; known: digits"),
@@ -70,7 +73,7 @@ def test_user_model_by_import_path(tmp_path, name, options):
 ])
 def test_bad_plugins_stop_before_anything_is_written(tmp_path, override, message):
     with pytest.raises(HvdtrainError) as err:
-        train(config(tmp_path, override))
+        train(config(tmp_path, *([override] if isinstance(override, str) else override)))
     assert message in str(err.value)
     assert not (tmp_path / "run").exists()
 
