@@ -6,6 +6,7 @@ The frameworks are imported here by name only when the doctor runs, never when h
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import shutil
 import sys
@@ -53,6 +54,7 @@ def _executable(name: str) -> Check:
 
 def run_checks() -> list[Check]:
     """Every check, in report order."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter is not a finding
     checks = [Check("python", sys.version_info >= (3, 10), platform.python_version()),
               Check("hvdtrain", True, hvdtrain.__version__)]
     checks += [_version(m) for m in ("numpy", "yaml", "sklearn", "torch", "tensorflow", "horovod")]
