@@ -29,8 +29,13 @@ class ModelAdapter(abc.ABC):
         """Returns a new model (``torch.nn.Module`` or ``keras.Model``) for data described by ``spec``."""
 
     @abc.abstractmethod
-    def loss_and_metrics(self, model: Any, x: Any, y: Any) -> tuple[Any, dict[str, Any]]:
-        """Returns ``(loss_sum, {metric_name: metric_sum})`` over the samples of one batch."""
+    def loss_and_metrics(self, model: Any, x: Any, y: Any,
+                         training: bool = True) -> tuple[Any, dict[str, Any]]:
+        """Returns ``(loss_sum, {metric_name: metric_sum})`` over the samples of one batch.
+
+        ``training`` is False during evaluation (Keras layers such as dropout need it; a torch model
+        is also switched by ``model.train()``/``model.eval()``).
+        """
 
 
 def make_adapter(obj: Any, options: dict[str, Any], name: str,
@@ -52,3 +57,13 @@ def make_adapter(obj: Any, options: dict[str, Any], name: str,
     except TypeError as exc:
         raise HvdtrainError(f"model.options for {name!r}: {exc}") from None
     raise HvdtrainError(f"model.name={name!r} is neither a ModelAdapter subclass nor a model factory")
+
+
+def mlp_hidden(hidden: Any, unknown: dict[str, Any]) -> list[int]:
+    """Checks the options of the built-in ``mlp`` (the same in both frameworks)."""
+    if unknown:
+        raise HvdtrainError(f"model.options: unknown option(s) for mlp: {', '.join(unknown)}")
+    if (not isinstance(hidden, (list, tuple)) or not hidden
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in hidden)):
+        raise HvdtrainError(f"model.options.hidden={hidden!r}: expected a list of positive integers")
+    return list(hidden)

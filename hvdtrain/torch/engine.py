@@ -98,7 +98,7 @@ class TorchEngine(Engine):
         for idx in batches:
             index = torch.from_numpy(idx)
             loss_sum, metrics = self.adapter.loss_and_metrics(
-                self.model, self.test_x[index], self.test_y[index])
+                self.model, self.test_x[index], self.test_y[index], training=False)
             self._accumulate(sums, loss_sum, metrics, len(idx))
         return sums
 

@@ -1,0 +1,73 @@
+"""The TensorFlow trainer in one process (Horovod size 1, no launcher)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hvdtrain.config import load_config
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.tensorflow.engine import TensorFlowEngine
+from hvdtrain.trainer import make_dataset, train
+from tests.conftest import ROOT
+
+CONFIG = ROOT / "configs" / "digits_tf.yaml"
+
+
+def config(tmp_path, *overrides):
+    return load_config(CONFIG, [f"log.dir={tmp_path / 'run'}", "log.console=false", *overrides],
+                       environ={})
+
+
+def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):
+    cfg = config(tmp_path)
+    result = train(cfg)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["framework"] == "tensorflow" and summary["world_size"] == 1
+    assert summary["steps"] == 45 * 15 and summary["final"]["eval_accuracy"] >= 0.95
+    assert set(summary["versions"]) == {"tensorflow", "keras", "horovod"}
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step-00000500.ckpt", "step-00000600.ckpt", "step-00000675.ckpt"]
+    fresh = TensorFlowEngine()
+    fresh.prepare(cfg, make_dataset(cfg))
+    meta = fresh.read_checkpoint(ckpts[-1])
+    assert meta["step"] == 675 and meta["config"] == cfg.to_dict()
+    for key, value in result.engine.parameters().items():
+        assert np.array_equal(fresh.parameters()[key], value)
+    assert int(fresh.optimizer.iterations.numpy()) == 675  # optimizer state came back too
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    cfg = config(tmp_path, "train.epochs=1")
+    train(cfg)
+    other = config(tmp_path / "b", "model.options={hidden: [64]}")
+    engine = TensorFlowEngine()
+    engine.prepare(other, make_dataset(other))
+    with pytest.raises(HvdtrainError, match=r"model/0 has shape \(64, 128\), the model has \(64, 64\)"):
+        engine.read_checkpoint(next((tmp_path / "run" / "checkpoints").iterdir()))
+
+
+def test_accumulation_equals_the_larger_batch(tmp_path):
+    big = train(config(tmp_path / "a", "data.batch_size=64", "train.epochs=2"))
+    acc = train(config(tmp_path / "b", "data.batch_size=32", "train.backward_passes_per_step=2",
+                       "train.epochs=2"))
+    assert big.summary["steps"] == acc.summary["steps"] == 46
+    for key, value in big.engine.parameters().items():
+        np.testing.assert_allclose(acc.engine.parameters()[key], value, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name, width", [("tests.tensorflow.user_models:tiny_net", 48),
+                                         ("tests.tensorflow.user_models:WideNet", 96)])
+def test_user_keras_model_by_import_path(tmp_path, name, width):
+    result = train(config(tmp_path, f"model.name={name}", f"model.options={{width: {width}}}",
+                          "train.epochs=10"))
+    assert result.summary["final"]["eval_accuracy"] >= 0.9
+    assert result.engine.model.layers[-2].units == width
+
+
+def test_bad_model_name_lists_the_tensorflow_models(tmp_path):
+    with pytest.raises(HvdtrainError, match="unknown tensorflow model 'resnet'; known: mlp"):
+        train(config(tmp_path, "model.name=resnet"))
+    assert not (tmp_path / "run").exists()
