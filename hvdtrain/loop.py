@@ -8,6 +8,7 @@ the logged values are exact cross-rank averages weighted by samples.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class Loop:
         self.total_steps = total_steps(cfg, self.steps_per_epoch)
         self.step = 0
         self.samples = 0
+        self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
@@ -93,6 +95,8 @@ class Loop:
             self.train_seconds += time.perf_counter() - tick
             self.step += 1
             self.samples += indices.global_count
+            for micro in indices.micro:
+                self.fingerprint.update(micro.astype("<i8").tobytes())
             last = self.step == self.total_steps or self.step % self.steps_per_epoch == 0
             if last:
                 break
@@ -139,6 +143,7 @@ class Loop:
             "samples": self.samples, "wall_time_s": wall, "train_time_s": self.train_seconds,
             "samples_per_sec": self.samples / max(self.train_seconds, 1e-9),
             "compression": self.cfg.comm.compression,
+            "data_fingerprint": self.fingerprint.hexdigest()[:16],
             "final": {**self.last_eval, **train},
             "versions": self.engine.versions(),
         }

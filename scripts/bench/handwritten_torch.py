@@ -92,7 +92,8 @@ def main() -> None:
     """Parses the arguments, trains, evaluates, saves, and prints the measurement on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--out-dir", default="", help="where rank 0 saves the checkpoint (default: a temp dir)")
+    parser.add_argument("--out-dir", default="",
+                        help="where rank 0 saves the checkpoint (default: a new temp dir)")
     args = parser.parse_args()
 
     hvd.init()

@@ -162,14 +162,16 @@ def append_markdown(path: Path, section: str, header: str) -> None:
 def parse_measurement(stdout: str, key: str) -> dict[str, Any]:
     """The last JSON object in ``stdout`` that holds ``key``, one object per line.
 
-    A launcher's rank tag in front of the object is ignored. Raises ``ValueError`` if no line fits.
+    A launcher's rank tag in front of the object is ignored, and so is text after it: Open MPI's
+    output tagging can glue the next line's tag onto the end. Raises ``ValueError`` if no line fits.
     """
+    decoder = json.JSONDecoder()
     for line in reversed(stdout.splitlines()):
         text = _RANK_TAG.sub("", line.strip(), count=1).strip()
         if not text.startswith("{"):
             continue
         try:
-            obj = json.loads(text)
+            obj, _ = decoder.raw_decode(text)
         except json.JSONDecodeError:
             continue
         if isinstance(obj, dict) and key in obj:

@@ -1,7 +1,7 @@
 """Runs one or more hvdtrain trainings on this rank and saves what the tests compare across ranks.
 
-Usage (under horovodrun): worker.py OUT_DIR NAME:override,override [NAME:... ...]
-For each NAME it trains configs/digits_torch.yaml with the overrides (log.dir = OUT_DIR/NAME) and
+Usage (under horovodrun): worker.py OUT_DIR CONFIG NAME:override,override [NAME:... ...]
+For each NAME it trains CONFIG with the overrides (log.dir = OUT_DIR/NAME) and
 writes OUT_DIR/NAME/rank<r>.npz (parameters) and OUT_DIR/NAME/rank<r>.json (this rank's own eval sums
 and the summary), so a test can check that ranks agree and that the summary is their average.
 """
@@ -17,12 +17,11 @@ from hvdtrain.trainer import train
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    for spec in sys.argv[2:]:
+    out, config = Path(sys.argv[1]), sys.argv[2]
+    for spec in sys.argv[3:]:
         name, _, overrides = spec.partition(":")
         run_dir = out / name
-        cfg = load_config(Path(__file__).parents[2] / "configs" / "digits_torch.yaml",
-                          [f"log.dir={run_dir}", "log.overwrite=true", "name=" + name,
+        cfg = load_config(config, [f"log.dir={run_dir}", "log.overwrite=true", "name=" + name,
                            *filter(None, overrides.split(","))])
         result = train(cfg)
         rank = result.engine.rank
