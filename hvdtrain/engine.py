@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import importlib
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import numpy as np
 
@@ -40,8 +40,16 @@ class Engine(abc.ABC):
         """Scores the test samples of these index batches; returns this rank's sums."""
 
     @abc.abstractmethod
+    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
+        """Starts summing each value over all ranks (one collective for the whole dict).
+
+        Returns a function that waits for the result. Starting it before the next training step
+        lets Horovod carry it beside that step's gradients instead of stopping the ranks for it.
+        """
+
     def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sums each value over all ranks (one collective for the whole dict)."""
+        """Sums each value over all ranks and waits for the result."""
+        return self.start_allreduce_sums(sums)()
 
     @abc.abstractmethod
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:

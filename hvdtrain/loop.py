@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
@@ -73,6 +73,7 @@ class Loop:
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
         self.last_train: dict[str, float] = {}
+        self.pending: tuple[dict[str, Any], Callable[[], dict[str, float]]] | None = None
         self.last_eval: dict[str, float] = {}
         self.local_eval: dict[str, float] = {}
 
@@ -93,6 +94,7 @@ class Loop:
             tick = time.perf_counter()
             window.add(self.engine.train_step(indices, lr), indices.global_count)
             self.train_seconds += time.perf_counter() - tick
+            self._flush()
             self.step += 1
             self.samples += indices.global_count
             for micro in indices.micro:
@@ -113,16 +115,26 @@ class Loop:
         if finished or (epoch + 1) % self.cfg.train.eval_every_epochs == 0:
             evals = self._evaluate()
         self._log(window, epoch, lr, evals)
+        self._flush()
         if finished or self.checkpoints.due(self.step):
             self._checkpoint(epoch)
 
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
+        """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record."""
         seconds = time.perf_counter() - window.started
-        self.last_train = means(self.engine.allreduce_sums(window.sums))
-        record = {"step": self.step, "epoch": epoch, "lr": lr, **self.last_train,
+        record = {"step": self.step, "epoch": epoch, "lr": lr, **(extra or {}),
                   "samples_per_sec": window.samples / seconds,
-                  "step_time_s": seconds / max(window.steps, 1), **(extra or {})}
-        self.logger.log(record)
+                  "step_time_s": seconds / max(window.steps, 1)}
+        self.pending = (record, self.engine.start_allreduce_sums(window.sums))
+
+    def _flush(self) -> None:
+        """Waits for the pending metric sum (started one step earlier) and logs its record."""
+        if self.pending is None:
+            return
+        record, result = self.pending
+        self.pending = None
+        self.last_train = means(result())
+        self.logger.log({**record, **self.last_train})
 
     def _evaluate(self) -> dict[str, float]:
         shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,

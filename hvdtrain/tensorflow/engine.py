@@ -11,7 +11,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod
@@ -164,11 +164,12 @@ class TensorFlowEngine(Engine):
             self._add(sums, loss_sum, metrics, len(idx))
         return sums
 
-    def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
+        # Eager Horovod ops in TensorFlow complete before they return: nothing is left to wait for.
         keys = sorted(sums)
         values = tf.constant([sums[k] for k in keys], tf.float64)
-        total = hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums")
-        return dict(zip(keys, total.numpy().tolist()))
+        total = dict(zip(keys, hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()))
+        return lambda: total
 
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import IO, Any, Iterable
+from typing import IO, Any, Callable, Iterable
 
 import horovod
 import horovod.torch as hvd
@@ -57,6 +57,8 @@ class TorchEngine(Engine):
             optimizer, named_parameters=self.model.named_parameters(),
             compression=horovod_compression(cfg.comm.compression),
             backward_passes_per_step=cfg.train.backward_passes_per_step)
+        self.model.train()  # evaluate() switches to eval mode and back
+        self.lr = float("nan")  # the loop sets the real one before the first step
         # Every rank starts from rank 0's weights and optimizer state.
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
@@ -66,9 +68,10 @@ class TorchEngine(Engine):
         return torch.from_numpy(split.x), torch.from_numpy(split.y)
 
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
-        self.model.train()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        if lr != self.lr:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.lr = lr
         self.optimizer.zero_grad()
         # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
         # the result the mean over the step's samples, even when ranks hold unequal shares.
@@ -100,13 +103,14 @@ class TorchEngine(Engine):
             loss_sum, metrics = self.adapter.loss_and_metrics(
                 self.model, self.test_x[index], self.test_y[index], training=False)
             self._accumulate(sums, loss_sum, metrics, len(idx))
+        self.model.train()
         return sums
 
-    def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
         keys = sorted(sums)
         values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        total = hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums")
-        return dict(zip(keys, total.tolist()))
+        handle = hvd.allreduce_async(values, op=hvd.Sum, name="hvdtrain.sums")
+        return lambda: dict(zip(keys, hvd.synchronize(handle).tolist()))
 
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
