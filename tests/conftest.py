@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from hvdtrain.config import Config, load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs" / "digits_torch.yaml"
+TF_CONFIG = ROOT / "configs" / "digits_tf.yaml"
 
 
 def run_env() -> dict[str, str]:
@@ -36,6 +39,12 @@ def hvdtrain_cli(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subproce
     """Runs the installed ``hvdtrain`` console script."""
     return subprocess.run([str(BIN / "hvdtrain"), *args], cwd=cwd, env=run_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def quiet_config(config: Path, tmp_path: Path, *overrides: str) -> Config:
+    """A config from ``config`` that writes to ``tmp_path/run`` and prints nothing."""
+    return load_config(config, [f"log.dir={tmp_path / 'run'}", "log.console=false", *overrides],
+                       environ={})
 
 
 def read_jsonl(path: Path) -> list[dict]:

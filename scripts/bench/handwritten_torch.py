@@ -1,4 +1,4 @@
-"""The baseline of the overhead benchmark: a Horovod PyTorch loop written by hand.
+"""The baseline of the PyTorch overhead benchmark: a Horovod PyTorch loop written by hand.
 
 It is what a user writes after Horovod's ``examples/pytorch/pytorch_mnist.py``, trained on the same
 problem as ``configs/digits_torch.yaml``: scikit-learn's digits (same stratified split as
@@ -7,7 +7,7 @@ problem as ``configs/digits_torch.yaml``: scikit-learn's digits (same stratified
 shuffle per epoch, then one evaluation on the test split and one ``torch.save`` on rank 0.
 The data stay in memory and batches are cut by tensor indexing, as hvdtrain does, so that a
 ``DataLoader``'s per-sample collation does not enter the comparison. It deliberately does not import
-hvdtrain.
+hvdtrain; its settings and data come from :mod:`workload`, as the other workers' do.
 
 Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_torch.py --epochs 10``. Rank 0
 prints one JSON line ``{"steps", "wall_time_s", "step_time_s", ...}``; the wall time runs from the
@@ -17,41 +17,26 @@ loading and the initial broadcasts are excluded, as in hvdtrain's ``summary["wal
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import tempfile
 import time
-from pathlib import Path
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
-BATCH_SIZE = 32
-EVAL_BATCH_SIZE = 256
-BASE_LR = 0.05
-MOMENTUM = 0.9
-SEED = 0
+import workload
+from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train and test tensors of the digits, split exactly as ``hvdtrain.data.DigitsDataset``."""
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y.astype(np.int64), test_size=0.2,
-                                          random_state=0, stratify=y)
-    return tuple(torch.from_numpy(a) for a in (xtr, ytr, xte, yte))  # type: ignore[return-value]
+    return tuple(torch.from_numpy(a) for a in workload.load_digits_split())  # type: ignore[return-value]
 
 
 def make_model() -> nn.Module:
     """The MLP that hvdtrain's ``mlp`` builds with ``hidden: [128]`` for 64 inputs and 10 classes."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: DistributedSampler,
@@ -90,15 +75,10 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 def main() -> None:
     """Parses the arguments, trains, evaluates, saves, and prints the measurement on rank 0."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--out-dir", default="",
-                        help="where rank 0 saves the checkpoint (default: a new temp dir)")
-    args = parser.parse_args()
+    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
 
     hvd.init()
-    # Ranks sharing a host would otherwise each start one thread per core and fight over them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.set_num_threads(workload.threads_per_rank(hvd.local_size()))
     torch.manual_seed(SEED + hvd.rank())
     train_x, train_y, test_x, test_y = load_data()
     model = make_model()
@@ -108,7 +88,7 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     sampler = DistributedSampler(torch.utils.data.TensorDataset(train_x, train_y),
                                  num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=SEED)
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="handwritten-"))
+    out_dir = workload.out_dir(args.out_dir, "handwritten-")
 
     started = time.perf_counter()
     steps = train(model, optimizer, sampler, train_x, train_y, args.epochs)
@@ -120,8 +100,7 @@ def main() -> None:
     wall = time.perf_counter() - started
 
     if hvd.rank() == 0:
-        print(json.dumps({"steps": steps, "wall_time_s": wall, "step_time_s": wall / steps,
-                          "eval_loss": eval_loss, "eval_accuracy": eval_accuracy}), flush=True)
+        workload.report(workload.measurement(steps, wall, eval_loss, eval_accuracy))
 
 
 if __name__ == "__main__":

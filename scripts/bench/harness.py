@@ -140,13 +140,22 @@ def machine_record() -> dict[str, Any]:
 
 def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], rows: Sequence[Row],
                      notes: Sequence[str] = (), *, date: str | None = None, unit: str = "ms",
-                     scale: float = 1e3) -> str:
-    """A dated Markdown section: title, the command that reproduces it, the machine, the table, notes."""
+                     scale: float = 1e3, digits: int = 3, caption: str = "",
+                     tables: Sequence[tuple[str, Sequence[Row]]] = ()) -> str:
+    """A dated Markdown section: title, the command that reproduces it, the machine, the table, notes.
+
+    ``caption``, when given, is a line above the table. ``tables`` are further ``(caption, rows)``
+    tables, in the same unit, that follow the first one: other measures of the same runs.
+    """
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
     parts = [f"## {title}", "", f"Date: {date}", "", "Reproduce (from the repository root):", "",
-             "```", command_line, "```", "", f"Machine: {machine_text}.", "",
-             markdown_table(rows, unit=unit, scale=scale).rstrip("\n")]
+             "```", command_line, "```", "", f"Machine: {machine_text}.", ""]
+    for text, table_rows in ((caption, rows), *tables):
+        if text:
+            parts += [text, ""]
+        parts += [markdown_table(table_rows, unit=unit, scale=scale, digits=digits).rstrip("\n"), ""]
+    parts.pop()  # the blank line after the last table; the notes add their own
     if notes:
         parts += [""] + [f"- {note}" for note in notes]
     return "\n".join(parts) + "\n"

@@ -1,121 +1,80 @@
-"""Trainer overhead: hvdtrain's PyTorch trainer against a hand-written Horovod loop.
+"""Trainer overhead: hvdtrain's PyTorch or TensorFlow trainer against a hand-written Horovod loop.
 
 Both workers train the same MLP on the same digits split with the same batch, optimizer and epochs
 under ``horovodrun -np 2``; each reports its training wall time (first step through the final
-evaluation and checkpoint) divided by its optimizer steps. The hand-written loop runs twice per
-round, as the baseline A and as the A/A control A', interleaved with hvdtrain (B). Target: the ratio
-of medians B/A is at most 1.03, measured where the A/A control A'/A is within 1% of 1.
+evaluation and checkpoint) divided by its optimizer steps. The hand-written loop of the chosen
+framework (``handwritten_torch.py`` or ``handwritten_tf.py``) runs twice per round, as the baseline
+A and as the A/A control A', interleaved with hvdtrain (B, ``hvdtrain_worker.py``). Target: the
+ratio of medians B/A is at most 1.03, measured where the A/A control A'/A is within 1% of 1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/overhead.py                 # full run, appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/overhead.py                 # PyTorch, appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/overhead.py --framework tensorflow
     .venv/bin/python scripts/bench/overhead.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
-import shutil
-import statistics
 import sys
-import tempfile
-from pathlib import Path
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import harness
-from harness import Command, Row
+import launch
+from harness import Row
+from launch import Job, Results, Sizes
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 KEY = "step_time_s"
 TARGET_RATIO = 1.03
 AA_TOLERANCE = 0.01
 
 BASELINE, CANDIDATE, CONTROL = "handwritten (A)", "hvdtrain (B)", "handwritten (A', A/A control)"
-WORKERS = {BASELINE: "handwritten_torch.py", CANDIDATE: "hvdtrain_torch.py",
-           CONTROL: "handwritten_torch.py"}
 
-FULL = {"rounds": 6, "epochs": 10, "warmup": 1}
-QUICK = {"rounds": 1, "epochs": 1, "warmup": 0}
+FULL = Sizes(rounds=6, epochs=10, warmup=1)
+QUICK = Sizes(rounds=1, epochs=1, warmup=0)
 
-HEADER = """# Benchmarks
 
-Every table here comes from a script in `scripts/bench/`; each section gives the date, the command
-that reproduces it (run from the repository root after `make setup`) and the machine.
+@dataclass(frozen=True)
+class Framework:
+    """What differs between the frameworks' overhead benchmarks."""
 
-Method (`scripts/bench/harness.py`): the compared commands run interleaved in rounds, one run of
-each per round, in alternating order (A B A' in one round, A' B A in the next), after a discarded
-warm-up round, so that a busy spell of the machine hits all of them alike. Every run is a fresh job
-that measures itself and prints its result as JSON. The tables give min, median and max over the
-rounds and each median's ratio to the baseline's median. A' is a second copy of the baseline A: its
-ratio, the A/A control, shows how much two identical commands disagree on this machine, and a
-difference smaller than that is noise, not a finding. Timings are never asserted in tests.
-"""
+    title: str
+    handwritten: str
+    """The hand-written loop's worker script."""
+    note: str
+    """What the reader must know about this framework's two sides beyond the common notes."""
+
+
+FRAMEWORKS = {
+    "torch": Framework(
+        "PyTorch", "handwritten_torch.py",
+        "Hand-written side: `hvd.DistributedOptimizer`, `DistributedSampler` order, batches cut by "
+        "tensor indexing, one `torch.save` on rank 0."),
+    "tensorflow": Framework(
+        "TensorFlow", "handwritten_tf.py",
+        "Hand-written side: a `tf.function` step on `hvd.DistributedGradientTape` with a fixed "
+        "input signature (one trace, inside the timed region, as hvdtrain's), an eager evaluation "
+        "(hvdtrain evaluates through a `tf.function`, so its timed region also holds that trace), "
+        "one `np.savez` on rank 0."),
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` changes the defaults of rounds, epochs and warm-up only."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help=f"measured rounds (default {FULL['rounds']})")
-    parser.add_argument("--epochs", type=int, help=f"epochs per run (default {FULL['epochs']})")
-    parser.add_argument("--warmup", type=int, help=f"discarded rounds first (default {FULL['warmup']})")
-    parser.add_argument("--np", type=int, default=2, help="ranks per run (default 2)")
-    parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"tiny check: defaults {QUICK} instead of {FULL}")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
-    args = parser.parse_args(argv)
-    for name, default in (QUICK if args.quick else FULL).items():
-        if getattr(args, name) is None:
-            setattr(args, name, default)
-    if args.rounds < 1 or args.epochs < 1 or args.warmup < 0 or args.np < 1:
-        parser.error("--rounds, --epochs and --np must be positive and --warmup not negative")
-    return args
+    parser = launch.make_parser(__doc__.splitlines()[0], FULL, QUICK)
+    parser.add_argument("--framework", choices=sorted(FRAMEWORKS), default="torch",
+                        help="whose trainer and hand-written loop to compare (default torch)")
+    return launch.parse_args(parser, argv, FULL, QUICK)
 
 
-def python() -> Path:
-    """This interpreter's absolute path, symlinks kept: ``.venv/bin/python`` must stay the venv's."""
-    return Path(os.path.abspath(sys.executable))
-
-
-def horovodrun() -> str:
-    """The ``horovodrun`` next to this interpreter (the project's .venv), else the one on PATH."""
-    local = python().parent / "horovodrun"
-    found = str(local) if local.exists() else shutil.which("horovodrun")
-    if not found:
-        raise SystemExit("overhead.py: horovodrun not found; run `make setup` first")
-    return found
-
-
-def commands(args: argparse.Namespace, work: Path) -> list[Command]:
-    """The three interleaved jobs: A, B and A'. Each writes its checkpoint to its own directory."""
-    launch = [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python())]
-    return [Command(name, launch + [str(HERE / script), "--epochs", str(args.epochs),
-                                    "--out-dir", str(work / f"run{i}")])
-            for i, (name, script) in enumerate(WORKERS.items())]
-
-
-def worker_env() -> dict[str, str]:
-    """The environment of the jobs: Open MPI refuses to start as root without these two."""
-    env = dict(os.environ)
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
-
-
-def reproduce_command(args: argparse.Namespace) -> str:
-    """The command line that repeats this benchmark, with every setting spelled out."""
-    interpreter = python()
-    if interpreter.is_relative_to(ROOT):
-        interpreter = interpreter.relative_to(ROOT)
-    argv = [str(interpreter), "scripts/bench/overhead.py", "--rounds", str(args.rounds),
-            "--epochs", str(args.epochs), "--warmup", str(args.warmup), "--np", str(args.np),
-            "--controller", args.controller]
-    return shlex.join(argv)
+def jobs(framework: str) -> list[Job]:
+    """The three interleaved jobs: A, B and A'."""
+    handwritten = FRAMEWORKS[framework].handwritten
+    return [Job(BASELINE, handwritten),
+            Job(CANDIDATE, "hvdtrain_worker.py", ("--framework", framework)),
+            Job(CONTROL, handwritten)]
 
 
 def verdict(rows: Sequence[Row]) -> str:
@@ -130,19 +89,14 @@ def verdict(rows: Sequence[Row]) -> str:
     return f"{head}: target (ratio <= {TARGET_RATIO} with A/A within {AA_TOLERANCE:.0%}) {met}"
 
 
-def notes(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]],
-          rows: Sequence[Row]) -> list[str]:
+def notes(args: argparse.Namespace, results: Results, rows: Sequence[Row]) -> list[str]:
     """The lines under the table: workload, what is timed, that both sides learn alike, the verdict."""
-    steps = results[BASELINE][0]["steps"]
-    accuracy = ", ".join(f"{name} {statistics.median(m['eval_accuracy'] for m in runs):.3f}"
-                         for name, runs in results.items())
     return [
-        f"Workload: digits MLP (64-128-10), `horovodrun -np {args.np} --{args.controller}`, "
-        f"batch 32 per rank, SGD lr 0.05 x {args.np} momentum 0.9; per run {args.epochs} "
-        f"epoch(s), {steps} steps; rounds: {args.rounds} measured after {args.warmup} warm-up.",
+        launch.workload_note(args, results[BASELINE][0]["steps"]),
         "Step time = the run's training wall time (first step through the final evaluation and "
         "checkpoint; process start, imports and `hvd.init` excluded) / optimizer steps, on rank 0.",
-        f"Median final test accuracy (both sides train the same problem): {accuracy}.",
+        FRAMEWORKS[args.framework].note,
+        launch.accuracy_note(results),
         f"Result: {verdict(rows)}.",
     ]
 
@@ -150,20 +104,13 @@ def notes(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]],
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
     args = parse_args(argv)
-    # Taken before the runs, so that the load average shows what else the machine was doing.
-    machine = harness.machine_record()
-    with tempfile.TemporaryDirectory(prefix="hvdtrain-overhead-") as work:
-        results = harness.run_interleaved(commands(args, Path(work)), args.rounds, KEY,
-                                          warmup_rounds=args.warmup, env=worker_env(),
-                                          timeout=args.timeout)
+    machine, results = launch.run(jobs(args.framework), args, KEY)
     rows = harness.summarize(harness.samples_of(results, KEY), baseline=BASELINE)
-    section = harness.markdown_section(
-        "Trainer overhead: hvdtrain PyTorch trainer vs a hand-written Horovod loop (step time)",
-        reproduce_command(args), machine, rows, notes(args, results, rows))
-    print(section)
-    if not args.no_write:
-        harness.append_markdown(args.output, section, HEADER)
-        print(f"[bench] appended to {args.output}", file=sys.stderr)
+    title = (f"Trainer overhead: hvdtrain {FRAMEWORKS[args.framework].title} trainer vs a "
+             "hand-written Horovod loop (step time)")
+    command = launch.reproduce_command("overhead.py", args, ("--framework", args.framework))
+    launch.publish(harness.markdown_section(title, command, machine, rows, notes(args, results, rows)),
+                   args)
     return 0
 
 

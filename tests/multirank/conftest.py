@@ -11,12 +11,11 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, horovodrun
+from tests.conftest import CONFIG, TF_CONFIG, horovodrun
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 PYTHON = sys.executable
-CONFIGS = {"torch": ROOT / "configs" / "digits_torch.yaml",
-           "tensorflow": ROOT / "configs" / "digits_tf.yaml"}
+CONFIGS = {"torch": CONFIG, "tensorflow": TF_CONFIG}
 # The equivalence runs: 2 ranks x 16 samples against 1 rank x 32, both accumulating 2 micro-batches.
 # Digits has 1,437 training samples, so each epoch's last step holds 29 samples: the ranks get
 # unequal shares and the second micro-batch is empty, which the loss weighting must absorb.

@@ -7,18 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.config import load_config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.engine import TensorFlowEngine
 from hvdtrain.trainer import make_dataset, train
-from tests.conftest import ROOT
-
-CONFIG = ROOT / "configs" / "digits_tf.yaml"
+from tests.conftest import TF_CONFIG, quiet_config
 
 
 def config(tmp_path, *overrides):
-    return load_config(CONFIG, [f"log.dir={tmp_path / 'run'}", "log.console=false", *overrides],
-                       environ={})
+    return quiet_config(TF_CONFIG, tmp_path, *overrides)
 
 
 def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):

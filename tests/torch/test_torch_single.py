@@ -7,16 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.config import load_config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.trainer import make_dataset, train
 from hvdtrain.torch.engine import TorchEngine
-from tests.conftest import CONFIG, hvdtrain_cli, read_jsonl
+from tests.conftest import CONFIG, hvdtrain_cli, quiet_config, read_jsonl
 
 
 def config(tmp_path, *overrides):
-    return load_config(CONFIG, [f"log.dir={tmp_path / 'run'}", "log.console=false", *overrides],
-                       environ={})
+    return quiet_config(CONFIG, tmp_path, *overrides)
 
 
 def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):

@@ -104,3 +104,11 @@ def test_readme_config_reference_matches_the_code():
         shown = str(default).lower() if isinstance(default, bool) else (default or repr(default))
         row = f"| `{key}` | `{shown}` |".replace("`''`", '`""`')
         assert row in readme, f"README config reference lacks or mis-states {row}"
+
+
+def test_the_two_framework_configs_differ_only_in_framework_and_name():
+    torch_cfg = load_config(CONFIG, environ={}).to_dict()
+    tf_cfg = load_config("configs/digits_tf.yaml", environ={}).to_dict()
+    assert (torch_cfg.pop("framework"), tf_cfg.pop("framework")) == ("torch", "tensorflow")
+    assert (torch_cfg.pop("name"), tf_cfg.pop("name")) == ("digits_torch", "digits_tf")
+    assert torch_cfg == tf_cfg

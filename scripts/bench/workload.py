@@ -1,0 +1,88 @@
+"""The benchmark workers' common ground: the problem they all train and how they report on it.
+
+Every worker (``handwritten_torch.py``, ``handwritten_tf.py``, ``hvdtrain_worker.py``) takes its
+hyper-parameters, its data split and its thread count from here, and prints its measurement with
+:func:`report`, so the compared jobs cannot drift apart by an edit to one of them. This module
+imports neither a deep-learning framework nor hvdtrain (the hand-written loops must stay free of
+hvdtrain's code), and numpy only when data is loaded, so the drivers can read its constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+BATCH_SIZE = 32
+"""Samples per rank per optimizer step."""
+EVAL_BATCH_SIZE = 256
+BASE_LR = 0.05
+"""One rank's learning rate; every worker scales it by the world size."""
+MOMENTUM = 0.9
+SEED = 0
+HIDDEN = 128
+"""Width of the MLP's one hidden layer (64 inputs, 10 classes)."""
+SPLIT_SEED = 0
+TEST_FRACTION = 0.2
+
+
+def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(train_x, train_y, test_x, test_y)`` of the digits, split exactly as hvdtrain's ``digits``.
+
+    Pixels are scaled to [0, 1] as float32 and labels are int64, as ``hvdtrain.data.DigitsDataset``
+    makes them; the split is stratified with a fixed seed.
+    """
+    # Imported here, not at the top: the drivers read this module's constants and must load fast.
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    xtr, xte, ytr, yte = train_test_split(x, y.astype(np.int64), test_size=TEST_FRACTION,
+                                          random_state=SPLIT_SEED, stratify=y)
+    return xtr, ytr, xte, yte
+
+
+def threads_per_rank(local_size: int) -> int:
+    """Compute threads for one rank: the cores divided by the ranks on this host, at least one.
+
+    Ranks sharing a host would otherwise each start one thread per core and fight over them;
+    hvdtrain's ``train.threads: 0`` uses the same rule.
+    """
+    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+
+
+def worker_parser(description: str) -> argparse.ArgumentParser:
+    """A parser of the options every worker takes: ``--epochs`` and ``--out-dir``.
+
+    The drivers pass both to every job; a worker may add its own options before parsing.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--out-dir", default="",
+                        help="where rank 0 writes its checkpoint or run (default: a new temp dir)")
+    return parser
+
+
+def out_dir(arg: str, prefix: str) -> Path:
+    """``--out-dir`` as a path, or a fresh temporary directory when it was not given."""
+    return Path(arg or tempfile.mkdtemp(prefix=prefix))
+
+
+def measurement(steps: int, wall_time_s: float, eval_loss: float | None,
+                eval_accuracy: float | None, **extra: Any) -> dict[str, Any]:
+    """The measurement every worker reports; ``step_time_s`` is the wall time per optimizer step."""
+    return {"steps": steps, "wall_time_s": wall_time_s, "step_time_s": wall_time_s / steps,
+            "eval_loss": eval_loss, "eval_accuracy": eval_accuracy, **extra}
+
+
+def report(record: dict[str, Any]) -> None:
+    """Prints ``record`` as the one JSON line that ``harness.parse_measurement`` looks for."""
+    print(json.dumps(record), flush=True)
