@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
@@ -45,7 +46,11 @@ def _set_threads(count: int) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
     except RuntimeError:
-        pass  # the runtime already started (a second run in one process keeps the first setting)
+        # TensorFlow fixes its pools when its runtime starts: a second run in one process keeps them.
+        current = tf.config.threading.get_intra_op_parallelism_threads()
+        if current != count:
+            warnings.warn(f"TensorFlow already runs with {current} threads per op; "
+                          f"train.threads={count} applies to a new process only", stacklevel=2)
 
 
 class TensorFlowEngine(Engine):
@@ -77,8 +82,10 @@ class TensorFlowEngine(Engine):
         # L2 on the gradient, as torch's SGD and Adam do (Keras would decay the weights directly).
         self.l2 = cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0
         self.accumulation = cfg.train.backward_passes_per_step
+        # Gradient buffers only where there is something to accumulate: they cost a model's memory.
         self.accumulators = [tf.Variable(tf.zeros_like(v.value), trainable=False)
-                             for v in self.model.trainable_variables]
+                             for v in self.model.trainable_variables] if self.accumulation > 1 else []
+        self.lr = float("nan")  # the loop sets the real one before the first step
         self._compile(dataset.spec().input_shape)
         hvd.broadcast_variables(self._state_variables(), root_rank=0)
 
@@ -138,7 +145,9 @@ class TensorFlowEngine(Engine):
         return self._scored(idx, self.test_x, self.test_y, False)
 
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
-        self.optimizer.learning_rate.assign(lr)
+        if lr != self.lr:
+            self.optimizer.learning_rate.assign(lr)
+            self.lr = lr
         # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
         # the result the mean over the step's samples, even when ranks hold unequal shares.
         scale = tf.constant(self.size / step.global_count, tf.float32)
