@@ -156,7 +156,9 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for part in parents:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an empty section in the YAML
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"{dotted}: cannot set a key inside a {type(node).__name__}")
     try:
@@ -208,6 +210,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(tree).__name__}")
     environ = os.environ if environ is None else environ
     apply_overrides(tree, [*env_overrides(environ), *overrides])
     return build(Config, tree)

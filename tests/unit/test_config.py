@@ -65,8 +65,8 @@ def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad, environ={})
     bad.write_text("- a list\n")
-    with pytest.raises(ConfigError, match="expected a mapping"):
-        load_config(bad, environ={})
+    with pytest.raises(ConfigError, match="expected a mapping of keys at the top, got list"):
+        load_config(bad, ["train.epochs=2"], environ={})
 
 
 def test_unknown_key_inside_yaml(tmp_path):
@@ -74,6 +74,13 @@ def test_unknown_key_inside_yaml(tmp_path):
     path.write_text("train:\n  epocs: 3\n")
     with pytest.raises(ConfigError, match="unknown key 'train.epocs'; did you mean 'train.epochs'"):
         load_config(path, environ={})
+
+
+def test_override_fills_an_empty_yaml_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\nmodel: {}\n")
+    cfg = load_config(path, ["train.epochs=2", "model.options.hidden=[8]"], environ={})
+    assert cfg.train.epochs == 2 and cfg.model.options == {"hidden": [8]}
 
 
 def test_override_cannot_descend_into_a_value():
