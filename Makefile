@@ -21,7 +21,9 @@ test-unit:
 	$(BIN)/python -m pytest tests/unit
 
 bench: setup
-	$(BIN)/python scripts/bench/overhead.py
+	$(BIN)/python scripts/bench/overhead.py --framework torch
+	$(BIN)/python scripts/bench/overhead.py --framework tensorflow
+	$(BIN)/python scripts/bench/frameworks.py
 
 clean:
 	rm -rf runs .pytest_cache
