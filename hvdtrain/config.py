@@ -98,6 +98,9 @@ class CheckpointConfig:
     """Checkpoint every this many optimizer steps (0: only at the end)."""
     keep: int = _opt(3, min=1)
     """Keep the newest this many checkpoints."""
+    resume: str = "none"
+    """``none``: start afresh; ``auto``: continue from the newest valid checkpoint in the run
+    directory, if there is one; or the path of a checkpoint file to continue from."""
 
 
 @dataclass(kw_only=True)
@@ -110,6 +113,12 @@ class LogConfig:
     """Print progress to the console (rank 0)."""
     overwrite: bool = False
     """Replace the files of an earlier run in the same directory (otherwise that is an error)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into the run directory (rank 0)."""
+    wandb: str = _opt("offline", choices=("offline", "online", "disabled"))
+    """Weights & Biases: ``offline`` writes a run to sync later, ``online`` needs WANDB_API_KEY."""
+    wandb_project: str = "hvdtrain"
+    """W&B project name."""
 
 
 @dataclass(kw_only=True)
