@@ -2,13 +2,18 @@
 
 A checkpoint is written to a temporary file in the same directory, flushed and fsynced, then renamed
 over its final name, so a crash leaves either the old set of checkpoints or the new one, never a
-half-written file under a checkpoint's name.
+half-written file under a checkpoint's name. A manifest ``step-N.json`` written after it holds the
+file's sha256: a checkpoint counts only when its manifest exists and the hash matches, so a file
+truncated or corrupted later (a full disk, a bad copy) is detected and skipped on resume.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import IO, Any, Callable
 
@@ -55,15 +60,60 @@ class CheckpointManager:
         """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written."""
         if not (self.cfg.enabled and self.writer):
             return None
-        path = self.directory / f"step-{step:08d}{SUFFIX}"
+        path = self.path_for(step)
         atomic_write(path, lambda f: engine.write_checkpoint(f, {**meta, "step": step}))
+        manifest = {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size,
+                    "step": step}
+        text = json.dumps(manifest, indent=2) + "\n"
+        atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
         self._prune()
         return path
 
+    def path_for(self, step: int) -> Path:
+        """The file name of the checkpoint after optimizer step ``step``."""
+        return self.directory / f"step-{step:08d}{SUFFIX}"
+
     def checkpoints(self) -> list[Path]:
-        """Finished checkpoints, oldest first."""
+        """Checkpoint files present, oldest first (valid or not)."""
         return sorted(self.directory.glob(f"step-*{SUFFIX}"))
+
+    def latest_valid(self) -> Path | None:
+        """The newest checkpoint that passes :func:`verify`, warning about each newer one that fails."""
+        for path in reversed(self.checkpoints()):
+            problem = verify(path)
+            if problem is None:
+                return path
+            warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+        return None
 
     def _prune(self) -> None:
         for old in self.checkpoints()[:-self.cfg.keep]:
             old.unlink(missing_ok=True)
+            manifest_path(old).unlink(missing_ok=True)
+
+
+def manifest_path(checkpoint: Path) -> Path:
+    """Where the manifest of a checkpoint file lives."""
+    return checkpoint.with_suffix(".json")
+
+
+def sha256_of(path: Path) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fileobj:
+        for block in iter(lambda: fileobj.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> str | None:
+    """Why a checkpoint cannot be trusted (no manifest, size or sha256 mismatch), or None if it can."""
+    try:
+        manifest = json.loads(manifest_path(path).read_text())
+    except (OSError, ValueError):
+        return "no readable manifest (the write did not finish)"
+    if not path.exists() or path.stat().st_size != manifest.get("bytes"):
+        return "size differs from the manifest (truncated?)"
+    if sha256_of(path) != manifest.get("sha256"):
+        return "sha256 differs from the manifest (corrupted)"
+    return None

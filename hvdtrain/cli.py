@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``train`` and ``doctor``.
+"""The ``hvdtrain`` command: ``train``, ``report`` and ``doctor``.
 
 User errors (:class:`~hvdtrain.errors.HvdtrainError`) become one line on stderr and exit code 2.
 """
@@ -11,6 +11,8 @@ import sys
 from typing import Sequence
 
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.loop import Stopped
+from hvdtrain.signals import EXIT_RESUBMIT
 
 EXIT_USAGE = 2
 
@@ -22,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file, e.g. configs/digits_torch.yaml")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="dotted overrides, e.g. train.epochs=3 optim.lr=0.1")
+    report = sub.add_parser("report", help="plot and tabulate one or more run directories")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
+    report.add_argument("--out", help="output directory (default: RUN_DIR/report of the first)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
     return parser
@@ -47,11 +52,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "report":
+            from hvdtrain.report import report
+            print(f"[hvdtrain] report written to {report(args.run_dirs, args.out)}")
+            return 0
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
     except HvdtrainError as exc:
         print(f"hvdtrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Stopped as stop:
+        print(f"hvdtrain: {stop}; resubmit with checkpoint.resume=auto to continue", file=sys.stderr)
+        return EXIT_RESUBMIT
 
 
 if __name__ == "__main__":

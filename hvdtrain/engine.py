@@ -29,7 +29,11 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def prepare(self, cfg: Config, dataset: Dataset) -> None:
-        """Builds model and optimizer, loads the data, and broadcasts rank 0's initial state."""
+        """Builds model and optimizer and loads the data (no communication)."""
+
+    @abc.abstractmethod
+    def broadcast_state(self) -> None:
+        """Gives every rank rank 0's model and optimizer state (initial or restored)."""
 
     @abc.abstractmethod
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:

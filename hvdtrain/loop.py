@@ -8,14 +8,16 @@ the logged values are exact cross-rank averages weighted by samples.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset, ShardedSampler, eval_shards
+from hvdtrain.data import Dataset, ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.metrics import MetricsLogger
 from hvdtrain.schedule import lr_at
@@ -49,83 +51,130 @@ class Window:
         self.samples += samples
 
 
-def total_steps(cfg: Config, steps_per_epoch: int) -> int:
-    """Optimizer steps of the whole run: all epochs, capped by ``train.max_steps``."""
-    steps = cfg.train.epochs * steps_per_epoch
-    return min(steps, cfg.train.max_steps) if cfg.train.max_steps else steps
+@dataclass
+class Position:
+    """Where a run stands; saved in every checkpoint and restored on resume.
+
+    ``in_epoch`` counts the samples of ``epoch`` already trained on. It does not depend on the world
+    size, so a run resumed at another size continues the same epoch with the rest of its samples.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    in_epoch: int = 0
+    samples: int = 0
+
+
+class Stopped(Exception):
+    """Training stopped early on request (a signal) after a checkpoint at a step boundary."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        super().__init__(f"stopped on request at step {step}; checkpoint {checkpoint or 'not written'}")
+        self.step, self.checkpoint = step, checkpoint
 
 
 class Loop:
     """Runs training for one config on one engine; every rank constructs and runs it."""
 
-    def __init__(self, cfg: Config, engine: Engine, dataset: Dataset,
-                 checkpoints: CheckpointManager) -> None:
+    def __init__(self, cfg: Config, engine: Engine, dataset: Dataset, checkpoints: CheckpointManager,
+                 start: Position | None = None,
+                 stop_requested: Callable[[], bool] = lambda: False) -> None:
         self.cfg, self.engine, self.checkpoints = cfg, engine, checkpoints
         self.logger = MetricsLogger([])
-        self.num_test = len(dataset.test())
-        self.sampler = ShardedSampler(len(dataset.train()), cfg.data.batch_size,
+        self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
+        self.sampler = ShardedSampler(self.num_train, cfg.data.batch_size,
                                       accumulation=cfg.train.backward_passes_per_step,
                                       seed=cfg.seed, shuffle=cfg.data.shuffle)
-        self.steps_per_epoch = self.sampler.steps_in_epoch(engine.size)
-        self.total_steps = total_steps(cfg, self.steps_per_epoch)
-        self.step = 0
-        self.samples = 0
+        self.pos = start or Position()
+        self.stop_requested = stop_requested
+        self.total_steps = self._plan_total()
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
         self.last_train: dict[str, float] = {}
         self.pending: tuple[dict[str, Any], Callable[[], dict[str, float]]] | None = None
+        self.stop_agreed = False
+        self.saved_step = -1
         self.last_eval: dict[str, float] = {}
         self.local_eval: dict[str, float] = {}
 
+    def _plan_total(self) -> int:
+        """The step at which the run ends: its epochs (from where it stands), capped by max_steps."""
+        size, epochs = self.engine.size, self.cfg.train.epochs
+        left = 0
+        if self.pos.epoch < epochs:
+            left = (self.sampler.steps_in_epoch(size, self.pos.in_epoch)
+                    + (epochs - self.pos.epoch - 1) * self.sampler.steps_in_epoch(size))
+        total = self.pos.step + left
+        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
+
     def run(self, logger: MetricsLogger) -> dict[str, Any]:
-        """Trains to the end, logging to ``logger``, and returns the summary (the same on every rank)."""
+        """Trains to the end, logging to ``logger``, and returns the summary (the same on every rank).
+
+        Raises :class:`Stopped` on every rank, after a checkpoint, when a stop was requested.
+        """
         self.logger = logger
-        started = time.perf_counter()
-        epoch = 0
-        while self.step < self.total_steps:
-            self._train_epoch(epoch)
-            epoch += 1
-        return self._summary(epoch, time.perf_counter() - started)
+        started = self.started = time.perf_counter()
+        while self.pos.step < self.total_steps:
+            self._train_epoch(self.pos.epoch)
+        if not self.last_eval:  # resumed at the very end: report the restored model's scores
+            self._evaluate()
+        return self._summary(time.perf_counter() - started)
 
     def _train_epoch(self, epoch: int) -> None:
         window = Window()
-        for indices in self.sampler.steps(epoch, self.engine.rank, self.engine.size):
-            lr = lr_at(self.step, self.total_steps, self.cfg.optim, self.engine.size)
+        steps = self.sampler.steps(epoch, self.engine.rank, self.engine.size, self.pos.in_epoch)
+        for indices in steps:
+            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size)
             tick = time.perf_counter()
             window.add(self.engine.train_step(indices, lr), indices.global_count)
             self.train_seconds += time.perf_counter() - tick
             self._flush()
-            self.step += 1
-            self.samples += indices.global_count
-            for micro in indices.micro:
-                self.fingerprint.update(micro.astype("<i8").tobytes())
-            last = self.step == self.total_steps or self.step % self.steps_per_epoch == 0
-            if last:
+            self._advance(indices)
+            if self.pos.step == self.total_steps or self.pos.in_epoch >= self.num_train:
                 break
-            if self.step % self.cfg.log.every_steps == 0:
+            if self.pos.step % self.cfg.log.every_steps == 0:
                 self._log(window, epoch, lr)
                 window = Window()
-            if self.checkpoints.due(self.step):
-                self._checkpoint(epoch)
+            if self.checkpoints.due(self.pos.step):
+                self._checkpoint()
+            if self.stop_agreed:
+                self._stop()
         self._end_epoch(window, epoch, lr)
 
+    def _advance(self, indices: StepIndices) -> None:
+        self.pos.step += 1
+        self.pos.in_epoch += indices.global_count
+        self.pos.samples += indices.global_count
+        for micro in indices.micro:
+            self.fingerprint.update(micro.astype("<i8").tobytes())
+
     def _end_epoch(self, window: Window, epoch: int, lr: float) -> None:
-        finished = self.step == self.total_steps
+        finished = self.pos.step == self.total_steps
         evals = {}
         if finished or (epoch + 1) % self.cfg.train.eval_every_epochs == 0:
             evals = self._evaluate()
         self._log(window, epoch, lr, evals)
         self._flush()
-        if finished or self.checkpoints.due(self.step):
-            self._checkpoint(epoch)
+        if self.pos.in_epoch >= self.num_train:
+            self.pos.epoch, self.pos.in_epoch = epoch + 1, 0
+        if finished or self.checkpoints.due(self.pos.step):
+            self._checkpoint()
+        if self.stop_agreed and not finished:
+            self._stop()
 
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
-        """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record."""
+        """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
+
+        A stop request rides along: any rank's request makes the sum positive on every rank, so all
+        ranks stop after the same step.
+        """
         seconds = time.perf_counter() - window.started
-        record = {"step": self.step, "epoch": epoch, "lr": lr, **(extra or {}),
+        record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
                   "samples_per_sec": window.samples / seconds,
+                  "time_s": time.perf_counter() - self.started,
                   "step_time_s": seconds / max(window.steps, 1)}
-        self.pending = (record, self.engine.start_allreduce_sums(window.sums))
+        sums = {**window.sums, "stop": float(self.stop_requested())}
+        self.pending = (record, self.engine.start_allreduce_sums(sums))
 
     def _flush(self) -> None:
         """Waits for the pending metric sum (started one step earlier) and logs its record."""
@@ -133,7 +182,9 @@ class Loop:
             return
         record, result = self.pending
         self.pending = None
-        self.last_train = means(result())
+        sums = result()
+        self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
+        self.last_train = means(sums)
         self.logger.log({**record, **self.last_train})
 
     def _evaluate(self) -> dict[str, float]:
@@ -143,17 +194,25 @@ class Loop:
         self.last_eval = means(self.engine.allreduce_sums(self.local_eval), prefix="eval_")
         return self.last_eval
 
-    def _checkpoint(self, epoch: int) -> None:
-        meta = {"epoch": epoch, "framework": self.engine.framework, "config": self.cfg.to_dict()}
-        self.checkpoints.save(self.engine, self.step, meta)
+    def _checkpoint(self) -> Path | None:
+        meta = {"position": dataclasses.asdict(self.pos), "world_size": self.engine.size,
+                "framework": self.engine.framework, "config": self.cfg.to_dict()}
+        self.saved_step = self.pos.step
+        return self.checkpoints.save(self.engine, self.pos.step, meta)
 
-    def _summary(self, epochs: int, wall: float) -> dict[str, Any]:
+    def _stop(self) -> None:
+        if self.saved_step != self.pos.step:
+            self._checkpoint()
+        enabled = self.cfg.checkpoint.enabled
+        raise Stopped(self.pos.step, self.checkpoints.path_for(self.pos.step) if enabled else None)
+
+    def _summary(self, wall: float) -> dict[str, Any]:
         train = {f"train_{k}": v for k, v in self.last_train.items()}
         return {
             "name": self.cfg.name, "framework": self.engine.framework,
-            "world_size": self.engine.size, "steps": self.step, "epochs": epochs,
-            "samples": self.samples, "wall_time_s": wall, "train_time_s": self.train_seconds,
-            "samples_per_sec": self.samples / max(self.train_seconds, 1e-9),
+            "world_size": self.engine.size, "steps": self.pos.step, "epochs": self.pos.epoch,
+            "samples": self.pos.samples, "wall_time_s": wall, "train_time_s": self.train_seconds,
+            "samples_per_sec": self.pos.samples / max(self.train_seconds, 1e-9),
             "compression": self.cfg.comm.compression,
             "data_fingerprint": self.fingerprint.hexdigest()[:16],
             "final": {**self.last_eval, **train},

@@ -16,9 +16,11 @@ from hvdtrain.config import Config, save_config
 from hvdtrain.data import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.loop import Loop
-from hvdtrain.metrics import ConsoleSink, JsonlSink, MetricsLogger, Sink
+from hvdtrain.loop import Loop, Position
+from hvdtrain.metrics import ConsoleSink, JsonlSink, MetricsLogger, Sink, TensorBoardSink, WandbSink
 from hvdtrain.registry import DATASETS, MODELS
+from hvdtrain.resume import find_checkpoint, restore, trim_metrics
+from hvdtrain.signals import StopRequest
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 
@@ -59,27 +61,40 @@ def check_run_dir(cfg: Config) -> None:
                             "set log.overwrite=true or choose another log.dir")
 
 
-def prepare_run_dir(cfg: Config, writer: bool) -> Path:
-    """Creates the run directory on rank 0, replacing an earlier run's files, and saves the config."""
+def prepare_run_dir(cfg: Config, writer: bool, resumed: Position | None = None) -> Path:
+    """Creates the run directory on rank 0 and saves the config; a fresh run replaces an earlier
+    run's files, a resumed one keeps them and drops only metrics logged after its checkpoint."""
     run_dir = cfg.run_dir
     if not writer:
+        return run_dir
+    if resumed is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trim_metrics(run_dir / "metrics.jsonl", resumed.step)
+        save_config(cfg, run_dir / "config.yaml")
         return run_dir
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
-    for old in (run_dir / "checkpoints").glob("step-*"):
+    for old in (run_dir / "checkpoints").glob("step-*"):  # checkpoints and their manifests
         old.unlink()
     save_config(cfg, run_dir / "config.yaml")
     return run_dir
 
 
-def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int) -> MetricsLogger:
-    """Rank 0 logs to ``metrics.jsonl`` and the console; the other ranks get no sinks."""
+def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int,
+                resumed: bool = False) -> MetricsLogger:
+    """Rank 0 logs to ``metrics.jsonl`` and, as configured, the console, TensorBoard and W&B (a
+    resumed run continues its event files and its W&B run); the other ranks get no sinks."""
     sinks: list[Sink] = []
     if writer:
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if cfg.log.console:
             sinks.append(ConsoleSink(total_steps))
+        if cfg.log.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", fresh=not resumed))
+        if cfg.log.wandb != "disabled":
+            sinks.append(WandbSink(run_dir, mode=cfg.log.wandb, project=cfg.log.wandb_project,
+                                   name=cfg.name, config=cfg.to_dict(), resumed=resumed))
     return MetricsLogger(sinks)
 
 
@@ -87,19 +102,25 @@ def train(cfg: Config) -> TrainResult:
     """Trains ``cfg`` on this rank and returns the result; rank 0 writes the run directory."""
     DATASETS.check(cfg.data.name)
     MODELS[cfg.framework].check(cfg.model.name)
-    check_run_dir(cfg)
+    resume_from = find_checkpoint(cfg, cfg.run_dir)
+    if resume_from is None:
+        check_run_dir(cfg)
     dataset = make_dataset(cfg)
     engine = make_engine(cfg.framework)
     engine.prepare(cfg, dataset)
+    start = restore(engine, resume_from, cfg)
+    engine.broadcast_state()
     writer = engine.rank == 0
-    run_dir = prepare_run_dir(cfg, writer)
+    run_dir = prepare_run_dir(cfg, writer, start)
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", writer=writer)
-    loop = Loop(cfg, engine, dataset, checkpoints)
-    logger = make_logger(cfg, run_dir, writer, loop.total_steps)
-    try:
-        summary = loop.run(logger)
-    finally:
-        logger.close()
+    with StopRequest() as stop:
+        loop = Loop(cfg, engine, dataset, checkpoints, start, stop)
+        logger = make_logger(cfg, run_dir, writer, loop.total_steps, resumed=start is not None)
+        try:
+            summary = loop.run(logger)
+            logger.summary(summary)
+        finally:
+            logger.close()
     if writer:
         text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
         atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))

@@ -42,9 +42,10 @@ def hvdtrain_cli(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subproce
 
 
 def quiet_config(config: Path, tmp_path: Path, *overrides: str) -> Config:
-    """A config from ``config`` that writes to ``tmp_path/run`` and prints nothing."""
-    return load_config(config, [f"log.dir={tmp_path / 'run'}", "log.console=false", *overrides],
-                       environ={})
+    """A config from ``config`` that writes to ``tmp_path/run``, prints nothing and starts no W&B
+    run (its service process takes seconds; the sink's own tests turn it on)."""
+    return load_config(config, [f"log.dir={tmp_path / 'run'}", "log.console=false",
+                                "log.wandb=disabled", *overrides], environ={})
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -87,6 +87,8 @@ class TensorFlowEngine(Engine):
                              for v in self.model.trainable_variables] if self.accumulation > 1 else []
         self.lr = float("nan")  # the loop sets the real one before the first step
         self._compile(dataset.spec().input_shape)
+
+    def broadcast_state(self) -> None:
         hvd.broadcast_variables(self._state_variables(), root_rank=0)
 
     @staticmethod

@@ -59,9 +59,12 @@ class TorchEngine(Engine):
             backward_passes_per_step=cfg.train.backward_passes_per_step)
         self.model.train()  # evaluate() switches to eval mode and back
         self.lr = float("nan")  # the loop sets the real one before the first step
-        # Every rank starts from rank 0's weights and optimizer state.
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    def broadcast_state(self) -> None:
+        # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
+        # which weight decay would turn into a change of the weights that the broadcast then undoes.
         hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     @staticmethod
     def _tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +122,13 @@ class TorchEngine(Engine):
     def read_checkpoint(self, path: Path) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
         state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError) as exc:
+            first = str(exc).strip().splitlines()
+            raise HvdtrainError(f"checkpoint {path} does not fit the model: "
+                                f"{' '.join(line.strip() for line in first[:3])}") from None
         return state["meta"]
 
     def parameters(self) -> dict[str, np.ndarray]:

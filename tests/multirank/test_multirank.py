@@ -53,7 +53,7 @@ def test_run_directory_is_written_by_rank_zero(two_ranks, framework, controller)
     assert sum("eval_accuracy" in r for r in records) == 15
     assert records[-1]["loss"] < records[0]["loss"]
     assert (run / "config.yaml").exists()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+    assert sorted(p.name for p in (run / "checkpoints").glob("*.ckpt")) == [
         "step-00000200.ckpt", "step-00000300.ckpt", "step-00000345.ckpt"]
 
 
@@ -98,7 +98,7 @@ def test_cli_under_horovodrun(framework, controller, tmp_path):
     """The documented command line: only rank 0 prints and writes; the summary says 2 ranks."""
     proc = horovodrun(2, controller, [str(Path(PYTHON).with_name("hvdtrain")), "train",
                                       str(CONFIGS[framework]), "train.epochs=3",
-                                      f"log.dir={tmp_path}"])
+                                      f"log.dir={tmp_path}", "log.wandb=disabled"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[hvdtrain] done: 69 steps on 2 rank(s)") == 1
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -22,7 +22,7 @@ def main() -> None:
         name, _, overrides = spec.partition(":")
         run_dir = out / name
         cfg = load_config(config, [f"log.dir={run_dir}", "log.overwrite=true", "name=" + name,
-                           *filter(None, overrides.split(","))])
+                                   "log.wandb=disabled", *filter(None, overrides.split(","))])
         result = train(cfg)
         rank = result.engine.rank
         run_dir.mkdir(parents=True, exist_ok=True)

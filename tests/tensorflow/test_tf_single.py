@@ -24,7 +24,7 @@ def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):
     assert summary["framework"] == "tensorflow" and summary["world_size"] == 1
     assert summary["steps"] == 45 * 15 and summary["final"]["eval_accuracy"] >= 0.95
     assert set(summary["versions"]) == {"tensorflow", "keras", "horovod"}
-    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in ckpts] == ["step-00000500.ckpt", "step-00000600.ckpt", "step-00000675.ckpt"]
     fresh = TensorFlowEngine()
     fresh.prepare(cfg, make_dataset(cfg))
@@ -42,7 +42,7 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     engine = TensorFlowEngine()
     engine.prepare(other, make_dataset(other))
     with pytest.raises(HvdtrainError, match=r"model/0 has shape \(64, 128\), the model has \(64, 64\)"):
-        engine.read_checkpoint(next((tmp_path / "run" / "checkpoints").iterdir()))
+        engine.read_checkpoint(next((tmp_path / "run" / "checkpoints").glob("*.ckpt")))
 
 
 def test_accumulation_equals_the_larger_batch(tmp_path):

@@ -26,7 +26,7 @@ def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):
     for key in ("framework", "epochs", "wall_time_s", "samples_per_sec"):
         assert key in summary
     assert summary["samples"] == 1437 * 15
-    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in ckpts] == ["step-00000500.ckpt", "step-00000600.ckpt", "step-00000675.ckpt"]
     fresh = TorchEngine()
     fresh.prepare(cfg, make_dataset(cfg))
@@ -84,7 +84,8 @@ def test_cli_rejects_bad_values_with_exit_2_and_writes_nothing(tmp_path):
 
 
 def test_cli_trains_and_refuses_to_mix_runs(tmp_path):
-    args = ("train", str(CONFIG), "train.epochs=1", f"log.dir={tmp_path / 'run'}")
+    args = ("train", str(CONFIG), "train.epochs=1", f"log.dir={tmp_path / 'run'}",
+            "log.wandb=disabled")
     proc = hvdtrain_cli(*args)
     assert proc.returncode == 0, proc.stderr
     assert "[hvdtrain] epoch 0 step" in proc.stdout and "eval_accuracy=" in proc.stdout

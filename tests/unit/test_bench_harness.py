@@ -1,5 +1,6 @@
-"""The benchmark harness's statistics, parsing and table writing on canned inputs."""
+"""The benchmark harness's statistics, parsing, grouping, verdicts and clock on canned inputs."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts" / "bench"))
 import harness  # noqa: E402
+import overhead  # noqa: E402
+import workload  # noqa: E402
 
 
 def test_summarize_gives_min_median_max_and_ratio_to_baseline():
@@ -39,18 +42,95 @@ def test_markdown_table_and_section(tmp_path):
     assert "Machine: cores: 2." in text and "- a note" in text
 
 
-def test_parse_measurement_reads_tagged_launcher_output():
-    out = ("[1]<stdout>:noise\n[0]<stdout>:{\"step_time_s\": 0.5, \"steps\": 3}[1,0]<stdout>:\n"
-           "{\"other\": 1}\n")
-    assert harness.parse_measurement(out, "step_time_s") == {"step_time_s": 0.5, "steps": 3}
-    with pytest.raises(ValueError, match="no JSON line with key 'missing'"):
-        harness.parse_measurement(out, "missing")
+def test_parse_measurements_reads_every_tagged_line_of_one_job_in_order():
+    out = ("[1]<stdout>:noise\n"
+           "[0]<stdout>:{\"round\": -1, \"step_time_s\": 0.5}\n"
+           "[0]<stdout>:{\"round\": 0, \"step_time_s\": 0.25}[1,0]<stdout>:\n"
+           "{\"other\": 1}\n[0]<stdout>:{broken\n"
+           "[1,0]<stdout>:{\"round\": 1, \"step_time_s\": 0.75}\n")
+    assert harness.parse_measurements(out, "step_time_s") == [
+        {"round": -1, "step_time_s": 0.5}, {"round": 0, "step_time_s": 0.25},
+        {"round": 1, "step_time_s": 0.75}]
+    assert harness.parse_measurements(out, "missing") == []
 
 
 def test_round_order_alternates():
-    cmds = [harness.Command("A", []), harness.Command("B", []), harness.Command("C", [])]
-    assert [c.name for c in harness.round_order(cmds, 0)] == ["A", "B", "C"]
-    assert [c.name for c in harness.round_order(cmds, 1)] == ["C", "B", "A"]
+    assert harness.round_order(["A", "B", "C"], 0) == ["A", "B", "C"]
+    assert harness.round_order(["A", "B", "C"], 1) == ["C", "B", "A"]
+    # The warm-up round (-1) runs in the reversed order, so measured round 0 does not repeat it.
+    assert harness.round_order(["A", "B", "C"], -1) == ["C", "B", "A"]
+
+
+def _records(rounds, slots, warmup=1):
+    return [{"round": r, "slot": s, "t": 10 * r + s}
+            for r in range(-warmup, rounds) for s in harness.round_order(range(slots), r)]
+
+
+def test_group_runs_maps_slots_to_names_and_drops_warm_up():
+    results = harness.group_runs(_records(2, 3), ["A", "B", "A'"], rounds=2)
+    assert list(results) == ["A", "B", "A'"]
+    assert harness.samples_of(results, "t") == {"A": [0.0, 10.0], "B": [1.0, 11.0],
+                                                "A'": [2.0, 12.0]}
+
+
+def test_group_runs_rejects_a_short_job_and_duplicate_names():
+    with pytest.raises(harness.BenchError, match=r"expected 3 measured runs .*A \(2\)"):
+        harness.group_runs(_records(2, 3), ["A", "B", "A'"], rounds=3)
+    with pytest.raises(ValueError, match="must be unique"):
+        harness.group_runs(_records(1, 2), ["A", "A"], rounds=1)
+
+
+def _rows(candidate, control):
+    return harness.summarize({overhead.BASELINE: [1.0], overhead.CANDIDATE: [candidate],
+                              overhead.CONTROL: [control]}, baseline=overhead.BASELINE)
+
+
+@pytest.mark.parametrize("candidate, control, expected", [
+    (1.02, 1.005, "target (ratio <= 1.03 with A/A within 1%) met"),
+    (1.05, 0.995, "target (ratio <= 1.03 with A/A within 1%) missed"),
+    (1.00, 1.02, "inconclusive, the A/A control is off by more than 1%"),
+    (1.00, 0.98, "inconclusive")])
+def test_overhead_verdict(candidate, control, expected):
+    text = overhead.verdict(_rows(candidate, control))
+    head = f"hvdtrain / hand-written = {candidate:.3f}, A/A control = {control:.3f}"
+    assert text.startswith(head)
+    assert expected in text
+
+
+def test_clock_steady_span_starts_at_epoch_two_and_ends_at_evaluation(monkeypatch):
+    now = iter([0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 21.0])
+    monkeypatch.setattr(workload.time, "perf_counter", lambda: next(now))
+    clock = workload.Clock()
+    for _ in range(4):  # two epochs of two steps
+        clock.step()
+    clock.evaluation()
+    clock.evaluation()  # a later evaluation does not move the end
+    assert clock.steady_seconds(2) == 10.0 - 3.0  # step 3 (epoch 2) to the evaluation
+    assert clock.steady_seconds(1) is None
+    record = workload.measurement(0, 4, 14.0, 0.5, 0.9, clock=clock, epochs=2, extra=1)
+    assert record["step_time_s"] == 3.5 and record["steady_step_time_s"] == 3.5
+    assert record["rank"] == 0 and record["extra"] == 1
+
+
+def test_clock_without_evaluation_has_no_steady_span():
+    clock = workload.Clock()
+    clock.step()
+    clock.step()
+    assert clock.steady_seconds(2) is None
+
+
+def test_report_prints_rank_zero_only(capsys):
+    workload.report({"rank": 1, "steps": 3})
+    workload.report({"rank": 0, "steps": 3})
+    out = capsys.readouterr().out
+    assert harness.parse_measurements(out, "steps") == [{"rank": 0, "steps": 3}]
+    assert json.loads(out) == {"rank": 0, "steps": 3}
+
+
+def test_bench_drivers_import_no_framework():
+    import frameworks  # noqa: F401
+    import interleaved  # noqa: F401  (imports a variant's worker only when the job runs it)
+    assert not {"torch", "tensorflow", "horovod"} & set(sys.modules)
 
 
 def test_machine_record_names_cores_and_versions():
