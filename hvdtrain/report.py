@@ -119,6 +119,8 @@ def draw_figure(runs: list[Run], title: str, panels: tuple[Panel, ...], out: Pat
                     ax.plot(xs, ys, style, color=color, marker="." if len(xs) < 30 else None,
                             label=f"{run.label}: {key}")
         ax.set_xlabel(X_LABELS.get(panel.x, panel.x))
+        if panel.x != "time_s":  # steps and epochs are counts: no 0.5 ticks
+            ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -11,9 +11,10 @@ batches are cut by indexing, as ``handwritten_torch.py`` and hvdtrain do, so tha
 per-batch iterator cost does not enter the comparison. It deliberately does not import hvdtrain.
 
 Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_tf.py --epochs 10``. Rank 0
-prints one JSON line ``{"steps", "wall_time_s", "step_time_s", ...}``; the wall time runs from the
-first step (its ``tf.function`` trace included) through the final evaluation and save (process
-start, imports, ``hvd.init``, data loading and the initial broadcast are excluded, as in hvdtrain's
+prints one JSON line ``{"rank", "steps", "wall_time_s", "step_time_s", ...}``; ``interleaved.py``
+calls :func:`run` instead, many times in one job. The wall time runs from the first step (its
+``tf.function`` trace included) through the final evaluation and save (process start, imports,
+``hvd.init``, data loading and the initial broadcast are excluded, as in hvdtrain's
 ``summary["wall_time_s"]``).
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 # TensorFlow's C++ start-up notices (CPU features, oneDNN) would bury the measurement line.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -83,11 +84,13 @@ def epoch_batches(num_samples: int, epoch: int) -> Iterator[np.ndarray]:
         yield order[begin:begin + BATCH_SIZE]
 
 
-def train(train_step: TrainStep, x: np.ndarray, y: np.ndarray, epochs: int) -> int:
+def train(train_step: TrainStep, x: np.ndarray, y: np.ndarray, epochs: int,
+          clock: workload.Clock) -> int:
     """Trains for ``epochs`` epochs and returns the number of optimizer steps."""
     steps = 0
     for epoch in range(epochs):
         for idx in epoch_batches(len(y), epoch):
+            clock.step()
             train_step(x[idx], y[idx])
             steps += 1
     return steps
@@ -115,12 +118,26 @@ def save(model: keras.Model, optimizer: keras.optimizers.Optimizer, path: Path) 
     np.savez(path, **arrays)
 
 
-def main() -> None:
-    """Parses the arguments, trains, evaluates, saves, and prints the measurement on rank 0."""
-    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
-
+def init() -> None:
+    """Starts Horovod and limits TensorFlow's threads, once per process (later calls do nothing)."""
     hvd.init()
-    set_threads(workload.threads_per_rank(hvd.local_size()))
+    try:
+        set_threads(workload.threads_per_rank(hvd.local_size()))
+    except RuntimeError:
+        # TensorFlow fixes its pools when its runtime starts: an earlier run in this process (this
+        # worker's or hvdtrain's, with the same count) has set them already.
+        pass
+
+
+def run(epochs: int, out_dir: Path) -> dict[str, Any]:
+    """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
+
+    The measurement is this rank's (see :func:`workload.measurement`).
+
+    Every call builds its own model, optimizer and ``tf.function`` step and reseeds, so repeated
+    calls in one process (``interleaved.py``) are independent and alike, each with its own trace.
+    """
+    init()
     keras.utils.set_random_seed(SEED + hvd.rank())
     train_x, train_y, test_x, test_y = workload.load_digits_split()
     model = make_model()
@@ -131,18 +148,24 @@ def main() -> None:
     hvd.broadcast_variables([v.value for v in [*model.variables, *optimizer.variables]],
                             root_rank=0)
     train_step = make_train_step(model, optimizer)
-    out_dir = workload.out_dir(args.out_dir, "handwritten-tf-")
 
+    clock = workload.Clock()
     started = time.perf_counter()
-    steps = train(train_step, train_x, train_y, args.epochs)
+    steps = train(train_step, train_x, train_y, epochs, clock)
+    clock.evaluation()
     eval_loss, eval_accuracy = evaluate(model, test_x, test_y)
     if hvd.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save(model, optimizer, out_dir / "checkpoint.npz")
     wall = time.perf_counter() - started
+    return workload.measurement(hvd.rank(), steps, wall, eval_loss, eval_accuracy, clock=clock,
+                                epochs=epochs)
 
-    if hvd.rank() == 0:
-        workload.report(workload.measurement(steps, wall, eval_loss, eval_accuracy))
+
+def main() -> None:
+    """Parses the arguments, runs once, and prints the measurement on rank 0."""
+    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
+    workload.report(run(args.epochs, workload.out_dir(args.out_dir, "handwritten-tf-")))
 
 
 if __name__ == "__main__":

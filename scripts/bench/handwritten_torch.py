@@ -10,14 +10,17 @@ The data stay in memory and batches are cut by tensor indexing, as hvdtrain does
 hvdtrain; its settings and data come from :mod:`workload`, as the other workers' do.
 
 Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_torch.py --epochs 10``. Rank 0
-prints one JSON line ``{"steps", "wall_time_s", "step_time_s", ...}``; the wall time runs from the
-first step through the final evaluation and save (process start, imports, ``hvd.init``, data
-loading and the initial broadcasts are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
+prints one JSON line ``{"rank", "steps", "wall_time_s", "step_time_s", ...}``; ``interleaved.py``
+calls :func:`run` instead, many times in one job. The wall time runs from the first step through
+the final evaluation and save (process start, imports, ``hvd.init``, data loading and the initial
+broadcasts are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -31,7 +34,9 @@ from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEE
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Train and test tensors of the digits, split exactly as ``hvdtrain.data.DigitsDataset``."""
-    return tuple(torch.from_numpy(a) for a in workload.load_digits_split())  # type: ignore[return-value]
+    train_x, train_y, test_x, test_y = workload.load_digits_split()
+    return (torch.from_numpy(train_x), torch.from_numpy(train_y), torch.from_numpy(test_x),
+            torch.from_numpy(test_y))
 
 
 def make_model() -> nn.Module:
@@ -40,7 +45,7 @@ def make_model() -> nn.Module:
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: DistributedSampler,
-          x: torch.Tensor, y: torch.Tensor, epochs: int) -> int:
+          x: torch.Tensor, y: torch.Tensor, epochs: int, clock: workload.Clock) -> int:
     """Trains for ``epochs`` epochs and returns the number of optimizer steps."""
     model.train()
     steps = 0
@@ -48,6 +53,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: Distribut
         sampler.set_epoch(epoch)
         order = torch.tensor(list(sampler))
         for begin in range(0, len(order), BATCH_SIZE):
+            clock.step()
             idx = order[begin:begin + BATCH_SIZE]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x[idx]), y[idx])
@@ -73,10 +79,14 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
     return totals[0].item() / totals[2].item(), totals[1].item() / totals[2].item()
 
 
-def main() -> None:
-    """Parses the arguments, trains, evaluates, saves, and prints the measurement on rank 0."""
-    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
+def run(epochs: int, out_dir: Path) -> dict[str, Any]:
+    """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
 
+    The measurement is this rank's (see :func:`workload.measurement`).
+
+    Every call builds its own model, optimizer and sampler and reseeds, so repeated calls in one
+    process (``interleaved.py``) are independent and alike. ``hvd.init`` is idempotent.
+    """
     hvd.init()
     torch.set_num_threads(workload.threads_per_rank(hvd.local_size()))
     torch.manual_seed(SEED + hvd.rank())
@@ -88,19 +98,25 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     sampler = DistributedSampler(torch.utils.data.TensorDataset(train_x, train_y),
                                  num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=SEED)
-    out_dir = workload.out_dir(args.out_dir, "handwritten-")
 
+    clock = workload.Clock()
     started = time.perf_counter()
-    steps = train(model, optimizer, sampler, train_x, train_y, args.epochs)
+    steps = train(model, optimizer, sampler, train_x, train_y, epochs, clock)
+    clock.evaluation()
     eval_loss, eval_accuracy = evaluate(model, test_x, test_y)
     if hvd.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    out_dir / "checkpoint.pt")
     wall = time.perf_counter() - started
+    return workload.measurement(hvd.rank(), steps, wall, eval_loss, eval_accuracy, clock=clock,
+                                epochs=epochs)
 
-    if hvd.rank() == 0:
-        workload.report(workload.measurement(steps, wall, eval_loss, eval_accuracy))
+
+def main() -> None:
+    """Parses the arguments, runs once, and prints the measurement on rank 0."""
+    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
+    workload.report(run(args.epochs, workload.out_dir(args.out_dir, "handwritten-")))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,19 @@
 """A small benchmark harness: interleaved runs, medians, ratios, an A/A control, a Markdown record.
 
-Each compared command is a subprocess that prints one JSON object on a line of its stdout (possibly
-behind a launcher's ``[rank]<stdout>:`` tag) holding its measurements. The harness runs the
-commands in rounds, one run of each per round, so that a slow period of a shared machine hits every
-command alike rather than whichever ran during it. The order within a round is reversed on every
-other round (A B A' / A' B A), so that no command always follows the same neighbour. The first
-command is the baseline, and a second copy of it (the A/A control) shows how far two identical
-commands disagree on this machine: a ratio is only meaningful when it differs from 1 by more than
+The compared variants run inside one job (``interleaved.py`` under ``horovodrun``), in rounds, one
+run of each per round, so that a slow period of a shared machine hits every variant alike rather
+than whichever ran during it, and so that all of them share the same processes, the same pairing
+of ranks and the same scheduling: separate jobs differ by far more than the overheads measured
+here, depending on where the OS happens to place each job's processes. The order within a round is
+reversed on every other round (A B A' / A' B A), so that no variant always follows the same
+neighbour. The first variant is the baseline, and a second copy of it (the A/A control) shows how
+far two identical variants disagree: a ratio is only meaningful when it differs from 1 by more than
 the control does.
 
-The statistics and formatting functions (:func:`summarize`, :func:`markdown_table`,
-:func:`markdown_section`, :func:`parse_measurement`) are pure; :func:`machine_record` only reads
-files and package metadata. The harness imports no framework, so it measures nothing by accident
-and loads in milliseconds.
+Rank 0 of the job prints one JSON object per run on a line of its stdout (possibly behind a
+launcher's ``[rank]<stdout>:`` tag). Everything here is pure except :func:`machine_record`, which
+only reads files and package metadata. The harness imports no framework, so it measures nothing by
+accident and loads in milliseconds.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ import os
 import platform
 import re
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 PACKAGES = ("torch", "horovod", "tensorflow", "tensorflow-cpu", "numpy")
 """Distributions whose versions :func:`machine_record` reports (when installed)."""
@@ -39,12 +37,12 @@ _RANK_TAG = re.compile(r"^\[[\d,]+\]<\w+>:")
 
 
 class BenchError(RuntimeError):
-    """A benchmarked command failed or printed no measurement."""
+    """A benchmark job failed or printed fewer measurements than it should have."""
 
 
 @dataclass(frozen=True)
 class Row:
-    """Summary statistics of one command's samples, and its median relative to the baseline's."""
+    """Summary statistics of one variant's samples, and its median relative to the baseline's."""
 
     name: str
     runs: int
@@ -52,25 +50,17 @@ class Row:
     median: float
     max: float
     ratio: float
-    """This command's median divided by the baseline's median (1.0 for the baseline itself)."""
-
-
-@dataclass(frozen=True)
-class Command:
-    """One compared command: a display name and the argv that runs it."""
-
-    name: str
-    argv: list[str]
+    """This variant's median divided by the baseline's median (1.0 for the baseline itself)."""
 
 
 def summarize(samples: dict[str, list[float]], baseline: str) -> list[Row]:
-    """Min, median and max of each command's samples, and the ratio of its median to the baseline's.
+    """Min, median and max of each variant's samples, and the ratio of its median to the baseline's.
 
     Rows come in the order of ``samples``. Raises ``ValueError`` when ``baseline`` is not one of the
-    commands, when a command has no samples, or when the baseline's median is not positive.
+    variants, when a variant has no samples, or when the baseline's median is not positive.
     """
     if baseline not in samples:
-        raise ValueError(f"baseline {baseline!r} is not among the commands: {', '.join(samples)}")
+        raise ValueError(f"baseline {baseline!r} is not among the variants: {', '.join(samples)}")
     empty = [name for name, values in samples.items() if not values]
     if empty:
         raise ValueError(f"no samples for: {', '.join(empty)}")
@@ -168,14 +158,15 @@ def append_markdown(path: Path, section: str, header: str) -> None:
     path.write_text(existing.rstrip("\n") + "\n\n" + section)
 
 
-def parse_measurement(stdout: str, key: str) -> dict[str, Any]:
-    """The last JSON object in ``stdout`` that holds ``key``, one object per line.
+def parse_measurements(output: str, key: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``output`` that holds ``key``, one object per line, in order.
 
-    A launcher's rank tag in front of the object is ignored, and so is text after it: Open MPI's
-    output tagging can glue the next line's tag onto the end. Raises ``ValueError`` if no line fits.
+    A launcher's rank tag in front of an object is ignored, and so is text after it: Open MPI's
+    output tagging can glue the next line's tag onto the end. Other lines are skipped.
     """
     decoder = json.JSONDecoder()
-    for line in reversed(stdout.splitlines()):
+    found = []
+    for line in output.splitlines():
         text = _RANK_TAG.sub("", line.strip(), count=1).strip()
         if not text.startswith("{"):
             continue
@@ -184,60 +175,42 @@ def parse_measurement(stdout: str, key: str) -> dict[str, Any]:
         except json.JSONDecodeError:
             continue
         if isinstance(obj, dict) and key in obj:
-            return obj
-    raise ValueError(f"no JSON line with key {key!r} in the output")
+            found.append(obj)
+    return found
 
 
-def round_order(commands: Sequence[Command], round_index: int) -> list[Command]:
-    """The commands' order in round ``round_index``: as given on even rounds, reversed on odd ones."""
-    return list(commands) if round_index % 2 == 0 else list(reversed(commands))
+T = TypeVar("T")
 
 
-def run_once(command: Command, key: str, *, env: Mapping[str, str] | None = None,
-             timeout: float | None = None) -> dict[str, Any]:
-    """Runs one command and returns its measurement; raises :class:`BenchError` on any failure."""
-    try:
-        proc = subprocess.run(command.argv, capture_output=True, text=True, timeout=timeout,
-                              env=None if env is None else dict(env))
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"{command.name}: no result within {timeout} s") from None
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    if proc.returncode != 0:
-        raise BenchError(f"{command.name}: exit code {proc.returncode}\n{tail}")
-    try:
-        return parse_measurement(proc.stdout, key)
-    except ValueError as exc:
-        raise BenchError(f"{command.name}: {exc}\n{tail}") from None
+def round_order(items: Sequence[T], round_index: int) -> list[T]:
+    """The variants' order in round ``round_index``: as given on even rounds, reversed on odd ones.
 
-
-def _log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
-
-def run_interleaved(commands: Sequence[Command], rounds: int, key: str, *, warmup_rounds: int = 0,
-                    env: Mapping[str, str] | None = None, timeout: float | None = None,
-                    log: Callable[[str], None] = _log) -> dict[str, list[dict[str, Any]]]:
-    """Runs every command once per round, interleaved, and returns each command's measurements.
-
-    ``warmup_rounds`` extra rounds run first and are discarded: the first runs after a pause pay
-    for cold file caches. Progress goes to ``log``. Command names must be unique.
+    Warm-up rounds have negative indices and follow the same rule.
     """
-    names = [c.name for c in commands]
-    if len(set(names)) != len(names):
-        raise ValueError(f"command names must be unique: {names}")
+    return list(items) if round_index % 2 == 0 else list(reversed(items))
+
+
+def group_runs(records: Sequence[Mapping[str, Any]], names: Sequence[str],
+               rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """The measured runs of each variant, by table name, from one job's per-run records.
+
+    Each record holds ``slot`` (the variant's index in ``names``) and ``round`` (negative for a
+    discarded warm-up round). Raises :class:`BenchError` unless every slot has exactly ``rounds``
+    measured runs: a job that died half-way must not pass for a shorter benchmark.
+    """
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    for index in range(-warmup_rounds, rounds):
-        label = "warm-up" if index < 0 else f"round {index + 1}/{rounds}"
-        for command in round_order(commands, index):
-            started = time.perf_counter()
-            measurement = run_once(command, key, env=env, timeout=timeout)
-            log(f"{label} {command.name}: {key}={measurement[key]:.6g} "
-                f"({time.perf_counter() - started:.1f} s)")
-            if index >= 0:
-                results[command.name].append(measurement)
+    if len(results) != len(names):
+        raise ValueError(f"variant names must be unique: {list(names)}")
+    for record in records:
+        if record["round"] >= 0:
+            results[names[record["slot"]]].append(dict(record))
+    short = [f"{name} ({len(runs)})" for name, runs in results.items() if len(runs) != rounds]
+    if short:
+        raise BenchError(f"expected {rounds} measured runs of every variant, got: "
+                         f"{', '.join(short)}")
     return results
 
 
 def samples_of(results: Mapping[str, list[dict[str, Any]]], key: str) -> dict[str, list[float]]:
-    """The values of ``key`` from :func:`run_interleaved`'s measurements, per command."""
+    """The values of ``key`` from :func:`group_runs`'s measurements, per variant."""
     return {name: [float(m[key]) for m in runs] for name, runs in results.items()}

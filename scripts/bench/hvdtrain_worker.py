@@ -8,41 +8,42 @@ to ``metrics.jsonl`` every ``log.every_steps``, atomic checkpoint), since that i
 two frameworks get the same overrides, so they also run the same work as each other.
 
 Run under ``horovodrun -np 2 --gloo python scripts/bench/hvdtrain_worker.py --framework tensorflow
---epochs 10``. Rank 0 prints one JSON line with the hand-written workers' keys (``steps``,
-``wall_time_s``, ``step_time_s``, ``eval_loss``, ``eval_accuracy``; the wall time covers the loop from
-the first step through the final evaluation and checkpoint) and three more for ``frameworks.py``:
-``samples``, ``samples_per_s`` (samples over that wall time) and ``steady_samples_per_s`` (see
-:func:`steady_samples_per_s`).
+--epochs 10``, or call :func:`run` (``interleaved.py`` does, many times in one job). Rank 0 prints
+one JSON line with the hand-written workers' keys (``rank``, ``steps``, ``wall_time_s`` and
+``step_time_s``, from the run summary, whose wall time covers the loop from the first step through
+the final evaluation and checkpoint; ``steady_step_time_s``, see :class:`workload.Clock`;
+``eval_loss``, ``eval_accuracy``) and three more for ``frameworks.py``: ``samples``,
+``samples_per_s`` (over the whole run) and ``steady_samples_per_s``.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 # Run from a checkout, the worker must find this checkout's hvdtrain even if none is installed.
 sys.path.insert(0, str(ROOT))
 
+import hvdtrain.trainer  # noqa: E402
 import workload  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
-from hvdtrain.trainer import train  # noqa: E402
-from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED  # noqa: E402
+from hvdtrain.engine import Engine, make_engine  # noqa: E402
+from workload import (BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED,  # noqa: E402
+                      SPLIT_SEED, TEST_FRACTION)
 
 CONFIGS = {"torch": ROOT / "configs" / "digits_torch.yaml",
            "tensorflow": ROOT / "configs" / "digits_tf.yaml"}
-SKIP_EPOCHS = 1
-"""Epochs left out of the steady state: they hold TensorFlow's trace and both sides' first touches."""
 
 
 def overrides(framework: str, epochs: int, log_dir: str) -> list[str]:
     """Config overrides that pin every setting the hand-written loops hard-code."""
     return [
         f"framework={framework}", "model.name=mlp", f"model.options.hidden=[{HIDDEN}]",
-        "data.name=digits", f"train.epochs={epochs}", "train.max_steps=0", "train.threads=0",
-        "train.backward_passes_per_step=1",
+        "data.name=digits", f"data.options.test_fraction={TEST_FRACTION}",
+        f"data.options.split_seed={SPLIT_SEED}", f"train.epochs={epochs}", "train.max_steps=0",
+        "train.threads=0", "train.backward_passes_per_step=1",
         # The hand-written loops evaluate once, after the last epoch.
         f"train.eval_every_epochs={epochs}",
         f"seed={SEED}", f"data.batch_size={BATCH_SIZE}", f"data.eval_batch_size={EVAL_BATCH_SIZE}",
@@ -52,57 +53,79 @@ def overrides(framework: str, epochs: int, log_dir: str) -> list[str]:
         # One checkpoint, at the end, like the hand-written save.
         "checkpoint.enabled=true", "checkpoint.every_steps=0",
         "log.console=false", "log.overwrite=true", f"log.dir={log_dir}",
+        # The hand-written loops log nothing; W&B's service process is not training machinery.
+        "log.wandb=disabled",
     ]
 
 
-def windows(records: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
-    """``(epoch, samples, seconds)`` of each logged window, from ``metrics.jsonl``'s records.
+def clocked(clock: workload.Clock) -> Callable[[str], Engine]:
+    """A ``make_engine`` whose engines note on ``clock`` when each step and evaluation starts.
 
-    A record holds its window's ``samples_per_sec`` and ``step_time_s`` (seconds per step); the
-    window's steps are the distance to the previous record's ``step``. Records that hold an
-    evaluation are left out: their window's time includes it.
+    It wraps the engine's public ``train_step`` and ``evaluate`` (one Python call and one
+    ``perf_counter`` per step, well under a microsecond against milliseconds per step), so hvdtrain
+    is timed over the same span as the hand-written loops, which note the same points inline.
     """
-    out, previous = [], 0
-    for record in records:
-        steps, previous = record["step"] - previous, record["step"]
-        seconds = record["step_time_s"] * steps
-        if not any(key.startswith("eval_") for key in record):
-            out.append((record["epoch"], record["samples_per_sec"] * seconds, seconds))
-    return out
+    def make(framework: str) -> Engine:
+        engine = make_engine(framework)
+        train_step, evaluate = engine.train_step, engine.evaluate
+
+        def timed_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+            clock.step()
+            return train_step(*args, **kwargs)
+
+        def timed_evaluate(*args: Any, **kwargs: Any) -> dict[str, float]:
+            clock.evaluation()
+            return evaluate(*args, **kwargs)
+
+        engine.train_step, engine.evaluate = timed_step, timed_evaluate  # type: ignore[method-assign]
+        return engine
+
+    return make
 
 
-def steady_samples_per_s(metrics_path: Path, skip_epochs: int = SKIP_EPOCHS) -> float | None:
-    """Samples per second of rank 0's training windows after the first ``skip_epochs`` epochs.
+def throughput(summary: dict[str, Any], clock: workload.Clock, epochs: int) -> dict[str, Any]:
+    """``samples``, ``samples_per_s`` (over the whole run) and ``steady_samples_per_s``.
 
-    No ``tf.function`` trace, evaluation or checkpoint falls in those windows; each window's metric
-    allreduce does, as it is part of every step's cost. ``None`` when no window is left (a run of
-    ``skip_epochs`` epochs or fewer).
+    Every epoch sees every training sample once, so the steady state (epochs 2 to N, see
+    :class:`workload.Clock`) holds ``(epochs - 1) / epochs`` of the run's samples.
     """
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    kept = [(samples, seconds) for epoch, samples, seconds in windows(records) if epoch >= skip_epochs]
-    seconds = sum(s for _, s in kept)
-    return sum(n for n, _ in kept) / seconds if seconds > 0 else None
+    samples = summary["samples"]
+    steady_seconds = clock.steady_seconds(epochs)
+    steady = None if steady_seconds is None else samples * (epochs - 1) / epochs / steady_seconds
+    return {"samples": samples, "samples_per_s": samples / summary["wall_time_s"],
+            "steady_samples_per_s": steady}
+
+
+def run(framework: str, epochs: int, out_dir: Path) -> dict[str, Any]:
+    """Trains from scratch with hvdtrain (rank 0 writes the run to ``out_dir``); returns a measurement.
+
+    The measurement is this rank's. Every call loads the config and lets hvdtrain build a new engine (model, optimizer, data order,
+    seeds), so repeated calls in one process (``interleaved.py``) are independent and alike.
+    """
+    # environ={}: HVDTRAIN_* variables of the caller must not change what is measured.
+    cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir)), environ={})
+    clock = workload.Clock()
+    # train() builds its engine through this module-level name; the clock must ride on that engine.
+    original = hvdtrain.trainer.make_engine
+    hvdtrain.trainer.make_engine = clocked(clock)
+    try:
+        result = hvdtrain.trainer.train(cfg)
+    finally:
+        hvdtrain.trainer.make_engine = original
+    summary = result.summary
+    record = workload.measurement(result.engine.rank, summary["steps"], summary["wall_time_s"],
+                                  summary["final"].get("eval_loss"),
+                                  summary["final"].get("eval_accuracy"), clock=clock, epochs=epochs)
+    return {**record, **throughput(summary, clock, epochs)}
 
 
 def main() -> None:
-    """Parses the arguments, trains with hvdtrain, and prints the measurement on rank 0."""
+    """Parses the arguments, trains once with hvdtrain, and prints the measurement on rank 0."""
     parser = workload.worker_parser(__doc__.splitlines()[0])
     parser.add_argument("--framework", choices=sorted(CONFIGS), default="torch")
     args = parser.parse_args()
-    log_dir = str(workload.out_dir(args.out_dir, "hvdtrain-bench-"))
-
-    # environ={}: HVDTRAIN_* variables of the caller must not change what is measured.
-    cfg = load_config(CONFIGS[args.framework], overrides(args.framework, args.epochs, log_dir),
-                      environ={})
-    result = train(cfg)
-
-    if result.engine.rank == 0:
-        summary = result.summary
-        wall, samples = summary["wall_time_s"], summary["samples"]
-        workload.report(workload.measurement(
-            summary["steps"], wall, summary["final"].get("eval_loss"),
-            summary["final"].get("eval_accuracy"), samples=samples, samples_per_s=samples / wall,
-            steady_samples_per_s=steady_samples_per_s(result.run_dir / "metrics.jsonl")))
+    workload.report(run(args.framework, args.epochs,
+                        workload.out_dir(args.out_dir, "hvdtrain-bench-")))
 
 
 if __name__ == "__main__":

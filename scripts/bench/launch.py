@@ -1,8 +1,9 @@
-"""What the benchmark drivers share: their common options, the Horovod jobs they start, the doc.
+"""What the benchmark drivers share: their common options, the Horovod job they start, the doc.
 
-``overhead.py`` and ``frameworks.py`` each compare Horovod jobs through :mod:`harness`; this module
-parses the options they share, finds ``horovodrun``, builds the jobs' command lines, runs them and
-writes the resulting section to ``docs/benchmarks.md``. Like the harness, it imports no framework.
+``overhead.py`` and ``frameworks.py`` each compare variants through :mod:`harness`; this module
+parses the options they share, finds ``horovodrun``, starts the one job (``interleaved.py``) that
+runs all the variants interleaved, collects its per-run measurements and writes the resulting
+section to ``docs/benchmarks.md``. Like the harness, it imports no framework.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import harness
 import workload
-from harness import Command
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -30,22 +35,26 @@ HEADER = """# Benchmarks
 Every table here comes from a script in `scripts/bench/`; each section gives the date, the command
 that reproduces it (run from the repository root after `make setup`) and the machine.
 
-Method (`scripts/bench/harness.py`): the compared commands run interleaved in rounds, one run of
-each per round, in alternating order (A B A' in one round, A' B A in the next), after a discarded
-warm-up round, so that a busy spell of the machine hits all of them alike. Every run is a fresh job
-that measures itself and prints its result as JSON. The tables give min, median and max over the
-rounds and each median's ratio to the baseline's median. A' is a second copy of the baseline A: its
-ratio, the A/A control, shows how much two identical commands disagree on this machine, and a
-difference smaller than that is noise, not a finding. Timings are never asserted in tests.
+Method (`scripts/bench/harness.py`, `scripts/bench/interleaved.py`): all compared variants run
+inside ONE `horovodrun` job, interleaved in rounds, one run of each per round, in alternating order
+(A B A' in one round, A' B A in the next), after a discarded warm-up round. So they share the same
+processes, the same pairing of ranks and the same placement by the OS, and a busy spell of the
+machine hits all of them alike; separate jobs of the same command differed by up to 3x on this
+2-core machine, depending on how each job's processes happened to be scheduled. Every run builds
+its model, optimizer and data order from scratch and measures itself; rank 0 prints each result as
+JSON. The tables give min, median and max over the rounds and each median's ratio to the
+baseline's median. A' is a second copy of the baseline A: its ratio, the A/A control, shows how much
+two identical variants disagree, and a difference smaller than that is noise, not a finding.
+Timings are never asserted in tests.
 """
 
 Results = dict[str, list[dict[str, Any]]]
-"""Each compared job's measurements, one per measured round (``harness.run_interleaved``)."""
+"""Each compared variant's measurements, one per measured round (``harness.group_runs``)."""
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """How much a benchmark runs: measured rounds, epochs per job, discarded warm-up rounds."""
+    """How much a benchmark runs: measured rounds, epochs per run, discarded warm-up rounds."""
 
     rounds: int
     epochs: int
@@ -53,12 +62,11 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class Job:
-    """One compared job: its table name, the worker script in this directory, the worker's options."""
+class Variant:
+    """One compared variant: its table name and its key in ``interleaved.VARIANTS``."""
 
     name: str
-    script: str
-    options: tuple[str, ...] = ()
+    key: str
 
 
 def make_parser(description: str, full: Sizes, quick: Sizes) -> argparse.ArgumentParser:
@@ -67,13 +75,14 @@ def make_parser(description: str, full: Sizes, quick: Sizes) -> argparse.Argumen
     parser.add_argument("--rounds", type=int, help=f"measured rounds (default {full.rounds})")
     parser.add_argument("--epochs", type=int, help=f"epochs per run (default {full.epochs})")
     parser.add_argument("--warmup", type=int, help=f"discarded rounds first (default {full.warmup})")
-    parser.add_argument("--np", type=int, default=2, help="ranks per run (default 2)")
+    parser.add_argument("--np", type=int, default=2, help="ranks of the job (default 2)")
     parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
     parser.add_argument("--quick", action="store_true",
-                        help=f"tiny check: defaults {quick} instead of {full}")
+                        help=f"tiny check: defaults {vars(quick)} instead of {vars(full)}")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    parser.add_argument("--timeout", type=float, default=1200.0,
+                        help="seconds allowed for the whole job (default 1200)")
     return parser
 
 
@@ -105,12 +114,12 @@ def horovodrun() -> str:
     return found
 
 
-def commands(jobs: Sequence[Job], args: argparse.Namespace, work: Path) -> list[Command]:
-    """The jobs' command lines under ``horovodrun``; each writes to its own directory in ``work``."""
-    launch = [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python())]
-    return [Command(job.name, launch + [str(HERE / job.script), *job.options,
-                                        "--epochs", str(args.epochs), "--out-dir", str(work / f"run{i}")])
-            for i, job in enumerate(jobs)]
+def job_command(variants: Sequence[Variant], args: argparse.Namespace, work: Path) -> list[str]:
+    """The command line of the one ``horovodrun`` job that runs all ``variants`` interleaved."""
+    return [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python()),
+            str(HERE / "interleaved.py"), "--variants", ",".join(v.key for v in variants),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--epochs",
+            str(args.epochs), "--out-dir", str(work)]
 
 
 def worker_env() -> dict[str, str]:
@@ -121,15 +130,49 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run(jobs: Sequence[Job], args: argparse.Namespace, key: str) -> tuple[dict[str, Any], Results]:
-    """Runs the jobs interleaved and returns the machine record and every job's measurements."""
-    # Taken before the runs, so that the load average shows what else the machine was doing.
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_job(argv: Sequence[str], key: str, timeout: float) -> list[dict[str, Any]]:
+    """Runs the job, logging each run as it comes, and returns every per-run record it printed.
+
+    Raises :class:`harness.BenchError` with the output's tail when the job fails or times out.
+    """
+    tail: deque[str] = deque(maxlen=30)
+    records: list[dict[str, Any]] = []
+    started = time.monotonic()
+    # One pipe for both streams: reading two pipes one after the other could deadlock. A session of
+    # its own lets a timeout kill the workers too, not only horovodrun.
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=worker_env(), start_new_session=True) as proc:
+        timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                tail.append(line.rstrip("\n"))
+                for record in harness.parse_measurements(line, key):
+                    records.append(record)
+                    label = "warm-up" if record["round"] < 0 else f"round {record['round'] + 1}"
+                    _log(f"{label} {record['variant']} (slot {record['slot']}): "
+                         f"{key}={record[key]:.6g}")
+        finally:
+            timer.cancel()
+    if proc.returncode != 0:
+        reason = (f"no result within {timeout:g} s" if time.monotonic() - started >= timeout
+                  else f"exit code {proc.returncode}")
+        raise harness.BenchError(f"benchmark job: {reason}\n" + "\n".join(tail))
+    return records
+
+
+def run(variants: Sequence[Variant], args: argparse.Namespace,
+        key: str) -> tuple[dict[str, Any], Results]:
+    """Runs the variants interleaved in one job; returns the machine record and their measurements."""
+    # Taken before the job, so that the load average shows what else the machine was doing.
     machine = harness.machine_record()
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as work:
-        results = harness.run_interleaved(commands(jobs, args, Path(work)), args.rounds, key,
-                                          warmup_rounds=args.warmup, env=worker_env(),
-                                          timeout=args.timeout)
-    return machine, results
+        records = run_job(job_command(variants, args, Path(work)), key, args.timeout)
+    return machine, harness.group_runs(records, [v.name for v in variants], args.rounds)
 
 
 def reproduce_command(script: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> str:
@@ -143,19 +186,50 @@ def reproduce_command(script: str, args: argparse.Namespace, extra: Sequence[str
     return shlex.join(argv)
 
 
+STEADY_SPAN = "epochs 2 to N, up to the final evaluation"
+STEADY_NOTE = (
+    "Steady state: from the start of the first step of epoch 2 to the start of the final "
+    "evaluation, on rank 0, per step (or samples per second) in that span: every step of epochs "
+    "2 to N and the work between steps (metric logging and allreduce, shuffling), but no "
+    "`tf.function` trace, first-epoch warm-up, evaluation or checkpoint. Every worker notes these "
+    "two times the same way (`workload.Clock`; hvdtrain's through a wrapper around its engine's "
+    "`train_step` and `evaluate`).")
+"""The note that defines the steady state, which every driver reports next to the whole run."""
+
+
+def one_time_cost(measurement: dict[str, Any]) -> float:
+    """Seconds of a run's wall time that its steady state leaves out (see :func:`one_time_note`)."""
+    m = measurement
+    return m["wall_time_s"] - m["steady_step_time_s"] * m["steps"]
+
+
+def one_time_note(results: Results) -> str:
+    """The note with each variant's median one-time cost: the whole-run time the steady state leaves out.
+
+    It is the wall time less the steady step time times the steps: the first epoch's excess over
+    a steady epoch (a ``tf.function`` trace, warm-up), the final evaluation and the checkpoint.
+    Noise can make it slightly negative where there is no such cost.
+    """
+    costs = ", ".join(f"{name} {statistics.median(one_time_cost(m) for m in runs):.3f} s"
+                      for name, runs in results.items())
+    return ("Median one-time cost per run (wall time - steady step time x steps: the first "
+            "epoch's excess, such as a `tf.function` trace, plus the final evaluation and "
+            f"checkpoint): {costs}.")
+
+
 def workload_note(args: argparse.Namespace, steps: int) -> str:
-    """The note that says what every job trained and how many runs the table holds."""
-    return (f"Workload: digits MLP (64-{workload.HIDDEN}-10), `horovodrun -np {args.np} "
-            f"--{args.controller}`, batch {workload.BATCH_SIZE} per rank, SGD lr {workload.BASE_LR} "
-            f"x {args.np} momentum {workload.MOMENTUM}; per run {args.epochs} epoch(s), {steps} "
-            f"steps; rounds: {args.rounds} measured after {args.warmup} warm-up.")
+    """The note that says what every run trained, in what job, and how many runs the table holds."""
+    return (f"Workload: digits MLP (64-{workload.HIDDEN}-10), all runs in one `horovodrun -np "
+            f"{args.np} --{args.controller}` job, batch {workload.BATCH_SIZE} per rank, SGD lr "
+            f"{workload.BASE_LR} x {args.np} momentum {workload.MOMENTUM}; per run {args.epochs} "
+            f"epoch(s), {steps} steps; rounds: {args.rounds} measured after {args.warmup} warm-up.")
 
 
 def accuracy_note(results: Results) -> str:
-    """The note that shows every job learned the same problem: its median final test accuracy."""
+    """The note that shows every variant learned the same problem: its median final test accuracy."""
     accuracy = ", ".join(f"{name} {statistics.median(m['eval_accuracy'] for m in runs):.3f}"
                          for name, runs in results.items())
-    return f"Median final test accuracy (all jobs train the same problem): {accuracy}."
+    return f"Median final test accuracy (all variants train the same problem): {accuracy}."
 
 
 def publish(section: str, args: argparse.Namespace) -> None:

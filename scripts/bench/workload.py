@@ -1,8 +1,9 @@
 """The benchmark workers' common ground: the problem they all train and how they report on it.
 
 Every worker (``handwritten_torch.py``, ``handwritten_tf.py``, ``hvdtrain_worker.py``) takes its
-hyper-parameters, its data split and its thread count from here, and prints its measurement with
-:func:`report`, so the compared jobs cannot drift apart by an edit to one of them. This module
+hyper-parameters, its data split and its thread count from here, and builds and prints its
+measurement with :func:`measurement` and :func:`report`, so the compared variants cannot drift
+apart by an edit to one of them. This module
 imports neither a deep-learning framework nor hvdtrain (the hand-written loops must stay free of
 hvdtrain's code), and numpy only when data is loaded, so the drivers can read its constants.
 """
@@ -13,6 +14,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,13 +78,61 @@ def out_dir(arg: str, prefix: str) -> Path:
     return Path(arg or tempfile.mkdtemp(prefix=prefix))
 
 
-def measurement(steps: int, wall_time_s: float, eval_loss: float | None,
-                eval_accuracy: float | None, **extra: Any) -> dict[str, Any]:
-    """The measurement every worker reports; ``step_time_s`` is the wall time per optimizer step."""
-    return {"steps": steps, "wall_time_s": wall_time_s, "step_time_s": wall_time_s / steps,
+class Clock:
+    """Notes when each optimizer step and the final evaluation start, for the steady-state figure.
+
+    The whole-run wall time holds one-time costs: TensorFlow traces its ``tf.function`` step on
+    the first call (seconds, against milliseconds per step), and the first steps of any framework
+    touch cold memory. The steady state leaves the first epoch out: it runs from the start of the
+    first step of the second epoch to the start of the final evaluation, so it holds every step of
+    epochs 2 to N and all the work between them (metric logging, allreduces, shuffles), but no
+    trace, evaluation or checkpoint. Every worker notes its times the same way, so the figures of
+    the hand-written loops and of hvdtrain cover the same span.
+    """
+
+    def __init__(self) -> None:
+        self.step_starts: list[float] = []
+        self.eval_start: float | None = None
+
+    def step(self) -> None:
+        """Call at the start of every optimizer step."""
+        self.step_starts.append(time.perf_counter())
+
+    def evaluation(self) -> None:
+        """Call at the start of the final evaluation (later calls are ignored)."""
+        if self.eval_start is None:
+            self.eval_start = time.perf_counter()
+
+    def steady_seconds(self, epochs: int) -> float | None:
+        """Seconds of epochs 2 to ``epochs`` (see the class); ``None`` for a one-epoch run."""
+        skip = len(self.step_starts) // epochs  # every epoch has the same number of steps
+        if epochs < 2 or self.eval_start is None or skip >= len(self.step_starts):
+            return None
+        return self.eval_start - self.step_starts[skip]
+
+
+def measurement(rank: int, steps: int, wall_time_s: float, eval_loss: float | None,
+                eval_accuracy: float | None, *, clock: Clock, epochs: int,
+                **extra: Any) -> dict[str, Any]:
+    """The measurement every worker returns from ``run`` on every rank, with ``extra`` keys appended.
+
+    ``rank`` says whose clock it is (only rank 0's is reported). ``step_time_s`` is the wall time
+    per optimizer step; ``steady_step_time_s`` is the steady state's time (see :class:`Clock`) per
+    step it holds, ``None`` for a one-epoch run.
+    """
+    steady = clock.steady_seconds(epochs)
+    steady_steps = steps - steps // epochs
+    return {"rank": rank, "steps": steps, "wall_time_s": wall_time_s,
+            "step_time_s": wall_time_s / steps,
+            "steady_step_time_s": None if steady is None else steady / steady_steps,
             "eval_loss": eval_loss, "eval_accuracy": eval_accuracy, **extra}
 
 
 def report(record: dict[str, Any]) -> None:
-    """Prints ``record`` as the one JSON line that ``harness.parse_measurement`` looks for."""
-    print(json.dumps(record), flush=True)
+    """On rank 0 only, prints ``record`` as a JSON line, as ``harness.parse_measurements`` reads it.
+
+    Every rank measures; one report per run is enough, and rank 0's is the one hvdtrain's run
+    summary (written by rank 0) also gives.
+    """
+    if record["rank"] == 0:
+        print(json.dumps(record), flush=True)

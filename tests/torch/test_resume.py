@@ -66,7 +66,8 @@ def test_checkpoint_of_another_model_is_refused_clearly(tmp_path):
 
 
 def test_sigusr1_checkpoints_at_a_step_boundary_and_resume_matches(tmp_path):
-    common = [str(BIN / "hvdtrain"), "train", str(CONFIG), "train.epochs=30", "log.every_steps=5"]
+    common = [str(BIN / "hvdtrain"), "train", str(CONFIG), "train.epochs=30", "log.every_steps=5",
+              "log.wandb=disabled"]
     straight = subprocess.run([*common, f"log.dir={tmp_path / 'a'}"], env=run_env(),
                               capture_output=True, text=True, timeout=300)
     assert straight.returncode == 0, straight.stderr

@@ -50,7 +50,8 @@ def wandb_contents(run_dir: Path) -> tuple[str, dict, dict[int, dict], dict]:
             run_id = record.run.run_id
             config = {u.key: json.loads(u.value_json) for u in record.run.config.update}
         elif kind == "history":
-            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            row = {"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                   for i in record.history.item}
             history[row["_step"]] = row
         elif kind == "summary":
             for u in record.summary.update:

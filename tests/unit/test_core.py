@@ -20,7 +20,7 @@ FRAMEWORKS = "('torch', 'tensorflow', 'horovod', 'keras')"
 
 def test_import_hvdtrain_loads_no_framework():
     code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.trainer, "
-            "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters\n"
+            "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, hvdtrain.report\n"
             f"bad = [m for m in {FRAMEWORKS} if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
