@@ -24,12 +24,18 @@ def nearest_key(key: str, known: Iterable[str], prefix: str = "") -> str:
 def coerce_value(path: str, value: Any, ftype: type) -> Any:
     """Returns ``value`` as ``ftype`` or raises naming the key, the value and the type wanted.
 
-    Only lossless conversions happen: an int where a float is wanted. ``1.5`` for an int, ``"abc"``
-    for a number and ``1`` for a bool are all rejected.
+    Only lossless conversions happen: an int, or a string such as ``1e-3``, where a float is wanted.
+    ``1.5`` for an int, ``"abc"`` for a number and ``1`` for a bool are all rejected.
     """
     ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
     if ftype is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if ftype is float and isinstance(value, str):
+        # YAML 1.1 reads 1e-3 (no dot) as a string; a number written that way is still a number.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if not ok:
         raise ConfigError(f"{path}={value!r}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
     return value

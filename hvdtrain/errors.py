@@ -7,3 +7,7 @@ class HvdtrainError(Exception):
 
 class ConfigError(HvdtrainError):
     """A config key, type or value that hvdtrain cannot accept."""
+
+
+class Diverged(HvdtrainError):
+    """The loss became NaN or infinite; every rank stops at the same step."""

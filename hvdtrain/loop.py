@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +21,7 @@ from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
+from hvdtrain.errors import Diverged
 from hvdtrain.metrics import MetricsLogger
 from hvdtrain.schedule import lr_at
 
@@ -93,6 +96,7 @@ class Loop:
         self.last_train: dict[str, float] = {}
         self.pending: tuple[dict[str, Any], Callable[[], dict[str, float]]] | None = None
         self.stop_agreed = False
+        self.first_nonfinite = 0  # the first step with a NaN or Inf loss on this rank (0: none)
         self.saved_step = -1
         self.last_eval: dict[str, float] = {}
         self.local_eval: dict[str, float] = {}
@@ -126,8 +130,11 @@ class Loop:
         for indices in steps:
             lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size)
             tick = time.perf_counter()
-            window.add(self.engine.train_step(indices, lr), indices.global_count)
+            sums = self.engine.train_step(indices, lr)
+            window.add(sums, indices.global_count)
             self.train_seconds += time.perf_counter() - tick
+            if not self.first_nonfinite and not math.isfinite(sums["loss"]):
+                self.first_nonfinite = self.pos.step + 1  # noted here, acted on at the next flush
             self._flush()
             self._advance(indices)
             if self.pos.step == self.total_steps or self.pos.in_epoch >= self.num_train:
@@ -165,15 +172,17 @@ class Loop:
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
         """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
 
-        A stop request rides along: any rank's request makes the sum positive on every rank, so all
-        ranks stop after the same step.
+        Two controls ride along, so that every rank learns them from the same sum and acts after the
+        same step: a stop request from any rank, and which ranks saw a non-finite loss.
         """
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
                   "samples_per_sec": window.samples / seconds,
                   "time_s": time.perf_counter() - self.started,
                   "step_time_s": seconds / max(window.steps, 1)}
-        sums = {**window.sums, "stop": float(self.stop_requested())}
+        controls = {f"nonfinite.{r}": float(self.first_nonfinite if r == self.engine.rank else 0)
+                    for r in range(self.engine.size)}
+        sums = {**window.sums, **controls, "stop": float(self.stop_requested())}
         self.pending = (record, self.engine.start_allreduce_sums(sums))
 
     def _flush(self) -> None:
@@ -184,8 +193,22 @@ class Loop:
         self.pending = None
         sums = result()
         self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
+        first_bad = {r: int(sums.pop(f"nonfinite.{r}")) for r in range(self.engine.size)}
         self.last_train = means(sums)
         self.logger.log({**record, **self.last_train})
+        self._check_finite(first_bad)
+
+    @staticmethod
+    def _check_finite(first_bad: dict[int, int]) -> None:
+        """Stops every rank when any saw a NaN or Inf loss, naming where it began; the allreduce
+        spreads it to all ranks within a step, so only the first rank and step tell the cause."""
+        seen = {rank: step for rank, step in first_bad.items() if step}
+        if not seen:
+            return
+        step = min(seen.values())
+        ranks = ", ".join(str(r) for r, s in seen.items() if s == step)
+        raise Diverged(f"the loss became NaN or infinite on rank {ranks} at step {step}; "
+                       "lower optim.lr, add warm-up or check the data")
 
     def _evaluate(self) -> dict[str, float]:
         shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,
@@ -195,6 +218,11 @@ class Loop:
         return self.last_eval
 
     def _checkpoint(self) -> Path | None:
+        if self.first_nonfinite:
+            # NaN weights must not become the newest checkpoint that a resume would pick.
+            warnings.warn(f"not checkpointing step {self.pos.step}: the loss was not finite since "
+                          f"step {self.first_nonfinite}", stacklevel=2)
+            return None
         meta = {"position": dataclasses.asdict(self.pos), "world_size": self.engine.size,
                 "framework": self.engine.framework, "config": self.cfg.to_dict()}
         self.saved_step = self.pos.step

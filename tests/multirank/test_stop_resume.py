@@ -64,3 +64,14 @@ def test_sigusr1_to_one_rank_stops_both_then_resume_at_one_rank(tmp_path):
     assert summary["world_size"] == 1
     assert summary["samples"] == 30 * 1437  # every sample of every epoch, across the resize
     assert summary["final"]["eval_accuracy"] >= 0.95
+
+
+def test_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
+           "train", str(CONFIG), "model.name=tests.torch.user_models:NanOnRank", "model.options={rank: 1, after: 3}",
+           "log.wandb=disabled", f"log.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    found = re.findall(r"\[(\d)\]<stderr>:hvdtrain: error: the loss became NaN or infinite on rank 1 "
+                       r"at step 4;", proc.stdout + proc.stderr)
+    assert sorted(found) == ["0", "1"], proc.stdout[-2000:] + proc.stderr[-2000:]

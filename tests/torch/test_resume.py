@@ -94,3 +94,15 @@ def test_sigusr1_checkpoints_at_a_step_boundary_and_resume_matches(tmp_path):
         assert torch.equal(final_a[key], final_b[key]), key
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["steps"] == 1350 and summary["final"]["eval_accuracy"] >= 0.95
+
+
+def test_divergence_stops_naming_the_rank_and_the_first_bad_step(tmp_path):
+    with pytest.raises(HvdtrainError, match=r"loss became NaN or infinite on rank 0 at step 13; "
+                                            r"lower optim.lr"), pytest.warns(UserWarning):
+        train(quiet_config(CONFIG, tmp_path, "model.name=tests.torch.user_models:NanOnRank",
+                           "model.options={rank: 0, after: 12}", "checkpoint.every_steps=5"))
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [10, 20] and records[-1]["loss"] is None
+    # The checkpoints due at steps 15 and 20 would hold NaN weights: they are not written.
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
+    assert names == ["step-00000005.ckpt", "step-00000010.ckpt"]

@@ -1,5 +1,7 @@
 """A user's own models, plugged in by import path the way a user would."""
 
+import os
+
 from torch import nn
 
 from hvdtrain.torch import ClassifierAdapter
@@ -24,3 +26,23 @@ class WideNet(ClassifierAdapter):
 
 def not_a_module(spec):
     return "this is not a model"
+
+
+class NanOnRank(ClassifierAdapter):
+    """The classification adapter, except that one rank's training loss turns NaN from a given
+    step on (an injected fault; HOROVOD_RANK is set by horovodrun, absent in a lone process)."""
+
+    def __init__(self, rank: int = 0, after: int = 0) -> None:
+        super().__init__(rank=rank, after=after)
+        self.rank, self.after, self.calls = rank, after, 0
+
+    def build(self, spec) -> nn.Module:
+        return tiny_net(spec)
+
+    def loss_and_metrics(self, model, x, y, training: bool = True):
+        loss_sum, metrics = super().loss_and_metrics(model, x, y, training)
+        if training:
+            self.calls += 1
+            if int(os.environ.get("HOROVOD_RANK", "0")) == self.rank and self.calls > self.after:
+                loss_sum = loss_sum * float("nan")
+        return loss_sum, metrics

@@ -17,8 +17,9 @@ def test_yaml_and_overrides_are_typed():
     assert cfg.framework == "torch" and cfg.data.name == "digits"
 
 
-def test_int_is_accepted_where_a_float_is_wanted():
+def test_int_and_exponent_notation_are_accepted_where_a_float_is_wanted():
     assert load_config(CONFIG, ["optim.lr=1"], environ={}).optim.lr == 1.0
+    assert load_config(CONFIG, ["optim.lr=1e-3"], environ={}).optim.lr == 0.001
 
 
 def test_env_sits_between_yaml_and_cli():
