@@ -98,6 +98,7 @@ class Loop:
         self.stop_agreed = False
         self.first_nonfinite = 0  # the first step with a NaN or Inf loss on this rank (0: none)
         self.saved_step = -1
+        self.started = time.perf_counter()  # reset by run(); records carry time since then
         self.last_eval: dict[str, float] = {}
         self.local_eval: dict[str, float] = {}
 
