@@ -15,6 +15,7 @@ demo: setup
 	$(BIN)/horovodrun -np $(NP) --gloo $(BIN)/hvdtrain train configs/digits_torch.yaml log.overwrite=true
 
 test: setup
+	bash scripts/slurm_local.sh start
 	$(BIN)/python -m pytest tests
 
 test-unit:

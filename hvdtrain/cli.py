@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``train``, ``report`` and ``doctor``.
+"""The ``hvdtrain`` command: ``train``, ``slurm``, ``report`` and ``doctor``.
 
 User errors (:class:`~hvdtrain.errors.HvdtrainError`) become one line on stderr and exit code 2.
 """
@@ -27,6 +27,14 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot and tabulate one or more run directories")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     report.add_argument("--out", help="output directory (default: RUN_DIR/report of the first)")
+    slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script (slurm/train.sbatch)")
+    slurm.add_argument("action", choices=("render", "check", "submit"))
+    slurm.add_argument("config", help="YAML config file")
+    slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
+    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1), ("--time", str, "01:00:00"),
+                                ("--partition", str, ""), ("--account", str, ""), ("--signal-lead", int, 120),
+                                ("--controller", str, "gloo")):
+        slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
     return parser
@@ -46,6 +54,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm(args: argparse.Namespace) -> int:
+    from hvdtrain import slurm
+
+    options = slurm.JobOptions(nodes=args.nodes, tasks_per_node=args.tasks_per_node, time=args.time,
+                               partition=args.partition, account=args.account,
+                               signal_lead=args.signal_lead, controller=args.controller)
+    if args.action == "render":
+        print(slurm.render(args.config, args.overrides, options), end="")
+        return 0
+    if args.action == "submit":
+        slurm.submit(args.config, args.overrides, options)
+        return 0
+    problems = slurm.check(args.config, args.overrides, options)
+    for problem in problems:
+        print(f"hvdtrain: slurm check: {problem}", file=sys.stderr)
+    print("[hvdtrain] slurm check: ok" if not problems else f"[hvdtrain] {len(problems)} problem(s)")
+    return EXIT_USAGE if problems else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hvdtrain`` console script."""
     args = _parser().parse_args(argv)
@@ -56,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from hvdtrain.report import report
             print(f"[hvdtrain] report written to {report(args.run_dirs, args.out)}")
             return 0
+        if args.command == "slurm":
+            return _slurm(args)
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
     except HvdtrainError as exc:

@@ -1,0 +1,170 @@
+"""Slurm job scripts: render ``slurm/train.sbatch`` from a config and job options, check it, submit it.
+
+The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_NODELIST``, slots from
+``--ntasks-per-node``), asks for ``USR1`` ahead of preemption or the time limit, forwards it to the
+ranks (which checkpoint and exit 75) and then requeues itself; the requeued job resumes with
+``checkpoint.resume=auto``. Framework-free: nothing here imports torch or tensorflow.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from hvdtrain.config import Config, load_config
+from hvdtrain.errors import HvdtrainError
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
+CONTROLLERS = ("gloo", "mpi")
+BASE_STOP_S = 30
+"""Seconds a stop needs besides the steps up to the next log interval: writing the checkpoint and
+the launcher shutting the ranks down (a horovodrun start or stop costs 10-20 s on 2 cores)."""
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_NP = re.compile(r"horovodrun\"? -np (\d+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOptions:
+    """What ``sbatch`` is asked for, besides the training config."""
+
+    nodes: int = 1
+    """Nodes in the allocation."""
+    tasks_per_node: int = 1
+    """Horovod ranks (Slurm tasks) per node."""
+    time: str = "01:00:00"
+    """Time limit, in a format Slurm accepts (``MM``, ``HH:MM:SS``, ``D-HH:MM``)."""
+    partition: str = ""
+    """Partition (empty: the cluster's default)."""
+    account: str = ""
+    """Account to charge (empty: the user's default)."""
+    signal_lead: int = 120
+    """Seconds before the end at which Slurm sends USR1 so that the run can checkpoint."""
+    controller: str = "gloo"
+    """Horovod's controller: ``gloo`` or ``mpi``."""
+
+    def validate(self) -> None:
+        """Raises :class:`HvdtrainError` for an option that sbatch or horovodrun cannot take."""
+        if self.nodes < 1 or self.tasks_per_node < 1:
+            raise HvdtrainError(f"--nodes={self.nodes} --tasks-per-node={self.tasks_per_node}: both must be >= 1")
+        if not _TIME.match(self.time):
+            raise HvdtrainError(f"--time={self.time!r}: expected MM, HH:MM:SS or D-HH:MM:SS")
+        for flag, value in (("--partition", self.partition), ("--account", self.account)):
+            if value and not _NAME.match(value):
+                raise HvdtrainError(f"{flag}={value!r}: letters, digits, '_', '.' and '-' only")
+        if self.signal_lead < 0:
+            raise HvdtrainError(f"--signal-lead={self.signal_lead}: must be >= 0 seconds")
+        if self.controller not in CONTROLLERS:
+            raise HvdtrainError(f"--controller={self.controller!r}: expected one of {', '.join(CONTROLLERS)}")
+
+
+def _sbatch_path(path: Path, what: str, suffix: str = "") -> str:
+    """A path for an ``#SBATCH`` line, which sbatch parses itself (double quotes, no shell)."""
+    text = str(path)
+    if any(ch in text for ch in '"\n%\\'):
+        raise HvdtrainError(f"{what} {text!r}: a path for #SBATCH lines may not hold '\"', '%', '\\' or newlines")
+    text += suffix
+    return f'"{text}"' if re.search(r"\s", text) else text
+
+
+def _job_overrides(overrides: Sequence[str]) -> list[str]:
+    return [*overrides, "checkpoint.resume=auto"]
+
+
+def run_dir_of(cfg: Config) -> Path:
+    """The run directory as an absolute path (relative ones are taken from the current directory)."""
+    return (Path.cwd() / cfg.run_dir).resolve()
+
+
+def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
+    """The text of ``train.sbatch`` for this config, overrides and job options."""
+    import jinja2
+
+    options.validate()
+    cfg = load_config(config_path, overrides)  # a bad config fails here, not in the queue
+    run_dir = run_dir_of(cfg)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=False,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.get_template("train.sbatch").render(
+        job_name=cfg.name if _NAME.match(cfg.name) else "hvdtrain",
+        nodes=options.nodes, tasks_per_node=options.tasks_per_node,
+        ntasks=options.nodes * options.tasks_per_node, time=options.time,
+        partition=options.partition, account=options.account, signal_lead=options.signal_lead,
+        controller=options.controller,
+        output=_sbatch_path(run_dir, "log.dir", "/slurm-%j.out"),
+        workdir=_sbatch_path(Path.cwd(), "working directory"),
+        bin_dir_q=shlex.quote(str(Path(sys.executable).parent)),
+        run_dir_q=shlex.quote(str(run_dir)),
+        config_q=shlex.quote(str(config_path)),
+        overrides_q=[shlex.quote(item) for item in _job_overrides(overrides)])
+
+
+def stop_time_estimate(cfg: Config) -> float:
+    """Seconds from USR1 to a checkpointed exit: the ranks agree to stop at the next log interval,
+    so up to ``log.every_steps`` steps (at the slowest step time measured in an earlier run of the
+    same run directory, if there is one) plus :data:`BASE_STOP_S`."""
+    metrics = run_dir_of(cfg) / "metrics.jsonl"
+    step_time = 0.0
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            step_time = max(step_time, float(json.loads(line).get("step_time_s", 0.0)))
+    return BASE_STOP_S + cfg.log.every_steps * step_time
+
+
+def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions(),
+          script: str | None = None) -> list[str]:
+    """Problems with the job script (rendered unless ``script`` is given); an empty list if none."""
+    text = render(config_path, overrides, options) if script is None else script
+    cfg = load_config(config_path, overrides)
+    problems = []
+    found = _NP.search(text)
+    ntasks = options.nodes * options.tasks_per_node
+    if not found or int(found.group(1)) != ntasks:
+        problems.append(f"process count: horovodrun -np {found.group(1) if found else '?'} but "
+                        f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node} = {ntasks}")
+    estimate = stop_time_estimate(cfg)
+    if options.signal_lead <= estimate:
+        problems.append(f"--signal-lead={options.signal_lead}s does not exceed the estimated stop "
+                        f"time of {estimate:.0f}s (checkpoint at the next log interval + shutdown)")
+    for value in [str(config_path), *_job_overrides(overrides)]:
+        if shlex.quote(value) not in text:
+            problems.append(f"value {value!r} is not shell-quoted in the script")
+    if not problems and shutil.which("sbatch"):
+        problems += _sbatch_test_only(text)
+    return problems
+
+
+def _sbatch_test_only(text: str) -> list[str]:
+    with tempfile.NamedTemporaryFile("w", suffix=".sbatch") as handle:
+        handle.write(text)
+        handle.flush()
+        proc = subprocess.run(["sbatch", "--test-only", handle.name], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [f"sbatch --test-only rejects it: {(proc.stderr or proc.stdout).strip()}"]
+    return []
+
+
+def submit(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
+    """Writes ``job.sbatch`` into the run directory, submits it and returns the job id."""
+    text = render(config_path, overrides, options)
+    if shutil.which("sbatch") is None:
+        raise HvdtrainError("sbatch not found: submit on a Slurm login node (or render the script)")
+    run_dir = run_dir_of(load_config(config_path, overrides))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "job.sbatch"
+    path.write_text(text)
+    proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HvdtrainError(f"sbatch failed: {(proc.stderr or proc.stdout).strip()}")
+    job_id = proc.stdout.strip().split(";")[0]
+    print(f"[hvdtrain] submitted job {job_id}: script {path}, logs {run_dir}/slurm-{job_id}.out, "
+          f"outputs in {run_dir}")
+    return job_id

@@ -1,0 +1,146 @@
+"""hvdtrain's Slurm job scripts, rendered and checked here and run on the real local cluster
+(`bash scripts/slurm_local.sh start`, which `make test` runs first)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.slurm import JobOptions, check, render
+from tests.conftest import CONFIG, hvdtrain_cli
+
+TRAIN_SAMPLES = 1437  # digits: 1,797 samples, 20% held out
+MALICIOUS = "a b; $(touch pwned)"
+
+
+def quiet(tmp_path: Path, *more: str) -> list[str]:
+    return [f"log.dir={tmp_path / 'run'}", "log.wandb=disabled", "log.console=false", *more]
+
+
+def test_malicious_values_stay_literal(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"log.dir={tmp_path / MALICIOUS}", "name=$(rm -rf /)"]
+    text = render(CONFIG, overrides, JobOptions(tasks_per_node=2))
+    assert f"'log.dir={tmp_path / MALICIOUS}'" in text
+    assert "'name=$(rm -rf /)'" in text
+    assert check(CONFIG, overrides, JobOptions(tasks_per_node=2), script=text) == []
+    # bash parses the script without running anything: the quoted values come out as literal words
+    subprocess.run(["bash", "-n", "-c", text], check=True)
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_check_reports_process_count_mismatch(tmp_path):
+    options = JobOptions(nodes=1, tasks_per_node=2)
+    text = render(CONFIG, quiet(tmp_path), options).replace("-np 2 ", "-np 3 ")
+    problems = check(CONFIG, quiet(tmp_path), options, script=text)
+    assert any("horovodrun -np 3" in p and "= 2" in p for p in problems), problems
+
+
+def test_check_reports_short_signal_lead(tmp_path):
+    problems = check(CONFIG, quiet(tmp_path), JobOptions(signal_lead=10))
+    assert any("--signal-lead=10s" in p for p in problems), problems
+    assert check(CONFIG, quiet(tmp_path), JobOptions(signal_lead=120)) == []
+
+
+def test_check_reports_unquoted_value(tmp_path):
+    overrides = quiet(tmp_path, "name=x y")
+    text = render(CONFIG, overrides).replace("'name=x y'", "name=x y")
+    assert any("not shell-quoted" in p for p in check(CONFIG, overrides, script=text))
+
+
+@pytest.mark.parametrize("options, message", [
+    (JobOptions(nodes=0), "--nodes=0"),
+    (JobOptions(time="1h"), "--time='1h'"),
+    (JobOptions(partition="a;b"), "--partition='a;b'"),
+    (JobOptions(controller="nccl"), "--controller='nccl'"),
+])
+def test_bad_options_are_user_errors(tmp_path, options, message):
+    with pytest.raises(HvdtrainError, match=re.escape(message)):
+        render(CONFIG, quiet(tmp_path), options)
+
+
+def test_cli_bad_option_exits_2(tmp_path):
+    proc = hvdtrain_cli("slurm", "check", str(CONFIG), *quiet(tmp_path), "--time", "soon")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "--time='soon'" in proc.stderr
+
+
+# --- on the real cluster ------------------------------------------------------------------
+
+def job_field(job_id: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    found = re.search(rf"\b{name}=(\S+)", out)
+    return found.group(1) if found else ""
+
+
+def wait_state(job_id: str, states: set[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(job_id, "JobState")
+        if state in states:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
+
+
+def submit(run_dir: Path, *overrides: str) -> str:
+    proc = hvdtrain_cli("slurm", "submit", str(CONFIG), f"log.dir={run_dir}", "log.wandb=disabled",
+                        *overrides, "--nodes", "1", "--tasks-per-node", "2", "--time", "20:00")
+    assert proc.returncode == 0, proc.stderr
+    found = re.search(r"submitted job (\d+)", proc.stdout)
+    assert found, proc.stdout
+    return found.group(1)
+
+
+def job_log(run_dir: Path, job_id: str) -> str:
+    path = run_dir / f"slurm-{job_id}.out"
+    return path.read_text() if path.exists() else "(no log)"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    assert shutil.which("sbatch"), "Slurm is not installed: run `bash scripts/slurm_local.sh start`"
+    info = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    assert info.returncode == 0 and info.stdout.strip(), f"no local cluster: {info.stderr}"
+
+
+def test_submitted_job_trains_two_ranks(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(run_dir, "train.epochs=15")
+    state = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    assert state == "COMPLETED", job_log(run_dir, job_id)
+    assert job_field(job_id, "Restarts") == "0"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["final"]["eval_accuracy"] >= 0.95
+    assert (run_dir / "job.sbatch").exists()
+    assert "restart count 0" in job_log(run_dir, job_id)
+
+
+def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
+    run_dir, epochs = tmp_path / "run", 60
+    job_id = submit(run_dir, f"train.epochs={epochs}", "log.every_steps=5", "checkpoint.every_steps=1000")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, job_log(run_dir, job_id)
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    state = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=420)
+    log = job_log(run_dir, job_id)
+    assert state == "COMPLETED", log
+    assert job_field(job_id, "Restarts") == "1", log
+    assert "requeueing job" in log and "restart count 1" in log, log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["samples"] == epochs * TRAIN_SAMPLES
+    assert summary["world_size"] == 2
+    assert summary["final"]["eval_accuracy"] >= 0.95
+    steps = [record["step"] for record in map(json.loads, metrics.read_text().splitlines())]
+    assert steps == sorted(set(steps)), "a step was logged twice after the resume"
