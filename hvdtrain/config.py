@@ -64,6 +64,9 @@ class TrainConfig:
     """Compute threads per rank (0: the machine's cores divided by the ranks on this host)."""
     eval_every_epochs: int = _opt(1, min=1)
     """Evaluate on the test split every this many epochs (and always after the last)."""
+    stall_timeout_s: float = _opt(300.0, min=0.0)
+    """When a rank finishes no step or evaluation for this long, it writes its stacks to
+    ``stacks-rank<r>.txt`` in the run directory and exits, so a hung job fails (0: never)."""
 
 
 @dataclass(kw_only=True)

@@ -81,7 +81,8 @@ class Loop:
 
     def __init__(self, cfg: Config, engine: Engine, dataset: Dataset, checkpoints: CheckpointManager,
                  start: Position | None = None,
-                 stop_requested: Callable[[], bool] = lambda: False) -> None:
+                 stop_requested: Callable[[], bool] = lambda: False,
+                 heartbeat: Callable[[], None] = lambda: None) -> None:
         self.cfg, self.engine, self.checkpoints = cfg, engine, checkpoints
         self.logger = MetricsLogger([])
         self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
@@ -90,6 +91,7 @@ class Loop:
                                       seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.pos = start or Position()
         self.stop_requested = stop_requested
+        self.heartbeat = heartbeat
         self.total_steps = self._plan_total()
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
@@ -134,6 +136,7 @@ class Loop:
             sums = self.engine.train_step(indices, lr)
             window.add(sums, indices.global_count)
             self.train_seconds += time.perf_counter() - tick
+            self.heartbeat()
             if not self.first_nonfinite and not math.isfinite(sums["loss"]):
                 self.first_nonfinite = self.pos.step + 1  # noted here, acted on at the next flush
             self._flush()
@@ -216,6 +219,7 @@ class Loop:
                              self.cfg.data.eval_batch_size)
         self.local_eval = self.engine.evaluate(shards)
         self.last_eval = means(self.engine.allreduce_sums(self.local_eval), prefix="eval_")
+        self.heartbeat()
         return self.last_eval
 
     def _checkpoint(self) -> Path | None:

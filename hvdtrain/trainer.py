@@ -21,6 +21,7 @@ from hvdtrain.metrics import ConsoleSink, JsonlSink, MetricsLogger, Sink, Tensor
 from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.resume import find_checkpoint, restore, trim_metrics
 from hvdtrain.signals import StopRequest
+from hvdtrain.watchdog import StallWatchdog
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 
@@ -113,8 +114,9 @@ def train(cfg: Config) -> TrainResult:
     writer = engine.rank == 0
     run_dir = prepare_run_dir(cfg, writer, start)
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", writer=writer)
-    with StopRequest() as stop:
-        loop = Loop(cfg, engine, dataset, checkpoints, start, stop)
+    stacks = run_dir / f"stacks-rank{engine.rank}.txt"
+    with StopRequest() as stop, StallWatchdog(cfg.train.stall_timeout_s, stacks, engine.rank) as dog:
+        loop = Loop(cfg, engine, dataset, checkpoints, start, stop, dog.beat)
         logger = make_logger(cfg, run_dir, writer, loop.total_steps, resumed=start is not None)
         try:
             summary = loop.run(logger)

@@ -1,6 +1,7 @@
 """A user's own models, plugged in by import path the way a user would."""
 
 import os
+import time
 
 from torch import nn
 
@@ -46,3 +47,14 @@ class NanOnRank(ClassifierAdapter):
             if int(os.environ.get("HOROVOD_RANK", "0")) == self.rank and self.calls > self.after:
                 loss_sum = loss_sum * float("nan")
         return loss_sum, metrics
+
+
+class HangOnRank(NanOnRank):
+    """One rank's training batch never returns from a given step on (an injected hang)."""
+
+    def loss_and_metrics(self, model, x, y, training: bool = True):
+        if training:
+            self.calls += 1
+            if int(os.environ.get("HOROVOD_RANK", "0")) == self.rank and self.calls > self.after:
+                time.sleep(3600)
+        return ClassifierAdapter.loss_and_metrics(self, model, x, y, training)
