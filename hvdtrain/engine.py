@@ -72,6 +72,14 @@ class Engine(abc.ABC):
         """Versions of the framework and Horovod, for the run summary."""
 
 
+def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any], count: int) -> None:
+    """Adds one batch's summed loss and metrics (framework scalars) and its size to ``sums``."""
+    sums["loss"] += float(loss_sum)
+    sums["count"] += count
+    for key, value in metrics.items():
+        sums[key] = sums.get(key, 0.0) + float(value)
+
+
 def make_engine(framework: str) -> Engine:
     """Imports the framework's engine (only now, so the core stays framework-free) and starts it."""
     module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),

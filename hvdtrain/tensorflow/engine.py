@@ -24,7 +24,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, Split, StepIndices
-from hvdtrain.engine import Engine
+from hvdtrain.engine import Engine, add_batch_sums
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow.compression import horovod_compression
@@ -157,22 +157,14 @@ class TensorFlowEngine(Engine):
         for i, idx in enumerate(step.micro):
             fn = self._apply_fn if i == len(step.micro) - 1 else self._accumulate_fn
             loss_sum, metrics = fn(tf.constant(idx, tf.int64), scale)
-            self._add(sums, loss_sum, metrics, len(idx))
+            add_batch_sums(sums, loss_sum, metrics, len(idx))
         return sums
-
-    @staticmethod
-    def _add(sums: dict[str, float], loss_sum: tf.Tensor, metrics: dict[str, tf.Tensor],
-             count: int) -> None:
-        sums["loss"] += float(loss_sum)
-        sums["count"] += count
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
 
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         for idx in batches:
             loss_sum, metrics = self._eval_fn(tf.constant(idx, tf.int64))
-            self._add(sums, loss_sum, metrics, len(idx))
+            add_batch_sums(sums, loss_sum, metrics, len(idx))
         return sums
 
     def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:

@@ -14,7 +14,7 @@ import torch
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, StepIndices
-from hvdtrain.engine import Engine
+from hvdtrain.engine import Engine, add_batch_sums
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch.compression import horovod_compression
@@ -85,17 +85,9 @@ class TorchEngine(Engine):
             loss_sum, metrics = self.adapter.loss_and_metrics(
                 self.model, self.train_x[index], self.train_y[index])
             (loss_sum * scale).backward()
-            self._accumulate(sums, loss_sum, metrics, len(idx))
+            add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
         self.optimizer.step()
         return sums
-
-    @staticmethod
-    def _accumulate(sums: dict[str, float], loss_sum: torch.Tensor,
-                    metrics: dict[str, torch.Tensor], count: int) -> None:
-        sums["loss"] += float(loss_sum.detach())
-        sums["count"] += count
-        for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
@@ -105,7 +97,7 @@ class TorchEngine(Engine):
             index = torch.from_numpy(idx)
             loss_sum, metrics = self.adapter.loss_and_metrics(
                 self.model, self.test_x[index], self.test_y[index], training=False)
-            self._accumulate(sums, loss_sum, metrics, len(idx))
+            add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
         self.model.train()
         return sums
 
