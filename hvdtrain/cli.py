@@ -27,14 +27,17 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot and tabulate one or more run directories")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     report.add_argument("--out", help="output directory (default: RUN_DIR/report of the first)")
-    slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script (slurm/train.sbatch)")
+    slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script (slurm/train.sbatch or elastic.sbatch)")
     slurm.add_argument("action", choices=("render", "check", "submit"))
     slurm.add_argument("config", help="YAML config file")
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1), ("--time", str, "01:00:00"),
                                 ("--partition", str, ""), ("--account", str, ""), ("--signal-lead", int, 120),
-                                ("--controller", str, "gloo")):
+                                ("--controller", str, "gloo"), ("--launcher", str, "horovodrun"),
+                                ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
+                                ("--network-interface", str, "")):
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
+    slurm.add_argument("--elastic", action="store_true", help="render slurm/elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
     return parser
@@ -59,7 +62,10 @@ def _slurm(args: argparse.Namespace) -> int:
 
     options = slurm.JobOptions(nodes=args.nodes, tasks_per_node=args.tasks_per_node, time=args.time,
                                partition=args.partition, account=args.account,
-                               signal_lead=args.signal_lead, controller=args.controller)
+                               signal_lead=args.signal_lead, controller=args.controller,
+                               launcher=args.launcher, gpus_per_node=args.gpus_per_node,
+                               elastic=args.elastic, min_nodes=args.min_nodes,
+                               network_interface=args.network_interface)
     if args.action == "render":
         print(slurm.render(args.config, args.overrides, options), end="")
         return 0

@@ -1,7 +1,7 @@
 """Slurm job scripts: render ``slurm/train.sbatch`` from a config and job options, check it, submit it.
 
 The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_NODELIST``, slots from
-``--ntasks-per-node``), asks for ``USR1`` ahead of preemption or the time limit, forwards it to the
+``--ntasks-per-node``), or one ``srun --mpi=pmix`` whose tasks initialise Horovod from MPI, asks for ``USR1`` ahead of preemption or the time limit, forwards it to the
 ranks (which checkpoint and exit 75) and then requeues itself; the requeued job resumes with
 ``checkpoint.resume=auto``. Framework-free: nothing here imports torch or tensorflow.
 """
@@ -23,13 +23,15 @@ from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
+DISCOVERY = Path(__file__).resolve().parents[1] / "scripts" / "discover_hosts_slurm.sh"
 CONTROLLERS = ("gloo", "mpi")
+LAUNCHERS = ("horovodrun", "srun")
 BASE_STOP_S = 30
 """Seconds a stop needs besides the steps up to the next log interval: writing the checkpoint and
 the launcher shutting the ranks down (a horovodrun start or stop costs 10-20 s on 2 cores)."""
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_NP = re.compile(r"horovodrun\"? -np (\d+)")
+_NP = re.compile(r"horovodrun\"? -np (\d+)|srun --mpi=\S+ --ntasks=(\d+)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +51,17 @@ class JobOptions:
     signal_lead: int = 120
     """Seconds before the end at which Slurm sends USR1 so that the run can checkpoint."""
     controller: str = "gloo"
-    """Horovod's controller: ``gloo`` or ``mpi``."""
+    """Horovod's controller under ``horovodrun``: ``gloo`` or ``mpi`` (``srun`` always uses MPI)."""
+    launcher: str = "horovodrun"
+    """``horovodrun`` (ssh-free on one node, Gloo or MPI) or ``srun`` (Slurm starts the ranks, MPI)."""
+    gpus_per_node: int = 0
+    """GPUs per node (``--gres=gpu:N``); with GPUs, one rank per GPU, pinned by local rank."""
+    elastic: bool = False
+    """Render ``slurm/elastic.sbatch``: elastic Horovod (Gloo) with Slurm-aware host discovery."""
+    min_nodes: int = 1
+    """Elastic only: the job goes on while at least this many nodes are usable."""
+    network_interface: str = ""
+    """Elastic only: the interface Horovod's Gloo rendezvous binds to (empty: Horovod's choice)."""
 
     def validate(self) -> None:
         """Raises :class:`HvdtrainError` for an option that sbatch or horovodrun cannot take."""
@@ -64,6 +76,16 @@ class JobOptions:
             raise HvdtrainError(f"--signal-lead={self.signal_lead}: must be >= 0 seconds")
         if self.controller not in CONTROLLERS:
             raise HvdtrainError(f"--controller={self.controller!r}: expected one of {', '.join(CONTROLLERS)}")
+        if self.launcher not in LAUNCHERS:
+            raise HvdtrainError(f"--launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+        if self.gpus_per_node < 0:
+            raise HvdtrainError(f"--gpus-per-node={self.gpus_per_node}: must be >= 0")
+        if self.elastic and (self.launcher != "horovodrun" or self.controller != "gloo"):
+            raise HvdtrainError("--elastic: elastic Horovod runs under horovodrun with Gloo only")
+        if not 1 <= self.min_nodes <= self.nodes:
+            raise HvdtrainError(f"--min-nodes={self.min_nodes}: must be between 1 and --nodes={self.nodes}")
+        if self.network_interface and not _NAME.match(self.network_interface):
+            raise HvdtrainError(f"--network-interface={self.network_interface!r}: not an interface name")
 
 
 def _sbatch_path(path: Path, what: str, suffix: str = "") -> str:
@@ -75,8 +97,8 @@ def _sbatch_path(path: Path, what: str, suffix: str = "") -> str:
     return f'"{text}"' if re.search(r"\s", text) else text
 
 
-def _job_overrides(overrides: Sequence[str]) -> list[str]:
-    return [*overrides, "checkpoint.resume=auto"]
+def _job_overrides(overrides: Sequence[str], options: JobOptions) -> list[str]:
+    return [*overrides, "checkpoint.resume=auto", *(["elastic.enabled=true"] if options.elastic else [])]
 
 
 def run_dir_of(cfg: Config) -> Path:
@@ -93,18 +115,21 @@ def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobO
     run_dir = run_dir_of(cfg)
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    return env.get_template("train.sbatch").render(
+    template = "elastic.sbatch" if options.elastic else "train.sbatch"
+    return env.get_template(template).render(
         job_name=cfg.name if _NAME.match(cfg.name) else "hvdtrain",
         nodes=options.nodes, tasks_per_node=options.tasks_per_node,
         ntasks=options.nodes * options.tasks_per_node, time=options.time,
         partition=options.partition, account=options.account, signal_lead=options.signal_lead,
-        controller=options.controller,
+        controller=options.controller, launcher=options.launcher, gpus_per_node=options.gpus_per_node,
+        min_np=options.min_nodes * options.tasks_per_node, network_interface=options.network_interface,
+        discovery_q=shlex.quote(str(DISCOVERY)),
         output=_sbatch_path(run_dir, "log.dir", "/slurm-%j.out"),
         workdir=_sbatch_path(Path.cwd(), "working directory"),
         bin_dir_q=shlex.quote(str(Path(sys.executable).parent)),
         run_dir_q=shlex.quote(str(run_dir)),
         config_q=shlex.quote(str(config_path)),
-        overrides_q=[shlex.quote(item) for item in _job_overrides(overrides)])
+        overrides_q=[shlex.quote(item) for item in _job_overrides(overrides, options)])
 
 
 def stop_time_estimate(cfg: Config) -> float:
@@ -126,15 +151,19 @@ def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOp
     cfg = load_config(config_path, overrides)
     problems = []
     found = _NP.search(text)
+    launched = int(found.group(1) or found.group(2)) if found else None
     ntasks = options.nodes * options.tasks_per_node
-    if not found or int(found.group(1)) != ntasks:
-        problems.append(f"process count: horovodrun -np {found.group(1) if found else '?'} but "
+    if launched != ntasks:
+        problems.append(f"process count: the script starts {launched if found else '?'} ranks but "
                         f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node} = {ntasks}")
+    if options.gpus_per_node and options.gpus_per_node != options.tasks_per_node:
+        problems.append(f"--gpus-per-node={options.gpus_per_node} but --tasks-per-node="
+                        f"{options.tasks_per_node}: hvdtrain runs one rank per GPU")
     estimate = stop_time_estimate(cfg)
     if options.signal_lead <= estimate:
         problems.append(f"--signal-lead={options.signal_lead}s does not exceed the estimated stop "
                         f"time of {estimate:.0f}s (checkpoint at the next log interval + shutdown)")
-    for value in [str(config_path), *_job_overrides(overrides)]:
+    for value in [str(config_path), *_job_overrides(overrides, options)]:
         if shlex.quote(value) not in text:
             problems.append(f"value {value!r} is not shell-quoted in the script")
     if not problems and shutil.which("sbatch"):

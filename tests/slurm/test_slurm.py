@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.slurm import JobOptions, check, render
-from tests.conftest import CONFIG, hvdtrain_cli
+from tests.conftest import CONFIG, ROOT, hvdtrain_cli
 
 TRAIN_SAMPLES = 1437  # digits: 1,797 samples, 20% held out
 MALICIOUS = "a b; $(touch pwned)"
@@ -40,7 +42,7 @@ def test_check_reports_process_count_mismatch(tmp_path):
     options = JobOptions(nodes=1, tasks_per_node=2)
     text = render(CONFIG, quiet(tmp_path), options).replace("-np 2 ", "-np 3 ")
     problems = check(CONFIG, quiet(tmp_path), options, script=text)
-    assert any("horovodrun -np 3" in p and "= 2" in p for p in problems), problems
+    assert any("starts 3 ranks" in p and "= 2" in p for p in problems), problems
 
 
 def test_check_reports_short_signal_lead(tmp_path):
@@ -53,6 +55,63 @@ def test_check_reports_unquoted_value(tmp_path):
     overrides = quiet(tmp_path, "name=x y")
     text = render(CONFIG, overrides).replace("'name=x y'", "name=x y")
     assert any("not shell-quoted" in p for p in check(CONFIG, overrides, script=text))
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("name, options", [
+    ("train_cpu", JobOptions(nodes=2, tasks_per_node=4, time="02:00:00", partition="cpu", account="proj")),
+    ("train_gpu", JobOptions(nodes=2, tasks_per_node=4, gpus_per_node=4, launcher="srun",
+                             signal_lead=300)),
+])
+def test_rendered_script_matches_golden_file(tmp_path, monkeypatch, name, options):
+    """The whole rendered script, with this machine's paths replaced; regenerate after a deliberate
+    template change with HVDTRAIN_REGEN_GOLDEN=1 and review the diff."""
+    monkeypatch.chdir(tmp_path)
+    text = render(CONFIG, ["log.dir=runs/golden", "train.epochs=30"], options)
+    text = (text.replace(str(Path(sys.executable).parent), "<BIN>")
+            .replace(str(ROOT), "<ROOT>").replace(str(tmp_path), "<CWD>"))
+    golden = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("HVDTRAIN_REGEN_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_gpu_options_are_checked(tmp_path):
+    options = JobOptions(tasks_per_node=2, gpus_per_node=4)
+    problems = check(CONFIG, quiet(tmp_path), options, script=render(CONFIG, quiet(tmp_path), options))
+    assert any("one rank per GPU" in p for p in problems), problems
+    options = JobOptions(tasks_per_node=2, gpus_per_node=2, launcher="srun")
+    problems = check(CONFIG, quiet(tmp_path), options)
+    if shutil.which("sbatch"):  # this cluster has no GPUs: sbatch --test-only must refuse the gres
+        assert len(problems) == 1 and "gres" in problems[0], problems
+    else:
+        assert problems == []
+
+
+def test_gpu_ranks_see_one_device_each(tmp_path):
+    """The rank wrapper of a GPU script, run as bash would run it for local ranks 0 and 1 of a node
+    that Slurm gave GPUs 2 and 3: each rank sees exactly its own GPU."""
+    text = render(CONFIG, quiet(tmp_path), JobOptions(tasks_per_node=2, gpus_per_node=2, launcher="srun"))
+    wrapper = re.search(r"RANK_WRAPPER='(.*?)'\n", text, re.S).group(1)
+    for local_rank, expected in (("0", "2"), ("1", "3")):
+        env = {**os.environ, "SLURM_LOCALID": local_rank, "CUDA_VISIBLE_DEVICES": "2,3",
+               "HVDTRAIN_STOP_FLAG": str(tmp_path / "flag")}
+        env.pop("HOROVOD_LOCAL_RANK", None)
+        env.pop("OMPI_COMM_WORLD_LOCAL_RANK", None)
+        out = subprocess.run(["bash", "-c", wrapper, "rank", "bash", "-c", 'echo "$CUDA_VISIBLE_DEVICES"'],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        assert out.strip() == expected
+
+
+@pytest.mark.parametrize("options, message", [
+    (JobOptions(launcher="mpirun"), "--launcher='mpirun'"),
+    (JobOptions(gpus_per_node=-1), "--gpus-per-node=-1"),
+])
+def test_bad_launch_options_are_user_errors(tmp_path, options, message):
+    with pytest.raises(HvdtrainError, match=re.escape(message)):
+        render(CONFIG, quiet(tmp_path), options)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -90,9 +149,10 @@ def wait_state(job_id: str, states: set[str], timeout: float) -> str:
     raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
 
 
-def submit(run_dir: Path, *overrides: str) -> str:
+def submit(run_dir: Path, *overrides: str, launcher: str = "horovodrun") -> str:
     proc = hvdtrain_cli("slurm", "submit", str(CONFIG), f"log.dir={run_dir}", "log.wandb=disabled",
-                        *overrides, "--nodes", "1", "--tasks-per-node", "2", "--time", "20:00")
+                        *overrides, "--nodes", "1", "--tasks-per-node", "2", "--time", "20:00",
+                        "--launcher", launcher)
     assert proc.returncode == 0, proc.stderr
     found = re.search(r"submitted job (\d+)", proc.stdout)
     assert found, proc.stdout
@@ -111,9 +171,10 @@ def cluster():
     assert info.returncode == 0 and info.stdout.strip(), f"no local cluster: {info.stderr}"
 
 
-def test_submitted_job_trains_two_ranks(cluster, tmp_path):
+@pytest.mark.parametrize("launcher", ["horovodrun", "srun"])
+def test_submitted_job_trains_two_ranks(cluster, tmp_path, launcher):
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, "train.epochs=15")
+    job_id = submit(run_dir, "train.epochs=15", launcher=launcher)
     state = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     assert state == "COMPLETED", job_log(run_dir, job_id)
     assert job_field(job_id, "Restarts") == "0"
