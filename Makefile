@@ -11,8 +11,12 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 setup:
 	bash scripts/setup.sh
 
+# Workers write to horovodrun's pipes, never to a terminal: the bar is asked for when make's is one.
 demo: setup
-	$(BIN)/horovodrun -np $(NP) --gloo $(BIN)/hvdtrain train configs/digits_torch.yaml log.overwrite=true
+	if [ -t 1 ]; then progress=bar; else progress=lines; fi; \
+	$(BIN)/horovodrun -np $(NP) --gloo $(BIN)/hvdtrain train configs/digits_torch.yaml log.overwrite=true \
+		log.progress=$$progress
+	$(BIN)/hvdtrain report runs/digits_torch
 
 test: setup
 	bash scripts/slurm_local.sh start
@@ -21,10 +25,20 @@ test: setup
 test-unit:
 	$(BIN)/python -m pytest tests/unit
 
+# Every benchmark of scripts/bench/, with round counts that keep the whole under 30 minutes on 2 cores.
 bench: setup
-	$(BIN)/python scripts/bench/overhead.py --framework torch
-	$(BIN)/python scripts/bench/overhead.py --framework tensorflow
-	$(BIN)/python scripts/bench/frameworks.py
+	$(BIN)/python scripts/bench/overhead.py --framework torch --rounds 20
+	$(BIN)/python scripts/bench/overhead.py --framework tensorflow --rounds 20
+	$(BIN)/python scripts/bench/frameworks.py --rounds 20
+	$(BIN)/python scripts/bench/allreduce.py
+	$(BIN)/python scripts/bench/fusion.py
+	$(BIN)/python scripts/bench/ddp.py
+	$(BIN)/python scripts/bench/scaling.py
+	$(BIN)/python scripts/bench/compression.py
+	$(BIN)/python scripts/bench/monitoring.py
+	$(BIN)/python scripts/bench/checkpoint.py
+	$(BIN)/python scripts/bench/elastic_recovery.py
+	$(BIN)/python scripts/soak_checkpoint.py --record docs/benchmarks.md
 
 clean:
 	rm -rf runs .pytest_cache

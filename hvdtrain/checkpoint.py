@@ -10,9 +10,11 @@ truncated or corrupted later (a full disk, a bad copy) is detected and skipped o
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -43,12 +45,31 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         os.close(dir_fd)
 
 
+class _HashingWriter:
+    """A write-only file that hashes and counts what passes through it. Writers that need to seek
+    (and so could rewrite bytes already hashed) fail loudly: it has no ``seek``."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        self.fileobj, self.digest, self.size = fileobj, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        return self.fileobj.write(view)
+
+    def flush(self) -> None:
+        self.fileobj.flush()
+
+
 class CheckpointManager:
     """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
 
     def __init__(self, cfg: CheckpointConfig, directory: Path, *, writer: bool) -> None:
         self.cfg = cfg
         self.directory = directory
+        self._pending: threading.Thread | None = None
+        self._failure: BaseException | None = None
         self.writer = writer
 
     def due(self, step: int) -> bool:
@@ -58,12 +79,51 @@ class CheckpointManager:
 
     def save(self, engine: Engine, step: int, meta: dict[str, Any]) -> Path | None:
         """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written."""
-        if not (self.cfg.enabled and self.writer):
+        if not self.cfg.enabled:
             return None
+        engine.gather_checkpoint_state()  # a collective: every rank, before rank 0 writes
+        if not self.writer:
+            return None
+        # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
+        # thread while training goes on, so a step pays for serialising only. A write killed half
+        # way has no manifest and never counts; the run waits for the last one before it ends.
+        buffer = io.BytesIO()
+        engine.write_checkpoint(buffer, {**meta, "step": step})
+        self.wait()  # one write in flight at a time, in step order
+        self._pending = threading.Thread(target=self._write_behind, args=(step, buffer),
+                                         name=f"hvdtrain-checkpoint-{step}")
+        self._pending.start()
+        return self.path_for(step)
+
+    def _write_behind(self, step: int, buffer: io.BytesIO) -> None:
+        try:
+            self.write(step, lambda f: f.write(buffer.getbuffer()))  # type: ignore[arg-type]
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._failure = exc
+
+    def wait(self) -> None:
+        """Waits until the checkpoint being written is on disk; raises the error if it failed."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def write(self, step: int, write: Callable[[IO[bytes]], None]) -> Path:
+        """Writes the checkpoint of ``step`` through ``write(fileobj)``, then its manifest, then
+        prunes old ones. The sha256 is computed from the bytes as they are written, so the file is
+        not read back."""
         path = self.path_for(step)
-        atomic_write(path, lambda f: engine.write_checkpoint(f, {**meta, "step": step}))
-        manifest = {"file": path.name, "sha256": sha256_of(path), "bytes": path.stat().st_size,
-                    "step": step}
+        written: list[_HashingWriter] = []
+
+        def through_hash(fileobj: IO[bytes]) -> None:
+            written.append(_HashingWriter(fileobj))
+            write(written[0])  # type: ignore[arg-type]
+
+        atomic_write(path, through_hash)
+        manifest = {"file": path.name, "sha256": written[0].digest.hexdigest(),
+                    "bytes": written[0].size, "step": step}
         text = json.dumps(manifest, indent=2) + "\n"
         atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
         self._prune()
@@ -90,6 +150,10 @@ class CheckpointManager:
         for old in self.checkpoints()[:-self.cfg.keep]:
             old.unlink(missing_ok=True)
             manifest_path(old).unlink(missing_ok=True)
+        # Temporary files of a writer killed mid-save (rank 0 is the only writer, and its own
+        # temporary file has just been renamed): never valid, only taking up space.
+        for stale in self.directory.glob(".step-*.tmp"):
+            stale.unlink(missing_ok=True)
 
 
 def manifest_path(checkpoint: Path) -> Path:

@@ -87,10 +87,37 @@ class OptimConfig:
     """Learning-rate shape after warm-up."""
 
 
+COMPRESSIONS = ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
+"""The ``comm.compression`` methods; their math is :mod:`hvdtrain.compression.reference`."""
+
+BF16_REFUSED = ("comm.compression='bf16': Horovod 0.28.1 cannot carry it: its PyTorch ops refuse "
+                "torch.bfloat16 ('Tensor type torch.BFloat16Tensor is not supported', Gloo and MPI, "
+                "checked on CPU); use fp16")
+
+
 @dataclass(kw_only=True)
 class CommConfig:
-    compression: str = _opt("none", choices=("none", "fp16"))
-    """Gradient compression on the wire."""
+    compression: str = _opt("none", choices=COMPRESSIONS)
+    """Gradient compression on the wire: ``none``, ``fp16`` (Horovod's), ``topk`` and ``randomk``
+    (sparsification), ``qsgd`` (8-bit stochastic quantization) or ``powersgd`` (low rank)."""
+    ratio: float = _opt(0.01, max=1.0)
+    """Fraction of each tensor's entries that ``topk`` and ``randomk`` send, in (0, 1]."""
+    error_feedback: bool = True
+    """Keep what compression dropped and add it to the next step's gradient (``topk``,
+    ``randomk``, ``powersgd``); without it top-k converges poorly."""
+    rank: int = _opt(2, min=1)
+    """Rank of PowerSGD's low-rank approximation."""
+    min_size: int = _opt(1024, min=0)
+    """Tensors with fewer elements (biases, small layers) travel uncompressed, as fp32."""
+    bucket: int = _opt(512, min=0)
+    """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
+
+    def __post_init__(self) -> None:
+        # Checked here, before the choices, so that bf16 gets the reason rather than a list.
+        if self.compression == "bf16":
+            raise ConfigError(BF16_REFUSED)
+        if not self.ratio > 0.0:
+            raise ConfigError(f"comm.ratio={self.ratio!r}: must be > 0 and <= 1")
 
 
 @dataclass(kw_only=True)
@@ -104,6 +131,23 @@ class CheckpointConfig:
     resume: str = "none"
     """``none``: start afresh; ``auto``: continue from the newest valid checkpoint in the run
     directory, if there is one; or the path of a checkpoint file to continue from."""
+
+
+@dataclass(kw_only=True)
+class ElasticConfig:
+    enabled: bool = False
+    """Train under ``hvd.elastic.run``: survive workers that die or join (launch with
+    ``horovodrun --min-np/--max-np --host-discovery-script``; Gloo only)."""
+    commit_every: int = _opt(10, min=1)
+    """Commit the training state in memory every this many steps: a lost worker costs at most
+    this many steps."""
+    on_resize: str = _opt("scale_lr", choices=("scale_lr", "keep_global_batch"))
+    """After workers leave or join: ``scale_lr`` keeps the per-rank batch and scales the learning
+    rate with the new world size (``optim.scale_lr``); ``keep_global_batch`` keeps the global batch
+    and the learning rate of the starting world size by changing local accumulation."""
+    record_indices: bool = False
+    """Write the sample indices trained on, per epoch, to ``indices/epoch-<e>.npy`` in the run
+    directory (committed steps only), to check that each sample was used exactly once."""
 
 
 @dataclass(kw_only=True)
@@ -122,6 +166,19 @@ class LogConfig:
     """Weights & Biases: ``offline`` writes a run to sync later, ``online`` needs WANDB_API_KEY."""
     wandb_project: str = "hvdtrain"
     """W&B project name."""
+    jsonl: bool = True
+    """Write ``metrics.jsonl`` (rank 0); ``hvdtrain report`` and resuming read it."""
+    progress: str = _opt("auto", choices=("auto", "bar", "lines"))
+    """Console style: ``bar`` (one line redrawn in place), ``lines`` (one line per log, for CI and
+    Slurm logs), ``auto`` (the bar when stdout is a terminal; under ``horovodrun`` it is a pipe)."""
+    system: bool = True
+    """Log CPU utilisation and resident memory per rank, and GPU utilisation and memory via NVML
+    where a GPU and ``pynvml`` are present (sampled once per log interval)."""
+    straggler_factor: float = _opt(1.5, min=1.0)
+    """A rank whose step time (less its wait for other ranks) exceeds the median of all ranks by
+    this factor for ``straggler_steps`` consecutive logs is reported as a straggler."""
+    straggler_steps: int = _opt(3, min=1)
+    """Consecutive logs a rank must be slow before it is reported."""
 
 
 @dataclass(kw_only=True)
@@ -138,6 +195,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property

@@ -39,6 +39,16 @@ class Engine(abc.ABC):
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
         """Runs one optimizer step; returns this rank's sums (``loss``, ``count``, metrics)."""
 
+    def step_stats(self) -> dict[str, float]:
+        """Measurements of this rank's last :meth:`train_step` (empty when an engine has none).
+
+        ``data_s``: gathering the batch; ``compute_s``: forward, backward, update and compression
+        kernels; ``comm_s``: time spent waiting for the gradient exchange's Horovod collectives;
+        ``wire_bytes``: bytes of the tensors handed to Horovod for that exchange, counted from the
+        tensors sent; ``dense_bytes``: bytes of the dense gradients they stand for.
+        """
+        return {}
+
     @abc.abstractmethod
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         """Scores the test samples of these index batches; returns this rank's sums."""
@@ -58,6 +68,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
         """Serialises model, optimizer and ``meta`` into an open binary file."""
+
+    def gather_checkpoint_state(self) -> None:
+        """Called on every rank just before rank 0 writes a checkpoint: collects the state that
+        differs between ranks (error-feedback residuals) onto rank 0. A collective; no-op here."""
 
     @abc.abstractmethod
     def read_checkpoint(self, path: Path) -> dict[str, Any]:

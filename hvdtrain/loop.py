@@ -23,6 +23,7 @@ from hvdtrain.data import Dataset, ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged
 from hvdtrain.metrics import MetricsLogger
+from hvdtrain.monitor import Monitor, StepCosts, pop_ranks, rank_keys
 from hvdtrain.schedule import lr_at
 
 
@@ -39,19 +40,23 @@ def means(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
 
 @dataclass
 class Window:
-    """Local metric sums since the last log, with the steps, global samples and time they took."""
+    """Local metric sums since the last log, with the steps, global samples and time they took,
+    and this rank's step costs (time in ``train_step``, the engine's step stats)."""
 
     sums: dict[str, float] = field(default_factory=dict)
     steps: int = 0
     samples: int = 0
     started: float = field(default_factory=time.perf_counter)
+    costs: StepCosts = field(default_factory=StepCosts)
 
-    def add(self, sums: dict[str, float], samples: int) -> None:
-        """Adds one step's local sums and its global sample count."""
+    def add(self, sums: dict[str, float], samples: int, seconds: float = 0.0,
+            stats: dict[str, float] | None = None) -> None:
+        """Adds one step's local sums, its global sample count, its time and its step stats."""
         for key, value in sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.steps += 1
         self.samples += samples
+        self.costs.add(seconds, stats or {})
 
 
 @dataclass
@@ -68,6 +73,17 @@ class Position:
     samples: int = 0
 
 
+@dataclass
+class StepHooks:
+    """Callbacks for a driver around the loop (the elastic mode uses them to commit its state)."""
+
+    stepped: Callable[[int, StepIndices], None] = lambda epoch, indices: None
+    """After each optimizer step: its epoch and this rank's sample indices."""
+    boundary: Callable[[Position], None] = lambda position: None
+    """At each step boundary from which the run could continue (never inside an epoch's last step,
+    whose evaluation and epoch change are still to come)."""
+
+
 class Stopped(Exception):
     """Training stopped early on request (a signal) after a checkpoint at a step boundary."""
 
@@ -82,8 +98,10 @@ class Loop:
     def __init__(self, cfg: Config, engine: Engine, dataset: Dataset, checkpoints: CheckpointManager,
                  start: Position | None = None,
                  stop_requested: Callable[[], bool] = lambda: False,
-                 heartbeat: Callable[[], None] = lambda: None) -> None:
+                 heartbeat: Callable[[], None] = lambda: None,
+                 hooks: StepHooks | None = None) -> None:
         self.cfg, self.engine, self.checkpoints = cfg, engine, checkpoints
+        self.hooks = hooks or StepHooks()
         self.logger = MetricsLogger([])
         self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
         self.sampler = ShardedSampler(self.num_train, cfg.data.batch_size,
@@ -96,13 +114,18 @@ class Loop:
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
         self.last_train: dict[str, float] = {}
-        self.pending: tuple[dict[str, Any], Callable[[], dict[str, float]]] | None = None
+        self.pending: tuple[dict[str, Any], int, Callable[[], dict[str, float]]] | None = None
         self.stop_agreed = False
         self.first_nonfinite = 0  # the first step with a NaN or Inf loss on this rank (0: none)
         self.saved_step = -1
         self.started = time.perf_counter()  # reset by run(); records carry time since then
         self.last_eval: dict[str, float] = {}
         self.local_eval: dict[str, float] = {}
+        log = cfg.log
+        self.monitor = Monitor(engine.rank, engine.size, engine.local_rank, system=log.system,
+                               straggler_factor=log.straggler_factor,
+                               straggler_logs=log.straggler_steps,
+                               warn=lambda message: self.logger.warn(message))
 
     def _plan_total(self) -> int:
         """The step at which the run ends: its epochs (from where it stands), capped by max_steps."""
@@ -134,8 +157,9 @@ class Loop:
             lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size)
             tick = time.perf_counter()
             sums = self.engine.train_step(indices, lr)
-            window.add(sums, indices.global_count)
-            self.train_seconds += time.perf_counter() - tick
+            seconds = time.perf_counter() - tick
+            window.add(sums, indices.global_count, seconds, self.engine.step_stats())
+            self.train_seconds += seconds
             self.heartbeat()
             if not self.first_nonfinite and not math.isfinite(sums["loss"]):
                 self.first_nonfinite = self.pos.step + 1  # noted here, acted on at the next flush
@@ -150,6 +174,7 @@ class Loop:
                 self._checkpoint()
             if self.stop_agreed:
                 self._stop()
+            self.hooks.boundary(self.pos)
         self._end_epoch(window, epoch, lr)
 
     def _advance(self, indices: StepIndices) -> None:
@@ -158,6 +183,7 @@ class Loop:
         self.pos.samples += indices.global_count
         for micro in indices.micro:
             self.fingerprint.update(micro.astype("<i8").tobytes())
+        self.hooks.stepped(self.pos.epoch, indices)
 
     def _end_epoch(self, window: Window, epoch: int, lr: float) -> None:
         finished = self.pos.step == self.total_steps
@@ -172,34 +198,37 @@ class Loop:
             self._checkpoint()
         if self.stop_agreed and not finished:
             self._stop()
+        self.hooks.boundary(self.pos)
 
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
         """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
 
         Two controls ride along, so that every rank learns them from the same sum and acts after the
-        same step: a stop request from any rank, and which ranks saw a non-finite loss.
+        same step: a stop request from any rank, and which ranks saw a non-finite loss. So do the
+        monitor's per-rank step costs and system samples (:mod:`hvdtrain.monitor`).
         """
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
                   "samples_per_sec": window.samples / seconds,
                   "time_s": time.perf_counter() - self.started,
                   "step_time_s": seconds / max(window.steps, 1)}
-        controls = {f"nonfinite.{r}": float(self.first_nonfinite if r == self.engine.rank else 0)
-                    for r in range(self.engine.size)}
-        sums = {**window.sums, **controls, "stop": float(self.stop_requested())}
-        self.pending = (record, self.engine.start_allreduce_sums(sums))
+        controls = rank_keys("nonfinite", self.engine.rank, self.engine.size, self.first_nonfinite)
+        sums = {**window.sums, **controls, "stop": float(self.stop_requested()),
+                **self.monitor.outgoing(window.costs, window.steps)}
+        self.pending = (record, window.steps, self.engine.start_allreduce_sums(sums))
 
     def _flush(self) -> None:
         """Waits for the pending metric sum (started one step earlier) and logs its record."""
         if self.pending is None:
             return
-        record, result = self.pending
+        record, steps, result = self.pending
         self.pending = None
         sums = result()
         self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
-        first_bad = {r: int(sums.pop(f"nonfinite.{r}")) for r in range(self.engine.size)}
+        first_bad = dict(enumerate(map(int, pop_ranks(sums, "nonfinite", self.engine.size))))
+        health = self.monitor.incoming(sums, steps, record["step"])
         self.last_train = means(sums)
-        self.logger.log({**record, **self.last_train})
+        self.logger.log({**record, **self.last_train, **health})
         self._check_finite(first_bad)
 
     @staticmethod
@@ -246,7 +275,7 @@ class Loop:
             "world_size": self.engine.size, "steps": self.pos.step, "epochs": self.pos.epoch,
             "samples": self.pos.samples, "wall_time_s": wall, "train_time_s": self.train_seconds,
             "samples_per_sec": self.pos.samples / max(self.train_seconds, 1e-9),
-            "compression": self.cfg.comm.compression,
+            "compression": self.cfg.comm.compression, **self.monitor.summary(),
             "data_fingerprint": self.fingerprint.hexdigest()[:16],
             "final": {**self.last_eval, **train},
             "versions": self.engine.versions(),

@@ -1,9 +1,10 @@
 """Metric sinks and the rank-0 discipline: every rank calls ``log``; only rank 0 writes.
 
-Records are flat dicts of numbers. ``metrics.jsonl`` gets one JSON object per logged step; the
-console gets one line per logged step and per evaluation; TensorBoard and Weights & Biases get the
-same numbers as scalars tagged ``train/<key>`` and ``eval/<key>``. Their packages are imported only
-when their sink is made, so importing this module loads neither (nor any framework).
+Records are flat dicts of numbers (plus an ``events`` list when something happened, such as a
+straggler). ``metrics.jsonl`` gets one JSON object per logged step; the console gets a progress bar
+or one line per logged step; TensorBoard and Weights & Biases get the numbers as scalars tagged
+``train/<key>``, ``eval/<key>`` and ``system/<key>``. Their packages are imported only when their
+sink is made, so importing this module loads neither (nor any framework).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
 
 
@@ -35,6 +37,9 @@ class Sink(abc.ABC):
 
     def close(self) -> None:
         """Flushes and releases what the sink holds."""
+
+    def before_warning(self) -> None:
+        """Called before a warning goes to stderr (the console ends its progress bar's line)."""
 
 
 class JsonlSink(Sink):
@@ -59,35 +64,93 @@ def _fmt(key: str, value: Any) -> str:
     return f"{key}={value}"
 
 
+def _clock(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class ConsoleSink(Sink):
-    """Plain periodic lines, readable in CI logs and Slurm output files."""
+    """Progress on rank 0's stdout: plain periodic lines (CI logs, Slurm output files) or a bar.
+
+    The bar is one line redrawn in place: epoch, a bar of the run's steps, step/total, ETA, loss,
+    accuracy and samples/s. It ends each redraw with a carriage return, which ``horovodrun``
+    forwards as it comes (it flushes a rank's output at ``\r`` as well as at ``\n``); the last
+    record of an epoch, which holds the evaluation, stays on its own line.
+    """
 
     KEYS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "samples_per_sec")
+    BAR = 24
 
-    def __init__(self, total_steps: int, stream: TextIO | None = None) -> None:
+    def __init__(self, total_steps: int, stream: TextIO | None = None, *, epochs: int = 0,
+                 bar: bool = False, start_step: int = 0) -> None:
         self._stream = stream or sys.stdout
         self._width = len(str(total_steps))
-        self._total = total_steps
+        self._total, self._epochs, self._bar, self._start = total_steps, epochs, bar, start_step
+        self._drawn = 0  # length of the bar line on screen (0: none)
 
     def log(self, record: dict[str, Any]) -> None:
-        head = f"[hvdtrain] epoch {record['epoch']} step {record['step']:>{self._width}}/{self._total}"
-        body = " ".join(_fmt(k, record[k]) for k in self.KEYS if k in record)
-        print(f"{head} {body}", file=self._stream, flush=True)
+        if not self._bar:
+            head = f"[hvdtrain] epoch {record['epoch']} step {record['step']:>{self._width}}/{self._total}"
+            body = " ".join(_fmt(k, record[k]) for k in self.KEYS if k in record)
+            print(f"{head} {body}", file=self._stream, flush=True)
+            return
+        line = self.bar_line(record)
+        if "eval_accuracy" in record or "eval_loss" in record:
+            evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy") if k in record)
+            self._stream.write(f"{line} {evals}".ljust(self._drawn) + "\n")
+            self._drawn = 0
+        else:
+            self._stream.write(line.ljust(self._drawn) + "\r")
+            self._drawn = len(line)
+        self._stream.flush()
+
+    def bar_line(self, record: dict[str, Any]) -> str:
+        """The progress bar's text for ``record``: epoch, bar, step/total, ETA, loss, samples/s."""
+        step, total = record["step"], max(self._total, 1)
+        filled = self.BAR * min(step, total) // total
+        done = step - self._start
+        eta = record.get("time_s", 0.0) / done * (total - step) if done > 0 else 0.0
+        epochs = f"/{self._epochs}" if self._epochs else ""
+        parts = [f"[hvdtrain] epoch {record['epoch'] + 1}{epochs}",
+                 f"|{'#' * filled}{'-' * (self.BAR - filled)}|",
+                 f"{step:>{self._width}}/{self._total}", f"ETA {_clock(eta)}"]
+        parts += [_fmt(k, record[k]) for k in ("loss", "accuracy") if k in record]
+        if "samples_per_sec" in record:
+            parts.append(f"{record['samples_per_sec']:.0f} samples/s")
+        return " ".join(parts)
+
+    def before_warning(self) -> None:
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = 0
+
+    def close(self) -> None:
+        self.before_warning()  # leave the cursor on a fresh line
+
+
+SYSTEM_KEYS = ("cpu_percent_rank", "rss_mb_rank", "gpu_util_percent_rank", "gpu_mem_mb_rank")
+"""Prefixes of the per-rank system samples, tagged ``system/<key>``."""
 
 
 def scalar_tags(record: dict[str, Any]) -> dict[str, float]:
     """The record's numbers under their TensorBoard and W&B tags.
 
-    ``eval_accuracy`` becomes ``eval/accuracy`` and every other key ``train/<key>``, so that each
-    dashboard groups them in two sections. ``step`` is the x axis, not a scalar; nulls (non-finite
-    values) are left out.
+    ``eval_accuracy`` becomes ``eval/accuracy``, the per-rank system samples (``cpu_percent_rank0``)
+    ``system/<key>``, and every other key ``train/<key>``, so that each dashboard groups them in
+    sections. ``step`` is the x axis, not a scalar; nulls (non-finite values) and lists (events) are
+    left out.
     """
     tags = {}
     for key, value in record.items():
         if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        tags["eval/" + key[5:] if key.startswith("eval_") else "train/" + key] = float(value)
+        if key.startswith("eval_"):
+            tags["eval/" + key[5:]] = float(value)
+        else:
+            tags[("system/" if key.startswith(SYSTEM_KEYS) else "train/") + key] = float(value)
     return tags
+
 
 
 class TensorBoardSink(Sink):
@@ -178,10 +241,23 @@ class WandbSink(Sink):
 
 
 class MetricsLogger:
-    """Fans records out to the sinks; on ranks other than 0 it holds none and does nothing."""
+    """Fans records out to the sinks; on ranks other than 0 it holds none and does nothing.
 
-    def __init__(self, sinks: list[Sink]) -> None:
+    ``writer`` says whether this is the rank that writes (default: whether it has sinks); only the
+    writer prints warnings, so that a warning that every rank reaches appears once.
+    """
+
+    def __init__(self, sinks: list[Sink], writer: bool | None = None) -> None:
         self._sinks = sinks
+        self.writer = bool(sinks) if writer is None else writer
+
+    def warn(self, message: str) -> None:
+        """Prints ``hvdtrain: warning: <message>`` to stderr on the writing rank."""
+        if not self.writer:
+            return
+        for sink in self._sinks:
+            sink.before_warning()
+        print(f"hvdtrain: warning: {message}", file=sys.stderr, flush=True)
 
     def log(self, record: dict[str, Any]) -> None:
         """Writes ``record`` to every sink; non-finite numbers become null in JSON."""
@@ -199,3 +275,23 @@ class MetricsLogger:
         """Closes every sink."""
         for sink in self._sinks:
             sink.close()
+
+
+def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, start_step: int = 0,
+                resumed: bool = False) -> MetricsLogger:
+    """Rank 0 logs to each sink that ``cfg.log`` turns on (a resumed run continues its event files
+    and its W&B run); the other ranks get no sinks."""
+    log, sinks = cfg.log, []
+    if writer:
+        if log.jsonl:
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if log.console:
+            bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
+            sinks.append(ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar,
+                                     start_step=start_step))
+        if log.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tensorboard", fresh=not resumed))
+        if log.wandb != "disabled":
+            sinks.append(WandbSink(run_dir, mode=log.wandb, project=log.wandb_project,
+                                   name=cfg.name, config=cfg.to_dict(), resumed=resumed))
+    return MetricsLogger(sinks, writer=writer)

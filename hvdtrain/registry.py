@@ -71,12 +71,16 @@ class Registry:
         return name in self._entries
 
 
-DATASETS = Registry("dataset", {"digits": "hvdtrain.data:DigitsDataset"})
+DATASETS = Registry("dataset", {"digits": "hvdtrain.data:DigitsDataset",
+                                "synthetic_images": "hvdtrain.synthetic:SyntheticImages",
+                                "mnist1d": "hvdtrain.datasets_mnist1d:Mnist1dDataset"})
 """Framework-free datasets: each yields NumPy arrays."""
 
 MODELS = {
-    "torch": Registry("torch model", {"mlp": "hvdtrain.torch.models:MLP"}),
-    "tensorflow": Registry("tensorflow model", {"mlp": "hvdtrain.tensorflow.models:MLP"}),
+    "torch": Registry("torch model", {"mlp": "hvdtrain.torch.models:MLP",
+                                     "resnet18": "hvdtrain.torch.models:ResNet18"}),
+    "tensorflow": Registry("tensorflow model", {"mlp": "hvdtrain.tensorflow.models:MLP",
+                                               "resnet18": "hvdtrain.tensorflow.models:ResNet18"}),
 }
 """Model adapters per framework."""
 

@@ -34,18 +34,24 @@ def find_checkpoint(cfg: Config, run_dir: Path) -> Path | None:
     return path
 
 
+def read_position(engine: Engine, path: Path, cfg: Config) -> Position:
+    """Restores the checkpoint ``path`` into this rank's engine (no communication) and returns
+    where it stood; raises :class:`HvdtrainError` when it does not fit this run."""
+    meta = engine.read_checkpoint(path)
+    if meta.get("framework") != cfg.framework:
+        raise HvdtrainError(f"checkpoint {path} was written by {meta.get('framework')}")
+    return Position(**{k: int(meta["position"][k]) for k in _FIELDS})
+
+
 def _read_on_rank0(engine: Engine, path: Path | None, cfg: Config) -> dict[str, float]:
     if engine.rank != 0 or path is None:
         return {"found": 0.0, "failed": 0.0, **{k: 0.0 for k in _FIELDS}}
     try:
-        meta = engine.read_checkpoint(path)
+        position = read_position(engine, path, cfg)
     except HvdtrainError as exc:
         print(f"hvdtrain: error: {exc}", flush=True)
         return {"found": 0.0, "failed": 1.0, **{k: 0.0 for k in _FIELDS}}
-    if meta.get("framework") != cfg.framework:
-        print(f"hvdtrain: error: checkpoint {path} was written by {meta.get('framework')}", flush=True)
-        return {"found": 0.0, "failed": 1.0, **{k: 0.0 for k in _FIELDS}}
-    return {"found": 1.0, "failed": 0.0, **{k: float(meta["position"][k]) for k in _FIELDS}}
+    return {"found": 1.0, "failed": 0.0, **{k: float(getattr(position, k)) for k in _FIELDS}}
 
 
 def restore(engine: Engine, path: Path | None, cfg: Config) -> Position | None:

@@ -17,7 +17,7 @@ from hvdtrain.data import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Loop, Position
-from hvdtrain.metrics import ConsoleSink, JsonlSink, MetricsLogger, Sink, TensorBoardSink, WandbSink
+from hvdtrain.metrics import make_logger
 from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.resume import find_checkpoint, restore, trim_metrics
 from hvdtrain.signals import StopRequest
@@ -82,28 +82,14 @@ def prepare_run_dir(cfg: Config, writer: bool, resumed: Position | None = None) 
     return run_dir
 
 
-def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int,
-                resumed: bool = False) -> MetricsLogger:
-    """Rank 0 logs to ``metrics.jsonl`` and, as configured, the console, TensorBoard and W&B (a
-    resumed run continues its event files and its W&B run); the other ranks get no sinks."""
-    sinks: list[Sink] = []
-    if writer:
-        sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        if cfg.log.console:
-            sinks.append(ConsoleSink(total_steps))
-        if cfg.log.tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard", fresh=not resumed))
-        if cfg.log.wandb != "disabled":
-            sinks.append(WandbSink(run_dir, mode=cfg.log.wandb, project=cfg.log.wandb_project,
-                                   name=cfg.name, config=cfg.to_dict(), resumed=resumed))
-    return MetricsLogger(sinks)
-
-
 def train(cfg: Config) -> TrainResult:
     """Trains ``cfg`` on this rank and returns the result; rank 0 writes the run directory."""
     DATASETS.check(cfg.data.name)
     MODELS[cfg.framework].check(cfg.model.name)
     resume_from = find_checkpoint(cfg, cfg.run_dir)
+    if cfg.elastic.enabled:
+        from hvdtrain.elastic import train_elastic  # imports Horovod's elastic machinery
+        return train_elastic(cfg, resume_from)
     if resume_from is None:
         check_run_dir(cfg)
     dataset = make_dataset(cfg)
@@ -114,16 +100,23 @@ def train(cfg: Config) -> TrainResult:
     writer = engine.rank == 0
     run_dir = prepare_run_dir(cfg, writer, start)
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", writer=writer)
-    stacks = run_dir / f"stacks-rank{engine.rank}.txt"
-    with StopRequest() as stop, StallWatchdog(cfg.train.stall_timeout_s, stacks, engine.rank) as dog:
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir, engine.rank, engine.size)
+    with StopRequest() as stop, watchdog as dog:
         loop = Loop(cfg, engine, dataset, checkpoints, start, stop, dog.beat)
-        logger = make_logger(cfg, run_dir, writer, loop.total_steps, resumed=start is not None)
+        logger = make_logger(cfg, run_dir, writer, loop.total_steps, start_step=loop.pos.step,
+                             resumed=start is not None)
         try:
             summary = loop.run(logger)
             logger.summary(summary)
         finally:
             logger.close()
+            checkpoints.wait()  # the last checkpoint is on disk before the run ends or stops
     if writer:
-        text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
-        atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))
+        write_summary(run_dir, summary)
     return TrainResult(summary=summary, run_dir=run_dir, local_eval=loop.local_eval, engine=engine)
+
+
+def write_summary(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Writes ``summary.json`` atomically (rank 0)."""
+    text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
+    atomic_write(run_dir / "summary.json", lambda f: f.write(text.encode()))

@@ -1,4 +1,6 @@
-"""The TensorFlow engine: a ``tf.function`` train step on ``hvd.DistributedGradientTape``.
+"""The TensorFlow engine: local gradients in a ``tf.function``, the gradient exchange of
+:mod:`hvdtrain.tensorflow.compression` (timed: eager Horovod calls return when the collectives are
+done), then the update in a ``tf.function``.
 
 Keras 3 notes (see shared/DESIGN.md): a Keras variable is not a ``tf.Variable``, so Horovod gets
 ``v.value``; Horovod's Keras API does not work with Keras 3, so this is a ``tf.GradientTape`` loop on
@@ -10,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
@@ -27,7 +30,8 @@ from hvdtrain.data import Dataset, Split, StepIndices
 from hvdtrain.engine import Engine, add_batch_sums
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
-from hvdtrain.tensorflow.compression import horovod_compression
+from hvdtrain.tensorflow import rng
+from hvdtrain.tensorflow.compression import make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 
 
@@ -78,7 +82,9 @@ class TensorFlowEngine(Engine):
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
         self.optimizer.build(self.model.trainable_variables)
-        self.compression = horovod_compression(cfg.comm.compression)
+        self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
+                                      [v.shape for v in self.model.trainable_variables])
+        self.stats: dict[str, float] = {}
         # L2 on the gradient, as torch's SGD and Adam do (Keras would decay the weights directly).
         self.l2 = cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0
         self.accumulation = cfg.train.backward_passes_per_step
@@ -90,6 +96,14 @@ class TensorFlowEngine(Engine):
 
     def broadcast_state(self) -> None:
         hvd.broadcast_variables(self._state_variables(), root_rank=0)
+        self._follow_world()
+        self.exchange.broadcast(root_rank=0)
+
+    def _follow_world(self) -> None:
+        """Elastic mode may have changed this rank's place and the world size since the exchange
+        was built; its traced functions hold them."""
+        if (self.exchange.rank, self.exchange.size) != (self.rank, self.size):
+            self.exchange.resize(self.rank, self.size)
 
     @staticmethod
     def _tensors(split: Split) -> tuple[tf.Tensor, tf.Tensor]:
@@ -100,65 +114,82 @@ class TensorFlowEngine(Engine):
 
     def _compile(self, input_shape: tuple[int, ...]) -> None:
         # One trace per function: a None batch dimension covers short and empty micro-batches.
-        spec = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
-        self._accumulate_fn = tf.function(self._accumulate, input_signature=spec, jit_compile=False)
-        self._apply_fn = tf.function(self._apply, input_signature=spec, jit_compile=False)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=spec[:1], jit_compile=False)
+        batch = (tf.TensorSpec([None, *input_shape], self.train_x.dtype),
+                 tf.TensorSpec([None], self.train_y.dtype), tf.TensorSpec([], tf.float32))
+        grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
+        self._accumulate_fn = tf.function(self._accumulate, input_signature=batch, jit_compile=False)
+        self._gradients_fn = tf.function(self._gradients, input_signature=batch, jit_compile=False)
+        self._apply_fn = tf.function(self._apply, input_signature=[grads], jit_compile=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=[tf.TensorSpec([None], tf.int64)],
+                                    jit_compile=False)
 
-    def _scored(self, idx: tf.Tensor, x: tf.Tensor, y: tf.Tensor,
-                training: bool) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
-        return self.adapter.loss_and_metrics(self.model, tf.gather(x, idx), tf.gather(y, idx),
-                                             training=training)
-
-    def _accumulate(self, idx: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
-        """A micro-batch before the last of a step: local gradients only, no communication."""
+    def _local_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                         ) -> tuple[tf.Tensor, dict, list[tf.Tensor]]:
         variables = [v.value for v in self.model.trainable_variables]
         with tf.GradientTape() as tape:
-            loss_sum, metrics = self._scored(idx, self.train_x, self.train_y, True)
+            loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=True)
             target = loss_sum * scale
-        for acc, grad in zip(self.accumulators, tape.gradient(target, variables)):
+        # Zeros, not None, for a variable the loss does not reach: every rank sends every tensor.
+        grads = tape.gradient(target, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return loss_sum, metrics, grads
+
+    def _accumulate(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
+        """A micro-batch before the last of a step: local gradients only, no communication."""
+        loss_sum, metrics, grads = self._local_gradients(x, y, scale)
+        for acc, grad in zip(self.accumulators, grads):
             acc.assign_add(grad)
         return loss_sum, metrics
 
-    def _apply(self, idx: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
-        """The step's last micro-batch: one allreduce of all accumulated gradients, then the update.
+    def _gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                   ) -> tuple[tf.Tensor, dict, list[tf.Tensor]]:
+        """The step's last micro-batch: its gradients plus the accumulated ones, ready to exchange
+        (one exchange per step, as Horovod's ``backward_passes_per_step`` does)."""
+        loss_sum, metrics, grads = self._local_gradients(x, y, scale)
+        if self.accumulators:
+            grads = [g + acc for g, acc in zip(grads, self.accumulators)]
+            for acc in self.accumulators:
+                acc.assign(tf.zeros_like(acc))
+        return loss_sum, metrics, grads
 
-        DistributedGradientTape has no ``backward_passes_per_step``; adding ``sum(acc * v)`` to the
-        loss makes the tape's gradient ``grad + acc`` exactly, so one tape allreduces the sum of all
-        micro-batches' gradients, as Horovod's PyTorch optimizer does.
-        """
-        variables = [v.value for v in self.model.trainable_variables]
-        with tf.GradientTape() as local:
-            loss_sum, metrics = self._scored(idx, self.train_x, self.train_y, True)
-            target = loss_sum * scale
-            if self.accumulation > 1:
-                target += tf.add_n([tf.reduce_sum(tf.stop_gradient(a) * v)
-                                    for a, v in zip(self.accumulators, variables)])
-        tape = hvd.DistributedGradientTape(local, compression=self.compression)
-        grads = tape.gradient(target, variables)
+    def _apply(self, grads: list[tf.Tensor]) -> None:
+        """The update with the exchanged (averaged) gradients."""
         if self.l2:
-            grads = [g + self.l2 * v for g, v in zip(grads, variables)]
+            grads = [g + self.l2 * v.value for g, v in zip(grads, self.model.trainable_variables)]
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
-        for acc in self.accumulators:
-            acc.assign(tf.zeros_like(acc))
-        return loss_sum, metrics
 
     def _eval_batch(self, idx: tf.Tensor) -> tuple[tf.Tensor, dict]:
-        return self._scored(idx, self.test_x, self.test_y, False)
+        return self.adapter.loss_and_metrics(self.model, tf.gather(self.test_x, idx),
+                                             tf.gather(self.test_y, idx), training=False)
 
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
         if lr != self.lr:
             self.optimizer.learning_rate.assign(lr)
             self.lr = lr
+        self._follow_world()
+        started = time.perf_counter()
         # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
         # the result the mean over the step's samples, even when ranks hold unequal shares.
         scale = tf.constant(self.size / step.global_count, tf.float32)
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+        data_s = 0.0
         for i, idx in enumerate(step.micro):
-            fn = self._apply_fn if i == len(step.micro) - 1 else self._accumulate_fn
-            loss_sum, metrics = fn(tf.constant(idx, tf.int64), scale)
+            tick = time.perf_counter()
+            x, y = tf.gather(self.train_x, idx), tf.gather(self.train_y, idx)
+            data_s += time.perf_counter() - tick
+            if i < len(step.micro) - 1:
+                loss_sum, metrics = self._accumulate_fn(x, y, scale)
+            else:
+                loss_sum, metrics, grads = self._gradients_fn(x, y, scale)
             add_batch_sums(sums, loss_sum, metrics, len(idx))
+        self._apply_fn(self.exchange.run(grads))
+        exchange = self.exchange.stats
+        self.stats = {"data_s": data_s, "comm_s": exchange["comm_s"],
+                      "compute_s": time.perf_counter() - started - data_s - exchange["comm_s"],
+                      "wire_bytes": exchange["wire_bytes"], "dense_bytes": exchange["dense_bytes"]}
         return sums
+
+    def step_stats(self) -> dict[str, float]:
+        return dict(self.stats)
 
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
@@ -177,9 +208,14 @@ class TensorFlowEngine(Engine):
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
         arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
+        arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
+        arrays |= {f"compression/{k}": v for k, v in self.exchange.checkpoint_arrays().items()}
         buffer = io.BytesIO()  # np.savez seeks, which the atomic writer's file allows, but be safe
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
         fileobj.write(buffer.getvalue())
+
+    def gather_checkpoint_state(self) -> None:
+        self.exchange.gather_residuals()
 
     def read_checkpoint(self, path: Path) -> dict[str, Any]:
         # allow_pickle=False: loading a checkpoint must never execute code from the file.
@@ -188,6 +224,11 @@ class TensorFlowEngine(Engine):
                                       ("optimizer", self.optimizer.variables)):
                 for i, var in enumerate(variables):
                     self._restore(var, data[f"{prefix}/{i}"], f"{prefix}/{i}", path)
+            states = {name[4:]: data[name] for name in data.files if name.startswith("rng/")}
+            if states:  # absent in checkpoints written before random states were saved
+                rng.restore(states)
+            self.exchange.load_arrays({name[12:]: data[name] for name in data.files
+                                       if name.startswith("compression/")}, f"checkpoint {path}")
             return json.loads(str(data["meta"]))
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Keras 3 model adapters: a classification base class and the built-in ``mlp``.
+"""Keras 3 model adapters: a classification base class, the built-in ``mlp`` and ``resnet18``.
 
 The ``mlp`` has the PyTorch ``mlp``'s architecture and initial weight distributions (PyTorch's
 ``nn.Linear`` default: weights and biases uniform in +-1/sqrt(fan_in)), so the two frameworks train
@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from hvdtrain.adapters import ModelAdapter, mlp_hidden
 from hvdtrain.data import DatasetSpec
+from hvdtrain.errors import HvdtrainError
 
 
 class ClassifierAdapter(ModelAdapter):
@@ -62,3 +63,50 @@ class MLP(ClassifierAdapter):
             width = size
         layers.append(_torch_like_dense(width, spec.num_classes, None))
         return keras.Sequential(layers)
+
+
+def _conv_bn(x: Any, filters: int, kernel: int, stride: int, relu: bool) -> Any:
+    """Convolution without bias, batch norm with PyTorch's epsilon and momentum, optional ReLU."""
+    x = keras.layers.Conv2D(filters, kernel, stride, padding="same", use_bias=False)(x)
+    x = keras.layers.BatchNormalization(epsilon=1e-5, momentum=0.9)(x)
+    return keras.layers.ReLU()(x) if relu else x
+
+
+def _basic_block(x: Any, filters: int, stride: int) -> Any:
+    """ResNet's two 3x3 convolutions with a shortcut (a strided 1x1 one where the shape changes)."""
+    body = _conv_bn(_conv_bn(x, filters, 3, stride, True), filters, 3, 1, False)
+    shortcut = x if stride == 1 and x.shape[-1] == filters else _conv_bn(x, filters, 1, stride, False)
+    return keras.layers.ReLU()(keras.layers.Add()([body, shortcut]))
+
+
+class ResNet18(ClassifierAdapter):
+    """ResNet-18 with the layers and trainable parameter count of the PyTorch ``resnet18``, for
+    images in NCHW (``synthetic_images``); option ``width`` (default 64) scales every stage's
+    channels.
+
+    The input is transposed to NHWC first: TensorFlow's CPU convolutions take channels last.
+    Keras's ``same`` padding puts a strided convolution's odd pixel at the end where PyTorch
+    pads both sides, and the initial weights follow Keras's defaults, so the two frameworks'
+    networks are alike in size and cost, not in their numbers.
+    """
+
+    def __init__(self, width: int = 64) -> None:
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise HvdtrainError(f"model.options.width={width!r}: expected a positive integer")
+        super().__init__(width=width)
+        self.width = width
+
+    def build(self, spec: DatasetSpec) -> keras.Model:
+        if len(spec.input_shape) != 3:
+            raise HvdtrainError(f"resnet18 needs images (channels, height, width); the dataset "
+                                f"gives inputs of shape {spec.input_shape}")
+        inputs = keras.Input(shape=spec.input_shape)
+        x = keras.layers.Permute((2, 3, 1))(inputs)
+        x = _conv_bn(x, self.width, 7, 2, True)
+        x = keras.layers.MaxPooling2D(3, 2, padding="same")(x)
+        for stage in range(4):
+            filters = self.width << stage
+            x = _basic_block(x, filters, 1 if stage == 0 else 2)
+            x = _basic_block(x, filters, 1)
+        x = keras.layers.GlobalAveragePooling2D()(x)
+        return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))

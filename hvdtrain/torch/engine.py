@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
 
@@ -17,7 +18,8 @@ from hvdtrain.data import Dataset, StepIndices
 from hvdtrain.engine import Engine, add_batch_sums
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
-from hvdtrain.torch.compression import horovod_compression
+from hvdtrain.torch import rng
+from hvdtrain.torch.compression import GradientExchange, horovod_compression, state_for_rank
 from hvdtrain.torch.models import ClassifierAdapter
 
 
@@ -52,19 +54,41 @@ class TorchEngine(Engine):
             raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
         self.train_x, self.train_y = self._tensors(dataset.train())
         self.test_x, self.test_y = self._tensors(dataset.test())
-        optimizer = make_optimizer(cfg, self.model)
-        self.optimizer = hvd.DistributedOptimizer(
-            optimizer, named_parameters=self.model.named_parameters(),
-            compression=horovod_compression(cfg.comm.compression),
-            backward_passes_per_step=cfg.train.backward_passes_per_step)
+        self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
         self.lr = float("nan")  # the loop sets the real one before the first step
+
+    def _make_optimizer(self, cfg: Config) -> None:
+        optimizer = make_optimizer(cfg, self.model)
+        self.exchange: GradientExchange | None = None
+        self.counting = None
+        self._stats: dict[str, float] = {}
+        self._restored_compression: list[dict[str, Any]] | None = None
+        self._gathered_compression: list[dict[str, Any]] | None = None
+        if cfg.comm.compression in ("none", "fp16"):
+            # Horovod's own path: allreduce starts in backward hooks, overlapping computation.
+            self.counting = horovod_compression(cfg.comm.compression)
+            self.optimizer = hvd.DistributedOptimizer(
+                optimizer, named_parameters=self.model.named_parameters(),
+                compression=self.counting,
+                backward_passes_per_step=cfg.train.backward_passes_per_step)
+        else:
+            # hvdtrain's exchange runs once per step after the micro-batches' gradients accumulated.
+            self.optimizer = optimizer
+            self.exchange = GradientExchange(cfg.comm, cfg.seed,
+                                             [p.shape for p in self.model.parameters()])
 
     def broadcast_state(self) -> None:
         # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
         # which weight decay would turn into a change of the weights that the broadcast then undoes.
         hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.exchange is not None:
+            states = hvd.broadcast_object(self._restored_compression, root_rank=0,
+                                          name="hvdtrain.compression_state")
+            if states:
+                self.exchange.load_state_dict(state_for_rank(states, self.rank))
+            self._restored_compression = None  # applied once: a later broadcast must not rewind
 
     @staticmethod
     def _tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,19 +99,47 @@ class TorchEngine(Engine):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.lr = lr
+        start = time.perf_counter()
         self.optimizer.zero_grad()
         # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
         # the result the mean over the step's samples, even when ranks hold unequal shares.
         scale = self.size / step.global_count
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+        data_s = 0.0
         for idx in step.micro:
+            gathered = time.perf_counter()
             index = torch.from_numpy(idx)
-            loss_sum, metrics = self.adapter.loss_and_metrics(
-                self.model, self.train_x[index], self.train_y[index])
+            x, y = self.train_x[index], self.train_y[index]
+            data_s += time.perf_counter() - gathered
+            loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y)
             (loss_sum * scale).backward()
             add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
-        self.optimizer.step()
+        stats = self._exchange_and_step()
+        stats["data_s"] = data_s
+        stats["compute_s"] = time.perf_counter() - start - data_s - stats["comm_s"]
+        self._stats = stats
         return sums
+
+    def _exchange_and_step(self) -> dict[str, float]:
+        """Averages the gradients over ranks, steps the optimizer, and returns what it measured."""
+        if self.exchange is not None:
+            params = list(self.model.parameters())
+            for p in params:
+                if p.grad is None:  # a parameter this step did not reach still takes part
+                    p.grad = torch.zeros_like(p)
+            self.exchange.run([p.grad for p in params])
+            self.optimizer.step()
+            return {k: self.exchange.stats[k] for k in ("wire_bytes", "dense_bytes", "comm_s")}
+        waited = time.perf_counter()
+        self.optimizer.synchronize()
+        comm_s = time.perf_counter() - waited
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        wire, dense = self.counting.take()
+        return {"wire_bytes": float(wire), "dense_bytes": float(dense), "comm_s": comm_s}
+
+    def step_stats(self) -> dict[str, float]:
+        return dict(self._stats)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
@@ -109,7 +161,14 @@ class TorchEngine(Engine):
 
     def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "rng": rng.capture(), "compression": self._gathered_compression,
                     "meta": meta}, fileobj)
+
+    def gather_checkpoint_state(self) -> None:
+        # Residuals differ per rank: rank 0 collects them all so that resuming restores each one.
+        if self.exchange is not None:
+            self._gathered_compression = hvd.allgather_object(
+                self.exchange.state_dict(), name="hvdtrain.compression_gather")
 
     def read_checkpoint(self, path: Path) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
@@ -121,6 +180,9 @@ class TorchEngine(Engine):
             first = str(exc).strip().splitlines()
             raise HvdtrainError(f"checkpoint {path} does not fit the model: "
                                 f"{' '.join(line.strip() for line in first[:3])}") from None
+        self._restored_compression = state.get("compression")
+        if "rng" in state:  # absent in checkpoints written before random states were saved
+            rng.restore(state["rng"])
         return state["meta"]
 
     def parameters(self) -> dict[str, np.ndarray]:

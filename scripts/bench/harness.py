@@ -128,27 +128,44 @@ def machine_record() -> dict[str, Any]:
     return record
 
 
-def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], rows: Sequence[Row],
-                     notes: Sequence[str] = (), *, date: str | None = None, unit: str = "ms",
-                     scale: float = 1e3, digits: int = 3, caption: str = "",
-                     tables: Sequence[tuple[str, Sequence[Row]]] = ()) -> str:
-    """A dated Markdown section: title, the command that reproduces it, the machine, the table, notes.
+def markdown_grid(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A Markdown table of preformatted ``cells`` under ``header``: first column left-aligned, the
+    others right-aligned. It ends with a newline."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
 
-    ``caption``, when given, is a line above the table. ``tables`` are further ``(caption, rows)``
-    tables, in the same unit, that follow the first one: other measures of the same runs.
-    """
+
+def section_text(title: str, command_line: str, machine: Mapping[str, Any],
+                 blocks: Sequence[str], notes: Sequence[str] = (), *,
+                 date: str | None = None) -> str:
+    """A dated Markdown section: title, the command that reproduces it, the machine, ``blocks``
+    (tables with their captions, each a finished piece of Markdown), then the notes as a list."""
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
     parts = [f"## {title}", "", f"Date: {date}", "", "Reproduce (from the repository root):", "",
              "```", command_line, "```", "", f"Machine: {machine_text}.", ""]
-    for text, table_rows in ((caption, rows), *tables):
-        if text:
-            parts += [text, ""]
-        parts += [markdown_table(table_rows, unit=unit, scale=scale, digits=digits).rstrip("\n"), ""]
-    parts.pop()  # the blank line after the last table; the notes add their own
+    for block in blocks:
+        parts += [block.rstrip("\n"), ""]
+    parts.pop()  # the blank line after the last block; the notes add their own
     if notes:
         parts += [""] + [f"- {note}" for note in notes]
     return "\n".join(parts) + "\n"
+
+
+def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], rows: Sequence[Row],
+                     notes: Sequence[str] = (), *, date: str | None = None, unit: str = "ms",
+                     scale: float = 1e3, digits: int = 3, caption: str = "",
+                     tables: Sequence[tuple[str, Sequence[Row]]] = ()) -> str:
+    """:func:`section_text` with tables of :class:`Row`: ``rows`` under ``caption`` (a line above
+    the table, when given), then further ``(caption, rows)`` tables, in the same unit, that follow
+    the first one: other measures of the same runs.
+    """
+    blocks = []
+    for text, table_rows in ((caption, rows), *tables):
+        table = markdown_table(table_rows, unit=unit, scale=scale, digits=digits)
+        blocks.append(f"{text}\n\n{table}" if text else table)
+    return section_text(title, command_line, machine, blocks, notes, date=date)
 
 
 def append_markdown(path: Path, section: str, header: str) -> None:

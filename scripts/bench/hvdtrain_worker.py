@@ -37,8 +37,20 @@ CONFIGS = {"torch": ROOT / "configs" / "digits_torch.yaml",
            "tensorflow": ROOT / "configs" / "digits_tf.yaml"}
 
 
-def overrides(framework: str, epochs: int, log_dir: str) -> list[str]:
-    """Config overrides that pin every setting the hand-written loops hard-code."""
+SINKS = {
+    # The hand-written loops log nothing; W&B's service process is not training machinery.
+    "default": ["log.console=false", "log.wandb=disabled"],
+    # monitoring.py compares every sink and the system sampling off against all of them on.
+    "off": ["log.console=false", "log.wandb=disabled", "log.jsonl=false", "log.tensorboard=false",
+            "log.system=false"],
+    "on": ["log.console=true", "log.progress=lines", "log.wandb=offline", "log.jsonl=true",
+           "log.tensorboard=true", "log.system=true"],
+}
+"""Logging overrides by ``sinks`` option of :func:`run`."""
+
+
+def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default") -> list[str]:
+    """Config overrides that pin every setting the hand-written loops hard-code, and the sinks."""
     return [
         f"framework={framework}", "model.name=mlp", f"model.options.hidden=[{HIDDEN}]",
         "data.name=digits", f"data.options.test_fraction={TEST_FRACTION}",
@@ -52,9 +64,7 @@ def overrides(framework: str, epochs: int, log_dir: str) -> list[str]:
         "optim.schedule=constant", "comm.compression=none",
         # One checkpoint, at the end, like the hand-written save.
         "checkpoint.enabled=true", "checkpoint.every_steps=0",
-        "log.console=false", "log.overwrite=true", f"log.dir={log_dir}",
-        # The hand-written loops log nothing; W&B's service process is not training machinery.
-        "log.wandb=disabled",
+        "log.overwrite=true", f"log.dir={log_dir}", *SINKS[sinks],
     ]
 
 
@@ -96,14 +106,15 @@ def throughput(summary: dict[str, Any], clock: workload.Clock, epochs: int) -> d
             "steady_samples_per_s": steady}
 
 
-def run(framework: str, epochs: int, out_dir: Path) -> dict[str, Any]:
+def run(framework: str, epochs: int, out_dir: Path, sinks: str = "default") -> dict[str, Any]:
     """Trains from scratch with hvdtrain (rank 0 writes the run to ``out_dir``); returns a measurement.
 
     The measurement is this rank's. Every call loads the config and lets hvdtrain build a new engine (model, optimizer, data order,
     seeds), so repeated calls in one process (``interleaved.py``) are independent and alike.
     """
     # environ={}: HVDTRAIN_* variables of the caller must not change what is measured.
-    cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir)), environ={})
+    cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir), sinks),
+                      environ={})
     clock = workload.Clock()
     # train() builds its engine through this module-level name; the clock must ride on that engine.
     original = hvdtrain.trainer.make_engine

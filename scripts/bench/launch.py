@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import harness
 import workload
@@ -122,11 +122,15 @@ def job_command(variants: Sequence[Variant], args: argparse.Namespace, work: Pat
             str(args.epochs), "--out-dir", str(work)]
 
 
-def worker_env() -> dict[str, str]:
-    """The environment of the jobs: Open MPI refuses to start as root without these two."""
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the jobs: Open MPI refuses to start as root without these two.
+
+    ``extra`` variables (such as ``HOROVOD_FUSION_THRESHOLD``) are added last and win.
+    """
     env = dict(os.environ)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.update(extra or {})
     return env
 
 
@@ -134,10 +138,21 @@ def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def run_job(argv: Sequence[str], key: str, timeout: float) -> list[dict[str, Any]]:
+def _describe(record: dict[str, Any], key: str) -> str:
+    """One log line for a record; records of one-run jobs may lack the round and slot."""
+    where = ""
+    if "round" in record:
+        where = "warm-up " if record["round"] < 0 else f"round {record['round'] + 1} "
+    size = f" {record['size']} B" if "size" in record else ""
+    return f"{where}{record.get('variant', '')}{size}: {key}={record[key]:.6g}"
+
+
+def run_job(argv: Sequence[str], key: str, timeout: float,
+            env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Runs the job, logging each run as it comes, and returns every per-run record it printed.
 
-    Raises :class:`harness.BenchError` with the output's tail when the job fails or times out.
+    ``env`` holds variables added to the job's environment (see :func:`worker_env`). Raises
+    :class:`harness.BenchError` with the output's tail when the job fails or times out.
     """
     tail: deque[str] = deque(maxlen=30)
     records: list[dict[str, Any]] = []
@@ -145,7 +160,7 @@ def run_job(argv: Sequence[str], key: str, timeout: float) -> list[dict[str, Any
     # One pipe for both streams: reading two pipes one after the other could deadlock. A session of
     # its own lets a timeout kill the workers too, not only horovodrun.
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=worker_env(), start_new_session=True) as proc:
+                          env=worker_env(env), start_new_session=True) as proc:
         timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
         timer.start()
         try:
@@ -153,9 +168,7 @@ def run_job(argv: Sequence[str], key: str, timeout: float) -> list[dict[str, Any
                 tail.append(line.rstrip("\n"))
                 for record in harness.parse_measurements(line, key):
                     records.append(record)
-                    label = "warm-up" if record["round"] < 0 else f"round {record['round'] + 1}"
-                    _log(f"{label} {record['variant']} (slot {record['slot']}): "
-                         f"{key}={record[key]:.6g}")
+                    _log(_describe(record, key))
         finally:
             timer.cancel()
     if proc.returncode != 0:
@@ -175,12 +188,15 @@ def run(variants: Sequence[Variant], args: argparse.Namespace,
     return machine, harness.group_runs(records, [v.name for v in variants], args.rounds)
 
 
+def reproduce_interpreter() -> Path:
+    """This interpreter as a reader should type it: relative to the repository root when inside."""
+    interpreter = python()
+    return interpreter.relative_to(ROOT) if interpreter.is_relative_to(ROOT) else interpreter
+
+
 def reproduce_command(script: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> str:
     """The command line that repeats a driver's benchmark, with every setting spelled out."""
-    interpreter = python()
-    if interpreter.is_relative_to(ROOT):
-        interpreter = interpreter.relative_to(ROOT)
-    argv = [str(interpreter), f"scripts/bench/{script}", *extra, "--rounds", str(args.rounds),
+    argv = [str(reproduce_interpreter()), f"scripts/bench/{script}", *extra, "--rounds", str(args.rounds),
             "--epochs", str(args.epochs), "--warmup", str(args.warmup), "--np", str(args.np),
             "--controller", args.controller]
     return shlex.join(argv)
@@ -238,3 +254,91 @@ def publish(section: str, args: argparse.Namespace) -> None:
     if not args.no_write:
         harness.append_markdown(args.output, section, HEADER)
         print(f"[bench] appended to {args.output}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A compared variant that is a job of its own: its table name, command line and environment.
+
+    Used where the variants cannot share processes: different launchers (``torchrun`` against
+    ``horovodrun``), process counts, or Horovod settings read once at ``hvd.init``.
+    """
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def run_jobs(jobs: Sequence[Job], rounds: int, warmup: int, key: str,
+             timeout: float) -> Results:
+    """Runs every job once per round, in :func:`harness.round_order`, after ``warmup`` discarded
+    rounds; each job must print exactly one measurement holding ``key``."""
+    records = []
+    for round_index in range(-warmup, rounds):
+        for slot, job in harness.round_order(list(enumerate(jobs)), round_index):
+            found = run_job(job.argv, key, timeout, job.env)
+            if len(found) != 1:
+                raise harness.BenchError(f"{job.name}: expected one measurement, got {len(found)}")
+            record = {**found[0], "round": round_index, "slot": slot, "variant": job.name}
+            _log(_describe(record, key))
+            records.append(record)
+    return harness.group_runs(records, [job.name for job in jobs], rounds)
+
+
+def resnet_argv(launcher: Sequence[str], args: argparse.Namespace, trainer: str,
+                threads: int = 0) -> list[str]:
+    """``launcher`` followed by one ``resnet_worker.py`` run with the ResNet options of ``args``
+    (``steps``, ``skip``, ``batch``, ``width``)."""
+    return [*launcher, str(HERE / "resnet_worker.py"), "--trainer", trainer, "--steps",
+            str(args.steps), "--skip", str(args.skip), "--batch", str(args.batch), "--width",
+            str(args.width), "--threads", str(threads)]
+
+
+def resnet_parser(description: str, rounds: int, steps: int) -> argparse.ArgumentParser:
+    """The options of the drivers that time ``resnet_worker.py`` jobs (``ddp.py``, ``scaling.py``);
+    ``--quick`` makes one round of 4 steps of a width-8 network."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, help=f"measured rounds (default {rounds})")
+    parser.add_argument("--warmup", type=int, help="discarded rounds first (default 0)")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps per job (default {steps})")
+    parser.add_argument("--skip", type=int, default=3, help="first steps not timed (default 3)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
+    parser.add_argument("--width", type=int, help="resnet18 width (default 64: ResNet-18)")
+    parser.add_argument("--quick", action="store_true", help="tiny check: 1 round, 6 steps, width 8")
+    parser.add_argument("--no-write", action="store_true", help="print the section only")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
+    parser.set_defaults(full=dict(rounds=rounds, warmup=0, steps=steps, width=64),
+                        quick_sizes=dict(rounds=1, warmup=0, steps=6, width=8))
+    return parser
+
+
+def resnet_args(parser: argparse.ArgumentParser,
+                argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses a :func:`resnet_parser`'s options, filling what was not given from ``--quick`` or not."""
+    args = parser.parse_args(argv)
+    for name, default in (args.quick_sizes if args.quick else args.full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.rounds < 1 or args.steps < args.skip + 2:
+        parser.error("--rounds must be positive and --steps at least --skip + 2")
+    return args
+
+
+def resnet_command(script: str, args: argparse.Namespace) -> str:
+    """The command line that repeats a ``resnet_worker.py`` driver's benchmark."""
+    return shlex.join([str(reproduce_interpreter()), f"scripts/bench/{script}", "--rounds",
+                       str(args.rounds), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                       "--skip", str(args.skip), "--batch", str(args.batch), "--width",
+                       str(args.width)])
+
+
+def resnet_note(args: argparse.Namespace) -> str:
+    """What every ``resnet_worker.py`` job trained and how its throughput is taken."""
+    params = {64: "11.2 M"}.get(args.width, f"width {args.width}")
+    return (f"Workload: hvdtrain's `resnet18` (width {args.width}, {params} parameters) on "
+            f"`synthetic_images` 3x32x32, 10 classes; batch {args.batch} per rank; SGD lr "
+            f"{workload.BASE_LR} x ranks, momentum {workload.MOMENTUM}; {args.steps} steps per "
+            f"job, samples/s over steps {args.skip + 1} to {args.steps - 1} (from the start of "
+            f"the first timed step to the start of the last) on rank 0; {args.rounds} rounds "
+            f"after {args.warmup} warm-up, one job per variant per round, order alternating.")

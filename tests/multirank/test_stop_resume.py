@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import BIN, CONFIG, run_env
@@ -89,3 +90,24 @@ def test_a_hung_rank_fails_the_job_with_its_stacks(tmp_path):
     stacks = (tmp_path / "stacks-rank1.txt").read_text()
     assert stacks.startswith("hvdtrain: rank 1 (pid ") and "within 10 s" in stacks
     assert "in loss_and_metrics" in stacks and "in train_step" in stacks
+
+
+@pytest.mark.timeout(400)
+def test_sigkill_of_one_rank_ends_the_job_nonzero_within_a_minute(tmp_path):
+    """Without elastic mode a dead rank must fail the whole job quickly, never leave it hanging."""
+    run = tmp_path / "run"
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
+           "train", str(CONFIG), "train.epochs=200", "log.every_steps=5", "log.wandb=disabled",
+           f"log.dir={run}"]
+    proc = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_records(run / "metrics.jsonl", 3, timeout=300)
+        os.kill(pid_of_rank(1, str(run)), signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=120)
+        assert time.monotonic() - killed < 60
+    finally:
+        proc.kill()
+    assert code != 0
+    assert not (run / "summary.json").exists()

@@ -149,10 +149,9 @@ def wait_state(job_id: str, states: set[str], timeout: float) -> str:
     raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
 
 
-def submit(run_dir: Path, *overrides: str, launcher: str = "horovodrun") -> str:
+def submit(run_dir: Path, *overrides: str, options: tuple[str, ...] = ()) -> str:
     proc = hvdtrain_cli("slurm", "submit", str(CONFIG), f"log.dir={run_dir}", "log.wandb=disabled",
-                        *overrides, "--nodes", "1", "--tasks-per-node", "2", "--time", "20:00",
-                        "--launcher", launcher)
+                        *overrides, "--nodes", "1", "--tasks-per-node", "2", "--time", "20:00", *options)
     assert proc.returncode == 0, proc.stderr
     found = re.search(r"submitted job (\d+)", proc.stdout)
     assert found, proc.stdout
@@ -171,10 +170,15 @@ def cluster():
     assert info.returncode == 0 and info.stdout.strip(), f"no local cluster: {info.stderr}"
 
 
-@pytest.mark.parametrize("launcher", ["horovodrun", "srun"])
-def test_submitted_job_trains_two_ranks(cluster, tmp_path, launcher):
+@pytest.mark.parametrize("options", [
+    (),
+    ("--launcher", "srun"),
+    # one node: elastic Horovod needs the interface named when it has a single host
+    ("--elastic", "--network-interface", "lo"),
+], ids=["horovodrun", "srun", "elastic"])
+def test_submitted_job_trains_two_ranks(cluster, tmp_path, options):
     run_dir = tmp_path / "run"
-    job_id = submit(run_dir, "train.epochs=15", launcher=launcher)
+    job_id = submit(run_dir, "train.epochs=15", options=options)
     state = wait_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     assert state == "COMPLETED", job_log(run_dir, job_id)
     assert job_field(job_id, "Restarts") == "0"

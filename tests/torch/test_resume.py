@@ -5,18 +5,28 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.trainer import train
-from tests.conftest import BIN, CONFIG, quiet_config, read_jsonl, run_env
+from tests.conftest import BIN, CONFIG, ROOT, quiet_config, read_jsonl, run_env
 
 # Constant schedule: a first run cut short by max_steps then follows the same learning rates.
 EXACT = ("train.epochs=4", "optim.schedule=constant", "checkpoint.every_steps=40")
+# Dropout draws from torch's generator at every step: resuming is exact only if its state is restored.
+DROPOUT = "model.name=tests.torch.test_resume:dropout_net"
+
+
+def dropout_net(spec, hidden: tuple[int, ...] = (64,)) -> nn.Module:
+    """An MLP with dropout, so that training consumes random numbers."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(spec.input_shape[0], hidden[0]), nn.ReLU(),
+                         nn.Dropout(0.2), nn.Linear(hidden[0], spec.num_classes))
 
 
 def params_of(path) -> dict[str, torch.Tensor]:
@@ -24,10 +34,12 @@ def params_of(path) -> dict[str, torch.Tensor]:
 
 
 def test_stop_and_resume_is_bit_identical(tmp_path):
-    straight = train(quiet_config(CONFIG, tmp_path / "a", *EXACT))
-    first = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, "train.max_steps=100"))
+    straight = train(quiet_config(CONFIG, tmp_path / "a", *EXACT, DROPOUT))
+    first = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, DROPOUT, "train.max_steps=100"))
     assert first.summary["steps"] == 100  # mid-epoch: 100 = 2 x 45 + 10
-    resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, "checkpoint.resume=auto"))
+    # Draws between the checkpoint and the resume must not matter: the generators are restored.
+    torch.rand(1000)
+    resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, DROPOUT, "checkpoint.resume=auto"))
     assert resumed.summary["steps"] == straight.summary["steps"] == 180
     for key, value in straight.engine.parameters().items():
         assert np.array_equal(resumed.engine.parameters()[key], value), key
@@ -106,3 +118,17 @@ def test_divergence_stops_naming_the_rank_and_the_first_bad_step(tmp_path):
     # The checkpoints due at steps 15 and 20 would hold NaN weights: they are not written.
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert names == ["step-00000005.ckpt", "step-00000010.ckpt"]
+
+
+@pytest.mark.timeout(600)
+def test_soak_kills_the_writer_mid_save_and_the_newest_valid_checkpoint_loads():
+    """A few trials of scripts/soak_checkpoint.py (20 by default): SIGKILL at random moments while
+    checkpointing every step; the newest valid checkpoint loads, truncated and bit-flipped ones are
+    skipped."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "soak_checkpoint.py"), "--trials",
+                           "3", "--seed", "1"], env=run_env(), capture_output=True, text=True,
+                          timeout=580)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
+    assert summary == {**summary, "trials": 3, "completed": 3, "hangs": 0}
+    assert summary["fallback_checked"] == 3

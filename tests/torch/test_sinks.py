@@ -148,3 +148,12 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     steps = [e.step for e in events.Scalars("train/loss")]
     assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 2
     assert steps == [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+
+
+def test_every_sink_can_be_switched_off(tmp_path, capsys):
+    cfg = quiet_config(CONFIG, tmp_path, "train.max_steps=5", "log.jsonl=false",
+                       "log.tensorboard=false", "log.system=false")
+    result = train(cfg)
+    names = {p.name for p in (tmp_path / "run").iterdir()}
+    assert names == {"config.yaml", "summary.json", "checkpoints"}
+    assert result.summary["steps"] == 5 and capsys.readouterr().out == ""

@@ -58,3 +58,16 @@ class HangOnRank(NanOnRank):
             if int(os.environ.get("HOROVOD_RANK", "0")) == self.rank and self.calls > self.after:
                 time.sleep(3600)
         return ClassifierAdapter.loss_and_metrics(self, model, x, y, training)
+
+
+class SlowOnRank(NanOnRank):
+    """One rank spends ``delay`` extra seconds on every training batch (an injected straggler)."""
+
+    def __init__(self, rank: int = 0, delay: float = 0.05) -> None:
+        ClassifierAdapter.__init__(self, rank=rank, delay=delay)
+        self.rank, self.delay, self.calls = rank, delay, 0
+
+    def loss_and_metrics(self, model, x, y, training: bool = True):
+        if training and int(os.environ.get("HOROVOD_RANK", "0")) == self.rank:
+            time.sleep(self.delay)
+        return ClassifierAdapter.loss_and_metrics(self, model, x, y, training)

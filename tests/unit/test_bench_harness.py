@@ -140,3 +140,111 @@ def test_bench_drivers_import_no_framework():
 def test_machine_record_names_cores_and_versions():
     record = harness.machine_record()
     assert record["cores"] >= 1 and record["torch"].startswith("2.13.0")
+
+
+def test_bench_new_drivers_import_no_framework():
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import allreduce, fusion, ddp, scaling\n"
+            "assert not {'torch', 'tensorflow', 'horovod', 'mpi4py'} & set(sys.modules)")
+    subprocess.run([sys.executable, "-c", code, str(BENCH)], check=True)
+
+
+def test_markdown_grid_and_section_text():
+    grid = harness.markdown_grid(["size", "a", "b"], [["4 KB", "1", "2"], ["8 KB", "3", "4"]])
+    assert grid.splitlines() == ["| size | a | b |", "|---|---:|---:|", "| 4 KB | 1 | 2 |",
+                                 "| 8 KB | 3 | 4 |"]
+    text = harness.section_text("T", "cmd", {"cores": 2}, ["cap\n\n" + grid, grid], ["n1"],
+                                date="d")
+    assert text.count("| size | a | b |") == 2 and text.endswith("\n- n1\n")
+    assert "```\ncmd\n```" in text and "cap\n\n| size" in text
+
+
+import allreduce  # noqa: E402
+import ddp  # noqa: E402
+import launch  # noqa: E402
+
+
+def _allreduce_records(size, values):
+    """Canned worker records: ``values[slot]`` is that slot's per-round algbw list."""
+    names = ["raw (A)", "Horovod gloo (B)", "raw (A', A/A control)", "memory copy (C)"]
+    return [{"size": size, "round": r, "slot": slot, "variant": names[slot], "algbw_GBps": v}
+            for slot, series in enumerate(values) for r, v in enumerate(series)]
+
+
+def test_allreduce_tables_ratios_bus_bandwidth_and_verdict():
+    records = (_allreduce_records(4096, [[1.0, 3.0], [1.0, 1.0], [2.0, 2.0], [4.0, 4.0]])
+               + _allreduce_records(64 << 20, [[2.0, 2.0], [1.5, 1.7], [2.0, 2.2], [8.0, 8.0]]))
+    tables = allreduce.by_size(records, rounds=2)
+    assert list(tables) == [4096, 64 << 20]
+    small = tables[4096]
+    assert [r.median for r in small] == [2.0, 1.0, 2.0, 4.0] and small[1].ratio == 0.5
+    row = allreduce.table_row(4096, small, ranks=2)
+    assert row[0] == "4 KB" and row[1] == "2 (1-3)" and row[5] == "4"
+    assert row[6:] == ["0.5", "0.25", "0.500", "1.000"]
+    assert allreduce.bus(1.0, 2) == 1.0 and allreduce.bus(1.0, 4) == 1.5
+    assert allreduce.verdict("gloo", tables).endswith("64 MB 0.80 (A/A 1.05): target >= 0.8 met")
+    missed = allreduce.by_size(_allreduce_records(256 << 20, [[2.0], [1.0], [2.0], [4.0]]), 1)
+    assert allreduce.verdict("mpi", missed).endswith("missed")
+    assert "not judged" in allreduce.verdict("mpi", {4096: small})
+    assert [allreduce.human(s) for s in (512, 4096, 1 << 20, 256 << 20)] == [
+        "512 B", "4 KB", "1 MB", "256 MB"]
+
+
+def test_allreduce_default_sizes_span_4_kb_to_256_mb():
+    args = allreduce.parse_args([])
+    assert args.sizes[0] == 4096 and args.sizes[-1] == 256 << 20 and len(args.sizes) == 9
+    assert allreduce.parse_args(["--quick"]).rounds == 1
+    with pytest.raises(SystemExit):
+        allreduce.parse_args(["--controllers", "nccl"])
+
+
+def test_ddp_verdict_names_both_controllers_and_the_control():
+    rows = harness.summarize({ddp.BASELINE: [10.0], ddp.GLOO: [11.0], ddp.MPI: [9.0],
+                              ddp.CONTROL: [10.5]}, baseline=ddp.BASELINE)
+    text = ddp.verdict(rows)
+    assert "hvdtrain horovodrun gloo / DDP = 1.100 (met)" in text
+    assert "hvdtrain horovodrun mpi / DDP = 0.900 (missed)" in text
+    assert text.endswith("A/A control = 1.050")
+
+
+def test_run_jobs_interleaves_separate_jobs_with_their_environment():
+    # Real processes (a bare interpreter, milliseconds each): each prints its variable.
+    code = ("import json, os; print('noise'); "
+            "print(json.dumps({'v': float(os.environ['BENCH_V'])}))")
+    argv = [sys.executable, "-c", code]
+    jobs = [launch.Job(name, argv, {"BENCH_V": value})
+            for name, value in (("A", "1"), ("B", "2"), ("A'", "3"))]
+    results = launch.run_jobs(jobs, rounds=2, warmup=1, key="v", timeout=60)
+    assert harness.samples_of(results, "v") == {"A": [1.0, 1.0], "B": [2.0, 2.0], "A'": [3.0, 3.0]}
+    assert [m["round"] for m in results["B"]] == [0, 1]
+    failing = [launch.Job("X", [sys.executable, "-c", "raise SystemExit(3)"], {})]
+    with pytest.raises(harness.BenchError, match="exit code 3"):
+        launch.run_jobs(failing, rounds=1, warmup=0, key="v", timeout=60)
+
+
+def test_synthetic_images_are_deterministic_shaped_and_learnable():
+    import numpy as np
+
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.registry import DATASETS
+    from hvdtrain.synthetic import SyntheticImages
+
+    make = DATASETS.get("synthetic_images")
+    data = make(train_samples=300, test_samples=100, channels=2, height=5, width=4,
+                num_classes=3, noise=1.0, seed=7)
+    again = SyntheticImages(train_samples=300, test_samples=100, channels=2, height=5, width=4,
+                            num_classes=3, noise=1.0, seed=7)
+    assert data.spec().input_shape == (2, 5, 4) and data.spec().num_classes == 3
+    assert data.train().x.shape == (300, 2, 5, 4) and data.train().x.dtype == np.float32
+    assert data.test().y.dtype == np.int64 and set(data.train().y) == {0, 1, 2}
+    assert np.array_equal(data.train().x, again.train().x)
+    assert not np.array_equal(data.train().x, SyntheticImages(seed=8, train_samples=300,
+                              channels=2, height=5, width=4, num_classes=3).train().x)
+    # Learnable: class means of the training split classify most test samples right.
+    train, test = data.train(), data.test()
+    means = np.stack([train.x[train.y == c].mean(axis=0) for c in range(3)])
+    distances = ((test.x[:, None] - means[None]) ** 2).sum(axis=(2, 3, 4))
+    assert (distances.argmin(axis=1) == test.y).mean() > 0.9
+    with pytest.raises(HvdtrainError, match="data.options.height=0"):
+        SyntheticImages(height=0)
+    with pytest.raises(HvdtrainError, match="data.options.noise=-1"):
+        SyntheticImages(noise=-1)

@@ -89,6 +89,9 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 class _FakeWriter:
     """Stands in for the engine's serialiser only: the manager's own logic is what is tested."""
 
+    def gather_checkpoint_state(self):
+        pass  # one process: nothing to collect from other ranks
+
     def write_checkpoint(self, fileobj, meta):
         fileobj.write(json.dumps(meta).encode())
 

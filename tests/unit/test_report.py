@@ -27,7 +27,11 @@ def make_run(path: Path, name: str, framework: str, *, summary: bool = True, wal
         if wall:
             record["time_s"] = step * 0.05
         if comm:
-            record.update(comm_time_s=0.002, compute_time_s=0.008)
+            record.update(comm_time_s=0.002, compute_time_s=0.008, wire_bytes=2048.0,
+                          dense_bytes=8192.0, cpu_percent_rank0=90.0, cpu_percent_rank1=80.0,
+                          rss_mb_rank0=400.0, rss_mb_rank1=390.0)
+            if step == 30:
+                record["events"] = [{"event": "straggler", "rank": 1, "factor": 2.0, "logs": 3}]
         if step % 20 == 0:
             record.update(eval_loss=1.0 / step, eval_accuracy=0.5 + step / 100)
         records.append(record)
@@ -36,7 +40,8 @@ def make_run(path: Path, name: str, framework: str, *, summary: bool = True, wal
     if summary:
         (path / "summary.json").write_text(json.dumps({
             "name": name, "framework": framework, "world_size": 2, "steps": 40,
-            "samples_per_sec": 1234.56, "wall_time_s": 12.345, "final": {"eval_accuracy": 0.9}}))
+            "samples_per_sec": 1234.56, "wall_time_s": 12.345, "final": {"eval_accuracy": 0.9},
+            "compression": name, **({"compression_ratio": 4.0} if comm else {})}))
     return path
 
 
@@ -59,14 +64,16 @@ def test_two_runs_overlaid_with_plots_and_table(tmp_path):
     out = a / "report"
     assert md_path == out / "report.md"
     names = {p.name for p in out.glob("*.png")}
-    # No run logged bytes yet: that plot is skipped, the others are written.
+    # No run logged GPU metrics: that plot is skipped, the others are written.
     assert names == {"loss.png", "accuracy.png", "throughput.png", "eval_accuracy.png",
-                     "comm_compute.png"}
+                     "comm_compute.png", "step_time.png", "bytes.png", "system.png"}
     assert png_size(out / "loss.png")[0] == 2 * png_size(out / "throughput.png")[0]  # step + time
+    assert png_size(out / "system.png")[0] == 2 * png_size(out / "bytes.png")[0]  # CPU + memory
     md = md_path.read_text()
-    assert table(md) == [["fp16", "torch", "2", "40", "0.9000", "1235", "12.3"],
-                         ["none", "tensorflow", "2", "40", "0.9000", "1235", "12.3"]]
-    assert "![loss](loss.png)" in md and "bytes" not in md
+    assert table(md) == [
+        ["fp16", "torch", "fp16", "2", "40", "0.9000", "1235", "12.3", "2.00", "2.0", "4.0", "1"],
+        ["none", "tensorflow", "none", "2", "40", "0.9000", "1235", "12.3", "-", "-", "-", "-"]]
+    assert "![loss](loss.png)" in md and "gpu" not in md
 
 
 def test_missing_metrics_and_summary_are_skipped(tmp_path):
@@ -75,9 +82,10 @@ def test_missing_metrics_and_summary_are_skipped(tmp_path):
     out = tmp_path / "out"
     assert png_size(out / "loss.png")[0] == png_size(out / "throughput.png")[0]  # no time panel
     assert not (tmp_path / "out" / "comm_compute.png").exists()
+    assert not (tmp_path / "out" / "system.png").exists()
     # Without summary.json: steps and accuracy come from the metrics, the rest is unknown.
     assert table((tmp_path / "out" / "report.md").read_text()) == [
-        ["old", "torch", "-", "40", "0.9000", "-", "-"]]
+        ["old", "torch", "-", "-", "40", "0.9000", "-", "-", "-", "-", "-", "-"]]
 
 
 def test_runs_with_the_same_name_are_told_apart(tmp_path):

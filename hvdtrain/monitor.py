@@ -1,0 +1,222 @@
+"""Run health per log interval: where step time goes, bytes on the wire, system load, stragglers.
+
+Everything rides on the loop's one metrics allreduce per log interval, so monitoring adds no
+collective. Each rank puts its own numbers under rank-indexed keys (``mon.cpu.3`` holds rank 3's
+CPU and 0 on every other rank); the sum over ranks then gives every rank every rank's value, the same
+trick as the loop's ``nonfinite.<r>`` control. Per-step work is one ``perf_counter`` pair and the
+engine's ``step_stats()``; the process (``psutil``) and the GPU (NVML) are sampled once per interval.
+Framework-free.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+STAT_KEYS = ("data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes")
+"""What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional)."""
+
+TIME_NAMES = {"data_s": "data_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s"}
+"""Record key of each per-step time: its mean over the window's steps and the ranks."""
+
+PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "gpu_mem": "gpu_mem_mb"}
+"""System samples sent per rank, and the record key prefix of each (``cpu_percent_rank0``)."""
+
+PREFIX = "mon."
+
+
+def rank_keys(name: str, rank: int, size: int, value: float) -> dict[str, float]:
+    """``{name.r: value}`` for this rank and 0 for the others: summed over ranks, every rank learns
+    every rank's value."""
+    return {f"{name}.{r}": (value if r == rank else 0.0) for r in range(size)}
+
+
+def pop_ranks(sums: dict[str, float], name: str, size: int) -> list[float]:
+    """Removes the rank-indexed keys of ``name`` from the summed dict; returns them by rank."""
+    return [sums.pop(f"{name}.{r}") for r in range(size)]
+
+
+@dataclass
+class StepCosts:
+    """One rank's sums over a log window: time inside ``train_step`` and the engine's step stats."""
+
+    wall_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    reported: bool = False
+    """Whether the engine reported any step stats (an engine without them leaves the keys out)."""
+
+    def add(self, wall_s: float, stats: dict[str, float]) -> None:
+        """Adds one step: its wall time in ``train_step`` and the engine's stats for it."""
+        self.wall_s += wall_s
+        for key, value in stats.items():
+            self.stats[key] = self.stats.get(key, 0.0) + float(value)
+        self.reported = self.reported or bool(stats)
+
+    def own_time(self) -> float:
+        """Time in ``train_step`` less the wait for other ranks: what makes a rank slow."""
+        return max(self.wall_s - self.stats.get("comm_s", 0.0), 0.0)
+
+
+class SystemSampler:
+    """CPU utilisation and resident memory of this process, and its GPU through NVML if any.
+
+    ``cpu`` is percent of one core since the previous sample (200 = two cores busy). NVML is used
+    only when ``pynvml`` imports and finds a device; any failure turns GPU sampling off quietly.
+    """
+
+    def __init__(self, local_rank: int) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._process.cpu_percent(None)  # the first call only starts the measurement
+        self._nvml = _nvml_handle(local_rank)
+
+    def sample(self) -> dict[str, float]:
+        """The current readings under :data:`PER_RANK`'s short names."""
+        out = {"cpu": self._process.cpu_percent(None),
+               "rss": self._process.memory_info().rss / 2**20}
+        if self._nvml is not None:
+            try:
+                nvml, handle = self._nvml
+                out["gpu"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+                out["gpu_mem"] = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+            except Exception:  # a driver hiccup must not end training; stop asking
+                self._nvml = None
+        return out
+
+
+def _nvml_handle(local_rank: int) -> tuple[Any, Any] | None:
+    """``(pynvml, device handle)`` of this rank's GPU, or None without pynvml, driver or device."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        ids = [int(v) for v in visible.split(",") if v.strip().isdigit()]
+        count = pynvml.nvmlDeviceGetCount()
+        if not count:
+            return None
+        # NVML numbers all devices; CUDA_VISIBLE_DEVICES, when set, says which ones this job has.
+        index = ids[local_rank % len(ids)] if ids else local_rank % count
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # ImportError, NVMLError (no driver): no GPU metrics, nothing else changes
+        return None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank slower than the others for ``logs`` consecutive log intervals."""
+
+    rank: int
+    factor: float
+    """Its own step time divided by the median of the other ranks' (last interval)."""
+    logs: int
+
+    def message(self, step: int) -> str:
+        """The warning that names it."""
+        return (f"rank {self.rank} is a straggler: its step time was {self.factor:.2f}x the median "
+                f"of the other ranks for {self.logs} consecutive logs (up to step {step})")
+
+
+class StragglerDetector:
+    """Counts, per rank, consecutive intervals whose own step time exceeds ``factor`` times the
+    median of the other ranks; reports a rank once per streak, when the streak reaches ``logs``.
+
+    The median of the *other* ranks, not of all: with two ranks the median of all is their mean,
+    which a slow rank drags up with it.
+    """
+
+    def __init__(self, factor: float, logs: int) -> None:
+        self.factor, self.logs = factor, logs
+        self._streak: dict[int, int] = {}
+
+    def update(self, times: Sequence[float]) -> list[Straggler]:
+        """Takes one interval's step time of every rank; returns the ranks that just qualified."""
+        found = []
+        for rank, own in enumerate(times):
+            others = [t for r, t in enumerate(times) if r != rank]
+            median = statistics.median(others) if others else 0.0
+            slow = median > 0 and own > self.factor * median
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
+            if self._streak[rank] == self.logs:
+                found.append(Straggler(rank, own / median, self.logs))
+        return found
+
+
+class Monitor:
+    """What monitoring adds to the loop's metrics allreduce, and what it makes of the sums."""
+
+    def __init__(self, rank: int, size: int, local_rank: int, *, system: bool,
+                 straggler_factor: float, straggler_logs: int,
+                 warn: Callable[[str], None]) -> None:
+        self.rank, self.size = rank, size
+        self.sampler = SystemSampler(local_rank) if system else None
+        self.stragglers = StragglerDetector(straggler_factor, straggler_logs)
+        self.warn = warn
+        self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0}
+
+    def outgoing(self, costs: StepCosts, steps: int) -> dict[str, float]:
+        """This rank's contribution to the window's allreduce (all keys under ``mon.``)."""
+        out = {f"{PREFIX}{key}": costs.stats.get(key, 0.0) for key in STAT_KEYS}
+        out[f"{PREFIX}reported"] = float(costs.reported)
+        out.update(rank_keys(f"{PREFIX}step", self.rank, self.size, costs.own_time() / max(steps, 1)))
+        if self.sampler is not None:
+            sample = self.sampler.sample()
+            out[f"{PREFIX}gpus"] = float("gpu" in sample)
+            for name in PER_RANK:
+                out.update(rank_keys(PREFIX + name, self.rank, self.size, sample.get(name, 0.0)))
+        return out
+
+    def incoming(self, sums: dict[str, float], steps: int, step: int) -> dict[str, Any]:
+        """Pops the ``mon.`` keys from the summed dict; returns the record's monitoring fields."""
+        record: dict[str, Any] = {}
+        per_step = max(steps, 1) * self.size
+        stats = {key: sums.pop(f"{PREFIX}{key}") for key in STAT_KEYS}
+        if sums.pop(f"{PREFIX}reported") > 0:
+            record.update({TIME_NAMES[k]: stats[k] / per_step for k in TIME_NAMES})
+            record.update(wire_bytes=stats["wire_bytes"] / per_step,
+                          dense_bytes=stats["dense_bytes"] / per_step)
+            if stats["wire_bytes"] > 0:
+                record["compression_ratio"] = stats["dense_bytes"] / stats["wire_bytes"]
+            self.totals["wire_bytes"] += stats["wire_bytes"]
+            self.totals["dense_bytes"] += stats["dense_bytes"]
+        record.update(self._step_times(pop_ranks(sums, f"{PREFIX}step", self.size), step))
+        if f"{PREFIX}gpus" in sums:
+            record.update(self._system(sums))
+        return record
+
+    def _step_times(self, times: list[float], step: int) -> dict[str, Any]:
+        slowest = max(range(self.size), key=times.__getitem__)
+        out: dict[str, Any] = {"step_time_median_s": statistics.median(times),
+                               "step_time_max_s": times[slowest], "slowest_rank": slowest}
+        found = self.stragglers.update(times)
+        if found:
+            worst = max(found, key=lambda s: s.factor)
+            out.update(straggler_rank=worst.rank, straggler_factor=worst.factor,
+                       events=[{"event": "straggler", "rank": s.rank, "factor": s.factor,
+                                "logs": s.logs} for s in found])
+            for straggler in found:
+                self.warn(straggler.message(step))
+        return out
+
+    def _system(self, sums: dict[str, float]) -> dict[str, float]:
+        gpus = sums.pop(f"{PREFIX}gpus") > 0
+        out = {}
+        for name, key in PER_RANK.items():
+            values = pop_ranks(sums, PREFIX + name, self.size)
+            if gpus or not name.startswith("gpu"):
+                out.update({f"{key}_rank{r}": v for r, v in enumerate(values)})
+        return out
+
+    def summary(self) -> dict[str, float]:
+        """``wire_bytes_total`` and ``dense_bytes_total`` over all logged steps and ranks, and their
+        ratio; empty when the engine reported no bytes."""
+        wire, dense = self.totals["wire_bytes"], self.totals["dense_bytes"]
+        if not wire and not dense:
+            return {}
+        out = {"wire_bytes_total": wire, "dense_bytes_total": dense}
+        if wire > 0:
+            out["compression_ratio"] = dense / wire
+        return out

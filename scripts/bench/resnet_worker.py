@@ -1,0 +1,146 @@
+"""One training job on the ResNet-18 workload: hvdtrain (under horovodrun) or PyTorch DDP (torchrun).
+
+Both trainers train the same thing: hvdtrain's ``resnet18`` (11.2 M parameters at width 64) on its
+``synthetic_images`` (3x32x32, 10 classes), SGD at ``0.05 x ranks`` with momentum 0.9, a batch of
+``--batch`` per rank from one permutation of the training set sharded by rank, for ``--steps``
+optimizer steps. Throughput is taken over the steps after the first ``--skip`` (which touch cold
+memory and, for DDP, build its buckets): from the start of step ``skip`` to the start of the last
+step, on rank 0, ``samples_per_s`` = global samples in those steps / seconds. Rank 0 prints one
+JSON line with it.
+
+::
+
+    horovodrun -np 2 --gloo python scripts/bench/resnet_worker.py --trainer hvdtrain
+    torchrun --standalone --nproc-per-node 2 scripts/bench/resnet_worker.py --trainer ddp
+
+The DDP side is what a PyTorch user writes: ``init_process_group("gloo")``,
+``DistributedDataParallel`` with its defaults (25 MB buckets, buffers broadcast every forward),
+mean cross-entropy, ``torch.optim.SGD``. Both sides use ``workload.threads_per_rank`` compute
+threads unless ``--threads`` is given, and neither evaluates or saves inside the timed span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+import workload
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
+
+from hvdtrain.synthetic import SyntheticImages  # noqa: E402
+from hvdtrain.torch.models import resnet18_module  # noqa: E402
+
+
+def dataset(args: argparse.Namespace, ranks: int) -> SyntheticImages:
+    """Enough training samples for every step at this world size, and a token test split."""
+    return SyntheticImages(train_samples=args.steps * args.batch * ranks, test_samples=ranks,
+                           seed=workload.SEED)
+
+
+def span(clock: workload.Clock, skip: int, global_batch: int) -> float:
+    """Samples per second from the start of step ``skip`` to the start of the last step."""
+    starts = clock.step_starts
+    if len(starts) - 1 <= skip:
+        raise SystemExit(f"--steps must exceed --skip + 1 (got {len(starts)} steps, skip {skip})")
+    return (len(starts) - 1 - skip) * global_batch / (starts[-1] - starts[skip])
+
+
+def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains with hvdtrain's own loop (``train(cfg)``), configured to match :func:`run_ddp`."""
+    import hvdtrain.trainer
+    from hvdtrain.config import load_config
+    from hvdtrain_worker import clocked
+
+    import horovod.torch as hvd
+    hvd.init()
+    out = tempfile.mkdtemp(prefix="hvdtrain-resnet-")
+    cfg = load_config(ROOT / "configs" / "digits_torch.yaml", [
+        "model.name=resnet18", f"model.options={{width: {args.width}}}",
+        "data.name=synthetic_images",
+        f"data.options={{train_samples: {args.steps * args.batch * hvd.size()}, "
+        f"test_samples: {hvd.size()}, seed: {workload.SEED}}}",
+        f"data.batch_size={args.batch}", f"train.max_steps={args.steps}", "train.epochs=1",
+        f"train.threads={args.threads}", "optim.name=sgd", f"optim.lr={workload.BASE_LR}",
+        f"optim.momentum={workload.MOMENTUM}", "optim.warmup_steps=0", "optim.schedule=constant",
+        "optim.scale_lr=true", "comm.compression=none", "checkpoint.enabled=false",
+        "log.console=false", "log.wandb=disabled", "log.tensorboard=false",
+        f"log.dir={out}", f"seed={workload.SEED}"], environ={})
+    clock = workload.Clock()
+    # train() builds its engine through this module-level name; the clock rides on that engine.
+    original = hvdtrain.trainer.make_engine
+    hvdtrain.trainer.make_engine = clocked(clock)
+    try:
+        result = hvdtrain.trainer.train(cfg)
+    finally:
+        hvdtrain.trainer.make_engine = original
+    return {"rank": hvd.rank(), "ranks": hvd.size(), "threads": torch.get_num_threads(),
+            "samples_per_s": span(clock, args.skip, args.batch * hvd.size()),
+            "train_loss": result.summary["final"].get("train_loss")}
+
+
+def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
+    """Trains with ``DistributedDataParallel`` under ``torchrun``, the same model, data and optimizer."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    torch.set_num_threads(args.threads or workload.threads_per_rank(local))
+    torch.manual_seed(workload.SEED + rank)
+    data = dataset(args, size).train()
+    model = DistributedDataParallel(resnet18_module(3, 10, args.width))
+    optimizer = torch.optim.SGD(model.parameters(), lr=workload.BASE_LR * size,
+                                momentum=workload.MOMENTUM)
+    order = np.random.default_rng([workload.SEED, 0]).permutation(len(data))
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    clock = workload.Clock()
+    for step in range(args.steps):
+        clock.step()
+        idx = torch.from_numpy(order[step * args.batch * size:(step + 1) * args.batch * size]
+                               [rank::size])
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        optimizer.step()
+    result = {"rank": rank, "ranks": size, "threads": torch.get_num_threads(),
+              "samples_per_s": span(clock, args.skip, args.batch * size),
+              "train_loss": float(loss.detach())}
+    dist.destroy_process_group()
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Trainer, steps, skipped steps, batch per rank, model width, threads per rank."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trainer", choices=("hvdtrain", "ddp"), required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip", type=int, default=3, help="first steps left out of the figure")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--width", type=int, default=64, help="resnet18 width (64: ResNet-18)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="compute threads per rank (0: cores / ranks on the host)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the chosen trainer once and prints rank 0's measurement."""
+    args = parse_args(argv)
+    record = run_hvdtrain(args) if args.trainer == "hvdtrain" else run_ddp(args)
+    workload.report({**record, "trainer": args.trainer, "steps": args.steps, "skip": args.skip,
+                     "batch": args.batch, "width": args.width})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Scaling: hvdtrain's samples/s at 1 and 2 processes, one compute thread each, ResNet-18.
+
+Three jobs per round (``resnet_worker.py --trainer hvdtrain --threads 1``), interleaved by job
+(``launch.run_jobs``): ``horovodrun -np 1`` (A), ``-np 2`` (B) and ``-np 1`` again (A', the A/A
+control), the batch per rank fixed (weak scaling). Efficiency = throughput(2) / (2 x
+throughput(1)) = the B/A ratio of medians / 2. Target >= 0.9.
+
+Usage (from the repository root)::
+
+    .venv/bin/python scripts/bench/scaling.py                      # appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/scaling.py --quick --no-write     # a tiny end-to-end check
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+import harness
+import launch
+
+KEY = "samples_per_s"
+ONE, TWO, CONTROL = "1 process (A)", "2 processes (B)", "1 process (A', A/A control)"
+TARGET = 0.9
+
+
+def jobs(args: argparse.Namespace) -> list[launch.Job]:
+    """A, B and A': the same hvdtrain run at 1, 2 and 1 processes, one thread each."""
+    def at(np: int) -> list[str]:
+        return launch.resnet_argv([launch.horovodrun(), "-np", str(np), "--gloo",
+                                   str(launch.python())], args, "hvdtrain", threads=1)
+    return [launch.Job(ONE, at(1), {}), launch.Job(TWO, at(2), {}), launch.Job(CONTROL, at(1), {})]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the jobs, prints the section and, unless ``--no-write``, appends it to the doc."""
+    args = launch.resnet_args(launch.resnet_parser(__doc__.splitlines()[0], 3, 20), argv)
+    machine = harness.machine_record()
+    results = launch.run_jobs(jobs(args), args.rounds, args.warmup, KEY, args.timeout)
+    rows = harness.summarize(harness.samples_of(results, KEY), baseline=ONE)
+    by_name = {row.name: row for row in rows}
+    efficiency = by_name[TWO].ratio / 2
+    notes = [
+        launch.resnet_note(args),
+        "One compute thread per process (`train.threads=1`), so 2 processes use 2 cores where "
+        "1 process uses one; Horovod's background thread and Gloo's I/O come on top. Over Gloo.",
+        f"Result: efficiency = tput(2) / (2 x tput(1)) = {efficiency:.3f} "
+        f"({'met' if efficiency >= TARGET else 'missed'}: target >= {TARGET}); A/A control "
+        f"= {by_name[CONTROL].ratio:.3f} (the spread of efficiency is about the same).",
+    ]
+    launch.publish(harness.markdown_section(
+        "Scaling: hvdtrain at 1 vs 2 processes, ResNet-18, one thread each (samples/s)",
+        launch.resnet_command("scaling.py", args), machine, rows, notes, unit="samples/s",
+        scale=1.0, digits=1), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

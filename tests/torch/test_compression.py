@@ -1,0 +1,143 @@
+"""The torch compression kernels and exchange against the NumPy reference, in one process."""
+
+from __future__ import annotations
+
+import io
+
+import horovod.torch as hvd
+import numpy as np
+import pytest
+import torch
+
+from hvdtrain.compression import reference as ref
+from hvdtrain.config import CommConfig
+from hvdtrain.torch import compression as tc
+from hvdtrain.trainer import train
+from tests.conftest import CONFIG, quiet_config
+
+hvd.init()
+SEED = 5
+SHAPES = [torch.Size([48, 40]), torch.Size([40]), torch.Size([7, 5, 6])]
+
+
+def _grads(step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    return [rng.standard_normal(tuple(s)).astype(np.float32) for s in SHAPES]
+
+
+def test_kernels_match_the_reference():
+    rng = np.random.default_rng(0)  # distinct magnitudes: ties may break either way in a kernel
+    x = rng.permutation(np.linspace(0.01, 3, 997, dtype=np.float32)) * rng.choice([-1, 1], 997)
+    x = x.astype(np.float32)
+    values, idx = tc.topk_compress(torch.from_numpy(x), 25)
+    ref_values, ref_idx = ref.topk_compress(x, 25)
+    np.testing.assert_array_equal(idx.numpy(), ref_idx)
+    np.testing.assert_array_equal(values.numpy(), ref_values)
+    noise = np.random.default_rng(1).random(997, dtype=np.float32)
+    for bucket in (0, 100):
+        codes, scales = tc.qsgd_compress(torch.from_numpy(x), bucket, torch.from_numpy(noise))
+        ref_codes, ref_scales = ref.qsgd_compress(x, bucket, noise)
+        np.testing.assert_array_equal(codes.numpy(), ref_codes)
+        np.testing.assert_array_equal(scales.numpy(), ref_scales)
+        np.testing.assert_allclose(tc.qsgd_decompress(codes, scales, bucket).numpy(),
+                                   ref.qsgd_decompress(ref_codes, ref_scales, bucket), rtol=1e-6)
+    p = np.random.default_rng(2).standard_normal((30, 4)).astype(np.float32)
+    np.testing.assert_allclose(tc.orthogonalize(torch.from_numpy(p)).numpy(), ref.orthogonalize(p),
+                               atol=1e-5)
+
+
+def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
+    """What one rank's exchange must produce per step, from the reference alone."""
+    residual: dict[int, np.ndarray] = {}
+    q = {i: ref.powersgd_initial_q(s, comm.rank, SEED, i) for i, s in enumerate(SHAPES)}
+    noise = torch.Generator().manual_seed(SEED * 7919)  # the exchange's documented generator
+    out = []
+    for step in range(1, steps + 1):
+        row = []
+        for i, (shape, g) in enumerate(zip(SHAPES, _grads(step))):
+            n = g.size
+            if not ref.compressible(comm.compression, shape, comm.min_size, comm.rank):
+                row.append(g)
+                continue
+            feedback = comm.error_feedback and comm.compression in ref.FEEDBACK_METHODS
+            acc = ref.error_feedback(g.reshape(-1), residual.get(i) if feedback else None)
+            if comm.compression == "topk":
+                sent = mean = ref.sparse_mean([ref.topk_compress(acc, ref.num_selected(n, comm.ratio))], n)
+            elif comm.compression == "randomk":
+                k = ref.num_selected(n, comm.ratio)
+                idx = ref.randomk_indices(n, k, SEED, step, i)
+                vals = ref.randomk_compress(acc, idx, ref.randomk_scale(n, k, comm.error_feedback))
+                sent = mean = ref.randomk_mean([vals], idx, n)
+            elif comm.compression == "qsgd":
+                u = torch.rand(n, generator=noise).numpy()
+                sent = mean = ref.qsgd_mean([ref.qsgd_compress(acc, comm.bucket, u)], comm.bucket)
+            else:
+                m = acc.reshape(ref.matrix_shape(shape))
+                mean, q[i], local = ref.powersgd_mean([m], q[i])
+                sent, mean = local[0].reshape(-1), mean.reshape(-1)
+            residual[i] = ref.new_residual(acc, sent)
+            row.append(mean.reshape(shape))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("comm", [
+    CommConfig(compression="topk", ratio=0.05, min_size=100),
+    CommConfig(compression="randomk", ratio=0.1, min_size=100),
+    CommConfig(compression="randomk", ratio=0.1, min_size=100, error_feedback=False),
+    CommConfig(compression="qsgd", bucket=64, min_size=100),
+    CommConfig(compression="powersgd", rank=2, min_size=100),
+], ids=["topk", "randomk", "randomk-noEF", "qsgd", "powersgd"])
+def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
+    exchange = tc.GradientExchange(comm, SEED, SHAPES)
+    expected = _reference_exchange(comm, steps=4)
+    for step in range(3):
+        grads = [torch.from_numpy(g) for g in _grads(step + 1)]
+        exchange.run(grads)
+        for got, want in zip(grads, expected[step]):
+            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+    assert 0 < exchange.stats["wire_bytes"] < exchange.stats["dense_bytes"]
+    # The state goes through torch.save / weights_only load, as in a checkpoint.
+    buffer = io.BytesIO()
+    torch.save(exchange.state_dict(), buffer)
+    buffer.seek(0)
+    restored = tc.GradientExchange(comm, SEED, SHAPES)
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    a, b = ([torch.from_numpy(g) for g in _grads(4)] for _ in range(2))
+    exchange.run(a)
+    restored.run(b)
+    for x, y, want in zip(a, b, expected[3]):
+        assert torch.equal(x, y)
+        np.testing.assert_allclose(x.numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_wire_bytes_are_those_of_the_tensors_sent():
+    topk = tc.GradientExchange(CommConfig(compression="topk", ratio=0.01, min_size=100), 0, SHAPES)
+    topk.run([torch.from_numpy(g) for g in _grads(1)])
+    k0, k2 = ref.num_selected(1920, 0.01), ref.num_selected(210, 0.01)
+    assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40  # values+int32 indices; bias dense
+    assert topk.stats["dense_bytes"] == 4 * (1920 + 40 + 210)
+    fp16 = tc.horovod_compression("fp16")
+    fp16.compress(torch.zeros(10))
+    assert fp16.take() == (20, 40) and fp16.take() == (0, 0)
+
+
+EXACT = ("train.epochs=1", "optim.schedule=constant", "checkpoint.every_steps=20", "comm.min_size=0",
+         "train.backward_passes_per_step=2", "data.batch_size=16")
+
+
+@pytest.mark.parametrize("method", ["randomk", "qsgd", "powersgd"])
+def test_training_resumes_bit_identically_with_compression_state(tmp_path, method):
+    comm = f"comm.compression={method}"
+    straight = train(quiet_config(CONFIG, tmp_path / "a", *EXACT, comm))
+    stats = straight.engine.step_stats()
+    assert {"data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes"} <= set(stats)
+    assert 0 < stats["wire_bytes"] < stats["dense_bytes"]
+    train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "train.max_steps=25"))
+    ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "step-00000025.ckpt",
+                      weights_only=True)
+    assert ckpt["compression"][0]["step"] == 25
+    resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "checkpoint.resume=auto"))
+    assert resumed.summary["steps"] == straight.summary["steps"] == 45
+    for key, value in straight.engine.parameters().items():
+        assert np.array_equal(resumed.engine.parameters()[key], value), key

@@ -1,0 +1,124 @@
+"""Monitoring logic without a launcher: the rank-indexed sums, stragglers, the progress bar, the
+stall verdict. The multirank tests run the same code under ``horovodrun``."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from hvdtrain.metrics import ConsoleSink, MetricsLogger, scalar_tags
+from hvdtrain.monitor import Monitor, StepCosts, StragglerDetector
+from hvdtrain.watchdog import verdict, where
+
+
+def summed(monitors: list[Monitor], costs: list[StepCosts], steps: int) -> dict[str, float]:
+    """What the loop's allreduce makes of every rank's contribution: the sum per key."""
+    total: dict[str, float] = {}
+    for monitor, cost in zip(monitors, costs):
+        for key, value in monitor.outgoing(cost, steps).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def test_the_window_sum_gives_every_rank_every_ranks_figures():
+    warnings: list[str] = []
+    monitors = [Monitor(r, 3, r, system=True, straggler_factor=1.5, straggler_logs=2,
+                        warn=warnings.append) for r in range(3)]
+    costs = []
+    for rank in range(3):
+        cost = StepCosts()
+        for _ in range(4):  # 4 steps; rank 2 computes 3x as long, the others wait for it
+            own = 0.03 if rank == 2 else 0.01
+            cost.add(0.031, {"data_s": 0.001, "compute_s": own, "comm_s": 0.031 - own,
+                             "wire_bytes": 100.0 * (rank + 1), "dense_bytes": 400.0})
+        costs.append(cost)
+    records = []
+    for _ in range(2):  # two logs in a row
+        sums = {"loss": 1.0, **summed(monitors, costs, 4)}
+        records = [m.incoming(dict(sums), 4, 10) for m in monitors]
+    assert records[0] == records[1] == records[2]  # every rank learns the same
+    record = records[0]
+    assert record["wire_bytes"] == pytest.approx(200.0)  # mean over ranks and steps
+    assert record["compression_ratio"] == pytest.approx(2.0)
+    assert record["comm_time_s"] == pytest.approx((0.021 * 2 + 0.001) / 3)
+    assert record["slowest_rank"] == 2 and record["step_time_max_s"] == pytest.approx(0.03)
+    assert record["step_time_median_s"] == pytest.approx(0.01)
+    assert record["straggler_rank"] == 2 and record["straggler_factor"] == pytest.approx(3.0)
+    assert record["events"] == [{"event": "straggler", "rank": 2, "factor": pytest.approx(3.0),
+                                 "logs": 2}]
+    assert len(warnings) == 3 and "rank 2 is a straggler" in warnings[0] and "3.00x" in warnings[0]
+    assert {f"rss_mb_rank{r}" for r in range(3)} <= set(record) and record["rss_mb_rank1"] > 10
+    assert monitors[0].summary() == {"wire_bytes_total": 2 * 4 * 600.0,
+                                     "dense_bytes_total": 2 * 4 * 1200.0, "compression_ratio": 2.0}
+    assert "loss" in sums and not [k for k in record if k.startswith("mon.")]
+
+
+def test_an_engine_without_step_stats_logs_no_split_and_no_bytes():
+    monitor = Monitor(0, 1, 0, system=False, straggler_factor=1.5, straggler_logs=1,
+                      warn=lambda m: None)
+    cost = StepCosts()
+    cost.add(0.02, {})
+    record = monitor.incoming(monitor.outgoing(cost, 1), 1, 1)
+    assert record == {"step_time_median_s": 0.02, "step_time_max_s": 0.02, "slowest_rank": 0}
+    assert monitor.summary() == {}
+
+
+def test_a_straggler_is_reported_once_per_streak_against_the_others_median():
+    detector = StragglerDetector(factor=1.5, logs=3)
+    # Two ranks: rank 1 at 2x rank 0 (the median of all would be 1.5, hiding it).
+    seen = [detector.update([1.0, 2.0]) for _ in range(5)]
+    assert [len(s) for s in seen] == [0, 0, 1, 0, 0]
+    assert seen[2][0].rank == 1 and seen[2][0].factor == 2.0
+    assert detector.update([1.0, 1.0]) == []  # recovered: the streak starts over
+    assert [len(detector.update([1.0, 1.4, 1.0])) for _ in range(3)] == [0, 0, 0]  # under 1.5x
+
+
+def test_the_progress_bar_redraws_one_line_and_keeps_the_epoch_end():
+    out = io.StringIO()
+    sink = ConsoleSink(100, out, epochs=2, bar=True)
+    sink.log({"step": 25, "epoch": 0, "loss": 0.5, "accuracy": 0.75, "samples_per_sec": 1234.0,
+              "time_s": 5.0})
+    sink.log({"step": 50, "epoch": 0, "loss": 0.4, "samples_per_sec": 1000.0, "time_s": 10.0,
+              "eval_accuracy": 0.9})
+    sink.log({"step": 60, "epoch": 1, "loss": 0.3, "time_s": 12.0})
+    sink.close()
+    lines = out.getvalue().replace("\r", "\r\x00").replace("\n", "\n\x00").split("\x00")
+    first, second, third = lines[:3]
+    assert first == ("[hvdtrain] epoch 1/2 |######------------------|  25/100 ETA 0:00:15 "
+                     "loss=0.5000 accuracy=0.7500 1234 samples/s\r")
+    assert second.startswith("[hvdtrain] epoch 1/2 |############") and "eval_accuracy=0.9000" in second
+    assert second.endswith("\n") and third.endswith("ETA 0:00:08 loss=0.3000\r")
+    assert out.getvalue().endswith("\r\n")  # closing leaves the cursor on a fresh line
+
+
+def test_warnings_come_from_the_writer_only_and_end_the_bar_line(capsys):
+    out = io.StringIO()
+    writer = MetricsLogger([ConsoleSink(10, out, bar=True)], writer=True)
+    writer.log({"step": 1, "epoch": 0, "loss": 1.0, "time_s": 1.0})
+    writer.warn("rank 1 is slow")
+    MetricsLogger([], writer=False).warn("not printed")
+    assert out.getvalue().endswith("\r\n")
+    assert capsys.readouterr().err == "hvdtrain: warning: rank 1 is slow\n"
+
+
+def test_system_samples_are_tagged_as_system():
+    assert scalar_tags({"step": 3, "cpu_percent_rank1": 50.0, "loss": 1.0, "eval_loss": 2.0,
+                        "events": [{"rank": 1}]}) == {
+        "system/cpu_percent_rank1": 50.0, "train/loss": 1.0, "eval/loss": 2.0}
+
+
+def test_the_stall_verdict_names_stopped_silent_and_waiting_ranks():
+    notes = {0: {"waiting": True, "location": "train_step (e.py:3)", "host": "a", "pid": 10},
+             2: {"waiting": False, "location": "forward (m.py:9)", "host": "b", "pid": 12}}
+    text = verdict(notes, 3, 30.0)
+    assert "Rank 2 (b, pid 12) stopped in forward (m.py:9)." in text
+    assert "Rank(s) 1 sent no report" in text and "Rank(s) 0 wait for them in Horovod." in text
+    only_waiting = verdict({0: notes[0]}, 1, 30.0)
+    assert "a collective that not every rank started" in only_waiting
+
+
+def test_where_tells_waiting_in_horovod_from_stopped():
+    waiting, location = where(sys._getframe())
+    assert not waiting and location.startswith("test_where_tells_waiting_in_horovod_from_stopped (")
