@@ -74,8 +74,8 @@ class ConsoleSink(Sink):
 
     The bar is one line redrawn in place: epoch, a bar of the run's steps, step/total, ETA, loss,
     accuracy and samples/s. It ends each redraw with a carriage return, which ``horovodrun``
-    forwards as it comes (it flushes a rank's output at ``\r`` as well as at ``\n``); the last
-    record of an epoch, which holds the evaluation, stays on its own line.
+    forwards as it comes (it flushes a rank's output at carriage returns as well as newlines); the
+    last record of an epoch, which holds the evaluation, stays on its own line.
     """
 
     KEYS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "samples_per_sec")
@@ -222,10 +222,12 @@ class WandbSink(Sink):
         self._wandb = wandb
         run_id = wandb_run_id(run_dir, resumed)
         # console="off": W&B would otherwise wrap stdout and stderr, which belong to the console
-        # sink and to horovodrun's per-rank output.
+        # sink and to horovodrun's per-rank output. x_disable_stats: W&B's own sampler would see
+        # rank 0's machine only and take CPU from training; hvdtrain logs every rank's figures.
         self._run = wandb.init(dir=run_dir, mode=mode, project=project, name=name, id=run_id,
                                resume="allow", config=config,
-                               settings=wandb.Settings(console="off", quiet=True))
+                               settings=wandb.Settings(console="off", quiet=True,
+                                                       x_disable_stats=True))
 
     def log(self, record: dict[str, Any]) -> None:
         self._run.log(scalar_tags(record), step=int(record["step"]))

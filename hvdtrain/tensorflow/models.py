@@ -75,7 +75,8 @@ def _conv_bn(x: Any, filters: int, kernel: int, stride: int, relu: bool) -> Any:
 def _basic_block(x: Any, filters: int, stride: int) -> Any:
     """ResNet's two 3x3 convolutions with a shortcut (a strided 1x1 one where the shape changes)."""
     body = _conv_bn(_conv_bn(x, filters, 3, stride, True), filters, 3, 1, False)
-    shortcut = x if stride == 1 and x.shape[-1] == filters else _conv_bn(x, filters, 1, stride, False)
+    same_shape = stride == 1 and x.shape[-1] == filters
+    shortcut = x if same_shape else _conv_bn(x, filters, 1, stride, False)
     return keras.layers.ReLU()(keras.layers.Add()([body, shortcut]))
 
 

@@ -66,7 +66,7 @@ def _free_port() -> int:
 
 
 def init_torch_gloo() -> None:
-    """Starts ``torch.distributed`` over Gloo on loopback; rank 0 picks the port and tells the rest."""
+    """Starts ``torch.distributed`` over Gloo on loopback; rank 0 picks the port, tells the rest."""
     # A fixed name: the default (the type's name) would differ between int on rank 0 and None.
     port = hvd.broadcast_object(_free_port() if hvd.rank() == 0 else None, root_rank=0,
                                 name="bench.port")

@@ -45,16 +45,17 @@ METHODS = {
 
 DATASETS = {
     "digits": [],
-    "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=10"],
+    "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=6"],
 }
 """Overrides of the framework's digits config per dataset."""
 
-SLOW = ["model.options.hidden=[1024,1024]", "train.epochs=3", "optim.warmup_steps=0",
+SLOW = ["model.options.hidden=[1024,1024]", "train.epochs=5", "optim.warmup_steps=0",
         "optim.schedule=constant", "checkpoint.enabled=false"]
 """The slow-link workload: a 1.1M-parameter MLP on digits, whose 4.4 MB of gradients take about
 0.35 s per step at 100 Mbit/s, against milliseconds of computation."""
 
 NETNS = "hvdtrain-bench"
+"""Default name of the slow link's network namespace (``--netns``)."""
 KEY = "bench_compression"
 
 
@@ -124,17 +125,20 @@ def job(framework: str, dataset: str, seed: int, methods: Sequence[str], out: Pa
 class SlowLink:
     """A network namespace whose loopback is a 100 Mbit/s link; removed on exit."""
 
+    def __init__(self, name: str = NETNS) -> None:
+        self.name = name
+
     def __enter__(self) -> str:
-        subprocess.run(["ip", "netns", "del", NETNS], capture_output=True)  # a leftover of a crash
-        for cmd in (["ip", "netns", "add", NETNS],
-                    ["ip", "-n", NETNS, "link", "set", "lo", "up"],
-                    ["ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                     "rate", "100mbit", "burst", "256kb", "latency", "50ms"]):
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)  # a crash's leftover
+        for cmd in (["ip", "netns", "add", self.name],
+                    ["ip", "-n", self.name, "link", "set", "lo", "up"],
+                    ["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo", "root",
+                     "tbf", "rate", "100mbit", "burst", "256kb", "latency", "50ms"]):
             subprocess.run(cmd, check=True)
-        return NETNS
+        return self.name
 
     def __exit__(self, *exc: object) -> None:
-        subprocess.run(["ip", "netns", "del", NETNS], check=False)
+        subprocess.run(["ip", "netns", "del", self.name], check=False)
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -181,6 +185,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--slow-target", type=float, default=0.93)
+    p.add_argument("--slow-extra", action="append", default=[],
+                   help="config override added to the slow-link workload (repeatable)")
+    p.add_argument("--netns", default=NETNS, help="name of the slow link's network namespace")
     p.add_argument("--out", default="/tmp/hvdtrain-bench-compression")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"))
     # worker mode (internal)
@@ -201,20 +208,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods, out = args.methods.split(","), Path(args.out)
     slow: list[dict] = []
     if args.slow_link:  # first: it is the shortest part and the headline figure
-        with SlowLink() as netns:
+        with SlowLink(args.netns) as netns:
             for fw in args.frameworks.split(","):
                 slow += job(fw, "digits", 0, [m for m in methods if m != "topk-noEF"], out / "slow" / fw,
-                            SLOW, args.slow_target, netns)
+                            [*SLOW, *args.slow_extra], args.slow_target, netns)
         print(slow_table(slow, args.slow_target), flush=True)
     records = [r for fw in args.frameworks.split(",") for ds in args.datasets.split(",")
                for seed in range(args.seeds)
                for r in job(fw, ds, seed, methods, out / fw)]
-    blocks = ["Accuracy, bytes and time per method (2 ranks, Gloo, one job per framework, dataset "
-              "and seed; bytes are what each rank hands to Horovod per step):\n\n"
-              + accuracy_table(records, methods)]
+    blocks = []
+    if records:
+        blocks.append("Accuracy, bytes and time per method (2 ranks, Gloo, one job per framework, "
+                      "dataset and seed; bytes are what each rank hands to Horovod per step):\n\n"
+                      + accuracy_table(records, methods))
     if slow:
         blocks.append("Over an emulated 100 Mbit/s link (`tc tbf` on a network namespace's loopback), "
-                      "MLP 64-1024-1024-10 on digits, seed 0:\n\n" + slow_table(slow, args.slow_target))
+                      "MLP 64-1024-1024-10 on digits, seed 0"
+                      + "".join(f", {e}" for e in args.slow_extra) + ":\n\n"
+                      + slow_table(slow, args.slow_target))
     command = f"{launch.reproduce_interpreter()} scripts/bench/compression.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     section = harness.section_text("Gradient compression", command, harness.machine_record(),

@@ -72,6 +72,15 @@ def summarize(samples: dict[str, list[float]], baseline: str) -> list[Row]:
             for name, values in samples.items()]
 
 
+def judge(met: bool, control: float, tolerance: float = 0.10) -> str:
+    """``met`` or ``missed``, or ``inconclusive`` when the A/A control's ratio is farther than
+    ``tolerance`` from 1: a machine that noisy cannot tell a target met from missed."""
+    if abs(control - 1.0) > tolerance:
+        return (f"inconclusive (would be {'met' if met else 'missed'}, but the A/A control is off "
+                f"by more than {tolerance:.0%})")
+    return "met" if met else "missed"
+
+
 def markdown_table(rows: Sequence[Row], *, unit: str = "ms", scale: float = 1e3,
                    digits: int = 3) -> str:
     """A Markdown table ``name | runs | min | median | max | ratio to baseline``.

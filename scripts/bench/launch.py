@@ -304,7 +304,11 @@ def resnet_parser(description: str, rounds: int, steps: int) -> argparse.Argumen
     parser.add_argument("--skip", type=int, default=3, help="first steps not timed (default 3)")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
     parser.add_argument("--width", type=int, help="resnet18 width (default 64: ResNet-18)")
-    parser.add_argument("--quick", action="store_true", help="tiny check: 1 round, 6 steps, width 8")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="environment variable for the horovodrun jobs, e.g. "
+                             "HOROVOD_CYCLE_TIME=5 (repeatable)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny check: 1 round, 6 steps, width 8")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
@@ -315,13 +319,16 @@ def resnet_parser(description: str, rounds: int, steps: int) -> argparse.Argumen
 
 def resnet_args(parser: argparse.ArgumentParser,
                 argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parses a :func:`resnet_parser`'s options, filling what was not given from ``--quick`` or not."""
+    """Parses a :func:`resnet_parser`'s options; unset sizes come from ``--quick`` or the full."""
     args = parser.parse_args(argv)
     for name, default in (args.quick_sizes if args.quick else args.full).items():
         if getattr(args, name) is None:
             setattr(args, name, default)
     if args.rounds < 1 or args.steps < args.skip + 2:
         parser.error("--rounds must be positive and --steps at least --skip + 2")
+    if any("=" not in item for item in args.env):
+        parser.error("--env takes NAME=VALUE")
+    args.horovod_env = dict(item.split("=", 1) for item in args.env)
     return args
 
 
@@ -330,15 +337,16 @@ def resnet_command(script: str, args: argparse.Namespace) -> str:
     return shlex.join([str(reproduce_interpreter()), f"scripts/bench/{script}", "--rounds",
                        str(args.rounds), "--warmup", str(args.warmup), "--steps", str(args.steps),
                        "--skip", str(args.skip), "--batch", str(args.batch), "--width",
-                       str(args.width)])
+                       str(args.width), *[arg for item in args.env for arg in ("--env", item)]])
 
 
 def resnet_note(args: argparse.Namespace) -> str:
     """What every ``resnet_worker.py`` job trained and how its throughput is taken."""
-    params = {64: "11.2 M"}.get(args.width, f"width {args.width}")
-    return (f"Workload: hvdtrain's `resnet18` (width {args.width}, {params} parameters) on "
+    params = ", 11.2 M parameters" if args.width == 64 else ""
+    return (f"Workload: hvdtrain's `resnet18` (width {args.width}{params}) on "
             f"`synthetic_images` 3x32x32, 10 classes; batch {args.batch} per rank; SGD lr "
             f"{workload.BASE_LR} x ranks, momentum {workload.MOMENTUM}; {args.steps} steps per "
             f"job, samples/s over steps {args.skip + 1} to {args.steps - 1} (from the start of "
             f"the first timed step to the start of the last) on rank 0; {args.rounds} rounds "
-            f"after {args.warmup} warm-up, one job per variant per round, order alternating.")
+            f"after {args.warmup} warm-up, one job per variant per round, order alternating; "
+            f"environment of the horovodrun jobs: {' '.join(args.env) or 'Horovod defaults'}.")

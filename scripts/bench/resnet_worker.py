@@ -1,4 +1,4 @@
-"""One training job on the ResNet-18 workload: hvdtrain (under horovodrun) or PyTorch DDP (torchrun).
+"""One training job on the ResNet-18 workload: hvdtrain (horovodrun) or PyTorch DDP (torchrun).
 
 Both trainers train the same thing: hvdtrain's ``resnet18`` (11.2 M parameters at width 64) on its
 ``synthetic_images`` (3x32x32, 10 classes), SGD at ``0.05 x ranks`` with momentum 0.9, a batch of
@@ -88,7 +88,7 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains with ``DistributedDataParallel`` under ``torchrun``, the same model, data and optimizer."""
+    """Trains with ``DistributedDataParallel`` under ``torchrun``: same model, data, optimizer."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel

@@ -11,8 +11,13 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+# At import, not in the test: TensorFlow sets environment variables when first imported, which the
+# leak check would pin on the test that happened to import it.
+import hvdtrain.tensorflow.models  # noqa: F401
+from hvdtrain.registry import DATASETS, MODELS
 from tests.conftest import ROOT, run_env
 
 BENCH = ROOT / "scripts" / "bench"
@@ -67,8 +72,6 @@ def test_ddp_and_scaling_smallest_runs():
 def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
     import torch
 
-    from hvdtrain.registry import DATASETS, MODELS
-
     data = DATASETS.get("synthetic_images")(train_samples=8, test_samples=2)
     model = MODELS["torch"].get("resnet18")().build(data.spec())
     assert sum(p.numel() for p in model.parameters()) == 11_181_642  # torchvision's, 10 classes
@@ -76,3 +79,10 @@ def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
     assert logits.shape == (4, 10)
     narrow = MODELS["torch"].get("resnet18")(width=8).build(data.spec())
     assert sum(p.numel() for p in narrow.parameters()) < 200_000
+
+
+def test_tensorflow_resnet18_matches_the_torch_parameter_count():
+    data = DATASETS.get("synthetic_images")(train_samples=4, test_samples=2)
+    model = MODELS["tensorflow"].get("resnet18")().build(data.spec())
+    assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 11_181_642
+    assert tuple(model(data.train().x).shape) == (4, 10)

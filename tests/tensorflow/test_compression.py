@@ -175,7 +175,7 @@ class Reference:
     def one(self, i: int, g: np.ndarray, step: int, noise) -> np.ndarray:
         c, n = self.c, g.size
         if not ref.compressible(c.compression, g.shape, c.min_size, c.rank):
-            return g.astype(np.float16).astype(F32) if c.compression == "fp16" else g
+            return g  # the dense mean over one rank (none and fp16 skip the exchange at size 1)
         if c.compression == "qsgd":
             codes, scales = ref.qsgd_compress(g, c.bucket, noise(step, i, n))
             return ref.qsgd_mean([(codes, scales)], c.bucket).reshape(g.shape)
@@ -227,7 +227,7 @@ def expected_wire_bytes(c: CommConfig) -> int:
     for s in SHAPES:
         n = int(np.prod(s))
         if not ref.compressible(c.compression, s, c.min_size, c.rank):
-            total += 2 * n if c.compression == "fp16" else 4 * n
+            total += 4 * n
         elif c.compression == "topk":
             total += 8 * ref.num_selected(n, c.ratio)
         elif c.compression == "randomk":
@@ -245,12 +245,15 @@ def test_stats_count_the_bytes_sent(method):
     c = comm(method, bucket=100)
     exchange = tfc.make_exchange(c, seed=0, rank=0, size=1, shapes=SHAPES)
     exchange.run([tf.constant(g) for g in grads_of(1)])
-    dense = 4 * sum(int(np.prod(s)) for s in SHAPES)
-    assert exchange.stats["dense_bytes"] == dense
+    if method in ("none", "fp16"):
+        # One rank: nothing to average, so nothing is sent (as Horovod's optimizers do); the
+        # two-rank test checks their bytes (fp16: exactly half).
+        assert {k: v for k, v in exchange.stats.items() if k != "compress_s"} == {
+            "wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0}
+        return
+    assert exchange.stats["dense_bytes"] == 4 * sum(int(np.prod(s)) for s in SHAPES)
     assert exchange.stats["wire_bytes"] == expected_wire_bytes(c)
     assert exchange.stats["comm_s"] > 0
-    if method == "fp16":
-        assert exchange.stats["wire_bytes"] * 2 == dense
 
 
 def test_state_round_trip_is_exact():

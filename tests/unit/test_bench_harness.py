@@ -184,6 +184,8 @@ def test_allreduce_tables_ratios_bus_bandwidth_and_verdict():
     assert allreduce.verdict("gloo", tables).endswith("64 MB 0.80 (A/A 1.05): target >= 0.8 met")
     missed = allreduce.by_size(_allreduce_records(256 << 20, [[2.0], [1.0], [2.0], [4.0]]), 1)
     assert allreduce.verdict("mpi", missed).endswith("missed")
+    noisy = allreduce.by_size(_allreduce_records(256 << 20, [[2.0], [1.0], [2.5], [4.0]]), 1)
+    assert "inconclusive (would be missed" in allreduce.verdict("mpi", noisy)
     assert "not judged" in allreduce.verdict("mpi", {4096: small})
     assert [allreduce.human(s) for s in (512, 4096, 1 << 20, 256 << 20)] == [
         "512 B", "4 KB", "1 MB", "256 MB"]
@@ -202,6 +204,10 @@ def test_ddp_verdict_names_both_controllers_and_the_control():
                               ddp.CONTROL: [10.5]}, baseline=ddp.BASELINE)
     text = ddp.verdict(rows)
     assert "hvdtrain horovodrun gloo / DDP = 1.100 (met)" in text
+    noisy = harness.summarize({ddp.BASELINE: [10.0], ddp.GLOO: [11.0], ddp.MPI: [9.0],
+                               ddp.CONTROL: [12.0]}, baseline=ddp.BASELINE)
+    assert "gloo / DDP = 1.100 (inconclusive (would be met, but the A/A control is off by more " \
+        "than 10%))" in ddp.verdict(noisy)
     assert "hvdtrain horovodrun mpi / DDP = 0.900 (missed)" in text
     assert text.endswith("A/A control = 1.050")
 
