@@ -30,8 +30,8 @@ bench: setup
 	$(BIN)/python scripts/bench/overhead.py --framework torch --rounds 20
 	$(BIN)/python scripts/bench/overhead.py --framework tensorflow --rounds 20
 	$(BIN)/python scripts/bench/frameworks.py --rounds 20
-	$(BIN)/python scripts/bench/allreduce.py
-	$(BIN)/python scripts/bench/fusion.py
+	$(BIN)/python scripts/bench/allreduce.py --rounds 3
+	$(BIN)/python scripts/bench/fusion.py --rounds 3
 	$(BIN)/python scripts/bench/ddp.py
 	$(BIN)/python scripts/bench/scaling.py
 	$(BIN)/python scripts/bench/compression.py

@@ -20,16 +20,14 @@ framework modules (``hvdtrain.torch.elastic``, ``hvdtrain.tensorflow.elastic``) 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from horovod.common.elastic import State
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
@@ -41,6 +39,9 @@ from hvdtrain.metrics import MetricsLogger, make_logger
 from hvdtrain.resume import trim_metrics
 from hvdtrain.signals import StopRequest
 from hvdtrain.watchdog import StallWatchdog
+
+if TYPE_CHECKING:  # the state subclasses Horovod's, which only training needs to import
+    from hvdtrain.elastic_state import TrainingState
 
 EVENTS = "elastic.jsonl"
 """The run directory's log of elastic events (start, reset), one JSON object per line."""
@@ -123,64 +124,6 @@ class IndexRecord:
         for epoch, arrays in self.committed.items():
             np.save(directory / f"epoch-{epoch:04d}.npy",
                     np.concatenate(arrays) if arrays else np.zeros(0, np.int64))
-
-
-class TrainingState(State):
-    """The elastic state: the engine's checkpoint in memory, the position and counters.
-
-    ``save`` writes the engine's checkpoint into a buffer, ``restore`` reads the last one back, and
-    ``sync`` broadcasts rank 0's committed state to every rank (new workers included).
-    """
-
-    def __init__(self, engine: Engine, backend: ElasticBackend, cfg: Config, position: Position,
-                 error: str = "") -> None:
-        super().__init__(bcast_object=backend.broadcast_object, get_rank=backend.rank)
-        self.engine, self.backend, self.seed = engine, backend, cfg.seed
-        self.position = position
-        self.error = error
-        """A problem found by rank 0 before training (shared by ``sync`` so that all ranks stop)."""
-        self.reference_size = engine.size
-        self.record = IndexRecord(cfg.elastic.record_indices)
-        self.commits = self.resets = 0
-        self.failed_at: int | None = None
-        self._saved: dict[str, Any] = {}
-        self.save()
-
-    def save(self) -> None:
-        buffer = io.BytesIO()
-        self.engine.write_checkpoint(buffer, {})
-        self._saved = {"engine": buffer.getvalue(), "position": dataclasses.asdict(self.position),
-                       "error": self.error, "reference_size": self.reference_size,
-                       "record": self.record.snapshot(), "commits": self.commits}
-
-    def restore(self) -> None:
-        saved = self._saved
-        self.engine.read_checkpoint(io.BytesIO(saved["engine"]))  # type: ignore[arg-type]
-        self.position = Position(**saved["position"])
-        self.error, self.reference_size = saved["error"], saved["reference_size"]
-        self.record.reset_to(saved["record"])
-        self.commits = saved["commits"]
-
-    def sync(self) -> None:
-        self._saved = self._bcast_object(self._saved)
-        self.restore()
-        self.backend.refresh(self.engine)
-        # Every rank now holds rank 0's model and optimizer; this also hands each rank its share
-        # of the compression state (error-feedback residuals) that the checkpoint carries.
-        self.engine.broadcast_state()
-        if self.engine.rank != 0:
-            self.backend.fork_rng(self.seed, self.engine.rank, self.position.step)
-
-    def reset(self) -> None:
-        self.resets += 1
-
-    def commit_at(self, position: Position) -> None:
-        """Commits the state as it stands after ``position`` (may raise Horovod's interrupts)."""
-        self.position = dataclasses.replace(position)
-        self.record.gather(self.backend.allgather_object)
-        self.engine.gather_checkpoint_state()  # every rank's compression state, into the save
-        self.commits += 1
-        self.commit()
 
 
 def hooks(state: TrainingState, commit_every: int) -> StepHooks:
@@ -283,6 +226,7 @@ class ElasticDriver:
 
 def train_elastic(cfg: Config, resume_from: Path | None) -> Any:
     """``train(cfg)`` in elastic mode; returns a :class:`hvdtrain.trainer.TrainResult`."""
+    from hvdtrain.elastic_state import TrainingState
     from hvdtrain.trainer import TrainResult, make_dataset, write_summary
 
     dataset = make_dataset(cfg)

@@ -148,14 +148,14 @@ class GradientExchange:
         self.noise = torch.Generator().manual_seed(seed * 7919 + hvd.rank())
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
         self.compress_s_total = 0.0
-        """Seconds of compression kernels (the exchange less its waits) over all steps, for benchmarks."""
+        """Seconds in compression kernels (the exchange less its waits), all steps: for benchmarks."""
 
     def run(self, grads: list[torch.Tensor]) -> None:
         """Averages ``grads`` (one per shape, in order) over all ranks, in place."""
         self.step += 1
         timer, start = _Timer(), time.perf_counter()
         wire = 0
-        finish: list[Callable[[], None]] = []
+        finish: list[Callable[[_Timer], Any]] = []
         for i, grad in enumerate(grads):
             method = self.method if self.compressed[i] else "dense"
             sent, done = getattr(self, f"_start_{method}")(i, grad)

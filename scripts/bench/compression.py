@@ -241,7 +241,8 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
            "`comm.min_size` 1024 (smaller tensors, such as biases, travel uncompressed, which caps "
            "the small MLPs' overall ratio well below the 50x or 100x of the compressed tensors).",
            "Compression ms/step: hvdtrain's exchange less its waits for Horovod (kernels, "
-           "scatter, decode); — for `none` and `fp16`, whose cast runs inside Horovod's hooks.",
+           "scatter, decode); — for PyTorch's `none` and `fp16`, whose cast runs inside Horovod's "
+           "hooks (TensorFlow runs every method through its exchange: for `fp16`, the two casts).",
            "Step ms: training time / steps (includes the exchange and its waits)."]
     if slow:
         finite = [r for r in slow if r["method"] != "none" and r["to_target_s"]]

@@ -92,7 +92,7 @@ def test_torch_worker_joins_through_the_hosts_file_then_one_is_killed(tmp_path):
                        "model.options={hidden: [128], pause: 0.05}",
                        env={"HVDTRAIN_HOSTS_FILE": str(hosts)})
     try:
-        wait_for_records(run / "metrics.jsonl", 3, timeout=400)
+        wait_for_records(run / "metrics.jsonl", 3, timeout=600)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
         joined = wait_for_event(run, 2)
         wait_for_records(run / "metrics.jsonl", len(read_jsonl(run / "metrics.jsonl")) + 4)

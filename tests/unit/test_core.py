@@ -101,6 +101,7 @@ def test_checkpoint_policy_keeps_the_newest(tmp_path):
     assert [s for s in range(1, 21) if mgr.due(s)] == [5, 10, 15, 20]
     for step in (5, 10, 15):
         mgr.save(_FakeWriter(), step, {"epoch": 0})
+    mgr.wait()  # saves are written behind training
     assert [p.name for p in mgr.checkpoints()] == ["step-00000010.ckpt", "step-00000015.ckpt"]
     assert json.loads(mgr.checkpoints()[-1].read_text()) == {"epoch": 0, "step": 15}
     reader = CheckpointManager(CheckpointConfig(every_steps=5), tmp_path / "r", writer=False)
