@@ -185,7 +185,9 @@ def qsgd_compress(x: np.ndarray, bucket: int, noise: np.ndarray) -> tuple[np.nda
     scales = np.abs(rows).max(axis=1)
     safe = np.where(scales > 0, scales, np.float32(1))[:, None]
     u = _bucketed(noise.reshape(-1).astype(np.float32), bucket)
-    level = np.floor(np.abs(rows) / safe * np.float32(QSGD_LEVELS) + u)
+    # float32 can round 127 + u up to 128 when |x| is the scale and u is within 4e-6 of 1; 128
+    # does not fit int8 and would wrap to -128, so the level is capped (the bias is negligible).
+    level = np.minimum(np.floor(np.abs(rows) / safe * np.float32(QSGD_LEVELS) + u), np.float32(QSGD_LEVELS))
     codes = (np.sign(rows) * level).reshape(-1)[:flat.size].astype(np.int8)
     return codes, scales.astype(np.float32)
 

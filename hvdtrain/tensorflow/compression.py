@@ -61,6 +61,7 @@ def qsgd_compress(x: tf.Tensor, bucket: int, noise: tf.Tensor) -> tuple[tf.Tenso
     scales = tf.reduce_max(tf.abs(rows), axis=1)
     safe = tf.where(scales > 0, scales, tf.ones_like(scales))[:, None]
     level = tf.floor(tf.abs(rows) / safe * float(ref.QSGD_LEVELS) + _bucketed(noise, bucket))
+    level = tf.minimum(level, float(ref.QSGD_LEVELS))  # 127 + u may round to 128: see the reference
     codes = tf.reshape(tf.sign(rows) * level, [-1])[:int(x.shape[0])]
     return tf.cast(codes, tf.int8), scales
 

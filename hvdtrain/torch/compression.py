@@ -78,6 +78,7 @@ def qsgd_compress(x: torch.Tensor, bucket: int, noise: torch.Tensor
     scales = rows.abs().amax(dim=1)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
     level = torch.floor(rows.abs() / safe * float(ref.QSGD_LEVELS) + _bucketed(noise, bucket))
+    level = level.clamp_(max=float(ref.QSGD_LEVELS))  # 127 + u may round to 128: see the reference
     codes = (torch.sign(rows) * level).reshape(-1)[:x.numel()].to(torch.int8)
     return codes, scales
 

@@ -310,3 +310,8 @@ def test_resume_with_compression_state_is_bit_identical(tmp_path, method):
     assert set(stats) == {"data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes"}
     assert stats["dense_bytes"] == 4 * sum(v.size for v in straight.engine.parameters().values())
     assert 0 < stats["wire_bytes"] < stats["dense_bytes"] / 3 and stats["comm_s"] > 0
+
+
+def test_qsgd_level_at_the_scale_stays_in_int8():
+    codes, _ = tfc.qsgd_compress(tf.constant([1.0, 0.5]), 0, tf.constant([0.999999, 0.1]))
+    assert codes.numpy().tolist() == [127, 63]

@@ -141,3 +141,8 @@ def test_training_resumes_bit_identically_with_compression_state(tmp_path, metho
     assert resumed.summary["steps"] == straight.summary["steps"] == 45
     for key, value in straight.engine.parameters().items():
         assert np.array_equal(resumed.engine.parameters()[key], value), key
+
+
+def test_qsgd_level_at_the_scale_stays_in_int8():
+    codes, _ = tc.qsgd_compress(torch.tensor([1.0, 0.5]), 0, torch.tensor([0.999999, 0.1]))
+    assert codes.tolist() == [127, 63]

@@ -73,6 +73,13 @@ def test_qsgd_codes_are_int8_levels_and_unbiased():
                   > 5 * step / 2 / np.sqrt(trials))
 
 
+def test_qsgd_level_at_the_scale_stays_in_int8():
+    # float32: 127 + 0.999999 rounds to 128, which int8 would wrap to -128 (a flipped sign)
+    codes, scales = ref.qsgd_compress(np.array([1.0, 0.5], np.float32), 0,
+                                      np.array([0.999999, 0.1], np.float32))
+    assert codes.tolist() == [127, 63]
+
+
 def test_qsgd_one_scale_per_tensor_and_zero_tensor():
     codes, scales = ref.qsgd_compress(np.zeros(10, np.float32), 0, np.full(10, 0.9, np.float32))
     assert scales.shape == (1,) and not codes.any()
