@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import harness
 import workload
@@ -350,3 +350,35 @@ def resnet_note(args: argparse.Namespace) -> str:
             f"the first timed step to the start of the last) on rank 0; {args.rounds} rounds "
             f"after {args.warmup} warm-up, one job per variant per round, order alternating; "
             f"environment of the horovodrun jobs: {' '.join(args.env) or 'Horovod defaults'}.")
+
+
+def ratio_verdict(rows: Sequence[harness.Row], candidate: str, control: str, label: str,
+                  target: float, tolerance: float) -> str:
+    """``label = r, A/A control = c`` and whether ``r <= target`` is met, missed, or cannot be
+    judged because the A/A control is farther than ``tolerance`` from 1."""
+    by_name = {row.name: row for row in rows}
+    ratio, aa = by_name[candidate].ratio, by_name[control].ratio
+    head = f"{label} = {ratio:.3f}, A/A control = {aa:.3f}"
+    if abs(aa - 1.0) > tolerance:
+        return (f"{head}: inconclusive, the A/A control is off by more than {tolerance:.0%}, so "
+                f"the machine was too noisy to judge a {target} target")
+    met = "met" if ratio <= target else "missed"
+    return f"{head}: target (ratio <= {target} with A/A within {tolerance:.0%}) {met}"
+
+
+def step_time_benchmark(args: argparse.Namespace, variants: Sequence[Variant], title: str,
+                        script: str, notes: Callable[..., list[str]]) -> int:
+    """Runs interleaved step-time variants (the first is the baseline), then publishes a section
+    with the whole-run and steady-state tables; ``notes(args, results, whole, steady)`` gives
+    the lines under them."""
+    key, steady_key = "step_time_s", "steady_step_time_s"
+    machine, results = run(variants, args, key)
+    whole = harness.summarize(harness.samples_of(results, key), baseline=variants[0].name)
+    steady = harness.summarize(harness.samples_of(results, steady_key), baseline=variants[0].name)
+    command = reproduce_command(script, args, ("--framework", args.framework))
+    publish(harness.markdown_section(
+        title, command, machine, whole, notes(args, results, whole, steady),
+        caption="Whole run (training wall time / steps):",
+        tables=[(f"Steady state ({STEADY_SPAN}):", steady)]), args)
+    return 0
+

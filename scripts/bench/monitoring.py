@@ -23,13 +23,12 @@ import statistics
 import sys
 from typing import Sequence
 
-import harness
 import launch
 from harness import Row
 from launch import Results, Sizes, Variant
 
 KEY = "step_time_s"
-STEADY_KEY = "steady_step_time_s"
+STEADY_KEY = "steady_step_time_s"  # the keys launch.step_time_benchmark tabulates
 TARGET_RATIO = 1.02
 AA_TOLERANCE = 0.01
 
@@ -58,14 +57,7 @@ def variants(framework: str) -> list[Variant]:
 
 def verdict(rows: Sequence[Row]) -> str:
     """Whether the target is met, missed, or cannot be judged because the A/A control is too noisy."""
-    by_name = {row.name: row for row in rows}
-    ratio, control = by_name[ON].ratio, by_name[CONTROL].ratio
-    head = f"on / off = {ratio:.3f}, A/A control = {control:.3f}"
-    if abs(control - 1.0) > AA_TOLERANCE:
-        return (f"{head}: inconclusive, the A/A control is off by more than {AA_TOLERANCE:.0%}, so "
-                f"the machine was too noisy to judge a {TARGET_RATIO} target")
-    met = "met" if ratio <= TARGET_RATIO else "missed"
-    return f"{head}: target (ratio <= {TARGET_RATIO} with A/A within {AA_TOLERANCE:.0%}) {met}"
+    return launch.ratio_verdict(rows, ON, CONTROL, "on / off", TARGET_RATIO, AA_TOLERANCE)
 
 
 def pooled(results: Results, key: str) -> str:
@@ -101,17 +93,9 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
     args = parse_args(argv)
-    machine, results = launch.run(variants(args.framework), args, KEY)
-    whole = harness.summarize(harness.samples_of(results, KEY), baseline=OFF)
-    steady = harness.summarize(harness.samples_of(results, STEADY_KEY), baseline=OFF)
     title = (f"Monitoring cost: hvdtrain {FRAMEWORKS[args.framework][0]} trainer with every sink "
              "on vs every sink off (step time)")
-    command = launch.reproduce_command("monitoring.py", args, ("--framework", args.framework))
-    launch.publish(harness.markdown_section(
-        title, command, machine, whole, notes(args, results, whole, steady),
-        caption="Whole run (training wall time / steps):",
-        tables=[(f"Steady state ({launch.STEADY_SPAN}):", steady)]), args)
-    return 0
+    return launch.step_time_benchmark(args, variants(args.framework), title, "monitoring.py", notes)
 
 
 if __name__ == "__main__":

@@ -25,13 +25,10 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-import harness
 import launch
 from harness import Row
 from launch import Results, Sizes, Variant
 
-KEY = "step_time_s"
-STEADY_KEY = "steady_step_time_s"
 TARGET_RATIO = 1.03
 AA_TOLERANCE = 0.01
 
@@ -89,14 +86,8 @@ def variants(framework: str) -> list[Variant]:
 
 def verdict(rows: Sequence[Row]) -> str:
     """Whether the target is met, missed, or cannot be judged because the A/A control is too noisy."""
-    by_name = {row.name: row for row in rows}
-    ratio, control = by_name[CANDIDATE].ratio, by_name[CONTROL].ratio
-    head = f"hvdtrain / hand-written = {ratio:.3f}, A/A control = {control:.3f}"
-    if abs(control - 1.0) > AA_TOLERANCE:
-        return (f"{head}: inconclusive, the A/A control is off by more than "
-                f"{AA_TOLERANCE:.0%}, so the machine was too noisy to judge a {TARGET_RATIO} target")
-    met = "met" if ratio <= TARGET_RATIO else "missed"
-    return f"{head}: target (ratio <= {TARGET_RATIO} with A/A within {AA_TOLERANCE:.0%}) {met}"
+    return launch.ratio_verdict(rows, CANDIDATE, CONTROL, "hvdtrain / hand-written", TARGET_RATIO,
+                                AA_TOLERANCE)
 
 
 def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
@@ -119,17 +110,9 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
     args = parse_args(argv)
-    machine, results = launch.run(variants(args.framework), args, KEY)
-    whole = harness.summarize(harness.samples_of(results, KEY), baseline=BASELINE)
-    steady = harness.summarize(harness.samples_of(results, STEADY_KEY), baseline=BASELINE)
     title = (f"Trainer overhead: hvdtrain {FRAMEWORKS[args.framework].title} trainer vs a "
              "hand-written Horovod loop (step time)")
-    command = launch.reproduce_command("overhead.py", args, ("--framework", args.framework))
-    launch.publish(harness.markdown_section(
-        title, command, machine, whole, notes(args, results, whole, steady),
-        caption="Whole run (training wall time / steps):",
-        tables=[(f"Steady state ({launch.STEADY_SPAN}):", steady)]), args)
-    return 0
+    return launch.step_time_benchmark(args, variants(args.framework), title, "overhead.py", notes)
 
 
 if __name__ == "__main__":
