@@ -68,6 +68,17 @@ def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default")
     ]
 
 
+def train_clocked(cfg: Any, clock: workload.Clock) -> Any:
+    """``hvdtrain.trainer.train(cfg)`` with ``clock`` riding on the engine it builds."""
+    # train() builds its engine through this module-level name; the clock must ride on that engine.
+    original = hvdtrain.trainer.make_engine
+    hvdtrain.trainer.make_engine = clocked(clock)
+    try:
+        return hvdtrain.trainer.train(cfg)
+    finally:
+        hvdtrain.trainer.make_engine = original
+
+
 def clocked(clock: workload.Clock) -> Callable[[str], Engine]:
     """A ``make_engine`` whose engines note on ``clock`` when each step and evaluation starts.
 
@@ -116,13 +127,7 @@ def run(framework: str, epochs: int, out_dir: Path, sinks: str = "default") -> d
     cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir), sinks),
                       environ={})
     clock = workload.Clock()
-    # train() builds its engine through this module-level name; the clock must ride on that engine.
-    original = hvdtrain.trainer.make_engine
-    hvdtrain.trainer.make_engine = clocked(clock)
-    try:
-        result = hvdtrain.trainer.train(cfg)
-    finally:
-        hvdtrain.trainer.make_engine = original
+    result = train_clocked(cfg, clock)
     summary = result.summary
     record = workload.measurement(result.engine.rank, summary["steps"], summary["wall_time_s"],
                                   summary["final"].get("eval_loss"),

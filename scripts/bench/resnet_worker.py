@@ -56,9 +56,8 @@ def span(clock: workload.Clock, skip: int, global_batch: int) -> float:
 
 def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
     """Trains with hvdtrain's own loop (``train(cfg)``), configured to match :func:`run_ddp`."""
-    import hvdtrain.trainer
     from hvdtrain.config import load_config
-    from hvdtrain_worker import clocked
+    from hvdtrain_worker import train_clocked
 
     import horovod.torch as hvd
     hvd.init()
@@ -75,13 +74,7 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
         "log.console=false", "log.wandb=disabled", "log.tensorboard=false",
         f"log.dir={out}", f"seed={workload.SEED}"], environ={})
     clock = workload.Clock()
-    # train() builds its engine through this module-level name; the clock rides on that engine.
-    original = hvdtrain.trainer.make_engine
-    hvdtrain.trainer.make_engine = clocked(clock)
-    try:
-        result = hvdtrain.trainer.train(cfg)
-    finally:
-        hvdtrain.trainer.make_engine = original
+    result = train_clocked(cfg, clock)
     return {"rank": hvd.rank(), "ranks": hvd.size(), "threads": torch.get_num_threads(),
             "samples_per_s": span(clock, args.skip, args.batch * hvd.size()),
             "train_loss": result.summary["final"].get("train_loss")}
