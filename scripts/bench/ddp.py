@@ -52,11 +52,7 @@ def verdict(rows: Sequence[harness.Row]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the jobs, prints the section and, unless ``--no-write``, appends it to the doc."""
-    args = launch.resnet_args(launch.resnet_parser(__doc__.splitlines()[0], 3, 20), argv)
-    machine = harness.machine_record()
-    results = launch.run_jobs(jobs(args), args.rounds, args.warmup, KEY, args.timeout)
-    launch.publish(section(args, machine, results), args)
-    return 0
+    return launch.resnet_benchmark(__doc__.splitlines()[0], jobs, section, KEY, argv)
 
 
 def section(args: argparse.Namespace, machine: dict[str, Any], results: launch.Results) -> str:

@@ -382,3 +382,14 @@ def step_time_benchmark(args: argparse.Namespace, variants: Sequence[Variant], t
         tables=[(f"Steady state ({STEADY_SPAN}):", steady)]), args)
     return 0
 
+
+def resnet_benchmark(description: str, jobs: Callable[[argparse.Namespace], Sequence[Job]],
+                     section: Callable[[argparse.Namespace, dict[str, Any], Results], str],
+                     key: str, argv: Sequence[str] | None = None) -> int:
+    """Parses the ResNet options, runs ``jobs(args)`` interleaved, and publishes ``section``."""
+    args = resnet_args(resnet_parser(description, 3, 20), argv)
+    machine = harness.machine_record()
+    results = run_jobs(jobs(args), args.rounds, args.warmup, key, args.timeout)
+    publish(section(args, machine, results), args)
+    return 0
+
