@@ -111,6 +111,11 @@ class CommConfig:
     """Tensors with fewer elements (biases, small layers) travel uncompressed, as fp32."""
     bucket: int = _opt(512, min=0)
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
+    cycle_time_ms: float = _opt(0.0, min=0.0)
+    """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
+    0: chosen from the model, Horovod's 1 ms for gradients under 4 MiB and 5 ms from there (see
+    :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME`` or ``horovodrun
+    --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process."""
 
     def __post_init__(self) -> None:
         # Checked here, before the choices, so that bf16 gets the reason rather than a list.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import abc
 import importlib
+import os
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import IO, Any, Callable, Iterable, MutableMapping
 
 import numpy as np
 
@@ -26,10 +27,13 @@ class Engine(abc.ABC):
     size: int
     local_rank: int
     local_size: int
+    cycle_time_ms: str
+    """Horovod's cycle time in force, as :func:`set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
 
     @abc.abstractmethod
     def prepare(self, cfg: Config, dataset: Dataset) -> None:
-        """Builds model and optimizer and loads the data (no communication)."""
+        """Starts Horovod (``rank`` and the sizes are known from here on), builds model and
+        optimizer and loads the data (no communication)."""
 
     @abc.abstractmethod
     def broadcast_state(self) -> None:
@@ -84,6 +88,35 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def versions(self) -> dict[str, str]:
         """Versions of the framework and Horovod, for the run summary."""
+
+
+AUTO_CYCLE_MIN_BYTES = 4 << 20
+"""Gradients of at least this many bytes get :data:`AUTO_CYCLE_MS` under ``comm.cycle_time_ms: 0``."""
+AUTO_CYCLE_MS = 5.0
+
+
+def set_cycle_time(configured_ms: float, gradient_bytes: int,
+                   environ: MutableMapping[str, str] = os.environ) -> str:
+    """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
+    ``hvd.init()`` that follows; returns the cycle time in force.
+
+    A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
+    else models with :data:`AUTO_CYCLE_MIN_BYTES` of gradients or more get :data:`AUTO_CYCLE_MS`.
+    Why: Horovod's thread wakes and negotiates every cycle, 1 ms by default; on a CPU host whose
+    cores all run compute threads, 1000 wake-ups a second per rank took ResNet-18 (45 MB of
+    gradients, 0.3-0.6 s steps) from 104-109 to 76-82 samples/s against 5 ms. A small model's step
+    lasts a few ms, so there the extra wait for the next cycle dominates: the digits MLP (38 KB)
+    ran 40% slower at 5 ms, which is why the default depends on the size (docs/benchmarks.md).
+    """
+    # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
+    # instead of spinning on it, which matters where compute threads already take every core
+    # (hvdtrain over MPI ran ResNet-18 at 65 samples/s without it and 112 with it, on 2 cores).
+    environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if configured_ms > 0:
+        environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
+    elif "HOROVOD_CYCLE_TIME" not in environ and gradient_bytes >= AUTO_CYCLE_MIN_BYTES:
+        environ["HOROVOD_CYCLE_TIME"] = f"{AUTO_CYCLE_MS:g}"
+    return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
 def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any], count: int) -> None:

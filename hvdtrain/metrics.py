@@ -13,10 +13,12 @@ import abc
 import json
 import math
 import os
+import queue
 import secrets
 import socket
 import string
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -242,6 +244,56 @@ class WandbSink(Sink):
         self._wandb.teardown()
 
 
+class BackgroundSink(Sink):
+    """Runs another sink's ``log`` and ``summary`` on a thread of its own, in order.
+
+    For the sinks whose writes cost milliseconds in Python (TensorBoard's protobufs, W&B's
+    ``run.log``: 0.5 and 2.1 ms per record here), so that rank 0's training thread, which every
+    other rank waits for at the next allreduce, does not pay for them. ``close`` drains the queue
+    and closes the sink, so a run that ends, fails or is stopped loses nothing; a SIGKILL can lose
+    the records still queued, at most the last logged window or two. The first error of the
+    wrapped sink is raised again by the next call after it.
+    """
+
+    _CLOSE = object()
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name=f"hvdtrain-{type(sink).__name__}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not self._CLOSE:
+            method, payload = item
+            if self._error is None:
+                try:
+                    method(payload)
+                except BaseException as exc:  # noqa: BLE001  (handed to the training thread)
+                    self._error = exc
+
+    def _check(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._check()
+        self._queue.put((self._sink.log, record))
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self._check()
+        self._queue.put((self._sink.summary, summary))
+
+    def close(self) -> None:
+        self._queue.put(self._CLOSE)
+        self._thread.join()
+        self._sink.close()
+        self._check()
+
+
 class MetricsLogger:
     """Fans records out to the sinks; on ranks other than 0 it holds none and does nothing.
 
@@ -292,8 +344,10 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
             sinks.append(ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar,
                                      start_step=start_step))
         if log.tensorboard:
-            sinks.append(TensorBoardSink(run_dir / "tensorboard", fresh=not resumed))
+            sinks.append(BackgroundSink(TensorBoardSink(run_dir / "tensorboard",
+                                                        fresh=not resumed)))
         if log.wandb != "disabled":
-            sinks.append(WandbSink(run_dir, mode=log.wandb, project=log.wandb_project,
-                                   name=cfg.name, config=cfg.to_dict(), resumed=resumed))
+            sinks.append(BackgroundSink(WandbSink(run_dir, mode=log.wandb,
+                                                  project=log.wandb_project, name=cfg.name,
+                                                  config=cfg.to_dict(), resumed=resumed)))
     return MetricsLogger(sinks, writer=writer)

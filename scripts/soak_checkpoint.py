@@ -162,7 +162,7 @@ def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]
         "- Killed mid-save: trials whose kill left a temporary file or a checkpoint without its "
         "manifest (the kill landed inside a save); neither was ever taken for valid.",
     ])
-    harness.append_markdown(args.record, section + "\n", "# Benchmarks\n")
+    harness.put_section(args.record, section + "\n", "# Benchmarks\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import time
 import warnings
@@ -27,7 +28,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, Split, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums
+from hvdtrain.engine import Engine, add_batch_sums, set_cycle_time
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow import rng
@@ -62,20 +63,23 @@ class TensorFlowEngine(Engine):
 
     framework = "tensorflow"
 
-    def __init__(self) -> None:
+    def prepare(self, cfg: Config, dataset: Dataset) -> None:
+        self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
+                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
+        # Horovod reads its cycle time once, at init, and the automatic one needs the model's size.
+        # Built into a throwaway graph, the model does not start TensorFlow's runtime, whose thread
+        # pools are fixed when it starts and are only known after init (they depend on local_size).
+        with tf.Graph().as_default():
+            gradient_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
+                                 for v in self._build(cfg, dataset).trainable_variables)
+        self.cycle_time_ms = set_cycle_time(cfg.comm.cycle_time_ms, gradient_bytes)
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-
-    def prepare(self, cfg: Config, dataset: Dataset) -> None:
         # Ranks sharing a host would otherwise each start one thread per core and fight over them.
         _set_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // self.local_size))
         keras.utils.set_random_seed(cfg.seed + self.rank)
-        self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
-                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
-        self.model = self.adapter.build(dataset.spec())
-        if not isinstance(self.model, keras.Model):
-            raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a keras.Model")
+        self.model = self._build(cfg, dataset)
         self.train_x, self.train_y = self._tensors(dataset.train())
         self.test_x, self.test_y = self._tensors(dataset.test())
         self.optimizer = make_optimizer(cfg)
@@ -93,6 +97,12 @@ class TensorFlowEngine(Engine):
                              for v in self.model.trainable_variables] if self.accumulation > 1 else []
         self.lr = float("nan")  # the loop sets the real one before the first step
         self._compile(dataset.spec().input_shape)
+
+    def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
+        model = self.adapter.build(dataset.spec())
+        if not isinstance(model, keras.Model):
+            raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a keras.Model")
+        return model
 
     def broadcast_state(self) -> None:
         hvd.broadcast_variables(self._state_variables(), root_rank=0)

@@ -15,7 +15,7 @@ import torch
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums
+from hvdtrain.engine import Engine, add_batch_sums, set_cycle_time
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch import rng
@@ -38,25 +38,33 @@ class TorchEngine(Engine):
 
     framework = "torch"
 
-    def __init__(self) -> None:
+    def prepare(self, cfg: Config, dataset: Dataset) -> None:
+        self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
+                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
+        # Horovod reads its cycle time once, at init, and the automatic one needs the model's size:
+        # a build on the meta device allocates nothing and draws no random numbers.
+        with torch.device("meta"):
+            gradient_bytes = sum(p.numel() * p.element_size()
+                                 for p in self._build(cfg, dataset).parameters() if p.requires_grad)
+        self.cycle_time_ms = set_cycle_time(cfg.comm.cycle_time_ms, gradient_bytes)
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-
-    def prepare(self, cfg: Config, dataset: Dataset) -> None:
         # Ranks sharing a host would otherwise each start one thread per core and fight over them.
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // self.local_size))
         torch.manual_seed(cfg.seed + self.rank)
-        self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
-                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
-        self.model = self.adapter.build(dataset.spec())
-        if not isinstance(self.model, torch.nn.Module):
-            raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
+        self.model = self._build(cfg, dataset)
         self.train_x, self.train_y = self._tensors(dataset.train())
         self.test_x, self.test_y = self._tensors(dataset.test())
         self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
         self.lr = float("nan")  # the loop sets the real one before the first step
+
+    def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
+        model = self.adapter.build(dataset.spec())
+        if not isinstance(model, torch.nn.Module):
+            raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
+        return model
 
     def _make_optimizer(self, cfg: Config) -> None:
         optimizer = make_optimizer(cfg, self.model)

@@ -11,7 +11,7 @@ raw backend beside the A/A control's. Target: Horovod >= 0.8x its raw backend at
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/allreduce.py                      # appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/allreduce.py                      # writes its section of docs/benchmarks.md
     .venv/bin/python scripts/bench/allreduce.py --quick --no-write    # a tiny end-to-end check
     .venv/bin/python scripts/bench/allreduce.py --env HOROVOD_CYCLE_TIME=0.1   # a Horovod knob
 """
@@ -181,7 +181,7 @@ def reproduce(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one job per controller, prints the section and, unless ``--no-write``, appends it."""
+    """Runs one job per controller, prints the section and, unless ``--no-write``, writes it."""
     args = parse_args(argv)
     machine = harness.machine_record()
     env = dict(item.split("=", 1) for item in args.env)

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     command = f".venv/bin/python scripts/bench/checkpoint.py --rounds {args.rounds} --hidden {args.hidden}"
     section = harness.markdown_section("Checkpoint save: hvdtrain vs plain torch.save (seconds per save)",
                                        command, machine, rows, notes, unit="ms", scale=1e3, digits=1)
-    harness.append_markdown(args.out, section, "# Benchmarks\n")
+    harness.put_section(args.out, section, "# Benchmarks\n")
     print(section)
     return 0
 

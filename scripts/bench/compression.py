@@ -10,7 +10,7 @@ For each framework, dataset and seed one ``horovodrun -np 2 --gloo`` job trains 
 back (the order rotates with the seed, so no method always runs in the same slot of a busy machine);
 rank 0 prints one JSON line per run, which the driver collects. The slow-link job runs inside a
 network namespace whose loopback is shaped by ``tc tbf rate 100mbit`` (set up and torn down here),
-with a wide MLP so that the gradient exchange dominates the step. The table is appended to
+with a wide MLP so that the gradient exchange dominates the step. The table is written into
 ``docs/benchmarks.md`` with the command that made it.
 """
 
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:])
     section = harness.section_text("Gradient compression", command, harness.machine_record(),
                                    blocks, notes(records, slow))
-    harness.append_markdown(Path(args.markdown), section, "# Benchmarks")
+    harness.put_section(Path(args.markdown), section, "# Benchmarks")
     print(section)
     return 0
 

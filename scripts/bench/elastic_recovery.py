@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     section = harness.markdown_section("Elastic recovery after a SIGKILLed worker (seconds)", command,
                                        machine, rows, notes, unit="s", scale=1.0, digits=2,
                                        caption="Recovery time per framework (ratio: to the first).")
-    harness.append_markdown(args.out, section, "# Benchmarks\n")
+    harness.put_section(args.out, section, "# Benchmarks\n")
     print(section)
     return 0 if all(r["exit"] == 0 for r in records) else 1
 

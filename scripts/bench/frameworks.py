@@ -11,7 +11,7 @@ evaluation; see ``workload.Clock``). A ratio above 1 means TensorFlow was faster
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/frameworks.py                    # appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/frameworks.py                    # writes its section of docs/benchmarks.md
     .venv/bin/python scripts/bench/frameworks.py --quick --no-write   # a tiny end-to-end check
 """
 
@@ -82,7 +82,7 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
+    """Runs the benchmark, prints the section and, unless ``--no-write``, writes it to the doc."""
     args = parse_args(argv)
     machine, results = launch.run(variants(), args, KEY)
     whole = harness.summarize(harness.samples_of(results, KEY), baseline=BASELINE)

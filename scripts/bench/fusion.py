@@ -8,7 +8,7 @@ tensors; the table gives min, median and max over the rounds and the ratio of me
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/fusion.py                    # appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/fusion.py                    # writes its section of docs/benchmarks.md
     .venv/bin/python scripts/bench/fusion.py --quick --no-write   # a tiny end-to-end check
 """
 
@@ -68,7 +68,7 @@ def reproduce(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the jobs, prints the section and, unless ``--no-write``, appends it to the doc."""
+    """Runs the jobs, prints the section and, unless ``--no-write``, writes it to the doc."""
     args = parse_args(argv)
     machine = harness.machine_record()
     results = launch.run_jobs(jobs(args), args.rounds, args.warmup, KEY, args.timeout)

@@ -177,11 +177,22 @@ def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], 
     return section_text(title, command_line, machine, blocks, notes, date=date)
 
 
-def append_markdown(path: Path, section: str, header: str) -> None:
-    """Appends ``section`` to ``path``, creating the file with ``header`` first when it is missing."""
+def put_section(path: Path, section: str, header: str) -> None:
+    """Puts ``section`` into the Markdown file ``path``: in place of the section with the same
+    ``## `` heading (its first line) when there is one, so a rerun replaces its stale table and any
+    older copies go, else at the end. Creates the file with ``header`` first when it is missing."""
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = path.read_text() if path.exists() else header.rstrip("\n") + "\n"
-    path.write_text(existing.rstrip("\n") + "\n\n" + section)
+    heading = section.lstrip("\n").splitlines()[0]
+    # Split before every second-level heading: part 0 is the header, each other part one section.
+    parts = re.split(r"(?m)^(?=## )", existing)
+    same = [i for i, part in enumerate(parts) if part.splitlines()[0:1] == [heading]]
+    if not same:
+        path.write_text(existing.rstrip("\n") + "\n\n" + section)
+        return
+    parts[same[0]] = section.rstrip("\n") + "\n\n"
+    kept = [part for i, part in enumerate(parts) if i not in same[1:]]
+    path.write_text("".join(kept).rstrip("\n") + "\n")
 
 
 def parse_measurements(output: str, key: str) -> list[dict[str, Any]]:

@@ -249,11 +249,11 @@ def accuracy_note(results: Results) -> str:
 
 
 def publish(section: str, args: argparse.Namespace) -> None:
-    """Prints ``section`` and, unless ``--no-write``, appends it to the output document."""
+    """Prints ``section`` and, unless ``--no-write``, writes it into the output document (replacing the section of the same title)."""
     print(section)
     if not args.no_write:
-        harness.append_markdown(args.output, section, HEADER)
-        print(f"[bench] appended to {args.output}", file=sys.stderr)
+        harness.put_section(args.output, section, HEADER)
+        print(f"[bench] written to {args.output}", file=sys.stderr)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ sink, once per run) and in the steady state (epochs 2 to N: the per-step cost). 
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/monitoring.py                      # PyTorch, appends to the doc
+    .venv/bin/python scripts/bench/monitoring.py                      # PyTorch, writes its section of the doc
     .venv/bin/python scripts/bench/monitoring.py --framework tensorflow
     .venv/bin/python scripts/bench/monitoring.py --quick --no-write    # a tiny end-to-end check
 """
@@ -91,7 +91,7 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
+    """Runs the benchmark, prints the section and, unless ``--no-write``, writes it to the doc."""
     args = parse_args(argv)
     title = (f"Monitoring cost: hvdtrain {FRAMEWORKS[args.framework][0]} trainer with every sink "
              "on vs every sink off (step time)")

@@ -13,8 +13,8 @@ A/A control A'/A is within 1% of 1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/overhead.py                       # PyTorch, appends to the doc
-    .venv/bin/python scripts/bench/overhead.py --framework tensorflow  # TensorFlow, appends too
+    .venv/bin/python scripts/bench/overhead.py                       # PyTorch, writes its section of the doc
+    .venv/bin/python scripts/bench/overhead.py --framework tensorflow  # TensorFlow, its own section
     .venv/bin/python scripts/bench/overhead.py --quick --no-write     # a tiny end-to-end check
 """
 
@@ -108,7 +108,7 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the section and, unless ``--no-write``, appends it to the doc."""
+    """Runs the benchmark, prints the section and, unless ``--no-write``, writes it to the doc."""
     args = parse_args(argv)
     title = (f"Trainer overhead: hvdtrain {FRAMEWORKS[args.framework].title} trainer vs a "
              "hand-written Horovod loop (step time)")

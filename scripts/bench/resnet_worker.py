@@ -1,4 +1,5 @@
-"""One training job on the ResNet-18 workload: hvdtrain (horovodrun) or PyTorch DDP (torchrun).
+"""One training job on the ResNet-18 workload: hvdtrain or hand-written Horovod (horovodrun), or
+PyTorch DDP (torchrun).
 
 Both trainers train the same thing: hvdtrain's ``resnet18`` (11.2 M parameters at width 64) on its
 ``synthetic_images`` (3x32x32, 10 classes), SGD at ``0.05 x ranks`` with momentum 0.9, a batch of
@@ -11,6 +12,7 @@ JSON line with it.
 ::
 
     horovodrun -np 2 --gloo python scripts/bench/resnet_worker.py --trainer hvdtrain
+    horovodrun -np 2 --gloo python scripts/bench/resnet_worker.py --trainer horovod
     torchrun --standalone --nproc-per-node 2 scripts/bench/resnet_worker.py --trainer ddp
 
 The DDP side is what a PyTorch user writes: ``init_process_group("gloo")``,
@@ -55,18 +57,19 @@ def span(clock: workload.Clock, skip: int, global_batch: int) -> float:
 
 
 def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains with hvdtrain's own loop (``train(cfg)``), configured to match :func:`run_ddp`."""
+    """Trains with hvdtrain's own loop (``train(cfg)``), configured to match :func:`run_plain`."""
     from hvdtrain.config import load_config
     from hvdtrain_worker import train_clocked
 
-    import horovod.torch as hvd
-    hvd.init()
+    # hvdtrain starts Horovod itself, after choosing its cycle time from the model: starting it
+    # here would fix Horovod's default instead. The launcher's environment gives the world size.
+    size = int(os.environ.get("HOROVOD_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 1)
     out = tempfile.mkdtemp(prefix="hvdtrain-resnet-")
     cfg = load_config(ROOT / "configs" / "digits_torch.yaml", [
         "model.name=resnet18", f"model.options={{width: {args.width}}}",
         "data.name=synthetic_images",
-        f"data.options={{train_samples: {args.steps * args.batch * hvd.size()}, "
-        f"test_samples: {hvd.size()}, seed: {workload.SEED}}}",
+        f"data.options={{train_samples: {args.steps * args.batch * size}, "
+        f"test_samples: {size}, seed: {workload.SEED}}}",
         f"data.batch_size={args.batch}", f"train.max_steps={args.steps}", "train.epochs=1",
         f"train.threads={args.threads}", "optim.name=sgd", f"optim.lr={workload.BASE_LR}",
         f"optim.momentum={workload.MOMENTUM}", "optim.warmup_steps=0", "optim.schedule=constant",
@@ -75,26 +78,40 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
         f"log.dir={out}", f"seed={workload.SEED}"], environ={})
     clock = workload.Clock()
     result = train_clocked(cfg, clock)
-    return {"rank": hvd.rank(), "ranks": hvd.size(), "threads": torch.get_num_threads(),
-            "samples_per_s": span(clock, args.skip, args.batch * hvd.size()),
-            "train_loss": result.summary["final"].get("train_loss")}
+    engine = result.engine
+    return {"rank": engine.rank, "ranks": engine.size, "threads": torch.get_num_threads(),
+            "samples_per_s": span(clock, args.skip, args.batch * engine.size),
+            "train_loss": result.summary["final"].get("train_loss"),
+            "horovod_cycle_time_ms": result.summary["horovod_cycle_time_ms"]}
 
 
-def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
-    """Trains with ``DistributedDataParallel`` under ``torchrun``: same model, data, optimizer."""
-    import torch.distributed as dist
+def run_plain(args: argparse.Namespace) -> dict[str, Any]:
+    """A hand-written loop, as a user of the library writes it: ``DistributedDataParallel``
+    under ``torchrun`` (``--trainer ddp``) or ``hvd.DistributedOptimizer`` under ``horovodrun``
+    (``--trainer horovod``); same model, data and optimizer as :func:`run_hvdtrain`."""
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    if args.trainer == "ddp":
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    else:
+        import horovod.torch as hvd
+        hvd.init()
+        rank, size, local = hvd.rank(), hvd.size(), hvd.local_size()
     torch.set_num_threads(args.threads or workload.threads_per_rank(local))
     torch.manual_seed(workload.SEED + rank)
     data = dataset(args, size).train()
-    model = DistributedDataParallel(resnet18_module(3, 10, args.width))
+    model = resnet18_module(3, 10, args.width)
+    if args.trainer == "ddp":
+        model = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=workload.BASE_LR * size,
                                 momentum=workload.MOMENTUM)
+    if args.trainer == "horovod":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     order = np.random.default_rng([workload.SEED, 0]).permutation(len(data))
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
     clock = workload.Clock()
@@ -109,14 +126,15 @@ def run_ddp(args: argparse.Namespace) -> dict[str, Any]:
     result = {"rank": rank, "ranks": size, "threads": torch.get_num_threads(),
               "samples_per_s": span(clock, args.skip, args.batch * size),
               "train_loss": float(loss.detach())}
-    dist.destroy_process_group()
+    if args.trainer == "ddp":
+        dist.destroy_process_group()
     return result
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Trainer, steps, skipped steps, batch per rank, model width, threads per rank."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", choices=("hvdtrain", "ddp"), required=True)
+    parser.add_argument("--trainer", choices=("hvdtrain", "ddp", "horovod"), required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the figure")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
@@ -129,7 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the chosen trainer once and prints rank 0's measurement."""
     args = parse_args(argv)
-    record = run_hvdtrain(args) if args.trainer == "hvdtrain" else run_ddp(args)
+    record = run_hvdtrain(args) if args.trainer == "hvdtrain" else run_plain(args)
     workload.report({**record, "trainer": args.trainer, "steps": args.steps, "skip": args.skip,
                      "batch": args.batch, "width": args.width})
     return 0

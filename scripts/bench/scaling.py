@@ -7,7 +7,7 @@ throughput(1)) = the B/A ratio of medians / 2. Target >= 0.9.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/scaling.py                      # appends to docs/benchmarks.md
+    .venv/bin/python scripts/bench/scaling.py                      # writes its section of docs/benchmarks.md
     .venv/bin/python scripts/bench/scaling.py --quick --no-write     # a tiny end-to-end check
 """
 
@@ -36,7 +36,7 @@ def jobs(args: argparse.Namespace) -> list[launch.Job]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the jobs, prints the section and, unless ``--no-write``, appends it to the doc."""
+    """Runs the jobs, prints the section and, unless ``--no-write``, writes it to the doc."""
     return launch.resnet_benchmark(__doc__.splitlines()[0], jobs, section, KEY, argv)
 
 

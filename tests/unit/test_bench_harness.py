@@ -37,11 +37,15 @@ def test_markdown_table_and_section(tmp_path):
     section = harness.markdown_section("T", "python x.py --flag", {"cores": 2}, rows, ["a note"],
                                        date="2026-01-01")
     doc = tmp_path / "docs" / "b.md"
-    harness.append_markdown(doc, section, "# Head\n")
-    harness.append_markdown(doc, section, "# Head\n")
+    harness.put_section(doc, section, "# Head\n")
+    other = section.replace("## T", "## U").replace("a note", "another note")
+    harness.put_section(doc, other, "# Head\n")
+    harness.put_section(doc, section.replace("a note", "a newer note"), "# Head\n")
     text = doc.read_text()
+    # A rerun replaces its own section in place and leaves the others alone.
     assert text.startswith("# Head\n\n## T\n") and text.count("python x.py --flag") == 2
-    assert "Machine: cores: 2." in text and "- a note" in text
+    assert "- a newer note" in text and "- a note" not in text and "- another note" in text
+    assert text.index("## T") < text.index("## U") and "Machine: cores: 2." in text
 
 
 def test_parse_measurements_reads_every_tagged_line_of_one_job_in_order():
@@ -201,15 +205,17 @@ def test_allreduce_default_sizes_span_4_kb_to_256_mb():
 
 def test_ddp_verdict_names_both_controllers_and_the_control():
     rows = harness.summarize({ddp.BASELINE: [10.0], ddp.GLOO: [11.0], ddp.MPI: [9.0],
-                              ddp.CONTROL: [10.5]}, baseline=ddp.BASELINE)
+                              ddp.HANDWRITTEN: [8.8], ddp.CONTROL: [10.5]}, baseline=ddp.BASELINE)
     text = ddp.verdict(rows)
     assert "hvdtrain horovodrun gloo / DDP = 1.100 (met)" in text
     noisy = harness.summarize({ddp.BASELINE: [10.0], ddp.GLOO: [11.0], ddp.MPI: [9.0],
-                               ddp.CONTROL: [12.0]}, baseline=ddp.BASELINE)
+                               ddp.HANDWRITTEN: [8.8], ddp.CONTROL: [12.0]},
+                              baseline=ddp.BASELINE)
     assert "gloo / DDP = 1.100 (inconclusive (would be met, but the A/A control is off by more " \
         "than 10%))" in ddp.verdict(noisy)
     assert "hvdtrain horovodrun mpi / DDP = 0.900 (missed)" in text
-    assert text.endswith("A/A control = 1.050")
+    assert "A/A control = 1.050; hand-written Horovod / DDP = 0.880, hvdtrain gloo / " \
+        "hand-written Horovod = 1.250" in text
 
 
 def test_run_jobs_interleaves_separate_jobs_with_their_environment():

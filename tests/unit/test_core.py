@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,49 @@ def test_jsonl_sink_writes_one_object_per_record(tmp_path):
     logger.close()
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]
+
+
+def test_cycle_time_follows_config_then_environment_then_model_size():
+    from hvdtrain.engine import AUTO_CYCLE_MIN_BYTES, set_cycle_time
+
+    env: dict[str, str] = {}
+    assert set_cycle_time(0.0, 38_440, env) == "1"  # small model: Horovod's own
+    assert env == {"OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert set_cycle_time(0.0, AUTO_CYCLE_MIN_BYTES, env) == "5" and env["HOROVOD_CYCLE_TIME"] == "5"
+    env = {"HOROVOD_CYCLE_TIME": "2.5"}  # e.g. horovodrun --cycle-time-ms 2.5
+    assert set_cycle_time(0.0, 45_000_000, env) == "2.5"
+    assert set_cycle_time(0.5, 45_000_000, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
+
+
+def test_background_sink_keeps_order_drains_on_close_and_reraises_errors():
+    from hvdtrain.metrics import BackgroundSink, Sink
+
+    class Slow(Sink):
+        def __init__(self) -> None:
+            self.seen: list = []
+            self.closed = False
+
+        def log(self, record):
+            if record["step"] == 99:
+                raise OSError("disk full")
+            time.sleep(0.001)
+            self.seen.append(record["step"])
+
+        def summary(self, summary):
+            self.seen.append(summary)
+
+        def close(self):
+            self.closed = True
+
+    inner = Slow()
+    sink = BackgroundSink(inner)
+    for step in range(50):
+        sink.log({"step": step})
+    sink.summary({"done": True})
+    sink.close()  # waits for every queued record, then closes the wrapped sink
+    assert inner.seen == [*range(50), {"done": True}] and inner.closed
+
+    failing = BackgroundSink(Slow())
+    failing.log({"step": 99})
+    with pytest.raises(OSError, match="disk full"):
+        failing.close()
