@@ -167,12 +167,21 @@ def accuracy_table(records: list[dict], methods: Sequence[str]) -> str:
                                   "compression ms/step", "step ms"], cells)
 
 
+def none_time(records: list[dict], framework: str) -> float | None:
+    """``none``'s time to the target in ``framework``'s slow-link run: the baseline of its rows."""
+    return next((r["to_target_s"] for r in records
+                 if (r["framework"], r["method"]) == (framework, "none")), None)
+
+
 def slow_table(records: list[dict], target: float) -> str:
-    """Time to the target accuracy per method, and how much sooner than ``none``."""
-    base = next((r["to_target_s"] for r in records if r["method"] == "none"), None)
-    cells = [[f"{r['framework']} {r['method']}", fmt(r["to_target_s"]),
-              fmt(base / r["to_target_s"] if base and r["to_target_s"] else None, 2),
-              f"{r['step_ms']:.0f}", f"{r['ratio']:.1f}", f"{r['accuracy']:.4f}"] for r in records]
+    """Time to the target accuracy per method, and how much sooner than the same framework's
+    ``none``."""
+    cells = []
+    for r in records:
+        base = none_time(records, r["framework"])
+        cells.append([f"{r['framework']} {r['method']}", fmt(r["to_target_s"]),
+                      fmt(base / r["to_target_s"] if base and r["to_target_s"] else None, 2),
+                      f"{r['step_ms']:.0f}", f"{r['ratio']:.1f}", f"{r['accuracy']:.4f}"])
     return harness.markdown_grid(["framework method", f"time to {target} s", "sooner than none (x)",
                                   "step ms", "ratio", "final accuracy"], cells)
 
@@ -228,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       + slow_table(slow, args.slow_target))
     command = f"{launch.reproduce_interpreter()} scripts/bench/compression.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
-    section = harness.section_text("Gradient compression", command, harness.machine_record(),
+    title = f"Gradient compression: {args.seeds} seed{'s' if args.seeds != 1 else ''}, {args.frameworks}"
+    section = harness.section_text(title, command, harness.machine_record(),
                                    blocks, notes(records, slow))
     harness.put_section(Path(args.markdown), section, "# Benchmarks")
     print(section)
@@ -244,13 +254,37 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
            "scatter, decode); — for PyTorch's `none` and `fp16`, whose cast runs inside Horovod's "
            "hooks (TensorFlow runs every method through its exchange: for `fp16`, the two casts).",
            "Step ms: training time / steps (includes the exchange and its waits)."]
-    if slow:
-        finite = [r for r in slow if r["method"] != "none" and r["to_target_s"]]
-        base = next((r["to_target_s"] for r in slow if r["method"] == "none"), None)
+    out += accuracy_verdicts(records)
+    for fw in dict.fromkeys(r["framework"] for r in slow):
+        finite = [r for r in slow if r["framework"] == fw and r["method"] != "none"
+                  and r["to_target_s"]]
+        base = none_time(slow, fw)
         if finite and base:
             best = min(finite, key=lambda r: r["to_target_s"])
-            out.append(f"Slow link: best method {best['method']} reaches the target "
+            out.append(f"Slow link, {fw}: best method {best['method']} reaches the target "
                        f"{base / best['to_target_s']:.1f}x sooner than none (target: >= 3x).")
+    return out
+
+
+BARS = {"fp16": 0.005, "qsgd": 0.005, "topk": 0.01, "powersgd": 0.01}
+"""The issue's accuracy bars on digits: largest drop below ``none``'s mean accuracy."""
+
+
+def accuracy_verdicts(records: list[dict]) -> list[str]:
+    """Per framework on digits: each barred method's mean accuracy against ``none``'s."""
+    out = []
+    for fw in dict.fromkeys(r["framework"] for r in records):
+        def mean(method: str) -> float | None:
+            acc = [r["accuracy"] for r in records
+                   if (r["framework"], r["dataset"], r["method"]) == (fw, "digits", method)]
+            return statistics.mean(acc) if acc else None
+        base = mean("none")
+        parts = [f"{m} {100 * (mean(m) - base):+.2f} points "
+                 f"({'met' if base - mean(m) <= bar + 1e-9 else 'missed'}, bar -{100 * bar:g})"
+                 for m, bar in BARS.items() if base is not None and mean(m) is not None]
+        if parts:
+            out.append(f"Accuracy bars, {fw} digits, mean over seeds against none: "
+                       + "; ".join(parts) + ".")
     return out
 
 

@@ -88,7 +88,10 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
 def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     """A hand-written loop, as a user of the library writes it: ``DistributedDataParallel``
     under ``torchrun`` (``--trainer ddp``) or ``hvd.DistributedOptimizer`` under ``horovodrun``
-    (``--trainer horovod``); same model, data and optimizer as :func:`run_hvdtrain`."""
+    (``--trainer horovod``); same model, data and optimizer as :func:`run_hvdtrain`. With
+    ``--trainer alone`` (under ``horovodrun``, for its rank variables) every process runs the same
+    loop on its shard without communicating, and rank 0's samples/s is scaled by the process count:
+    what the host's cores deliver to that many processes before any gradient exchange."""
     import torch.nn.functional as F
 
     if args.trainer == "ddp":
@@ -97,10 +100,13 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    else:
+    elif args.trainer == "horovod":
         import horovod.torch as hvd
         hvd.init()
         rank, size, local = hvd.rank(), hvd.size(), hvd.local_size()
+    else:  # "alone": the same steps on this rank's shard, no communication: the host's ceiling
+        rank, size = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
+        local = int(os.environ.get("HOROVOD_LOCAL_SIZE", size))
     torch.set_num_threads(args.threads or workload.threads_per_rank(local))
     torch.manual_seed(workload.SEED + rank)
     data = dataset(args, size).train()
@@ -134,7 +140,7 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Trainer, steps, skipped steps, batch per rank, model width, threads per rank."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", choices=("hvdtrain", "ddp", "horovod"), required=True)
+    parser.add_argument("--trainer", choices=("hvdtrain", "ddp", "horovod", "alone"), required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the figure")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")

@@ -260,3 +260,26 @@ def test_synthetic_images_are_deterministic_shaped_and_learnable():
         SyntheticImages(height=0)
     with pytest.raises(HvdtrainError, match="data.options.noise=-1"):
         SyntheticImages(noise=-1)
+
+
+import compression  # noqa: E402
+
+
+def test_compression_verdicts_compare_each_framework_with_its_own_none():
+    records = [{"framework": "torch", "dataset": "digits", "method": m, "accuracy": a}
+               for m, a in [("none", 0.97), ("none", 0.96), ("fp16", 0.962), ("qsgd", 0.955),
+                            ("topk", 0.956), ("powersgd", 0.966)]]
+    text = compression.accuracy_verdicts(records)[0]
+    assert text.startswith("Accuracy bars, torch digits, mean over seeds against none: ")
+    assert "fp16 -0.30 points (met, bar -0.5)" in text and "qsgd -1.00 points (missed" in text
+    assert "topk -0.90 points (met, bar -1)" in text and "powersgd +0.10 points (met" in text
+    slow = [{"framework": fw, "method": m, "to_target_s": t, "step_ms": 1.0, "ratio": 1.0,
+             "accuracy": 0.95}
+            for fw, base in (("torch", 60.0), ("tensorflow", 30.0))
+            for m, t in (("none", base), ("topk", None), ("powersgd", 5.0))]
+    assert "| tensorflow powersgd | 5.0 | 6.00 |" in compression.slow_table(slow, 0.93)
+    assert compression.notes([], slow)[-2:] == [
+        "Slow link, torch: best method powersgd reaches the target 12.0x sooner than none "
+        "(target: >= 3x).",
+        "Slow link, tensorflow: best method powersgd reaches the target 6.0x sooner than none "
+        "(target: >= 3x)."]
