@@ -119,6 +119,17 @@ def set_cycle_time(configured_ms: float, gradient_bytes: int,
     return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
+def start_horovod(hvd: Any, configured_ms: float, gradient_bytes: Callable[[], int]) -> str:
+    """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
+    of :func:`set_cycle_time`, asking for the model's ``gradient_bytes()`` only then; returns the
+    cycle time in force. Horovod starts once per process and reads its settings then: where it
+    already runs (a second training in one process), nothing is changed."""
+    if not hvd.is_initialized():
+        set_cycle_time(configured_ms, gradient_bytes())
+        hvd.init()
+    return os.environ.get("HOROVOD_CYCLE_TIME", "1")
+
+
 def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any], count: int) -> None:
     """Adds one batch's summed loss and metrics (framework scalars) and its size to ``sums``."""
     sums["loss"] += float(loss_sum)

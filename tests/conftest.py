@@ -53,8 +53,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-# Set by pytest itself, and by torch on its first use (OpenMP and inductor settings), not by tests.
-FRAMEWORK_SET = ("PYTEST_CURRENT_TEST", "KMP_", "TORCHINDUCTOR_")
+# Set by pytest itself, by torch on its first use (OpenMP and inductor settings), and by hvdtrain's
+# engines before the process's first hvd.init (Horovod's cycle time, Open MPI's yielding), which
+# hold for the life of the process, as Horovod starts once per process: not leaks of a test.
+FRAMEWORK_SET = ("PYTEST_CURRENT_TEST", "KMP_", "TORCHINDUCTOR_", "HOROVOD_CYCLE_TIME",
+                 "OMPI_MCA_mpi_yield_when_idle")
 
 
 @pytest.fixture(autouse=True)

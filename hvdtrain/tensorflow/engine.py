@@ -28,7 +28,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, Split, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums, set_cycle_time
+from hvdtrain.engine import Engine, add_batch_sums, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow import rng
@@ -66,14 +66,15 @@ class TensorFlowEngine(Engine):
     def prepare(self, cfg: Config, dataset: Dataset) -> None:
         self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
-        # Horovod reads its cycle time once, at init, and the automatic one needs the model's size.
-        # Built into a throwaway graph, the model does not start TensorFlow's runtime, whose thread
-        # pools are fixed when it starts and are only known after init (they depend on local_size).
-        with tf.Graph().as_default():
-            gradient_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
-                                 for v in self._build(cfg, dataset).trainable_variables)
-        self.cycle_time_ms = set_cycle_time(cfg.comm.cycle_time_ms, gradient_bytes)
-        hvd.init()
+        def gradient_bytes() -> int:
+            # Horovod reads its cycle time once, at init, and the automatic one needs the model's
+            # size. Built into a throwaway graph, the model does not start TensorFlow's runtime,
+            # whose thread pools are fixed when it starts and depend on local_size, known after init.
+            with tf.Graph().as_default():
+                return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
+                           for v in self._build(cfg, dataset).trainable_variables)
+
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         # Ranks sharing a host would otherwise each start one thread per core and fight over them.

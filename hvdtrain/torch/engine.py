@@ -15,7 +15,7 @@ import torch
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums, set_cycle_time
+from hvdtrain.engine import Engine, add_batch_sums, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch import rng
@@ -41,13 +41,14 @@ class TorchEngine(Engine):
     def prepare(self, cfg: Config, dataset: Dataset) -> None:
         self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
-        # Horovod reads its cycle time once, at init, and the automatic one needs the model's size:
-        # a build on the meta device allocates nothing and draws no random numbers.
-        with torch.device("meta"):
-            gradient_bytes = sum(p.numel() * p.element_size()
-                                 for p in self._build(cfg, dataset).parameters() if p.requires_grad)
-        self.cycle_time_ms = set_cycle_time(cfg.comm.cycle_time_ms, gradient_bytes)
-        hvd.init()
+        def gradient_bytes() -> int:
+            # Horovod reads its cycle time once, at init, and the automatic one needs the model's
+            # size: a build on the meta device allocates nothing and draws no random numbers.
+            with torch.device("meta"):
+                return sum(p.numel() * p.element_size()
+                           for p in self._build(cfg, dataset).parameters() if p.requires_grad)
+
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         # Ranks sharing a host would otherwise each start one thread per core and fight over them.

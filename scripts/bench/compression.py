@@ -199,6 +199,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--netns", default=NETNS, help="name of the slow link's network namespace")
     p.add_argument("--out", default="/tmp/hvdtrain-bench-compression")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "benchmarks.md"))
+    p.add_argument("--train-extra", action="append", default=[],
+                   help="config override added to the accuracy runs (repeatable)")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny end-to-end check: 1 seed, digits, none/topk/powersgd, 1 epoch, "
+                        "no slow link, nothing written")
     # worker mode (internal)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", default="torch", help=argparse.SUPPRESS)
@@ -206,7 +212,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--target", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--extra", action="append", default=[], help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seeds, args.datasets, args.methods = 1, "digits", "none,topk,powersgd"
+        args.slow_link, args.no_write = False, True
+        args.train_extra = [*args.train_extra, "train.epochs=1"]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(slow_table(slow, args.slow_target), flush=True)
     records = [r for fw in args.frameworks.split(",") for ds in args.datasets.split(",")
                for seed in range(args.seeds)
-               for r in job(fw, ds, seed, methods, out / fw)]
+               for r in job(fw, ds, seed, methods, out / fw, args.train_extra)]
     blocks = []
     if records:
         blocks.append("Accuracy, bytes and time per method (2 ranks, Gloo, one job per framework, "
@@ -240,7 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = f"Gradient compression: {args.seeds} seed{'s' if args.seeds != 1 else ''}, {args.frameworks}"
     section = harness.section_text(title, command, harness.machine_record(),
                                    blocks, notes(records, slow))
-    harness.put_section(Path(args.markdown), section, "# Benchmarks")
+    if not args.no_write:
+        harness.put_section(Path(args.markdown), section, "# Benchmarks")
     print(section)
     return 0
 

@@ -62,11 +62,46 @@ def test_ddp_and_scaling_smallest_runs():
     section = run_driver("ddp.py")
     assert [row[0] for row in table_rows(section)] == [
         "DDP torchrun gloo (A)", "hvdtrain horovodrun gloo (B)", "hvdtrain horovodrun mpi (C)",
-        "DDP torchrun gloo (A', A/A control)"]
+        "hand-written Horovod horovodrun gloo (D)", "DDP torchrun gloo (A', A/A control)"]
     assert re.search(r"hvdtrain horovodrun mpi / DDP = \d+\.\d{3}", section)
+    assert re.search(r"hvdtrain gloo / hand-written Horovod = \d+\.\d{3}", section)
     section = run_driver("scaling.py")
-    assert [row[1] for row in table_rows(section)] == ["1", "1", "1"]  # one run each
+    assert [row[1] for row in table_rows(section)] == ["1", "1", "1", "1"]  # one run each
     assert re.search(r"efficiency = tput\(2\) / \(2 x tput\(1\)\) = \d+\.\d{3}", section)
+    assert re.search(r"kept \d+\.\d{3} of that ceiling \(B/C\)", section)
+
+
+@pytest.mark.timeout(900)
+def test_step_time_benchmarks_smallest_runs():
+    """overhead.py (both frameworks), frameworks.py and monitoring.py: one interleaved job each."""
+    for script, args, baseline in (
+            ("overhead.py", ["--framework", "torch"], "handwritten (A)"),
+            ("overhead.py", ["--framework", "tensorflow"], "handwritten (A)"),
+            ("monitoring.py", ["--framework", "torch"], "sinks off (A)"),
+            ("frameworks.py", [], None)):
+        section = run_driver(script, *args)
+        rows = table_rows(section)
+        assert rows and all(row[1] == "1" for row in rows), (script, section)
+        if baseline:
+            assert rows[0][0] == baseline and "A/A control = " in section, section
+
+
+@pytest.mark.timeout(900)
+def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
+    section = run_driver("compression.py")
+    rows = {row[0]: row for row in table_rows(section)}
+    assert set(rows) == {"torch digits none", "torch digits topk", "torch digits powersgd"}
+    assert rows["torch digits none"][5] == "1.0" and float(rows["torch digits topk"][5]) > 10
+    assert "Accuracy bars, torch digits" in section
+    doc = tmp_path / "bench.md"
+    for script, args in (("checkpoint.py", ["--rounds", "2", "--hidden", "64"]),
+                         ("elastic_recovery.py", ["--trials", "1", "--frameworks", "torch"])):
+        proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(doc)],
+                              cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    text = doc.read_text()
+    assert "## Checkpoint save" in text and "## Elastic recovery" in text
 
 
 def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
