@@ -30,18 +30,7 @@ test-unit:
 
 # Every benchmark of scripts/bench/, with round counts that keep the whole under 30 minutes on 2 cores.
 bench: setup
-	$(BIN)/python scripts/bench/overhead.py --framework torch --rounds 20
-	$(BIN)/python scripts/bench/overhead.py --framework tensorflow --rounds 20
-	$(BIN)/python scripts/bench/frameworks.py --rounds 20
-	$(BIN)/python scripts/bench/allreduce.py --rounds 3
-	$(BIN)/python scripts/bench/fusion.py --rounds 3
-	$(BIN)/python scripts/bench/ddp.py
-	$(BIN)/python scripts/bench/scaling.py
-	$(BIN)/python scripts/bench/compression.py
-	$(BIN)/python scripts/bench/monitoring.py
-	$(BIN)/python scripts/bench/checkpoint.py
-	$(BIN)/python scripts/bench/elastic_recovery.py
-	$(BIN)/python scripts/soak_checkpoint.py --record docs/benchmarks.md
+	bash scripts/bench/all.sh
 
 clean:
 	rm -rf runs .pytest_cache

@@ -75,8 +75,12 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
         launch.workload_note(args, results[OFF][0]["steps"]),
         "Sinks on: `metrics.jsonl`, console lines (`log.progress=lines`), TensorBoard event files, "
         "an offline W&B run (`log.wandb=offline`) and CPU/memory sampling (`log.system=true`), "
-        "every 10 steps (`log.every_steps`). Sinks off: all of them off. Both log the same "
+        "every 10 steps (`log.every_steps`); TensorBoard and W&B write on a background thread "
+        "(`metrics.BackgroundSink`). Sinks off: all of them off. Both log the same "
         "allreduced window (loss, accuracy, time split, per-rank step times, stragglers).",
+        "Per record, measured alone in one process (`log` calls, 200 records of 25 keys): "
+        "JSON lines 0.03 ms, console 0.01 ms, TensorBoard 0.5 ms, W&B offline 2.1 ms of wall "
+        "time, 1.2 ms of it CPU in the calling process and 0.35 ms in W&B's service process.",
         "Whole run: step time = the run's training wall time (first step through the final "
         "evaluation and checkpoint) / optimizer steps, on rank 0; W&B's start-up happens before "
         "the first step and its final upload after the checkpoint, so neither is in it.",

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make bench`: every benchmark at the sizes that fit 30 minutes on a 2-core machine, each one
+# writing its own section of docs/benchmarks.md (a rerun replaces the section of the same title).
+# Prints each benchmark's wall time and the total; stops at the first that fails.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=.venv/bin/python
+# The 5-seed, two-framework compression table takes about 30 minutes by itself:
+#   $PY scripts/bench/compression.py --seeds 5 --frameworks torch,tensorflow
+BENCHES=(
+  "scripts/bench/overhead.py --framework torch --rounds 20"
+  "scripts/bench/overhead.py --framework tensorflow --rounds 10"
+  "scripts/bench/frameworks.py --rounds 10"
+  "scripts/bench/monitoring.py --framework torch --rounds 20"
+  "scripts/bench/allreduce.py --rounds 2"
+  "scripts/bench/fusion.py --rounds 3"
+  "scripts/bench/ddp.py --rounds 2"
+  "scripts/bench/scaling.py --rounds 2"
+  "scripts/bench/compression.py --seeds 1 --frameworks torch"
+  "scripts/bench/checkpoint.py --rounds 30"
+  "scripts/bench/elastic_recovery.py --trials 1"
+  "scripts/soak_checkpoint.py --trials 10 --record docs/benchmarks.md"
+)
+start=$SECONDS
+for bench in "${BENCHES[@]}"; do
+  t0=$SECONDS
+  echo "[bench] === $bench" >&2
+  # shellcheck disable=SC2086  # each entry is a script and its options, split on purpose
+  $PY $bench
+  echo "[bench] === $bench: $((SECONDS - t0)) s" >&2
+done
+echo "[bench] all benchmarks: $((SECONDS - start)) s" >&2
