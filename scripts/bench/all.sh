@@ -19,7 +19,7 @@ BENCHES=(
   "scripts/bench/compression.py --seeds 1 --frameworks torch"
   "scripts/bench/checkpoint.py --rounds 30"
   "scripts/bench/elastic_recovery.py --trials 1"
-  "scripts/soak_checkpoint.py --trials 10 --record docs/benchmarks.md"
+  "scripts/soak_checkpoint.py --trials 20 --record docs/benchmarks.md"
 )
 start=$SECONDS
 for bench in "${BENCHES[@]}"; do

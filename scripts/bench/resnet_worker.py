@@ -1,7 +1,7 @@
 """One training job on the ResNet-18 workload: hvdtrain or hand-written Horovod (horovodrun), or
 PyTorch DDP (torchrun).
 
-Both trainers train the same thing: hvdtrain's ``resnet18`` (11.2 M parameters at width 64) on its
+Every trainer trains the same thing: hvdtrain's ``resnet18`` (11.2 M parameters at width 64) on its
 ``synthetic_images`` (3x32x32, 10 classes), SGD at ``0.05 x ranks`` with momentum 0.9, a batch of
 ``--batch`` per rank from one permutation of the training set sharded by rank, for ``--steps``
 optimizer steps. Throughput is taken over the steps after the first ``--skip`` (which touch cold
