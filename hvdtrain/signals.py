@@ -45,4 +45,8 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # After a stop the run has checkpointed and is only closing its sinks: a late duplicate
+            # of the preemption signal (Slurm may deliver USR1 more than once) must not turn that
+            # clean exit into a death by signal, as the default action would.
+            stopped = self.signum is not None and sig == signal.SIGUSR1
+            signal.signal(sig, signal.SIG_IGN if stopped else handler)

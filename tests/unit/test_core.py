@@ -162,3 +162,22 @@ def test_background_sink_keeps_order_drains_on_close_and_reraises_errors():
     failing.log({"step": 99})
     with pytest.raises(OSError, match="disk full"):
         failing.close()
+
+
+def test_a_late_usr1_after_a_stop_does_not_kill_the_exiting_run():
+    import os
+    import signal
+
+    from hvdtrain.signals import StopRequest
+
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            assert stop()
+        os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end pytest here
+        time.sleep(0.05)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
