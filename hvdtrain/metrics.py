@@ -13,18 +13,17 @@ import abc
 import json
 import math
 import os
-import queue
 import secrets
 import socket
 import string
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.sinkproc import SinkProcess, Spec
 
 
 class Sink(abc.ABC):
@@ -164,12 +163,13 @@ class TensorBoardSink(Sink):
     replaced, so that TensorBoard shows one run per directory.
     """
 
-    def __init__(self, logdir: Path, fresh: bool = True) -> None:
+    def __init__(self, logdir: str | Path, fresh: bool = True) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self._event, self._summary = Event, Summary
+        logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         if fresh:
             for old in logdir.glob("events.out.tfevents.*"):
@@ -214,7 +214,7 @@ class WandbSink(Sink):
     ``WANDB_API_KEY``, which W&B reads itself, so hvdtrain never handles or writes it.
     """
 
-    def __init__(self, run_dir: Path, *, mode: str, project: str, name: str,
+    def __init__(self, run_dir: str | Path, *, mode: str, project: str, name: str,
                  config: dict[str, Any], resumed: bool = False) -> None:
         if mode == "online" and not os.environ.get("WANDB_API_KEY"):
             raise HvdtrainError("log.wandb=online needs WANDB_API_KEY in the environment "
@@ -222,6 +222,7 @@ class WandbSink(Sink):
         import wandb
 
         self._wandb = wandb
+        run_dir = Path(run_dir)
         run_id = wandb_run_id(run_dir, resumed)
         # console="off": W&B would otherwise wrap stdout and stderr, which belong to the console
         # sink and to horovodrun's per-rank output. x_disable_stats: W&B's own sampler would see
@@ -242,56 +243,6 @@ class WandbSink(Sink):
         # The service process holds the offline run's last records until it is torn down; teardown
         # also removes the WANDB_SERVICE variable that wandb.init put into this process's environment.
         self._wandb.teardown()
-
-
-class BackgroundSink(Sink):
-    """Runs another sink's ``log`` and ``summary`` on a thread of its own, in order.
-
-    For the sinks whose writes cost milliseconds in Python (TensorBoard's protobufs, W&B's
-    ``run.log``: 0.5 and 2.1 ms per record here), so that rank 0's training thread, which every
-    other rank waits for at the next allreduce, does not pay for them. ``close`` drains the queue
-    and closes the sink, so a run that ends, fails or is stopped loses nothing; a SIGKILL can lose
-    the records still queued, at most the last logged window or two. The first error of the
-    wrapped sink is raised again by the next call after it.
-    """
-
-    _CLOSE = object()
-
-    def __init__(self, sink: Sink) -> None:
-        self._sink = sink
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, name=f"hvdtrain-{type(sink).__name__}",
-                                        daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not self._CLOSE:
-            method, payload = item
-            if self._error is None:
-                try:
-                    method(payload)
-                except BaseException as exc:  # noqa: BLE001  (handed to the training thread)
-                    self._error = exc
-
-    def _check(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def log(self, record: dict[str, Any]) -> None:
-        self._check()
-        self._queue.put((self._sink.log, record))
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        self._check()
-        self._queue.put((self._sink.summary, summary))
-
-    def close(self) -> None:
-        self._queue.put(self._CLOSE)
-        self._thread.join()
-        self._sink.close()
-        self._check()
 
 
 class MetricsLogger:
@@ -343,11 +294,16 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
             bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
             sinks.append(ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar,
                                      start_step=start_step))
+        # TensorBoard and W&B cost milliseconds of Python per record: they write from a child
+        # process (hvdtrain.sinkproc), which takes that work and the GIL it holds off training.
+        remote: list[Spec] = []
         if log.tensorboard:
-            sinks.append(BackgroundSink(TensorBoardSink(run_dir / "tensorboard",
-                                                        fresh=not resumed)))
+            remote.append(("hvdtrain.metrics:TensorBoardSink",
+                           {"logdir": str(run_dir / "tensorboard"), "fresh": not resumed}))
         if log.wandb != "disabled":
-            sinks.append(BackgroundSink(WandbSink(run_dir, mode=log.wandb,
-                                                  project=log.wandb_project, name=cfg.name,
-                                                  config=cfg.to_dict(), resumed=resumed)))
+            remote.append(("hvdtrain.metrics:WandbSink",
+                           {"run_dir": str(run_dir), "mode": log.wandb, "project": log.wandb_project,
+                            "name": cfg.name, "config": cfg.to_dict(), "resumed": resumed}))
+        if remote:
+            sinks.append(SinkProcess(remote))
     return MetricsLogger(sinks, writer=writer)

@@ -12,8 +12,9 @@ Run under ``horovodrun -np 2 --gloo python scripts/bench/hvdtrain_worker.py --fr
 one JSON line with the hand-written workers' keys (``rank``, ``steps``, ``wall_time_s`` and
 ``step_time_s``, from the run summary, whose wall time covers the loop from the first step through
 the final evaluation and checkpoint; ``steady_step_time_s``, see :class:`workload.Clock`;
-``eval_loss``, ``eval_accuracy``) and three more for ``frameworks.py``: ``samples``,
-``samples_per_s`` (over the whole run) and ``steady_samples_per_s``.
+``eval_loss``, ``eval_accuracy``), three more for ``frameworks.py``: ``samples``,
+``samples_per_s`` (over the whole run) and ``steady_samples_per_s``, and ``interval_excess_s``
+for ``monitoring.py`` (:meth:`workload.Clock.interval_excess`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from workload import (BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SE
 CONFIGS = {"torch": ROOT / "configs" / "digits_torch.yaml",
            "tensorflow": ROOT / "configs" / "digits_tf.yaml"}
 
+
+LOG_EVERY = 10
+"""Steps per logged record (the config's default, pinned here for ``monitoring.py``)."""
 
 SINKS = {
     # The hand-written loops log nothing; W&B's service process is not training machinery.
@@ -64,7 +68,7 @@ def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default")
         "optim.schedule=constant", "comm.compression=none",
         # One checkpoint, at the end, like the hand-written save.
         "checkpoint.enabled=true", "checkpoint.every_steps=0",
-        "log.overwrite=true", f"log.dir={log_dir}", *SINKS[sinks],
+        "log.overwrite=true", f"log.dir={log_dir}", f"log.every_steps={LOG_EVERY}", *SINKS[sinks],
     ]
 
 
@@ -132,7 +136,8 @@ def run(framework: str, epochs: int, out_dir: Path, sinks: str = "default") -> d
     record = workload.measurement(result.engine.rank, summary["steps"], summary["wall_time_s"],
                                   summary["final"].get("eval_loss"),
                                   summary["final"].get("eval_accuracy"), clock=clock, epochs=epochs)
-    return {**record, **throughput(summary, clock, epochs)}
+    return {**record, **throughput(summary, clock, epochs),
+            "interval_excess_s": clock.interval_excess(epochs, cfg.log.every_steps)}
 
 
 def main() -> None:

@@ -56,6 +56,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded rounds first (default 1)")
+    parser.add_argument("--bind", action="store_true",
+                        help="pin each rank to core (local rank mod cores), like `srun "
+                             "--cpu-bind=cores`: the OS then cannot move two ranks onto one core")
+    parser.add_argument("--spin", action="store_true",
+                        help="run an idle-class busy loop beside each rank (workload.IdleSpinner)")
     args = parser.parse_args(argv)
     args.variants = args.variants.split(",")
     unknown = [name for name in args.variants if name not in VARIANTS]
@@ -67,6 +72,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs every round and prints each run's measurement on rank 0."""
     args = parse_args(argv)
+    if args.bind:
+        workload.bind_to_core()
+    with workload.IdleSpinner(args.spin):
+        return run_rounds(args)
+
+
+def run_rounds(args: argparse.Namespace) -> int:
+    """Every round of every variant; rank 0 prints each run's measurement."""
     runs = {name: load_variant(name) for name in args.variants}
     base = workload.out_dir(args.out_dir, "hvdtrain-bench-")
     slots = list(enumerate(args.variants))

@@ -77,6 +77,12 @@ def make_parser(description: str, full: Sizes, quick: Sizes) -> argparse.Argumen
     parser.add_argument("--warmup", type=int, help=f"discarded rounds first (default {full.warmup})")
     parser.add_argument("--np", type=int, default=2, help="ranks of the job (default 2)")
     parser.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+    parser.add_argument("--bind", action=argparse.BooleanOptionalAction, default=False,
+                        help="pin each rank to one core, as `srun --cpu-bind=cores` would "
+                             "(interleaved.py --bind)")
+    parser.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
+                        help="keep every rank's core out of its idle state with an idle-class "
+                             "busy loop (interleaved.py --spin)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny check: defaults {vars(quick)} instead of {vars(full)}")
     parser.add_argument("--no-write", action="store_true", help="print the section only")
@@ -119,7 +125,12 @@ def job_command(variants: Sequence[Variant], args: argparse.Namespace, work: Pat
     return [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python()),
             str(HERE / "interleaved.py"), "--variants", ",".join(v.key for v in variants),
             "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--epochs",
-            str(args.epochs), "--out-dir", str(work)]
+            str(args.epochs), "--out-dir", str(work), *job_options(args)]
+
+
+def job_options(args: argparse.Namespace) -> list[str]:
+    """``--bind`` and ``--spin`` as given, for the job and for the command that reproduces it."""
+    return [flag for flag in ("--bind", "--spin") if getattr(args, flag[2:])]
 
 
 def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -198,7 +209,7 @@ def reproduce_command(script: str, args: argparse.Namespace, extra: Sequence[str
     """The command line that repeats a driver's benchmark, with every setting spelled out."""
     argv = [str(reproduce_interpreter()), f"scripts/bench/{script}", *extra, "--rounds", str(args.rounds),
             "--epochs", str(args.epochs), "--warmup", str(args.warmup), "--np", str(args.np),
-            "--controller", args.controller]
+            "--controller", args.controller, *job_options(args)]
     return shlex.join(argv)
 
 

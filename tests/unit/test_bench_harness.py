@@ -118,6 +118,18 @@ def test_clock_steady_span_starts_at_epoch_two_and_ends_at_evaluation(monkeypatc
     assert record["rank"] == 0 and record["extra"] == 1
 
 
+def test_interval_excess_is_the_extra_time_of_the_steps_next_to_each_record():
+    clock = workload.Clock()
+    start = 0.0
+    for i in range(80):  # two epochs of 40 steps, 1 ms each; the step that logs takes 3 ms more
+        clock.step_starts.append(start)
+        start += 0.001 + (0.003 if (i + 1) % 10 == 1 else 0.0) + (0.0002 if i == 57 else 0.0)
+    clock.eval_start = start
+    # Step 58's one-off spike is not a cost of logging: the medians leave it out.
+    assert clock.interval_excess(2, 10) == pytest.approx(0.003)
+    assert clock.interval_excess(1, 10) is None
+
+
 def test_clock_without_evaluation_has_no_steady_span():
     clock = workload.Clock()
     clock.step()

@@ -130,40 +130,6 @@ def test_cycle_time_follows_config_then_environment_then_model_size():
     assert set_cycle_time(0.5, 45_000_000, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
 
 
-def test_background_sink_keeps_order_drains_on_close_and_reraises_errors():
-    from hvdtrain.metrics import BackgroundSink, Sink
-
-    class Slow(Sink):
-        def __init__(self) -> None:
-            self.seen: list = []
-            self.closed = False
-
-        def log(self, record):
-            if record["step"] == 99:
-                raise OSError("disk full")
-            time.sleep(0.001)
-            self.seen.append(record["step"])
-
-        def summary(self, summary):
-            self.seen.append(summary)
-
-        def close(self):
-            self.closed = True
-
-    inner = Slow()
-    sink = BackgroundSink(inner)
-    for step in range(50):
-        sink.log({"step": step})
-    sink.summary({"done": True})
-    sink.close()  # waits for every queued record, then closes the wrapped sink
-    assert inner.seen == [*range(50), {"done": True}] and inner.closed
-
-    failing = BackgroundSink(Slow())
-    failing.log({"step": 99})
-    with pytest.raises(OSError, match="disk full"):
-        failing.close()
-
-
 def test_a_late_usr1_after_a_stop_does_not_kill_the_exiting_run():
     import os
     import signal
