@@ -3,6 +3,8 @@
 The first signal only sets a flag; the loop agrees on it across ranks at its next log interval,
 checkpoints at that step boundary on every rank and exits with :data:`EXIT_RESUBMIT`. A second
 signal ends the process at once (exit code 128 + the signal number, as a shell reports it).
+After the run, SIGUSR1 is ignored (unless the program had a handler of its own, which is restored):
+a late copy must not kill a process that has finished or already stopped.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            # After a stop the run has checkpointed and is only closing its sinks: a late duplicate
-            # of the preemption signal (Slurm may deliver USR1 more than once) must not turn that
-            # clean exit into a death by signal, as the default action would.
-            stopped = self.signum is not None and sig == signal.SIGUSR1
-            signal.signal(sig, signal.SIG_IGN if stopped else handler)
+            # USR1 means "checkpoint and stop", and the run is over: it has finished, failed, or
+            # stopped on request (perhaps learnt from another rank through the metrics allreduce,
+            # before its own copy of the signal arrived). A late USR1 must not turn that exit into
+            # a death by signal, as the default action would: a requeued job would count as failed.
+            late_usr1 = sig == signal.SIGUSR1 and handler in (signal.SIG_DFL, None)
+            signal.signal(sig, signal.SIG_IGN if late_usr1 else handler)

@@ -9,6 +9,10 @@ Step time is reported over the whole run (which holds W&B's start-up and the fin
 sink, once per run) and in the steady state (epochs 2 to N: the per-step cost). Target: B/A at most
 1.02 in the steady state, judged where the A/A control is within 1% of 1.
 
+By default each rank is pinned to one core and runs beside an idle-class busy loop (``--bind
+--spin``, see ``workload.IdleSpinner``), and every run also reports the extra time of the steps
+next to each record (``workload.Clock.interval_excess``), which run-to-run noise does not blur.
+
 Usage (from the repository root)::
 
     .venv/bin/python scripts/bench/monitoring.py                      # PyTorch, writes its section of the doc
@@ -19,6 +23,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from typing import Sequence
@@ -76,21 +81,33 @@ def paired(results: Results, key: str) -> str:
     return f"{statistics.median(ratios):.3f}"
 
 
+def added_cost(on: Sequence[float], off: Sequence[float], resamples: int = 2000,
+               seed: int = 0) -> tuple[float, float, float]:
+    """``median(on) - median(off)`` and its 95% bootstrap interval (runs resampled with
+    replacement, ``resamples`` times, seeded so that a table is reproducible from its runs)."""
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(on, k=len(on)))
+                   - statistics.median(rng.choices(off, k=len(off))) for _ in range(resamples))
+    low, high = draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+    return statistics.median(on) - statistics.median(off), low, high
+
+
 def record_cost(results: Results) -> str:
     """The note on what the sinks add to the steps next to each record (within-run measure)."""
     every = hvdtrain_worker.LOG_EVERY
-    excess = {name: statistics.median(m["interval_excess_s"] for m in results[name])
-              for name in (OFF, ON, CONTROL)}
-    step = statistics.median(m[STEADY_KEY] for name in (OFF, CONTROL) for m in results[name])
-    added = excess[ON] - (excess[OFF] + excess[CONTROL]) / 2
-    return (f"Within each run (`workload.Clock.interval_excess`): the steps of a {every}-step log "
-            f"interval took, beyond {every} typical steps of the same run, "
-            f"{excess[OFF] * 1e3:.2f} ms with sinks off (A), {excess[ON] * 1e3:.2f} ms with every "
-            f"sink on and {excess[CONTROL] * 1e3:.2f} ms in A' (medians over the runs). So the "
-            f"sinks add {added * 1e3:.2f} ms per record, {added / (every * step):.1%} of "
-            f"{every} steps of {step * 1e3:.2f} ms: a measure of the per-record cost that run-to-"
-            "run noise does not blur, though it cannot see a slow-down spread evenly over "
-            "every step.")
+    excess = {name: [m["interval_excess_s"] for m in results[name]] for name in results}
+    off = excess[OFF] + excess[CONTROL]
+    added, low, high = added_cost(excess[ON], off)
+    interval = every * statistics.median(m[STEADY_KEY] for name in (OFF, CONTROL)
+                                         for m in results[name])
+    medians = ", ".join(f"{name} {statistics.median(v) * 1e3:.2f} ms" for name, v in excess.items())
+    return (f"Per record, within each run (`workload.Clock.interval_excess`: how much longer the "
+            f"steps of a {every}-step log interval took than {every} typical steps of the same "
+            f"run; medians over the runs: {medians}): the sinks add {added * 1e3:.2f} ms per "
+            f"record (95% bootstrap interval {low * 1e3:.2f} to {high * 1e3:.2f} ms), that is "
+            f"{added / interval:.1%} ({low / interval:.1%} to {high / interval:.1%}) of a "
+            f"{interval * 1e3:.1f} ms interval. Run-to-run noise does not blur this measure, "
+            "but it cannot see a slow-down spread evenly over every step; the tables can.")
 
 
 def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],

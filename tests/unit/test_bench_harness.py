@@ -10,6 +10,7 @@ import pytest
 BENCH = Path(__file__).parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 import harness  # noqa: E402
+import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import workload  # noqa: E402
 
@@ -128,6 +129,15 @@ def test_interval_excess_is_the_extra_time_of_the_steps_next_to_each_record():
     # Step 58's one-off spike is not a cost of logging: the medians leave it out.
     assert clock.interval_excess(2, 10) == pytest.approx(0.003)
     assert clock.interval_excess(1, 10) is None
+
+
+def test_added_cost_is_the_difference_of_medians_with_a_bootstrap_interval():
+    assert monitoring.added_cost([2.0] * 5, [1.0] * 8) == (1.0, 1.0, 1.0)
+    on = [2.0 + 0.1 * (i % 7) for i in range(30)]
+    off = [1.0 + 0.1 * (i % 5) for i in range(60)]
+    added, low, high = monitoring.added_cost(on, off)
+    assert added == pytest.approx(1.1) and low < added < high and high - low < 0.6
+    assert monitoring.added_cost(on, off) == (added, low, high)  # seeded: the same every time
 
 
 def test_clock_without_evaluation_has_no_steady_span():

@@ -130,7 +130,7 @@ def test_cycle_time_follows_config_then_environment_then_model_size():
     assert set_cycle_time(0.5, 45_000_000, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
 
 
-def test_a_late_usr1_after_a_stop_does_not_kill_the_exiting_run():
+def test_a_late_usr1_after_the_run_does_not_kill_the_exiting_process():
     import os
     import signal
 
@@ -138,6 +138,7 @@ def test_a_late_usr1_after_a_stop_does_not_kill_the_exiting_run():
 
     before = signal.getsignal(signal.SIGUSR1)
     try:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
         with StopRequest() as stop:
             os.kill(os.getpid(), signal.SIGUSR1)
             time.sleep(0.05)
@@ -145,5 +146,19 @@ def test_a_late_usr1_after_a_stop_does_not_kill_the_exiting_run():
         os.kill(os.getpid(), signal.SIGUSR1)  # the default action would end pytest here
         time.sleep(0.05)
         assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        # A rank that learnt of the stop from another rank has seen no signal of its own.
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        with StopRequest() as stop:
+            assert not stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        # A handler of the embedding program's own is given back as it was.
+        seen = []
+        signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+        with StopRequest():
+            pass
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert seen == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, before)
