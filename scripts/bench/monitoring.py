@@ -107,7 +107,8 @@ def record_cost(results: Results) -> str:
             f"record (95% bootstrap interval {low * 1e3:.2f} to {high * 1e3:.2f} ms), that is "
             f"{added / interval:.1%} ({low / interval:.1%} to {high / interval:.1%}) of a "
             f"{interval * 1e3:.1f} ms interval. Run-to-run noise does not blur this measure, "
-            "but it cannot see a slow-down spread evenly over every step; the tables can.")
+            "but it cannot see a cost that lands on a different step each interval, or on "
+            "every step; the tables can.")
 
 
 def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],

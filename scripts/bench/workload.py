@@ -174,7 +174,8 @@ class Clock:
         What logging costs shows up in the steps next to each record; medians per position keep
         the machine's random spikes out. Compared between two variants of one run, it measures
         the cost of a record far more precisely than two runs' wall times, which vary by several
-        percent from run to run here. ``None`` for a one-epoch run.
+        percent from run to run here; but a cost that lands on a different step each interval,
+        or on every step, escapes the medians. ``None`` for a one-epoch run.
         """
         if epochs < 2 or self.eval_start is None:
             return None
