@@ -5,8 +5,8 @@ training process, even on a thread of their own, they hold the GIL while rank 0'
 needs it, and every other rank waits for rank 0 at the next allreduce: measured step by step (see
 ``docs/benchmarks.md``, monitoring), the two steps after each record took 2.5 ms more each. In a
 child process they cost the training process one JSON line written to a pipe per record, and the
-child runs at a lower priority (:data:`NICE`), so where training keeps every core busy it works in
-the gaps (the allreduce waits) instead of taking turns with training.
+child runs in Linux's idle scheduling class (:func:`lower_priority`), so where training keeps every
+core busy it works in the gaps (the allreduce waits) instead of taking turns with training.
 
 The protocol, one JSON object per line on the child's stdin: first ``{"sinks": [[target,
 kwargs], ...]}`` (``target`` is ``"module:Class"`` of a :class:`hvdtrain.metrics.Sink`), then
