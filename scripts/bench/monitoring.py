@@ -44,6 +44,8 @@ FRAMEWORKS = {"torch": ("PyTorch", "torch"), "tensorflow": ("TensorFlow", "tf")}
 FULL = Sizes(rounds=20, epochs=4, warmup=1)
 QUICK = Sizes(rounds=1, epochs=2, warmup=0)
 MIN_EPOCHS = 2  # the steady state leaves the first epoch out
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` changes the defaults of rounds, epochs and warm-up only."""
     parser = launch.make_parser(__doc__.splitlines()[0], FULL, QUICK)
