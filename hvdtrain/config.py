@@ -61,7 +61,8 @@ class TrainConfig:
     backward_passes_per_step: int = _opt(1, min=1)
     """Micro-batches accumulated locally before each allreduce and optimizer step."""
     threads: int = _opt(0, min=0)
-    """Compute threads per rank (0: the machine's cores divided by the ranks on this host)."""
+    """Compute threads per rank (0: the machine's cores divided by the ranks on this host, at
+    most the cores the rank may run on, see ``hvdtrain.engine.compute_threads``)."""
     eval_every_epochs: int = _opt(1, min=1)
     """Evaluate on the test split every this many epochs (and always after the last)."""
     stall_timeout_s: float = _opt(300.0, min=0.0)

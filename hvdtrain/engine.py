@@ -130,6 +130,22 @@ def start_horovod(hvd: Any, configured_ms: float, gradient_bytes: Callable[[], i
     return os.environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
+def compute_threads(configured: int, local_size: int) -> int:
+    """Compute threads for one rank: ``configured`` when above 0, else the machine's cores divided
+    by the ranks on this host, and never more than the cores this process may run on.
+
+    Ranks sharing a host would otherwise each start one thread per core and fight over them. A
+    launcher that pins each rank to its cores (``srun --cpu-bind=cores``, ``mpirun --bind-to``)
+    has already divided the host: a rank pinned to one core of sixteen that started eight threads
+    would run them all on that core.
+    """
+    if configured > 0:
+        return configured
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = (os.cpu_count() or 1) // max(1, local_size)
+    return max(1, min(allowed or 1, share))
+
+
 def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any], count: int) -> None:
     """Adds one batch's summed loss and metrics (framework scalars) and its size to ``sums``."""
     sums["loss"] += float(loss_sum)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +27,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, Split, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums, start_horovod
+from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow import rng
@@ -77,8 +76,7 @@ class TensorFlowEngine(Engine):
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        # Ranks sharing a host would otherwise each start one thread per core and fight over them.
-        _set_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // self.local_size))
+        _set_threads(compute_threads(cfg.train.threads, self.local_size))
         keras.utils.set_random_seed(cfg.seed + self.rank)
         self.model = self._build(cfg, dataset)
         self.train_x, self.train_y = self._tensors(dataset.train())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable
@@ -15,7 +14,7 @@ import torch
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, StepIndices
-from hvdtrain.engine import Engine, add_batch_sums, start_horovod
+from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch import rng
@@ -51,8 +50,7 @@ class TorchEngine(Engine):
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        # Ranks sharing a host would otherwise each start one thread per core and fight over them.
-        torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // self.local_size))
+        torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         torch.manual_seed(cfg.seed + self.rank)
         self.model = self._build(cfg, dataset)
         self.train_x, self.train_y = self._tensors(dataset.train())

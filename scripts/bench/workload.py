@@ -56,12 +56,14 @@ def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def threads_per_rank(local_size: int) -> int:
-    """Compute threads for one rank: the cores divided by the ranks on this host, at least one.
+    """Compute threads for one rank: the cores divided by the ranks on this host, at least one,
+    and no more than the cores this process may run on (one under ``--bind``).
 
-    Ranks sharing a host would otherwise each start one thread per core and fight over them;
-    hvdtrain's ``train.threads: 0`` uses the same rule.
+    hvdtrain's ``train.threads: 0`` uses the same rule (``hvdtrain.engine.compute_threads``),
+    written again here because the hand-written loops must not import hvdtrain.
     """
-    return max(1, (os.cpu_count() or 1) // max(1, local_size))
+    share = (os.cpu_count() or 1) // max(1, local_size)
+    return max(1, min(len(os.sched_getaffinity(0)), share))
 
 
 def local_rank() -> int:

@@ -130,6 +130,19 @@ def test_cycle_time_follows_config_then_environment_then_model_size():
     assert set_cycle_time(0.5, 45_000_000, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
 
 
+def test_compute_threads_divides_the_host_and_respects_a_rank_pinned_to_one_core():
+    # In a child process: pinning this one would slow every later test.
+    code = ("import os\n"
+            "from hvdtrain.engine import compute_threads\n"
+            "cores = os.cpu_count()\n"
+            "assert compute_threads(3, 2) == 3  # configured wins\n"
+            "assert compute_threads(0, 1) == cores\n"
+            "assert compute_threads(0, cores * 4) == 1  # never below one\n"
+            "os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
+            "assert compute_threads(0, 1) == 1, compute_threads(0, 1)  # pinned: one core")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_a_late_usr1_after_the_run_does_not_kill_the_exiting_process():
     import os
     import signal
