@@ -9,6 +9,8 @@ section to ``docs/benchmarks.md``. Like the harness, it imports no framework.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -89,6 +91,8 @@ def make_parser(description: str, full: Sizes, quick: Sizes) -> argparse.Argumen
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--timeout", type=float, default=1200.0,
                         help="seconds allowed for the whole job (default 1200)")
+    parser.add_argument("--records", type=Path,
+                        help="also write every run's measurement here, one JSON line each")
     return parser
 
 
@@ -159,10 +163,12 @@ def _describe(record: dict[str, Any], key: str) -> str:
 
 
 def run_job(argv: Sequence[str], key: str, timeout: float,
-            env: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+            env: Mapping[str, str] | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Runs the job, logging each run as it comes, and returns every per-run record it printed.
 
-    ``env`` holds variables added to the job's environment (see :func:`worker_env`). Raises
+    ``env`` holds variables added to the job's environment (see :func:`worker_env`);
+    ``on_record`` is called with each record as it arrives. Raises
     :class:`harness.BenchError` with the output's tail when the job fails or times out.
     """
     tail: deque[str] = deque(maxlen=30)
@@ -180,6 +186,8 @@ def run_job(argv: Sequence[str], key: str, timeout: float,
                 for record in harness.parse_measurements(line, key):
                     records.append(record)
                     _log(_describe(record, key))
+                    if on_record:
+                        on_record(record)
         finally:
             timer.cancel()
     if proc.returncode != 0:
@@ -195,7 +203,11 @@ def run(variants: Sequence[Variant], args: argparse.Namespace,
     # Taken before the job, so that the load average shows what else the machine was doing.
     machine = harness.machine_record()
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as work:
-        records = run_job(job_command(variants, args, Path(work)), key, args.timeout)
+        with contextlib.ExitStack() as stack:
+            # Written as they come, so that a job cut short by its timeout still leaves its runs.
+            out = stack.enter_context(args.records.open("w")) if args.records else None
+            records = run_job(job_command(variants, args, Path(work)), key, args.timeout,
+                              on_record=out and (lambda r: print(json.dumps(r), file=out, flush=True)))
     return machine, harness.group_runs(records, [v.name for v in variants], args.rounds)
 
 
