@@ -11,7 +11,7 @@ BENCHES=(
   "scripts/bench/overhead.py --framework torch --rounds 20"
   "scripts/bench/overhead.py --framework tensorflow --rounds 10"
   "scripts/bench/frameworks.py --rounds 10"
-  "scripts/bench/monitoring.py --framework torch --rounds 20"
+  "scripts/bench/monitoring.py --framework torch --rounds 8 --epochs 20"
   "scripts/bench/allreduce.py --rounds 2"
   "scripts/bench/fusion.py --rounds 3"
   "scripts/bench/ddp.py --rounds 2"

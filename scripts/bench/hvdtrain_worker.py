@@ -13,15 +13,16 @@ one JSON line with the hand-written workers' keys (``rank``, ``steps``, ``wall_t
 ``step_time_s``, from the run summary, whose wall time covers the loop from the first step through
 the final evaluation and checkpoint; ``steady_step_time_s``, see :class:`workload.Clock`;
 ``eval_loss``, ``eval_accuracy``), three more for ``frameworks.py``: ``samples``,
-``samples_per_s`` (over the whole run) and ``steady_samples_per_s``, and ``interval_excess_s``
-for ``monitoring.py`` (:meth:`workload.Clock.interval_excess`).
+``samples_per_s`` (over the whole run) and ``steady_samples_per_s``, and ``block_means_s``
+for ``monitoring.py`` (:meth:`workload.Clock.block_means`, :class:`Alternation`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 # Run from a checkout, the worker must find this checkout's hvdtrain even if none is installed.
@@ -31,6 +32,8 @@ import hvdtrain.trainer  # noqa: E402
 import workload  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
 from hvdtrain.engine import Engine, make_engine  # noqa: E402
+from hvdtrain.metrics import MetricsLogger  # noqa: E402
+from hvdtrain.monitor import SystemSampler  # noqa: E402
 from workload import (BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED,  # noqa: E402
                       SPLIT_SEED, TEST_FRACTION)
 
@@ -50,7 +53,57 @@ SINKS = {
     "on": ["log.console=true", "log.progress=lines", "log.wandb=offline", "log.jsonl=true",
            "log.tensorboard=true", "log.system=true"],
 }
-"""Logging overrides by ``sinks`` option of :func:`run`."""
+"""Logging overrides by ``sinks`` option of :func:`run` (``alternate``: as ``on``, see
+:class:`Alternation`)."""
+
+BLOCK_STEPS = 50
+"""Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``, so that the little
+work the writer process still owes for a live block when it ends (it works in the gaps) is a
+small part of the block."""
+BLOCK_CLASSES = 4
+"""Blocks take these classes in turn: muted (A), live (B), muted (A'), live (B again)."""
+
+
+class Alternation:
+    """In a run with every sink on, mutes the sinks in every other block of :data:`BLOCK_STEPS`
+    steps, for a comparison inside one run (``workload.Clock.block_means``).
+
+    Muted: rank 0 hands no record to its sinks (``MetricsLogger.log``: no JSON line, console
+    line, TensorBoard event or W&B record) and no rank samples its CPU, memory or GPU
+    (``SystemSampler.sample`` repeats its last reading, so the allreduce carries the same keys).
+    The metrics allreduce runs in every block, as it does with every sink off. What a muted block
+    keeps is the open sinks: the writer process and W&B's service, idle, waiting on their input.
+    Every rank counts the same steps, so all ranks mute the same blocks.
+    """
+
+    def __init__(self, clock: workload.Clock) -> None:
+        self.clock = clock
+
+    def muted(self) -> bool:
+        """Whether the step in progress is in a muted block (even blocks, counted from 0)."""
+        step = len(self.clock.step_starts) - 1
+        return (step // BLOCK_STEPS) % 2 == 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Muting in force for the ``with`` block (it patches the two classes, then restores them)."""
+        log, sample = MetricsLogger.log, SystemSampler.sample
+        last: dict[int, dict[str, float]] = {}
+
+        def muted_log(logger: MetricsLogger, record: dict[str, Any]) -> None:
+            if not self.muted():
+                log(logger, record)
+
+        def muted_sample(sampler: SystemSampler) -> dict[str, float]:
+            if not self.muted() or id(sampler) not in last:
+                last[id(sampler)] = sample(sampler)
+            return last[id(sampler)]
+
+        MetricsLogger.log, SystemSampler.sample = muted_log, muted_sample  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            MetricsLogger.log, SystemSampler.sample = log, sample  # type: ignore[method-assign]
 
 
 def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default") -> list[str]:
@@ -68,7 +121,8 @@ def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default")
         "optim.schedule=constant", "comm.compression=none",
         # One checkpoint, at the end, like the hand-written save.
         "checkpoint.enabled=true", "checkpoint.every_steps=0",
-        "log.overwrite=true", f"log.dir={log_dir}", f"log.every_steps={LOG_EVERY}", *SINKS[sinks],
+        "log.overwrite=true", f"log.dir={log_dir}", f"log.every_steps={LOG_EVERY}",
+        *SINKS["on" if sinks == "alternate" else sinks],
     ]
 
 
@@ -131,13 +185,14 @@ def run(framework: str, epochs: int, out_dir: Path, sinks: str = "default") -> d
     cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir), sinks),
                       environ={})
     clock = workload.Clock()
-    result = train_clocked(cfg, clock)
+    with Alternation(clock).active() if sinks == "alternate" else contextlib.nullcontext():
+        result = train_clocked(cfg, clock)
     summary = result.summary
     record = workload.measurement(result.engine.rank, summary["steps"], summary["wall_time_s"],
                                   summary["final"].get("eval_loss"),
                                   summary["final"].get("eval_accuracy"), clock=clock, epochs=epochs)
     return {**record, **throughput(summary, clock, epochs),
-            "interval_excess_s": clock.interval_excess(epochs, cfg.log.every_steps)}
+            "block_means_s": clock.block_means(epochs, BLOCK_STEPS, BLOCK_CLASSES)}
 
 
 def main() -> None:

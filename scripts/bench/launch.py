@@ -380,7 +380,11 @@ def ratio_verdict(rows: Sequence[harness.Row], candidate: str, control: str, lab
     """``label = r, A/A control = c`` and whether ``r <= target`` is met, missed, or cannot be
     judged because the A/A control is farther than ``tolerance`` from 1."""
     by_name = {row.name: row for row in rows}
-    ratio, aa = by_name[candidate].ratio, by_name[control].ratio
+    return verdict_of(by_name[candidate].ratio, by_name[control].ratio, label, target, tolerance)
+
+
+def verdict_of(ratio: float, aa: float, label: str, target: float, tolerance: float) -> str:
+    """:func:`ratio_verdict` for a ratio and an A/A control given as numbers."""
     head = f"{label} = {ratio:.3f}, A/A control = {aa:.3f}"
     if abs(aa - 1.0) > tolerance:
         return (f"{head}: inconclusive, the A/A control is off by more than {tolerance:.0%}, so "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -168,28 +167,28 @@ class Clock:
             return None
         return self.eval_start - self.step_starts[skip]
 
-    def interval_excess(self, epochs: int, every: int) -> float | None:
-        """Seconds per log interval that its steps take beyond ``every`` typical steps, in the
-        steady state: the sum over the interval's positions (step number mod ``every``) of the
-        median duration there, less ``every`` times the median of all steps.
+    def block_means(self, epochs: int, block: int, classes: int) -> list[float] | None:
+        """Mean seconds per step of each block class, in the steady state: steps are numbered
+        from 0, block ``b`` holds steps ``b * block`` to ``(b + 1) * block - 1``, and its class is
+        ``b % classes``. Only blocks that lie wholly in the steady state count, and only whole
+        cycles of ``classes`` blocks, so every class has as many blocks, spread over the same span.
 
-        What logging costs shows up in the steps next to each record; medians per position keep
-        the machine's random spikes out. Compared between two variants of one run, it measures
-        the cost of a record far more precisely than two runs' wall times, which vary by several
-        percent from run to run here; but a cost that lands on a different step each interval,
-        or on every step, escapes the medians. ``None`` for a one-epoch run.
+        For comparisons inside one run (``hvdtrain_worker.Alternation``): neighbouring blocks
+        share the machine's state of the moment, which two runs seconds apart do not. ``None``
+        for a one-epoch run or one too short for a whole cycle.
         """
         if epochs < 2 or self.eval_start is None:
             return None
         times = [*self.step_starts, self.eval_start]
         skip = len(self.step_starts) // epochs
-        # Step i leaves the run at step i + 1; the loop logs when that is a multiple of ``every``.
-        durations = [(i + 1, b - a) for i, (a, b) in enumerate(zip(times, times[1:])) if i >= skip]
-        by_position: dict[int, list[float]] = {}
-        for step, seconds in durations:
-            by_position.setdefault(step % every, []).append(seconds)
-        typical = statistics.median(seconds for _, seconds in durations)
-        return sum(statistics.median(v) for v in by_position.values()) - len(by_position) * typical
+        first = -(-skip // block)  # the first block that starts in the steady state
+        cycles = (len(self.step_starts) // block - first) // classes
+        if cycles < 1:
+            return None
+        sums = [0.0] * classes
+        for b in range(first, first + cycles * classes):
+            sums[b % classes] += times[(b + 1) * block] - times[b * block]
+        return [total / (cycles * block) for total in sums]
 
 
 def measurement(rank: int, steps: int, wall_time_s: float, eval_loss: float | None,

@@ -84,6 +84,8 @@ def test_step_time_benchmarks_smallest_runs():
         assert rows and all(row[1] == "1" for row in rows), (script, section)
         if baseline:
             assert rows[0][0] == baseline and "A/A control = " in section, section
+        if script == "monitoring.py":  # one cycle of muted and live blocks inside the W run
+            assert re.search(r"live / muted = \d+\.\d{3}, A/A control = \d+\.\d{3}", section)
 
 
 @pytest.mark.timeout(900)

@@ -119,25 +119,58 @@ def test_clock_steady_span_starts_at_epoch_two_and_ends_at_evaluation(monkeypatc
     assert record["rank"] == 0 and record["extra"] == 1
 
 
-def test_interval_excess_is_the_extra_time_of_the_steps_next_to_each_record():
+def test_block_means_average_each_block_class_over_whole_cycles_in_the_steady_state():
     clock = workload.Clock()
     start = 0.0
-    for i in range(80):  # two epochs of 40 steps, 1 ms each; the step that logs takes 3 ms more
+    for i in range(650):  # five epochs of 130 steps; odd blocks of 50 steps take 0.5 ms more a step
         clock.step_starts.append(start)
-        start += 0.001 + (0.003 if (i + 1) % 10 == 1 else 0.0) + (0.0002 if i == 57 else 0.0)
+        start += 0.001 + (0.0005 if (i // 50) % 2 else 0.0) + (0.1 if i < 50 else 0.0)
     clock.eval_start = start
-    # Step 58's one-off spike is not a cost of logging: the medians leave it out.
-    assert clock.interval_excess(2, 10) == pytest.approx(0.003)
-    assert clock.interval_excess(1, 10) is None
+    # The steady state starts at step 130: blocks 3 to 10 (two cycles of four) count, not the
+    # slow block 0 (epoch 1), block 2 (partly in epoch 1), nor blocks 11 and 12 (no whole cycle).
+    means = clock.block_means(5, 50, 4)  # by class: block number mod 4
+    assert means == pytest.approx([0.001, 0.0015, 0.001, 0.0015])
+    assert clock.block_means(5, 50, 16) is None  # too short for one cycle
+    assert clock.block_means(1, 50, 4) is None
 
 
-def test_added_cost_is_the_difference_of_medians_with_a_bootstrap_interval():
-    assert monitoring.added_cost([2.0] * 5, [1.0] * 8) == (1.0, 1.0, 1.0)
-    on = [2.0 + 0.1 * (i % 7) for i in range(30)]
-    off = [1.0 + 0.1 * (i % 5) for i in range(60)]
-    added, low, high = monitoring.added_cost(on, off)
-    assert added == pytest.approx(1.1) and low < added < high and high - low < 0.6
-    assert monitoring.added_cost(on, off) == (added, low, high)  # seeded: the same every time
+def test_within_run_pools_the_blocks_of_every_run_and_controls_with_the_muted_ones():
+    ratio, low, high, aa = monitoring.within_run([[1.0, 1.01, 1.0, 1.01]] * 6)
+    assert (ratio, low, high, aa) == pytest.approx((1.01, 1.01, 1.01, 1.0))
+    runs = [[1.0 + 0.01 * (i % 3), 1.02 + 0.01 * (i % 4), 1.0 + 0.01 * (i % 5), 1.02] for i in range(20)]
+    ratio, low, high, aa = monitoring.within_run(runs)
+    assert low < ratio < high and 1.0 < ratio < 1.03 and aa == pytest.approx(1.01 / 1.02, abs=0.002)
+    assert monitoring.within_run(runs) == (ratio, low, high, aa)  # seeded: the same every time
+
+
+def test_alternation_mutes_records_and_system_samples_in_every_other_block():
+    import hvdtrain_worker
+
+    from hvdtrain.metrics import MetricsLogger, Sink
+    from hvdtrain.monitor import SystemSampler
+
+    class Collect(Sink):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def log(self, record: dict) -> None:
+            self.steps.append(record["step"])
+
+    clock, sink, sampler = workload.Clock(), Collect(), SystemSampler(0)
+    logger, original = MetricsLogger([sink]), MetricsLogger.log
+    samples = []
+    with hvdtrain_worker.Alternation(clock).active():
+        for step in range(1, 201):  # blocks of 50 steps: 1-50 muted, 51-100 live, ...
+            clock.step()
+            if step % 10 == 0:
+                logger.log({"step": step})
+                samples.append(sampler.sample())
+    assert sink.steps == [60, 70, 80, 90, 100, 160, 170, 180, 190, 200]
+    # Muted blocks repeat the last reading (the allreduce keeps its keys); live ones read anew.
+    assert samples[1] is samples[0] and samples[5] is not samples[4] and samples[11] is samples[10]
+    assert MetricsLogger.log is original  # restored after the block
+    logger.log({"step": 0})
+    assert sink.steps[-1] == 0
 
 
 def test_clock_without_evaluation_has_no_steady_span():
