@@ -203,11 +203,13 @@ def run(variants: Sequence[Variant], args: argparse.Namespace,
     # Taken before the job, so that the load average shows what else the machine was doing.
     machine = harness.machine_record()
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as work:
-        with contextlib.ExitStack() as stack:
-            # Written as they come, so that a job cut short by its timeout still leaves its runs.
-            out = stack.enter_context(args.records.open("w")) if args.records else None
+        # Written as they come, so that a job cut short by its timeout still leaves its runs.
+        with args.records.open("w") if args.records else contextlib.nullcontext() as out:
+            def keep(record: dict[str, Any]) -> None:
+                print(json.dumps(record), file=out, flush=True)
+
             records = run_job(job_command(variants, args, Path(work)), key, args.timeout,
-                              on_record=out and (lambda r: print(json.dumps(r), file=out, flush=True)))
+                              on_record=keep if out else None)
     return machine, harness.group_runs(records, [v.name for v in variants], args.rounds)
 
 

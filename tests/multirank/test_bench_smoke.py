@@ -7,6 +7,7 @@ prints a complete section with its table and verdict.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -72,12 +73,13 @@ def test_ddp_and_scaling_smallest_runs():
 
 
 @pytest.mark.timeout(900)
-def test_step_time_benchmarks_smallest_runs():
+def test_step_time_benchmarks_smallest_runs(tmp_path):
     """overhead.py (both frameworks), frameworks.py and monitoring.py: one interleaved job each."""
+    records = tmp_path / "runs.jsonl"
     for script, args, baseline in (
             ("overhead.py", ["--framework", "torch"], "handwritten (A)"),
             ("overhead.py", ["--framework", "tensorflow"], "handwritten (A)"),
-            ("monitoring.py", ["--framework", "torch"], "sinks off (A)"),
+            ("monitoring.py", ["--framework", "torch", "--records", str(records)], "sinks off (A)"),
             ("frameworks.py", [], None)):
         section = run_driver(script, *args)
         rows = table_rows(section)
@@ -86,6 +88,8 @@ def test_step_time_benchmarks_smallest_runs():
             assert rows[0][0] == baseline and "A/A control = " in section, section
         if script == "monitoring.py":  # one cycle of muted and live blocks inside the W run
             assert re.search(r"live / muted = \d+\.\d{3}, A/A control = \d+\.\d{3}", section)
+            runs = [json.loads(line) for line in records.read_text().splitlines()]
+            assert [run["slot"] for run in runs] == [0, 1, 2, 3]  # every run, as it came
 
 
 @pytest.mark.timeout(900)
