@@ -53,8 +53,8 @@ SINKS = {
     "on": ["log.console=true", "log.progress=lines", "log.wandb=offline", "log.jsonl=true",
            "log.tensorboard=true", "log.system=true"],
 }
-"""Logging overrides by ``sinks`` option of :func:`run` (``alternate``: as ``on``, see
-:class:`Alternation`)."""
+"""Logging overrides by ``sinks`` option of :func:`run`."""
+SINKS["alternate"] = SINKS["on"]  # muted by turns during the run: see Alternation
 
 BLOCK_STEPS = 50
 """Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``, so that the little
@@ -121,8 +121,7 @@ def overrides(framework: str, epochs: int, log_dir: str, sinks: str = "default")
         "optim.schedule=constant", "comm.compression=none",
         # One checkpoint, at the end, like the hand-written save.
         "checkpoint.enabled=true", "checkpoint.every_steps=0",
-        "log.overwrite=true", f"log.dir={log_dir}", f"log.every_steps={LOG_EVERY}",
-        *SINKS["on" if sinks == "alternate" else sinks],
+        "log.overwrite=true", f"log.dir={log_dir}", f"log.every_steps={LOG_EVERY}", *SINKS[sinks],
     ]
 
 
