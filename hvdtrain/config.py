@@ -164,6 +164,9 @@ class LogConfig:
     """Log averaged training metrics every this many optimizer steps."""
     console: bool = True
     """Print progress to the console (rank 0)."""
+    console_every_s: float = _opt(1.0, min=0.0)
+    """Show a record on the console at most this often (seconds of run time; 0: every record);
+    records with an evaluation and the last step are always shown. Other sinks get every record."""
     overwrite: bool = False
     """Replace the files of an earlier run in the same directory (otherwise that is an error)."""
     tensorboard: bool = True

@@ -4,7 +4,7 @@ Everything rides on the loop's one metrics allreduce per log interval, so monito
 collective. Each rank puts its own numbers under rank-indexed keys (``mon.cpu.3`` holds rank 3's
 CPU and 0 on every other rank); the sum over ranks then gives every rank every rank's value, the same
 trick as the loop's ``nonfinite.<r>`` control. Per-step work is one ``perf_counter`` pair and the
-engine's ``step_stats()``; the process (``psutil``) and the GPU (NVML) are sampled once per interval.
+engine's ``step_stats()``; the process (CPU time, ``/proc``) and the GPU (NVML) are sampled once per interval.
 Framework-free.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -62,21 +64,30 @@ class StepCosts:
 class SystemSampler:
     """CPU utilisation and resident memory of this process, and its GPU through NVML if any.
 
-    ``cpu`` is percent of one core since the previous sample (200 = two cores busy). NVML is used
-    only when ``pynvml`` imports and finds a device; any failure turns GPU sampling off quietly.
+    ``cpu`` is percent of one core since the previous sample (200 = two cores busy): the process's
+    CPU time (every thread, user and system) over the wall time between samples. ``rss`` is read
+    from ``/proc/self/statm``. Both cost a few microseconds; ``psutil``, which this replaced, took
+    0.4 ms a sample inside a training rank (it re-reads ``/proc`` and ``/sys`` several times to
+    guard against pid reuse), and every rank pays for a sample before the metrics allreduce. NVML
+    is used only when ``pynvml`` imports and finds a device; any failure turns GPU sampling off
+    quietly.
     """
 
     def __init__(self, local_rank: int) -> None:
-        import psutil
-
-        self._process = psutil.Process()
-        self._process.cpu_percent(None)  # the first call only starts the measurement
+        self._page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        # Opened once: inside a training rank, opening a /proc file took 0.2 ms, a re-read 0.01.
+        self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        weakref.finalize(self, os.close, self._statm)
+        self._wall, self._cpu = time.monotonic(), time.process_time()
         self._nvml = _nvml_handle(local_rank)
 
     def sample(self) -> dict[str, float]:
         """The current readings under :data:`PER_RANK`'s short names."""
-        out = {"cpu": self._process.cpu_percent(None),
-               "rss": self._process.memory_info().rss / 2**20}
+        wall, cpu = time.monotonic(), time.process_time()
+        elapsed = wall - self._wall
+        out = {"cpu": 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0,
+               "rss": self._rss_mb()}
+        self._wall, self._cpu = wall, cpu
         if self._nvml is not None:
             try:
                 nvml, handle = self._nvml
@@ -85,6 +96,10 @@ class SystemSampler:
             except Exception:  # a driver hiccup must not end training; stop asking
                 self._nvml = None
         return out
+
+    def _rss_mb(self) -> float:
+        # statm: sizes in pages; the second field is the resident set.
+        return int(os.pread(self._statm, 256, 0).split()[1]) * self._page_mb
 
 
 def _nvml_handle(local_rank: int) -> tuple[Any, Any] | None:

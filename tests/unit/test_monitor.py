@@ -93,6 +93,18 @@ def test_the_progress_bar_redraws_one_line_and_keeps_the_epoch_end():
     assert out.getvalue().endswith("\r\n")  # closing leaves the cursor on a fresh line
 
 
+def test_console_lines_come_at_most_every_interval_but_evaluations_and_the_last_step_always():
+    out = io.StringIO()
+    sink = ConsoleSink(100, out, every_s=1.0)
+    times = {10: 0.1, 20: 0.5, 30: 1.2, 40: 1.5, 50: 1.6, 60: 1.7, 100: 1.8}
+    for step, time_s in times.items():
+        extra = {"eval_accuracy": 0.5} if step == 50 else {}
+        sink.log({"step": step, "epoch": 0, "loss": 1.0, "time_s": time_s, **extra})
+    shown = [int(line.split("step")[1].split("/")[0]) for line in out.getvalue().splitlines()]
+    # 20 and 40 come under a second after the last line shown; 60 under a second after 50's.
+    assert shown == [10, 30, 50, 100]
+
+
 def test_warnings_come_from_the_writer_only_and_end_the_bar_line(capsys):
     out = io.StringIO()
     writer = MetricsLogger([ConsoleSink(10, out, bar=True)], writer=True)
