@@ -55,6 +55,7 @@ SINKS = {
 }
 """Logging overrides by ``sinks`` option of :func:`run`."""
 SINKS["alternate"] = SINKS["on"]  # muted by turns during the run: see Alternation
+SINKS["alternate_off"] = SINKS["off"]  # the same blocks with nothing to mute: the A/A control
 
 BLOCK_STEPS = 50
 """Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``, so that the little
@@ -184,7 +185,7 @@ def run(framework: str, epochs: int, out_dir: Path, sinks: str = "default") -> d
     cfg = load_config(CONFIGS[framework], overrides(framework, epochs, str(out_dir), sinks),
                       environ={})
     clock = workload.Clock()
-    with Alternation(clock).active() if sinks == "alternate" else contextlib.nullcontext():
+    with Alternation(clock).active() if sinks.startswith("alternate") else contextlib.nullcontext():
         result = train_clocked(cfg, clock)
     summary = result.summary
     record = workload.measurement(result.engine.rank, summary["steps"], summary["wall_time_s"],

@@ -33,14 +33,18 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "handwritten_tf": ("handwritten_tf", {}),
     "hvdtrain_torch": ("hvdtrain_worker", {"framework": "torch"}),
     "hvdtrain_tf": ("hvdtrain_worker", {"framework": "tensorflow"}),
-    # monitoring.py: every sink off, every sink on, and on but muted in every other block
-    # (hvdtrain_worker.SINKS and Alternation).
+    # monitoring.py: every sink off, every sink on, on but muted in every other block, and off
+    # in the same blocks (hvdtrain_worker.SINKS and Alternation).
     "sinks_off_torch": ("hvdtrain_worker", {"framework": "torch", "sinks": "off"}),
     "sinks_on_torch": ("hvdtrain_worker", {"framework": "torch", "sinks": "on"}),
     "sinks_alternate_torch": ("hvdtrain_worker", {"framework": "torch", "sinks": "alternate"}),
+    "sinks_alternate_off_torch": ("hvdtrain_worker", {"framework": "torch",
+                                                      "sinks": "alternate_off"}),
     "sinks_off_tf": ("hvdtrain_worker", {"framework": "tensorflow", "sinks": "off"}),
     "sinks_on_tf": ("hvdtrain_worker", {"framework": "tensorflow", "sinks": "on"}),
     "sinks_alternate_tf": ("hvdtrain_worker", {"framework": "tensorflow", "sinks": "alternate"}),
+    "sinks_alternate_off_tf": ("hvdtrain_worker", {"framework": "tensorflow",
+                                                   "sinks": "alternate_off"}),
 }
 """Each variant's worker module in this directory and the options its ``run`` gets first."""
 
