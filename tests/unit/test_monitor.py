@@ -4,12 +4,16 @@ stall verdict. The multirank tests run the same code under ``horovodrun``."""
 from __future__ import annotations
 
 import io
+import os
+import re
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from hvdtrain.metrics import ConsoleSink, MetricsLogger, scalar_tags
-from hvdtrain.monitor import Monitor, StepCosts, StragglerDetector
+from hvdtrain.monitor import Monitor, StepCosts, StragglerDetector, SystemSampler
 from hvdtrain.watchdog import verdict, where
 
 
@@ -63,6 +67,20 @@ def test_an_engine_without_step_stats_logs_no_split_and_no_bytes():
     record = monitor.incoming(monitor.outgoing(cost, 1), 1, 1)
     assert record == {"step_time_median_s": 0.02, "step_time_max_s": 0.02, "slowest_rank": 0}
     assert monitor.summary() == {}
+
+
+def test_the_system_sample_reads_this_process_cpu_and_resident_memory():
+    sampler = SystemSampler(0)
+    end = time.process_time() + 0.2
+    while time.process_time() < end:  # one core busy
+        pass
+    sample = sampler.sample()
+    assert 50 < sample["cpu"] <= 100 * (os.cpu_count() or 1)
+    status = Path("/proc/self/status").read_text()
+    rss_kb = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
+    assert sample["rss"] == pytest.approx(rss_kb / 1024, rel=0.1)
+    time.sleep(0.2)  # idle now: the next sample covers only the sleep
+    assert sampler.sample()["cpu"] < 50
 
 
 def test_a_straggler_is_reported_once_per_streak_against_the_others_median():
