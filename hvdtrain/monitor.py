@@ -4,7 +4,8 @@ Everything rides on the loop's one metrics allreduce per log interval, so monito
 collective. Each rank puts its own numbers under rank-indexed keys (``mon.cpu.3`` holds rank 3's
 CPU and 0 on every other rank); the sum over ranks then gives every rank every rank's value, the same
 trick as the loop's ``nonfinite.<r>`` control. Per-step work is one ``perf_counter`` pair and the
-engine's ``step_stats()``; the process (CPU time, ``/proc``) and the GPU (NVML) are sampled once per interval.
+engine's ``step_stats()``; the process (CPU clock, ``/proc``) and the GPU (NVML) are sampled once
+per interval.
 Framework-free.
 """
 
