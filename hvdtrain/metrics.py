@@ -70,6 +70,10 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _has_eval(record: dict[str, Any]) -> bool:
+    return "eval_accuracy" in record or "eval_loss" in record
+
+
 class ConsoleSink(Sink):
     """Progress on rank 0's stdout: plain periodic lines (CI logs, Slurm output files) or a bar.
 
@@ -97,7 +101,7 @@ class ConsoleSink(Sink):
     def due(self, record: dict[str, Any]) -> bool:
         """Whether ``record`` is shown: the first, then one at least ``every_s`` seconds of run time
         after the last shown, and always a record with an evaluation or of the last step."""
-        final = "eval_accuracy" in record or "eval_loss" in record or record["step"] >= self._total
+        final = _has_eval(record) or record["step"] >= self._total
         return final or record.get("time_s", 0.0) - self._shown_at >= self._every_s
 
     def log(self, record: dict[str, Any]) -> None:
@@ -112,7 +116,7 @@ class ConsoleSink(Sink):
             print(f"{head} {body}", file=self._stream, flush=True)
             return
         line = self.bar_line(record)
-        if "eval_accuracy" in record or "eval_loss" in record:
+        if _has_eval(record):
             evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy") if k in record)
             self._stream.write(f"{line} {evals}".ljust(self._drawn) + "\n")
             self._drawn = 0

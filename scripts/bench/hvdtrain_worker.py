@@ -58,9 +58,10 @@ SINKS["alternate"] = SINKS["on"]  # muted by turns during the run: see Alternati
 SINKS["alternate_off"] = SINKS["off"]  # the same blocks with nothing to mute: the A/A control
 
 BLOCK_STEPS = 50
-"""Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``, so that the little
-work the writer process still owes for a live block when it ends (it works in the gaps) is a
-small part of the block."""
+"""Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``. The writer process
+runs behind training (up to 1.5 s with ``--spin``), so its own work falls on muted and live blocks
+alike: the blocks measure the work done at each record inside the ranks, and only the comparison
+between runs sees the writer's."""
 BLOCK_CLASSES = 4
 """Blocks take these classes in turn: muted (A), live (B), muted (A'), live (B again)."""
 
