@@ -74,11 +74,50 @@ def _has_eval(record: dict[str, Any]) -> bool:
     return "eval_accuracy" in record or "eval_loss" in record
 
 
+class ThrottledSink(Sink):
+    """Hands ``sink`` at most one record every ``every_s`` seconds of run time (``time_s``).
+
+    The first record always goes, and so does every record that a reader must not miss: one with
+    an evaluation, one with events (a straggler), and the last step's (``step >= total_steps``).
+    The console and the dashboards (TensorBoard, W&B) sit behind one each (``log.console_every_s``,
+    ``log.dashboard_every_s``); ``metrics.jsonl`` gets every record.
+    """
+
+    def __init__(self, sink: Sink, every_s: float, total_steps: int) -> None:
+        self._sink, self._every_s, self._total = sink, every_s, total_steps
+        self._passed_at = -math.inf  # the run time (record's time_s) of the last record passed
+
+    def due(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` goes to the sink (it does not note that it went)."""
+        kept = _has_eval(record) or bool(record.get("events")) or record["step"] >= self._total
+        return kept or record.get("time_s", 0.0) - self._passed_at >= self._every_s
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.due(record):
+            self._passed_at = record.get("time_s", 0.0)
+            self._sink.log(record)
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        self._sink.summary(summary)
+
+    def before_warning(self) -> None:
+        self._sink.before_warning()
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+def throttled(sink: Sink, every_s: float, total_steps: int) -> Sink:
+    """``sink`` behind a :class:`ThrottledSink`, or ``sink`` itself when ``every_s`` is 0."""
+    return ThrottledSink(sink, every_s, total_steps) if every_s > 0 else sink
+
+
 class ConsoleSink(Sink):
     """Progress on rank 0's stdout: plain periodic lines (CI logs, Slurm output files) or a bar.
 
-    It shows a record at most every ``every_s`` seconds of run time (``log.console_every_s``), and
-    always the epoch's evaluation and the last step; ``metrics.jsonl`` and the other sinks get them all.
+    :func:`make_logger` puts it behind a :class:`ThrottledSink` (``log.console_every_s``): every
+    line costs the writing rank a pipe write and a wake-up of ``horovodrun``'s forwarder (0.2 ms
+    measured), and 20 lines a second help nobody reading a log.
 
     The bar is one line redrawn in place: epoch, a bar of the run's steps, step/total, ETA, loss,
     accuracy and samples/s. It ends each redraw with a carriage return, which ``horovodrun``
@@ -90,26 +129,13 @@ class ConsoleSink(Sink):
     BAR = 24
 
     def __init__(self, total_steps: int, stream: TextIO | None = None, *, epochs: int = 0,
-                 bar: bool = False, start_step: int = 0, every_s: float = 0.0) -> None:
+                 bar: bool = False, start_step: int = 0) -> None:
         self._stream = stream or sys.stdout
         self._width = len(str(total_steps))
         self._total, self._epochs, self._bar, self._start = total_steps, epochs, bar, start_step
-        self._every_s = every_s
-        self._shown_at = -math.inf  # the run time (record's time_s) of the last line shown
         self._drawn = 0  # length of the bar line on screen (0: none)
 
-    def due(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` is shown: the first, then one at least ``every_s`` seconds of run time
-        after the last shown, and always a record with an evaluation or of the last step."""
-        final = _has_eval(record) or record["step"] >= self._total
-        return final or record.get("time_s", 0.0) - self._shown_at >= self._every_s
-
     def log(self, record: dict[str, Any]) -> None:
-        # Every line costs the writing rank a pipe write and a wake-up of horovodrun's forwarder
-        # (0.2 ms measured), and 20 lines a second help nobody reading a log.
-        if not self.due(record):
-            return
-        self._shown_at = record.get("time_s", 0.0)
         if not self._bar:
             head = f"[hvdtrain] epoch {record['epoch']} step {record['step']:>{self._width}}/{self._total}"
             body = " ".join(_fmt(k, record[k]) for k in self.KEYS if k in record)
@@ -312,10 +338,12 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         if log.console:
             bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
-            sinks.append(ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar,
-                                     start_step=start_step, every_s=log.console_every_s))
+            console = ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar, start_step=start_step)
+            sinks.append(throttled(console, log.console_every_s, total_steps))
         # TensorBoard and W&B cost milliseconds of Python per record: they write from a child
-        # process (hvdtrain.sinkproc), which takes that work and the GIL it holds off training.
+        # process (hvdtrain.sinkproc), which takes that work and the GIL it holds off training. Where
+        # every core trains, that CPU time still comes out of training (about 4 ms a record, most of
+        # it W&B's), hence the throttle, at W&B's advice of under one log call a second by default.
         remote: list[Spec] = []
         if log.tensorboard:
             remote.append(("hvdtrain.metrics:TensorBoardSink",
@@ -325,5 +353,5 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
                            {"run_dir": str(run_dir), "mode": log.wandb, "project": log.wandb_project,
                             "name": cfg.name, "config": cfg.to_dict(), "resumed": resumed}))
         if remote:
-            sinks.append(SinkProcess(remote))
+            sinks.append(throttled(SinkProcess(remote), log.dashboard_every_s, total_steps))
     return MetricsLogger(sinks, writer=writer)

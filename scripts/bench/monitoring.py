@@ -143,7 +143,9 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
         "`log.console_every_s`), TensorBoard event files, "
         "an offline W&B run (`log.wandb=offline`) and CPU/memory sampling (`log.system=true`), "
         "every 10 steps (`log.every_steps`); TensorBoard and W&B write from a child process in "
-        "the idle scheduling class (`hvdtrain.sinkproc`). Sinks off: all of them off. Both log "
+        "the idle scheduling class (`hvdtrain.sinkproc`) and get a record at most once a second "
+        "(`log.dashboard_every_s`, default 1.0; the first, evaluations, events and the last step "
+        "always). Sinks off: all of them off. Both log "
         "the same allreduced window (loss, accuracy, time split, per-rank step times, "
         "stragglers).",
         "Each rank is pinned to one core (`--bind`, as `srun --cpu-bind=cores` would), and an "

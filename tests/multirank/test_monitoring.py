@@ -18,7 +18,8 @@ from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, hvdtrain_cli, rea
 from tests.torch.test_sinks import FAKE_KEY, event_accumulator, wandb_contents
 
 COMMON = ("log.every_steps=5", "log.wandb=offline", "log.tensorboard=true", "log.console=true",
-          "log.progress=lines", "log.console_every_s=0", "log.straggler_steps=3", "checkpoint.every_steps=0")
+          "log.progress=lines", "log.console_every_s=0", "log.dashboard_every_s=0", "log.straggler_steps=3",
+          "checkpoint.every_steps=0")
 RUNS = {
     # Rank 1 sleeps 50 ms per batch: several times its own compute, so it must be named.
     "torch": (CONFIG, ("train.epochs=3", "model.name=tests.torch.user_models:SlowOnRank",

@@ -67,7 +67,7 @@ def sink_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WANDB_API_KEY", FAKE_KEY)
         cfg = quiet_config(CONFIG, tmp, "train.epochs=2", "log.tensorboard=true", "log.wandb=offline",
-                           "checkpoint.every_steps=0")
+                           "log.dashboard_every_s=0", "checkpoint.every_steps=0")
         train(cfg)
     return cfg, tmp / "run", read_jsonl(tmp / "run" / "metrics.jsonl")
 
@@ -134,7 +134,8 @@ def test_a_new_run_in_the_directory_gets_a_new_wandb_id(tmp_path):
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
-    common = ("log.wandb=offline", "log.tensorboard=true", "checkpoint.every_steps=0")
+    common = ("log.wandb=offline", "log.tensorboard=true", "log.dashboard_every_s=0",
+              "checkpoint.every_steps=0")
     train(quiet_config(CONFIG, tmp_path, "train.epochs=1", *common))
     first = (tmp_path / "run" / "wandb_id").read_text()
     train(quiet_config(CONFIG, tmp_path, "train.epochs=2", "checkpoint.resume=auto", *common))
@@ -148,6 +149,18 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     steps = [e.step for e in events.Scalars("train/loss")]
     assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 2
     assert steps == [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+
+
+def test_throttled_dashboards_get_the_first_record_evaluations_and_the_last_step(tmp_path):
+    # An interval longer than the run: only the records that always go reach TensorBoard and W&B.
+    train(quiet_config(CONFIG, tmp_path, "train.epochs=2", "log.tensorboard=true", "log.wandb=offline",
+                       "log.dashboard_every_s=3600", "checkpoint.every_steps=0"))
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    kept = [records[0]["step"]] + [r["step"] for r in records[1:] if "eval_accuracy" in r]
+    assert len(records) > 6 and len(kept) == 3 and kept[-1] == records[-1]["step"] == 90
+    events = event_accumulator(tmp_path / "run" / "tensorboard")
+    assert [e.step for e in events.Scalars("train/loss")] == kept
+    assert sorted(wandb_contents(tmp_path / "run")[2]) == kept
 
 
 def test_every_sink_can_be_switched_off(tmp_path, capsys):

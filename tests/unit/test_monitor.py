@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.metrics import ConsoleSink, MetricsLogger, scalar_tags
+from hvdtrain.metrics import ConsoleSink, MetricsLogger, ThrottledSink, scalar_tags, throttled
 from hvdtrain.monitor import Monitor, StepCosts, StragglerDetector, SystemSampler
 from hvdtrain.watchdog import verdict, where
 
@@ -111,16 +111,20 @@ def test_the_progress_bar_redraws_one_line_and_keeps_the_epoch_end():
     assert out.getvalue().endswith("\r\n")  # closing leaves the cursor on a fresh line
 
 
-def test_console_lines_come_at_most_every_interval_but_evaluations_and_the_last_step_always():
+def test_a_throttled_sink_gets_a_record_per_interval_and_never_misses_evaluations_events_or_the_end():
     out = io.StringIO()
-    sink = ConsoleSink(100, out, every_s=1.0)
-    times = {10: 0.1, 20: 0.5, 30: 1.2, 40: 1.5, 50: 1.6, 60: 1.7, 100: 1.8}
+    console = ConsoleSink(100, out)
+    sink = ThrottledSink(console, every_s=1.0, total_steps=100)
+    times = {10: 0.1, 20: 0.5, 30: 1.2, 40: 1.5, 50: 1.6, 60: 1.7, 70: 1.8, 80: 1.9, 100: 2.0}
+    extra = {50: {"eval_accuracy": 0.5}, 70: {"events": [{"event": "straggler", "rank": 1}]},
+             80: {"events": []}}
     for step, time_s in times.items():
-        extra = {"eval_accuracy": 0.5} if step == 50 else {}
-        sink.log({"step": step, "epoch": 0, "loss": 1.0, "time_s": time_s, **extra})
+        sink.log({"step": step, "epoch": 0, "loss": 1.0, "time_s": time_s, **extra.get(step, {})})
     shown = [int(line.split("step")[1].split("/")[0]) for line in out.getvalue().splitlines()]
-    # 20 and 40 come under a second after the last line shown; 60 under a second after 50's.
-    assert shown == [10, 30, 50, 100]
+    # 20 and 40 come under a second after the last line shown; 60 and 80 (no event in its list)
+    # under a second after 50's and 70's.
+    assert shown == [10, 30, 50, 70, 100]
+    assert throttled(console, 0.0, 100) is console  # 0: no throttle at all
 
 
 def test_warnings_come_from_the_writer_only_and_end_the_bar_line(capsys):
