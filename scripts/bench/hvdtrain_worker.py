@@ -58,10 +58,11 @@ SINKS["alternate"] = SINKS["on"]  # muted by turns during the run: see Alternati
 SINKS["alternate_off"] = SINKS["off"]  # the same blocks with nothing to mute: the A/A control
 
 BLOCK_STEPS = 50
-"""Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``. The writer process
-runs behind training (up to 1.5 s with ``--spin``), so its own work falls on muted and live blocks
-alike: the blocks measure the work done at each record inside the ranks, and only the comparison
-between runs sees the writer's."""
+"""Steps per block of :class:`Alternation`: five records at ``LOG_EVERY``, about 0.2 s. The writer
+process gets at most one of them a second (``log.dashboard_every_s``) and finishes it within tens of
+milliseconds, so its Python work lands in the live block too (when it was handed every record it
+ran up to 1.5 s behind, on muted and live blocks alike). W&B's service, which works on the record
+after the writer, was not traced."""
 BLOCK_CLASSES = 4
 """Blocks take these classes in turn: muted (A), live (B), muted (A'), live (B again)."""
 

@@ -124,7 +124,10 @@ def within_notes(results: Results) -> list[str]:
         "memory); the blocks of one run share the machine's state of the moment, which runs "
         "seconds apart do not. The muted blocks keep the open sinks: the writer process and "
         "W&B's service, idle (measured alone: 0.3% of one core, 12 wake-ups a second, in the "
-        "idle class).",
+        "idle class). The writer's own work lands in the live blocks: it is handed a record at "
+        "most once a second and was measured to finish each within 9-97 ms (15 of 16 records "
+        "inside the live block they came from; W&B's service, about 1 ms of CPU a record, was "
+        "not traced).",
         "Its A/A control is W0: every sink off, the same blocks, so that live and muted blocks "
         "do the same work; its live / muted is how far the measure strays in this job.",
         f"Result, within runs (steady state, {len(runs)} runs of W and {len(control)} of W0, "
