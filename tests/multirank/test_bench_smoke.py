@@ -88,6 +88,7 @@ def test_step_time_benchmarks_smallest_runs(tmp_path):
             assert rows[0][0] == baseline and "A/A control = " in section, section
         if script == "monitoring.py":  # one cycle of muted and live blocks inside the W run
             assert re.search(r"live / muted = \d+\.\d{3}, A/A control = \d+\.\d{3}", section)
+            assert re.search(r"taken out\): \d+\.\d{3}, 95% bootstrap interval", section)
             runs = [json.loads(line) for line in records.read_text().splitlines()]
             assert [run["slot"] for run in runs] == [0, 1, 2, 3, 4]  # every run, as it came
 
