@@ -4,8 +4,8 @@ Records are flat dicts of numbers (plus an ``events`` list when something happen
 straggler). ``metrics.jsonl`` gets one JSON object per logged step; the console gets a progress bar
 or plain lines, and TensorBoard and Weights & Biases the numbers as scalars tagged ``train/<key>``,
 ``eval/<key>`` and ``system/<key>``, each at most one record a second by default
-(:class:`ThrottledSink`). Their packages are imported only when their
-sink is made, so importing this module loads neither (nor any framework).
+(:class:`ThrottledSink`). Their packages are imported only when their sink is made, so importing
+this module loads neither (nor any framework).
 """
 
 from __future__ import annotations
