@@ -46,7 +46,7 @@ WITHIN = "sinks on, muted in every other block (W)"
 WITHIN_CONTROL = "sinks off, the same blocks (W0, A/A control of W)"
 FRAMEWORKS = {"torch": ("PyTorch", "torch"), "tensorflow": ("TensorFlow", "tf")}
 
-FULL = Sizes(rounds=16, epochs=40, warmup=1)  # 920 steps a run: four cycles of W's blocks
+FULL = Sizes(rounds=24, epochs=80, warmup=1)  # 1840 steps a run: eight cycles of W's blocks
 QUICK = Sizes(rounds=1, epochs=11, warmup=0)  # 253 steps: one cycle of W's blocks
 MIN_EPOCHS = 2  # the steady state leaves the first epoch out
 
