@@ -90,7 +90,7 @@ def make_parser(description: str, full: Sizes, quick: Sizes) -> argparse.Argumen
     parser.add_argument("--no-write", action="store_true", help="print the section only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--timeout", type=float, default=1200.0,
-                        help="seconds allowed for the whole job (default 1200)")
+                        help="seconds allowed for the whole job (default %(default)g)")
     parser.add_argument("--records", type=Path,
                         help="also write every run's measurement here, one JSON line each")
     return parser
