@@ -67,7 +67,7 @@ class SystemSampler:
 
     ``cpu`` is percent of one core since the previous sample (200 = two cores busy): the process's
     CPU time (every thread, user and system) over the wall time between samples. ``rss`` is read
-    from ``/proc/self/statm`` (absent where there is no ``/proc``). A sample takes 0.06 ms inside a
+    from ``/proc/self/statm`` (absent where there is no ``/proc``). A sample takes 0.04-0.06 ms in a
     training rank; ``psutil``, which this replaced, took 0.4 ms (it re-reads ``/proc`` and ``/sys``
     several times to guard against pid reuse), and every rank pays for a sample before the metrics
     allreduce. NVML is used only when ``pynvml`` imports and finds a device; any failure turns GPU
