@@ -111,11 +111,12 @@ def test_checkpoint_policy_keeps_the_newest(tmp_path):
 
 def test_jsonl_sink_writes_one_object_per_record(tmp_path):
     logger = MetricsLogger([JsonlSink(tmp_path / "m.jsonl")])
-    logger.log({"step": 1, "loss": 0.5})
+    logger.log({"step": 1, "loss": 0.5, "accuracy": 0.25})
     logger.log({"step": 2, "loss": float("nan")})
     logger.close()
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert lines == [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]
+    assert lines == [{"step": 1, "loss": 0.5, "accuracy": 0.25}, {"step": 2, "loss": None}]
+    assert list(lines[0]) == ["step", "loss", "accuracy"]  # the record's own order, step first
 
 
 def test_cycle_time_follows_config_then_environment_then_model_size():
