@@ -323,7 +323,7 @@ class MetricsLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         """Writes ``record`` to every sink; non-finite numbers become null in JSON."""
-        if not self._sinks:  # every rank but 0
+        if not self._sinks:  # every rank but 0, and rank 0 with every sink off
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in record.items()}
