@@ -182,6 +182,10 @@ class LogConfig:
     ``log`` call a second), which training pays for where every core trains."""
     jsonl: bool = True
     """Write ``metrics.jsonl`` (rank 0); ``hvdtrain report`` and resuming read it."""
+    jsonl_every_s: float = _opt(1.0, min=0.0)
+    """Append the records held for ``metrics.jsonl`` at most this often (seconds; 0: each record as
+    it comes). Every record is kept; they are also written before each checkpoint and elastic
+    commit, at a stall and at the end, so only a rank 0 killed outright loses the last second."""
     progress: str = _opt("auto", choices=("auto", "bar", "lines"))
     """Console style: ``bar`` (one line redrawn in place), ``lines`` (one line per log, for CI and
     Slurm logs), ``auto`` (the bar when stdout is a terminal; under ``horovodrun`` it is a pipe)."""

@@ -126,10 +126,14 @@ class IndexRecord:
                     np.concatenate(arrays) if arrays else np.zeros(0, np.int64))
 
 
-def hooks(state: TrainingState, commit_every: int) -> StepHooks:
-    """The loop's hooks: note each step's indices, commit every ``commit_every`` steps."""
+def hooks(state: TrainingState, commit_every: int,
+          before_commit: Callable[[], None] = lambda: None) -> StepHooks:
+    """The loop's hooks: note each step's indices, commit every ``commit_every`` steps, each
+    commit after ``before_commit`` (the loop writing out its metrics records, which a new rank 0
+    keeps up to the commit)."""
     def boundary(position: Position) -> None:
         if position.step - state.position.step >= commit_every:
+            before_commit()
             state.commit_at(position)
     return StepHooks(stepped=state.record.add, boundary=boundary)
 
@@ -199,7 +203,9 @@ class ElasticDriver:
         writer = self.checkpoints.writer = self.engine.rank == 0
         loop = self.loop = Loop(cfg, self.engine, self.dataset, self.checkpoints,
                                 dataclasses.replace(state.position), stop, heartbeat,
-                                hooks(state, cfg.elastic.commit_every))
+                                hooks(state, cfg.elastic.commit_every, self._write_metrics))
+        if self.logger is not None:  # held records of steps after the commit: trained again
+            self.logger.rewind(state.position.step)
         if writer:
             log_event(cfg.run_dir, entry_event(state, loop))
             # Steps after the commit are trained again: their records would appear twice.
@@ -212,6 +218,16 @@ class ElasticDriver:
             raise
         return {**summary, "elastic": {"commits": state.commits, "resets": state.resets,
                                        "start_world_size": state.reference_size}}
+
+    def flush_metrics(self) -> None:
+        """Writes out the metrics records this rank's logger holds (at a stall)."""
+        if self.logger is not None:
+            self.logger.flush()
+
+    def _write_metrics(self) -> None:
+        """Before each commit: every record up to it on disk (a new rank 0 keeps those)."""
+        if self.loop is not None:
+            self.loop.write_metrics()
 
     def _logger(self, writer: bool, loop: Loop) -> MetricsLogger:
         """This rank's logger; a rank that becomes rank 0 after a reset starts writing."""
@@ -241,6 +257,7 @@ def train_elastic(cfg: Config, resume_from: Path | None) -> Any:
     watchdog = StallWatchdog(cfg.train.stall_timeout_s, cfg.run_dir, engine.rank, engine.size)
     try:
         with StopRequest() as stop, watchdog as dog:
+            dog.before_exit = driver.flush_metrics
             summary = backend.run(driver)(state, stop, dog.beat)
         if driver.logger is not None:
             driver.logger.summary(summary)

@@ -231,6 +231,12 @@ class Loop:
         self.logger.log({**record, **self.last_train, **health})
         self._check_finite(first_bad)
 
+    def write_metrics(self) -> None:
+        """Logs the pending record (waiting for its sum) and writes out every record the logger
+        holds back: before a checkpoint, and an elastic commit (:class:`StepHooks`)."""
+        self._flush()
+        self.logger.flush()
+
     @staticmethod
     def _check_finite(first_bad: dict[int, int]) -> None:
         """Stops every rank when any saw a NaN or Inf loss, naming where it began; the allreduce
@@ -252,6 +258,9 @@ class Loop:
         return self.last_eval
 
     def _checkpoint(self) -> Path | None:
+        # The records up to this step go to disk first, so that a resume from this checkpoint,
+        # which keeps the records up to its step, finds them all even if rank 0 is then killed.
+        self.write_metrics()
         if self.first_nonfinite:
             # NaN weights must not become the newest checkpoint that a resume would pick.
             warnings.warn(f"not checkpointing step {self.pos.step}: the loss was not finite since "

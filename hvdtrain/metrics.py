@@ -18,6 +18,7 @@ import secrets
 import socket
 import string
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,6 +38,13 @@ class Sink(abc.ABC):
     def summary(self, summary: dict[str, Any]) -> None:
         """Records the run's final summary; most sinks have no place for it."""
 
+    def flush(self) -> None:
+        """Writes out what the sink holds back (most sinks hold nothing)."""
+
+    def rewind(self, step: int) -> None:
+        """Forgets held-back records of steps after ``step``, which the run trains again (an
+        elastic reset to its last commit); most sinks hold nothing."""
+
     def close(self) -> None:
         """Flushes and releases what the sink holds."""
 
@@ -45,21 +53,44 @@ class Sink(abc.ABC):
 
 
 class JsonlSink(Sink):
-    """Appends one JSON object per record to a file, flushed each time so a crash loses nothing.
+    """Appends one JSON object per record to a file, keys in the record's order (``step``,
+    ``epoch``, ``lr`` first).
 
-    Keys keep the record's order (``step``, ``epoch``, ``lr`` first): sorting them took half of
-    ``json.dumps``'s time measured alone (36 against 19 us a record). Inside a training rank, where
-    the encoder is cold after every step, a line takes 0.15 ms: 0.1 to encode, 0.05 to write.
+    Records are held and written together at most every ``every_s`` seconds (0: each at once), and
+    by :meth:`flush`, which the loop calls before each checkpoint and elastic commit and the stall
+    watchdog before it ends the job, so what a resume or a reader relies on is on disk. Why: inside
+    a training rank, with the encoder and the file cold after every step, a record encoded and
+    flushed alone took 0.15 ms (0.1 to encode, 0.05 to write), against 0.02-0.04 ms each for
+    records encoded together, and every other rank waits for rank 0 at the next allreduce.
+    ``flush`` may come from another thread (the watchdog's) while the training thread is stuck.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, every_s: float = 0.0) -> None:
         self._file = path.open("a")
+        self._every_s = every_s
+        self._held: list[dict[str, Any]] = []
+        self._written_at = time.monotonic()
+        self._lock = threading.Lock()
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._held.append(record)
+        if time.monotonic() - self._written_at >= self._every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+            if held:
+                self._file.write("".join(json.dumps(record) + "\n" for record in held))
+                self._file.flush()
+            self._written_at = time.monotonic()
+
+    def rewind(self, step: int) -> None:
+        with self._lock:
+            self._held = [record for record in self._held if record["step"] <= step]
 
     def close(self) -> None:
+        self.flush()
         self._file.close()
 
 
@@ -105,6 +136,12 @@ class ThrottledSink(Sink):
 
     def summary(self, summary: dict[str, Any]) -> None:
         self._sink.summary(summary)
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+    def rewind(self, step: int) -> None:
+        self._sink.rewind(step)
 
     def before_warning(self) -> None:
         self._sink.before_warning()
@@ -335,6 +372,17 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.summary(summary)
 
+    def flush(self) -> None:
+        """Writes out what any sink holds back (``metrics.jsonl``'s held records): called before a
+        checkpoint or commit, and at a stall; safe from another thread."""
+        for sink in self._sinks:
+            sink.flush()
+
+    def rewind(self, step: int) -> None:
+        """Forgets held-back records of steps after ``step`` (an elastic reset trains them again)."""
+        for sink in self._sinks:
+            sink.rewind(step)
+
     def close(self) -> None:
         """Closes every sink."""
         for sink in self._sinks:
@@ -348,7 +396,7 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
     log, sinks = cfg.log, []
     if writer:
         if log.jsonl:
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl", log.jsonl_every_s))
         if log.console:
             bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
             console = ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar, start_step=start_step)

@@ -79,6 +79,12 @@ class SinkProcess:
         self._check()
         self._send({"summary": summary})
 
+    def flush(self) -> None:
+        """Nothing: every record was sent as it came, and the child writes it when it arrives."""
+
+    def rewind(self, step: int) -> None:
+        """Nothing: the child holds no record back."""
+
     def before_warning(self) -> None:
         """Nothing: the child writes nothing to the console."""
 

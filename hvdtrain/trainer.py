@@ -105,6 +105,7 @@ def train(cfg: Config) -> TrainResult:
         loop = Loop(cfg, engine, dataset, checkpoints, start, stop, dog.beat)
         logger = make_logger(cfg, run_dir, writer, loop.total_steps, start_step=loop.pos.step,
                              resumed=start is not None)
+        dog.before_exit = logger.flush
         try:
             summary = loop.run(logger)
             logger.summary(summary)

@@ -10,7 +10,9 @@ the next collective, forever. Every rank runs a watchdog thread. When its rank h
 3. waits briefly for the other ranks' notes (they stall at about the same time, since they wait for
    the same rank) and the lowest rank that has a note writes the verdict to ``stall.txt`` and
    stderr: which ranks stopped and where, and which wait for them;
-4. exits with code 1, and the launcher ends the other ranks: the job fails instead of hanging.
+4. calls :attr:`StallWatchdog.before_exit` (rank 0 writes out the metrics records it holds, the
+   last ones before the stall) and exits with code 1, and the launcher ends the other ranks: the
+   job fails instead of hanging.
 
 A rank whose Python is blocked for good (native code holding the GIL) writes no note; it is
 reported as stopped, and ``faulthandler`` (a C thread, armed as a backstop a little later) still
@@ -30,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 EXIT_STALL = 1
 
@@ -96,6 +98,8 @@ class StallWatchdog:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._main = threading.main_thread().ident
+        self.before_exit: Callable[[], None] = lambda: None
+        """Called on the watchdog's thread just before a stall ends the process."""
 
     def __enter__(self) -> "StallWatchdog":
         if self.timeout_s > 0:
@@ -153,6 +157,10 @@ class StallWatchdog:
             print(f"hvdtrain: error: {text}", file=sys.stderr, flush=True)
         else:  # let the reporting rank finish before this exit makes the launcher end the job
             self._wait_for(lambda: (self.run_dir / "stall.txt").exists())
+        try:
+            self.before_exit()
+        except Exception as exc:  # noqa: BLE001  (the stall is the error to report, and exit)
+            print(f"hvdtrain: warning: at the stall exit: {exc}", file=sys.stderr, flush=True)
         state = "waiting in Horovod" if waiting else f"stopped in {location}"
         print(f"hvdtrain: rank {self.rank} stalled, {state}; stacks in {self.path}",
               file=sys.stderr, flush=True)

@@ -154,6 +154,7 @@ def test_a_stalled_rank_is_named_and_the_job_fails_in_time_with_stacks(tmp_path)
                                   "model.name=tests.torch.user_models:HangOnRank",
                                   "model.options={rank: 1, after: 5}",
                                   f"train.stall_timeout_s={timeout}", "log.wandb=disabled",
+                                  "log.every_steps=1", "log.jsonl_every_s=3600",
                                   f"log.dir={tmp_path}"], timeout=300)
     elapsed = time.monotonic() - started
     output = proc.stdout + proc.stderr
@@ -174,3 +175,6 @@ def test_a_stalled_rank_is_named_and_the_job_fails_in_time_with_stacks(tmp_path)
     assert stacks[1].startswith("hvdtrain: rank 1 (pid ") and "within 10 s" in stacks[1]
     assert "in loss_and_metrics" in stacks[1] and "in train_step" in stacks[1]
     assert "horovod" in stacks[0] and "in train_step" in stacks[0]
+    # Rank 0 held every record (log.jsonl_every_s=3600) and wrote them out at the stall: those of
+    # steps 1 to 4 (step 5's sum is read after step 6, which never ends).
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -119,6 +119,25 @@ def test_jsonl_sink_writes_one_object_per_record(tmp_path):
     assert list(lines[0]) == ["step", "loss", "accuracy"]  # the record's own order, step first
 
 
+def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_rewinds_held_ones(tmp_path):
+    path = tmp_path / "m.jsonl"
+    sink = JsonlSink(path, every_s=3600)
+    for step in (10, 20, 30):
+        sink.log({"step": step})
+    assert path.read_text() == ""  # held: not yet due
+    sink.flush()  # before a checkpoint or commit, at a stall
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [10, 20, 30]
+    for step in (40, 50, 60):
+        sink.log({"step": step})
+    sink.rewind(50)  # an elastic reset to the commit at step 50: step 60 is trained again
+    sink.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [10, 20, 30, 40, 50]
+    eager = JsonlSink(tmp_path / "e.jsonl", every_s=0)
+    eager.log({"step": 1})
+    assert (tmp_path / "e.jsonl").read_text() == '{"step": 1}\n'  # written as it comes
+    eager.close()
+
+
 def test_cycle_time_follows_config_then_environment_then_model_size():
     from hvdtrain.engine import AUTO_CYCLE_MIN_BYTES, set_cycle_time
 
