@@ -396,15 +396,18 @@ def verdict_of(ratio: float, aa: float, label: str, target: float, tolerance: fl
 
 
 def step_time_benchmark(args: argparse.Namespace, variants: Sequence[Variant], title: str,
-                        script: str, notes: Callable[..., list[str]]) -> int:
+                        script: str, notes: Callable[..., list[str]],
+                        extra: Sequence[str] | None = None) -> int:
     """Runs interleaved step-time variants (the first is the baseline), then publishes a section
     with the whole-run and steady-state tables; ``notes(args, results, whole, steady)`` gives
-    the lines under them."""
+    the lines under them, ``extra`` the script's own options in the command that reproduces it
+    (default: ``--framework``)."""
     key, steady_key = "step_time_s", "steady_step_time_s"
     machine, results = run(variants, args, key)
     whole = harness.summarize(harness.samples_of(results, key), baseline=variants[0].name)
     steady = harness.summarize(harness.samples_of(results, steady_key), baseline=variants[0].name)
-    command = reproduce_command(script, args, ("--framework", args.framework))
+    command = reproduce_command(script, args, ("--framework", args.framework) if extra is None
+                                else extra)
     publish(harness.markdown_section(
         title, command, machine, whole, notes(args, results, whole, steady),
         caption="Whole run (training wall time / steps):",

@@ -79,15 +79,17 @@ def test_step_time_benchmarks_smallest_runs(tmp_path):
     for script, args, baseline in (
             ("overhead.py", ["--framework", "torch"], "handwritten (A)"),
             ("overhead.py", ["--framework", "tensorflow"], "handwritten (A)"),
-            ("monitoring.py", ["--framework", "torch", "--records", str(records)], "sinks off (A)"),
+            ("monitoring.py", ["--framework", "torch", "--between", "--records", str(records)],
+             "sinks off (A)"),
             ("frameworks.py", [], None)):
         section = run_driver(script, *args)
         rows = table_rows(section)
         assert rows and all(row[1] == "1" for row in rows), (script, section)
         if baseline:
             assert rows[0][0] == baseline and "A/A control = " in section, section
-        if script == "monitoring.py":  # one cycle of muted and live blocks inside the W run
-            assert re.search(r"live / muted = \d+\.\d{3}, A/A control = \d+\.\d{3}", section)
+        if script == "monitoring.py":  # five blocks, muted and live by turns, inside the W run
+            assert re.search(r"live / muted = \d+\.\d{3}, A/A control \(W0\) = \d+\.\d{3}",
+                             section)
             assert re.search(r"taken out\): \d+\.\d{3}, 95% bootstrap interval", section)
             runs = [json.loads(line) for line in records.read_text().splitlines()]
             assert [run["slot"] for run in runs] == [0, 1, 2, 3, 4]  # every run, as it came

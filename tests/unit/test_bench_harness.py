@@ -119,19 +119,29 @@ def test_clock_steady_span_starts_at_epoch_two_and_ends_at_evaluation(monkeypatc
     assert record["rank"] == 0 and record["extra"] == 1
 
 
-def test_block_means_average_each_block_class_over_whole_cycles_in_the_steady_state():
+def test_block_means_average_each_block_class_over_an_odd_number_of_steady_blocks():
     clock = workload.Clock()
     start = 0.0
     for i in range(650):  # five epochs of 130 steps; odd blocks of 50 steps take 0.5 ms more a step
         clock.step_starts.append(start)
         start += 0.001 + (0.0005 if (i // 50) % 2 else 0.0) + (0.1 if i < 50 else 0.0)
     clock.eval_start = start
-    # The steady state starts at step 130: blocks 3 to 10 (two cycles of four) count, not the
-    # slow block 0 (epoch 1), block 2 (partly in epoch 1), nor blocks 11 and 12 (no whole cycle).
+    # The steady state starts at step 130: blocks 3 to 11 count (nine, an odd number), not the
+    # slow block 0 (epoch 1), block 2 (partly in epoch 1), nor block 12 (the tenth).
     means = clock.block_means(5, 50, 4)  # by class: block number mod 4
     assert means == pytest.approx([0.001, 0.0015, 0.001, 0.0015])
-    assert clock.block_means(5, 50, 16) is None  # too short for one cycle
+    assert clock.block_means(5, 50, 16) is None  # fewer blocks than classes
     assert clock.block_means(1, 50, 4) is None
+
+
+def test_block_means_let_no_drift_along_the_run_favour_odd_or_even_blocks():
+    clock, start = workload.Clock(), 0.0
+    for i in range(920):  # 40 epochs of 23 steps, every step a little slower than the last
+        clock.step_starts.append(start)
+        start += 0.004 * (1 + 0.1 * i / 920)
+    clock.eval_start = start
+    means = clock.block_means(40, 50, 4)
+    assert monitoring.live_over_muted([means]) == pytest.approx(1.0, abs=1e-9)
 
 
 def test_within_run_pools_the_blocks_of_every_run_and_controls_with_the_muted_ones():
@@ -141,6 +151,12 @@ def test_within_run_pools_the_blocks_of_every_run_and_controls_with_the_muted_on
     ratio, low, high, aa = monitoring.within_run(runs)
     assert low < ratio < high and 1.0 < ratio < 1.03 and aa == pytest.approx(1.01 / 1.02, abs=0.002)
     assert monitoring.within_run(runs) == (ratio, low, high, aa)  # seeded: the same every time
+
+
+def test_within_verdict_needs_the_whole_interval_under_target_and_a_steady_control():
+    assert monitoring.within_verdict(1.010, 1.019, 0.995).endswith(") met")
+    assert monitoring.within_verdict(1.010, 1.021, 0.995).endswith(") not shown")
+    assert "inconclusive" in monitoring.within_verdict(1.000, 1.005, 0.985)
 
 
 def test_alternation_mutes_records_and_system_samples_in_every_other_block():
