@@ -50,8 +50,8 @@ WITHIN = "sinks on, muted in every other block (W)"
 WITHIN_CONTROL = "sinks off, the same blocks (W0, A/A control of W)"
 FRAMEWORKS = {"torch": ("PyTorch", "torch"), "tensorflow": ("TensorFlow", "tf")}
 
-FULL = Sizes(rounds=60, epochs=40, warmup=1)  # 920 steps a run: 17 of W's blocks in its steady state
-QUICK = Sizes(rounds=1, epochs=14, warmup=0)  # 322 steps: five of W's blocks, the fewest counted
+FULL = Sizes(rounds=80, epochs=40, warmup=1)  # 920 steps a run: 19 of W's blocks in its steady state
+QUICK = Sizes(rounds=1, epochs=12, warmup=0)  # 276 steps: five of W's blocks, the fewest counted
 MIN_EPOCHS = 2  # the steady state leaves the first epoch out
 
 
@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--between", action="store_true",
                         help="also run every sink off (A), on (B) and off again (A'), compared run "
                              "against run (each round then takes two and a half times as long)")
-    # The full job (60 rounds of W and W0, 40 epochs) takes about 15 minutes on 2 cores (PyTorch).
+    # The full job (80 rounds of W and W0, 40 epochs) takes about 21 minutes on 2 cores (PyTorch).
     parser.set_defaults(bind=True, spin=True, timeout=3600.0)
     return launch.parse_args(parser, argv, FULL, QUICK, min_epochs=MIN_EPOCHS)
 
@@ -148,9 +148,9 @@ def within_notes(results: Results) -> list[str]:
     ratio, low, high, muted_aa = within_run(runs)
     aa, aa_low, aa_high, _ = within_run(control)
     net, net_low, net_high = corrected(runs, control)
-    block = hvdtrain_worker.BLOCK_STEPS
+    block = hvdtrain_worker.BLOCK_EPOCHS
     return [
-        f"Within runs (W): every sink on, and muted in every other block of {block} steps "
+        f"Within runs (W): every sink on, and muted in every other block of {block} epochs "
         "(`hvdtrain_worker.Alternation`: no record reaches a sink, no rank samples its CPU and "
         "memory); the blocks of one run share the machine's state of the moment, which runs "
         "seconds apart do not. An odd number of blocks counts in each run, so that live and "

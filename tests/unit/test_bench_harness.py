@@ -159,9 +159,10 @@ def test_within_verdict_needs_the_whole_interval_under_target_and_a_steady_contr
     assert "inconclusive" in monitoring.within_verdict(1.000, 1.005, 0.985)
 
 
-def test_alternation_mutes_records_and_system_samples_in_every_other_block():
+def test_alternation_mutes_records_and_system_samples_in_every_other_block_of_epochs():
     import hvdtrain_worker
 
+    from hvdtrain.loop import Loop
     from hvdtrain.metrics import MetricsLogger, Sink
     from hvdtrain.monitor import SystemSampler
 
@@ -172,19 +173,21 @@ def test_alternation_mutes_records_and_system_samples_in_every_other_block():
         def log(self, record: dict) -> None:
             self.steps.append(record["step"])
 
-    clock, sink, sampler = workload.Clock(), Collect(), SystemSampler(0)
-    logger, original = MetricsLogger([sink]), MetricsLogger.log
-    samples = []
-    with hvdtrain_worker.Alternation(clock).active():
-        for step in range(1, 201):  # blocks of 50 steps: 1-50 muted, 51-100 live, ...
-            clock.step()
+    sink, sampler = Collect(), SystemSampler(0)
+    logger, originals = MetricsLogger([sink]), (MetricsLogger.log, Loop._end_epoch)
+    samples, alternation = [], hvdtrain_worker.Alternation()
+    with alternation.active():
+        assert Loop._end_epoch is not originals[1]  # counts the loop's epochs
+        for step in range(1, 201):  # epochs of 25 steps, blocks of 2: 1-50 muted, 51-100 live, ...
             if step % 10 == 0:
                 logger.log({"step": step})
                 samples.append(sampler.sample())
+            if step % 25 == 0:
+                alternation.epoch_ended()
     assert sink.steps == [60, 70, 80, 90, 100, 160, 170, 180, 190, 200]
     # Muted blocks repeat the last reading (the allreduce keeps its keys); live ones read anew.
     assert samples[1] is samples[0] and samples[5] is not samples[4] and samples[11] is samples[10]
-    assert MetricsLogger.log is original  # restored after the block
+    assert (MetricsLogger.log, Loop._end_epoch) == originals  # restored after the block
     logger.log({"step": 0})
     assert sink.steps[-1] == 0
 
