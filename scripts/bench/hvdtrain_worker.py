@@ -63,9 +63,9 @@ BLOCK_EPOCHS = 2
 epoch), about 0.2 s, with four or five records at ``LOG_EVERY`` and two epoch ends. Whole epochs,
 so that every block does the same work: blocks of 50 steps held 2 or 3 epoch ends (each with a
 metrics allreduce waited for at once, and a reshuffle), and in a 40-epoch run the live blocks
-held 2.33 a block on average, the muted ones 2.0. The writer process gets
-at most one record a second (``log.dashboard_every_s``) and finishes it within tens of
-milliseconds, so its Python work lands in the live block too (when it was handed every record it
+held 2.33 a block on average, the muted ones 2.0. The writer process gets at most one record a
+second (``log.dashboard_every_s``) and finishes it within tens of milliseconds, so its Python
+work lands in the live block too (when it was handed every record it
 ran up to 1.5 s behind, on muted and live blocks alike). W&B's service, which works on the record
 after the writer, was not traced."""
 BLOCK_CLASSES = 4

@@ -195,13 +195,15 @@ def notes(args: argparse.Namespace, results: Results, whole: Sequence[Row],
         f"steady state {pooled(results, STEADY_KEY)}; paired by round (median of B / mean(A, "
         f"A')): whole run {paired(results, KEY)}, steady state {paired(results, STEADY_KEY)}.",
     ] if OFF in results else [
-        "Between runs (the tables): W against W0, each run's time; the verdict is within runs. "
+        "Between runs (the tables): W against W0, each run's time (W is live in half of its "
+        "blocks, and runs seconds apart differ by 9-13% here); the verdict is within runs. "
         "`--between` adds every sink off (A), on (B) and off again (A', the A/A control) as "
         "runs of their own.",
     ]
     return [
         launch.workload_note(args, next(iter(results.values()))[0]["steps"]),
-        "Sinks on: `metrics.jsonl` (appended at most once a second), console lines (`log.progress=lines`, at most one a second: "
+        "Sinks on: `metrics.jsonl` (appended at most once a second), console lines "
+        "(`log.progress=lines`, at most one a second: "
         "`log.console_every_s`), TensorBoard event files, "
         "an offline W&B run (`log.wandb=offline`) and CPU/memory sampling (`log.system=true`), "
         "every 10 steps (`log.every_steps`); TensorBoard and W&B write from a child process in "
