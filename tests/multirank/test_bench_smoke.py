@@ -90,7 +90,7 @@ def test_step_time_benchmarks_smallest_runs(tmp_path):
         if script == "monitoring.py":  # five blocks, muted and live by turns, inside the W run
             assert re.search(r"live / muted = \d+\.\d{3}, A/A control \(W0\) = \d+\.\d{3}",
                              section)
-            assert re.search(r"taken out\): \d+\.\d{3}, 95% bootstrap interval", section)
+            assert re.search(r"noise added\): \d+\.\d{3}, 95% bootstrap interval", section)
             runs = [json.loads(line) for line in records.read_text().splitlines()]
             assert [run["slot"] for run in runs] == [0, 1, 2, 3, 4]  # every run, as it came
 
