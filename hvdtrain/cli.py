@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot and tabulate one or more run directories")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     report.add_argument("--out", help="output directory (default: RUN_DIR/report of the first)")
-    slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script (slurm/train.sbatch or elastic.sbatch)")
+    slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script "
+                               "(template hvdtrain/templates/train.sbatch or elastic.sbatch)")
     slurm.add_argument("action", choices=("render", "check", "submit"))
     slurm.add_argument("config", help="YAML config file")
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
@@ -37,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
                                 ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
                                 ("--network-interface", str, "")):
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
-    slurm.add_argument("--elastic", action="store_true", help="render slurm/elastic.sbatch (elastic Horovod)")
+    slurm.add_argument("--elastic", action="store_true", help="render elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
     return parser

@@ -1,9 +1,14 @@
-"""Slurm job scripts: render ``slurm/train.sbatch`` from a config and job options, check it, submit it.
+"""Slurm job scripts: render the ``train.sbatch`` template from a config and job options, check it,
+submit it.
 
 The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_NODELIST``, slots from
-``--ntasks-per-node``), or one ``srun --mpi=pmix`` whose tasks initialise Horovod from MPI, asks for ``USR1`` ahead of preemption or the time limit, forwards it to the
-ranks (which checkpoint and exit 75) and then requeues itself; the requeued job resumes with
+``--ntasks-per-node``), or one ``srun --mpi=pmix`` whose tasks initialise Horovod from MPI, asks for
+``USR1`` ahead of preemption or the time limit, forwards it to the ranks (which checkpoint and exit 75)
+and then requeues itself; the requeued job resumes with
 ``checkpoint.resume=auto``. Framework-free: nothing here imports torch or tensorflow.
+
+The templates and the elastic job's host discovery script are package data in ``hvdtrain/templates/``,
+read through :mod:`importlib.resources`, so an installed hvdtrain renders its jobs without a checkout.
 """
 
 from __future__ import annotations
@@ -16,14 +21,17 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "slurm"
-DISCOVERY = Path(__file__).resolve().parents[1] / "scripts" / "discover_hosts_slurm.sh"
+TEMPLATES = resources.files("hvdtrain") / "templates"
+"""The sbatch templates (Jinja2) and the host discovery script, shipped inside the package."""
+DISCOVERY = "discover_hosts_slurm.sh"
+"""The elastic job's host discovery script, a file of :data:`TEMPLATES`."""
 CONTROLLERS = ("gloo", "mpi")
 LAUNCHERS = ("horovodrun", "srun")
 BASE_STOP_S = 30
@@ -57,7 +65,7 @@ class JobOptions:
     gpus_per_node: int = 0
     """GPUs per node (``--gres=gpu:N``); with GPUs, one rank per GPU, pinned by local rank."""
     elastic: bool = False
-    """Render ``slurm/elastic.sbatch``: elastic Horovod (Gloo) with Slurm-aware host discovery."""
+    """Render ``elastic.sbatch``: elastic Horovod (Gloo) with Slurm-aware host discovery."""
     min_nodes: int = 1
     """Elastic only: the job goes on while at least this many nodes are usable."""
     network_interface: str = ""
@@ -101,19 +109,33 @@ def _job_overrides(overrides: Sequence[str], options: JobOptions) -> list[str]:
     return [*overrides, "checkpoint.resume=auto", *(["elastic.enabled=true"] if options.elastic else [])]
 
 
+def discovery_script() -> Path:
+    """The host discovery script's path in the installed package, which the job runs on its nodes
+    (so the package must sit on a file system that they share, as the virtual environment does)."""
+    path = TEMPLATES / DISCOVERY
+    if not isinstance(path, Path):  # a zipped package: horovodrun needs a file it can execute
+        raise HvdtrainError(f"--elastic: {DISCOVERY} is not a file on disk ({path}); install hvdtrain unzipped")
+    return path
+
+
+def _template_source(name: str) -> str:
+    return (TEMPLATES / name).read_text(encoding="utf-8")
+
+
 def run_dir_of(cfg: Config) -> Path:
     """The run directory as an absolute path (relative ones are taken from the current directory)."""
     return (Path.cwd() / cfg.run_dir).resolve()
 
 
 def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
-    """The text of ``train.sbatch`` for this config, overrides and job options."""
+    """The text of ``train.sbatch`` (``elastic.sbatch`` for an elastic job) for this config,
+    overrides and job options."""
     import jinja2
 
     options.validate()
     cfg = load_config(config_path, overrides)  # a bad config fails here, not in the queue
     run_dir = run_dir_of(cfg)
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=False,
+    env = jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     template = "elastic.sbatch" if options.elastic else "train.sbatch"
     return env.get_template(template).render(
@@ -123,7 +145,7 @@ def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobO
         partition=options.partition, account=options.account, signal_lead=options.signal_lead,
         controller=options.controller, launcher=options.launcher, gpus_per_node=options.gpus_per_node,
         min_np=options.min_nodes * options.tasks_per_node, network_interface=options.network_interface,
-        discovery_q=shlex.quote(str(DISCOVERY)),
+        discovery_q=shlex.quote(str(discovery_script())) if options.elastic else "",
         output=_sbatch_path(run_dir, "log.dir", "/slurm-%j.out"),
         workdir=_sbatch_path(Path.cwd(), "working directory"),
         bin_dir_q=shlex.quote(str(Path(sys.executable).parent)),

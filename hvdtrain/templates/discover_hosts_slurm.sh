@@ -1,5 +1,6 @@
 #!/bin/bash
-# Host discovery for Horovod elastic mode inside a Slurm allocation (slurm/elastic.sbatch runs it).
+# Host discovery for Horovod elastic mode inside a Slurm allocation: hvdtrain/templates/elastic.sbatch
+# runs it from where the package is installed.
 # Prints `host:slots` for every node of the job that Slurm still considers usable: a node that is
 # down, drained, failing or not responding (a `*` after its state) drops out, and so does any host
 # named in the file $HVDTRAIN_EXCLUDE_HOSTS (one per line), which lets an operator take a node out
