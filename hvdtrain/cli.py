@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         if args.command == "report":
-            from hvdtrain.report import report
+            from hvdtrain.observe.report import report
             print(f"[hvdtrain] report written to {report(args.run_dirs, args.out)}")
             return 0
         if args.command == "slurm":

@@ -35,10 +35,10 @@ from hvdtrain.data import Dataset, StepIndices
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Loop, Position, StepHooks
-from hvdtrain.metrics import MetricsLogger, make_logger
+from hvdtrain.observe.records import MetricsLogger, make_logger
+from hvdtrain.observe.watchdog import StallWatchdog
 from hvdtrain.resume import trim_metrics
 from hvdtrain.signals import StopRequest
-from hvdtrain.watchdog import StallWatchdog
 
 if TYPE_CHECKING:  # the state subclasses Horovod's, which only training needs to import
     from hvdtrain.elastic_state import TrainingState
@@ -254,10 +254,10 @@ def train_elastic(cfg: Config, resume_from: Path | None) -> Any:
     backend = backend_for(cfg.framework)
     state = TrainingState(engine, backend, cfg, position, error)
     driver = ElasticDriver(cfg, engine, dataset, resumed=resume_from is not None)
-    watchdog = StallWatchdog(cfg.train.stall_timeout_s, cfg.run_dir, engine.rank, engine.size)
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, cfg.run_dir, engine.rank, engine.size,
+                             before_exit=driver.flush_metrics)
     try:
         with StopRequest() as stop, watchdog as dog:
-            dog.before_exit = driver.flush_metrics
             summary = backend.run(driver)(state, stop, dog.beat)
         if driver.logger is not None:
             driver.logger.summary(summary)

@@ -22,8 +22,8 @@ from hvdtrain.config import Config
 from hvdtrain.data import Dataset, ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged
-from hvdtrain.metrics import MetricsLogger
-from hvdtrain.monitor import Monitor, StepCosts, pop_ranks, rank_keys
+from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
+from hvdtrain.observe.records import MetricsLogger
 from hvdtrain.schedule import lr_at
 
 

@@ -1,4 +1,4 @@
-"""Name -> object registries for plug-ins (datasets, models per framework).
+"""Name -> object registries for plug-ins (datasets, models per framework, metric sinks).
 
 An entry is the object itself or a lazy ``"package.module:Name"`` string, so the core can list
 and validate the names of framework models without importing torch or tensorflow. Any name that
@@ -84,4 +84,10 @@ MODELS = {
 }
 """Model adapters per framework."""
 
-
+SINKS = Registry("sink", {"jsonl": "hvdtrain.observe.sinks:JsonlSink",
+                          "console": "hvdtrain.observe.sinks:ConsoleSink",
+                          "tensorboard": "hvdtrain.observe.sinks:TensorBoardSink",
+                          "wandb": "hvdtrain.observe.sinks:WandbSink"})
+"""Metric sinks (:class:`hvdtrain.observe.records.Sink`), built by name by
+:func:`hvdtrain.observe.records.make_logger` and in the dashboards' writer process; an import path
+``package.module:Class`` names any other sink."""

@@ -17,11 +17,11 @@ from hvdtrain.data import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Loop, Position
-from hvdtrain.metrics import make_logger
+from hvdtrain.observe.records import make_logger
+from hvdtrain.observe.watchdog import StallWatchdog
 from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.resume import find_checkpoint, restore, trim_metrics
 from hvdtrain.signals import StopRequest
-from hvdtrain.watchdog import StallWatchdog
 
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml")
 
@@ -100,12 +100,12 @@ def train(cfg: Config) -> TrainResult:
     writer = engine.rank == 0
     run_dir = prepare_run_dir(cfg, writer, start)
     checkpoints = CheckpointManager(cfg.checkpoint, run_dir / "checkpoints", writer=writer)
-    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir, engine.rank, engine.size)
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir, engine.rank, engine.size,
+                             before_exit=lambda: logger.flush())  # the logger made below
     with StopRequest() as stop, watchdog as dog:
         loop = Loop(cfg, engine, dataset, checkpoints, start, stop, dog.beat)
         logger = make_logger(cfg, run_dir, writer, loop.total_steps, start_step=loop.pos.step,
                              resumed=start is not None)
-        dog.before_exit = logger.flush
         try:
             summary = loop.run(logger)
             logger.summary(summary)

@@ -33,8 +33,8 @@ import workload  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
 from hvdtrain.engine import Engine, make_engine  # noqa: E402
 from hvdtrain.loop import Loop  # noqa: E402
-from hvdtrain.metrics import MetricsLogger  # noqa: E402
-from hvdtrain.monitor import SystemSampler  # noqa: E402
+from hvdtrain.observe.records import MetricsLogger  # noqa: E402
+from hvdtrain.observe.system import SystemSampler  # noqa: E402
 from workload import (BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED,  # noqa: E402
                       SPLIT_SEED, TEST_FRACTION)
 

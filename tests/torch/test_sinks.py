@@ -123,8 +123,8 @@ def test_api_key_leaves_no_trace_in_the_run_directory(sink_run):
 
 
 def test_the_wandb_sink_keeps_w_and_b_error_reporting_off_unless_asked(tmp_path):
-    # It would load OpenTelemetry on the first log call, 0.14 s of CPU in the first second of training.
-    script = ("import sys; from hvdtrain.metrics import WandbSink; "
+    # It would load OpenTelemetry on the first log call, in the first second of training.
+    script = ("import sys; from hvdtrain.observe.sinks import WandbSink; "
               f"s = WandbSink({str(tmp_path)!r}, mode='offline', project='p', name='n', config={{}}); "
               "s.log({'step': 1, 'loss': 1.0}); s.close(); print('opentelemetry.sdk' in sys.modules)")
     for setting, loaded in ((None, "False"), ("true", "True")):

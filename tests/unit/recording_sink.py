@@ -1,4 +1,4 @@
-"""A sink for :mod:`hvdtrain.sinkproc`'s tests, built in the child process by its import path.
+"""A sink for :mod:`hvdtrain.observe.writer`'s tests, built in the child process by its import path.
 
 It appends what it is given to a JSON-lines file, flushed per line, so that a test can read what
 reached the child even while the child runs, and it notes the scheduling policy it runs under.
@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from hvdtrain.metrics import Sink
+from hvdtrain.observe.records import Sink
 
 
 class RecordingSink(Sink):

@@ -163,8 +163,8 @@ def test_alternation_mutes_records_and_system_samples_in_every_other_block_of_ep
     import hvdtrain_worker
 
     from hvdtrain.loop import Loop
-    from hvdtrain.metrics import MetricsLogger, Sink
-    from hvdtrain.monitor import SystemSampler
+    from hvdtrain.observe.records import MetricsLogger, Sink
+    from hvdtrain.observe.system import SystemSampler
 
     class Collect(Sink):
         def __init__(self) -> None:

@@ -11,7 +11,8 @@ import pytest
 from hvdtrain.checkpoint import CheckpointManager, atomic_write
 from hvdtrain.config import CheckpointConfig, OptimConfig
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.metrics import JsonlSink, MetricsLogger
+from hvdtrain.observe.records import MetricsLogger
+from hvdtrain.observe.sinks import JsonlSink
 from hvdtrain.registry import DATASETS, MODELS, Registry, import_object
 from hvdtrain.schedule import lr_at, peak_lr
 
@@ -21,7 +22,8 @@ FRAMEWORKS = "('torch', 'tensorflow', 'horovod', 'keras')"
 
 def test_import_hvdtrain_loads_no_framework():
     code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.trainer, "
-            "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, hvdtrain.report\n"
+            "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, "
+            "hvdtrain.observe.report, hvdtrain.observe.sinks, hvdtrain.observe.writer\n"
             f"bad = [m for m in {FRAMEWORKS} if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.metrics import ConsoleSink, MetricsLogger, ThrottledSink, scalar_tags, throttled
-from hvdtrain.monitor import Monitor, StepCosts, StragglerDetector, SystemSampler
-from hvdtrain.watchdog import verdict, where
+from hvdtrain.observe.ranks import Monitor, StepCosts, StragglerDetector
+from hvdtrain.observe.records import MetricsLogger, ThrottledSink, throttled
+from hvdtrain.observe.sinks import ConsoleSink, scalar_tags
+from hvdtrain.observe.system import SystemSampler
+from hvdtrain.observe.watchdog import verdict, where
 
 
 def summed(monitors: list[Monitor], costs: list[StepCosts], steps: int) -> dict[str, float]:

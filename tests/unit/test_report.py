@@ -11,7 +11,7 @@ import yaml
 
 from hvdtrain.cli import main
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.report import report
+from hvdtrain.observe.report import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

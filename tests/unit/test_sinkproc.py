@@ -1,4 +1,4 @@
-"""The metrics writer process (:mod:`hvdtrain.sinkproc`): order, draining, errors, signals, and a
+"""The dashboards' writer process (:mod:`hvdtrain.observe.writer`): order, draining, errors, signals, and a
 parent that dies; with a real child process and a recording sink built in it."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.sinkproc import SinkProcess
+from hvdtrain.observe.writer import SinkProcess
 
 TARGET = "tests.unit.recording_sink:RecordingSink"
 
@@ -79,7 +79,7 @@ def test_the_child_finishes_its_records_when_the_parent_is_killed(tmp_path):
     path = tmp_path / "seen.jsonl"
     parent = (
         "import os, signal\n"
-        "from hvdtrain.sinkproc import SinkProcess\n"
+        "from hvdtrain.observe.writer import SinkProcess\n"
         f"sink = SinkProcess([({TARGET!r}, {{'path': {str(path)!r}, 'delay_s': 0.01}})])\n"
         "for step in range(50):\n"
         "    sink.log({'step': step})\n"

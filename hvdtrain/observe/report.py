@@ -28,7 +28,7 @@ class Panel:
     keys: tuple[str, ...]
     ylabel: str
     log: bool = False
-    """A logarithmic y axis: a first step that traces or warms up costs 10-50x a steady one."""
+    """A logarithmic y axis: a first step that traces or warms up costs many times a steady one."""
 
 
 X_LABELS = {"step": "optimizer step", "time_s": "wall time (s)", "epoch": "epoch"}

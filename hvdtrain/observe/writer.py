@@ -1,19 +1,20 @@
-"""Metric sinks in a process of their own: :class:`SinkProcess` on rank 0, :func:`serve` in it.
+"""The dashboards' writer process: :class:`SinkProcess` on rank 0, :func:`serve` in the child.
 
-TensorBoard's protobufs and W&B's ``run.log`` cost 0.5 and 2 ms of Python per record. Run in the
+TensorBoard's protobufs and W&B's ``run.log`` cost milliseconds of Python per record. Run in the
 training process, even on a thread of their own, they hold the GIL while rank 0's training thread
-needs it, and every other rank waits for rank 0 at the next allreduce: measured step by step (see
-``docs/benchmarks.md``, monitoring), the two steps after each record took 2.5 ms more each. In a
-child process they cost the training process one JSON line written to a pipe per record, and the
-child runs in Linux's idle scheduling class (:func:`lower_priority`), so where training keeps every
-core busy it works in the gaps (the allreduce waits) instead of taking turns with training.
+needs it, and every other rank waits for rank 0 at the next allreduce. In a child process they
+cost the training process one JSON line written to a pipe per record, and the child runs in
+Linux's idle scheduling class (:func:`lower_priority`), so where training keeps every core busy it
+works in the gaps (the allreduce waits) instead of taking turns with training.
 
-The protocol, one JSON object per line on the child's stdin: first ``{"sinks": [[target,
-kwargs], ...]}`` (``target`` is ``"module:Class"`` of a :class:`hvdtrain.metrics.Sink`), then
-``{"log": record}`` or ``{"summary": summary}`` per call. The child answers on its stdout with
-``ready`` once its sinks are built, and ``error <message as JSON>`` when one fails. At the end of
-its stdin (``close``, or the death of the parent) it closes its sinks and exits, so a parent killed
-by a signal still leaves complete TensorBoard and W&B files behind. Framework-free.
+The child is ``python -m hvdtrain.observe.writer``: it finds hvdtrain the way the parent's
+interpreter does, installed or not. The protocol, one JSON object per line on the child's stdin:
+first ``{"sinks": [[name, kwargs], ...]}`` (``name`` is a :data:`hvdtrain.registry.SINKS` name or
+the ``"module:Class"`` of a :class:`hvdtrain.observe.records.Sink`), then ``{"log": record}`` or
+``{"summary": summary}`` per call. The child answers on its stdout with ``ready`` once its sinks
+are built, and ``error <message as JSON>`` when one fails. At the end of its stdin (``close``, or
+the death of the parent) it closes its sinks and exits, so a parent killed by a signal still
+leaves complete TensorBoard and W&B files behind. Framework-free.
 """
 
 from __future__ import annotations
@@ -25,38 +26,35 @@ import select
 import signal
 import subprocess
 import sys
-from pathlib import Path
 from typing import IO, Any, Sequence
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.registry import import_object
+from hvdtrain.registry import SINKS
 
 NICE = 10
 """Added to the child's niceness: training comes first when the cores are all busy."""
 PIPE_BYTES = 1 << 20
-"""The record pipe's capacity (Linux's default for unprivileged users at most): about 700 records
+"""The record pipe's capacity (Linux's default for unprivileged users at most): hundreds of records
 of slack before a write would wait for a child that has fallen behind."""
 CLOSE_TIMEOUT_S = 300.0
 """How long ``close`` waits for the child to drain and close its sinks (W&B's final sync)."""
 
 Spec = tuple[str, dict[str, Any]]
-"""A sink to build in the child: ``("module:Class", keyword arguments)``, JSON-serialisable."""
+"""A sink to build in the child: ``(SINKS name or "module:Class", keyword arguments)``,
+JSON-serialisable."""
 
 
 class SinkProcess:
-    """Rank 0's handle on the child: the :class:`hvdtrain.metrics.Sink` interface over a pipe.
+    """Rank 0's handle on the child: the :class:`~hvdtrain.observe.records.Sink` interface over a
+    pipe.
 
-    Construction waits until the child has built its sinks (W&B's ``init`` takes about a second),
+    Construction waits until the child has built its sinks (W&B's ``init`` talks to its service),
     so that a bad setting fails before training starts. A sink's error in the child is raised, as an
     :class:`HvdtrainError` with its message, by the next call after it.
     """
 
     def __init__(self, specs: Sequence[Spec]) -> None:
-        env = dict(os.environ)
-        # The child must import this hvdtrain, also when the parent found it through sys.path only.
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self._proc = subprocess.Popen([sys.executable, "-m", "hvdtrain.sinkproc"], env=env,
+        self._proc = subprocess.Popen([sys.executable, "-m", "hvdtrain.observe.writer"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin, self._stdout = self._proc.stdin, self._proc.stdout
@@ -158,7 +156,7 @@ def serve(stdin: IO[str], stdout: IO[str]) -> int:
 
     try:
         specs = json.loads(stdin.readline())["sinks"]
-        sinks = [import_object(target)(**kwargs) for target, kwargs in specs]
+        sinks = [SINKS.get(name)(**kwargs) for name, kwargs in specs]
     except Exception as exc:  # noqa: BLE001  (reported to the parent, which raises it)
         report(exc)
         return 1
@@ -189,7 +187,7 @@ def serve(stdin: IO[str], stdout: IO[str]) -> int:
 
 
 def main() -> int:
-    """Entry point of the child (``python -m hvdtrain.sinkproc``)."""
+    """Entry point of the child (``python -m hvdtrain.observe.writer``)."""
     # First, so that W&B's service process, started by wandb.init, inherits the idle class too.
     lower_priority()
     # Signals meant for the job (Ctrl-C, Slurm's USR1 and TERM) are the parent's to act on; the

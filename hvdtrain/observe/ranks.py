@@ -1,22 +1,20 @@
-"""Run health per log interval: where step time goes, bytes on the wire, system load, stragglers.
+"""Per-rank costs per log interval: where step time goes, bytes on the wire, stragglers.
 
 Everything rides on the loop's one metrics allreduce per log interval, so monitoring adds no
 collective. Each rank puts its own numbers under rank-indexed keys (``mon.cpu.3`` holds rank 3's
 CPU and 0 on every other rank); the sum over ranks then gives every rank every rank's value, the same
 trick as the loop's ``nonfinite.<r>`` control. Per-step work is one ``perf_counter`` pair and the
-engine's ``step_stats()``; the process (CPU clock, ``/proc``) and the GPU (NVML) are sampled once
-per interval.
+engine's ``step_stats()``; the system (:mod:`hvdtrain.observe.system`) is sampled once per interval.
 Framework-free.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from hvdtrain.observe.system import SystemSampler
 
 STAT_KEYS = ("data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional)."""
@@ -25,7 +23,8 @@ TIME_NAMES = {"data_s": "data_time_s", "compute_s": "compute_time_s", "comm_s": 
 """Record key of each per-step time: its mean over the window's steps and the ranks."""
 
 PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "gpu_mem": "gpu_mem_mb"}
-"""System samples sent per rank, and the record key prefix of each (``cpu_percent_rank0``)."""
+"""System samples sent per rank (:meth:`SystemSampler.sample`'s names), and the record key prefix
+of each (``cpu_percent_rank0``)."""
 
 PREFIX = "mon."
 
@@ -60,66 +59,6 @@ class StepCosts:
     def own_time(self) -> float:
         """Time in ``train_step`` less the wait for other ranks: what makes a rank slow."""
         return max(self.wall_s - self.stats.get("comm_s", 0.0), 0.0)
-
-
-class SystemSampler:
-    """CPU utilisation and resident memory of this process, and its GPU through NVML if any.
-
-    ``cpu`` is percent of one core since the previous sample (200 = two cores busy): the process's
-    CPU time (every thread, user and system) over the wall time between samples. ``rss`` is read
-    from ``/proc/self/statm`` (absent where there is no ``/proc``). A sample takes 0.04-0.06 ms in a
-    training rank; ``psutil``, which this replaced, took 0.4 ms (it re-reads ``/proc`` and ``/sys``
-    several times to guard against pid reuse), and every rank pays for a sample before the metrics
-    allreduce. NVML is used only when ``pynvml`` imports and finds a device; any failure turns GPU
-    sampling off quietly.
-    """
-
-    def __init__(self, local_rank: int) -> None:
-        self._page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
-        # Opened once: inside a training rank, opening a /proc file took 0.2 ms, a re-read 0.01.
-        try:
-            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY)
-            weakref.finalize(self, os.close, self._statm)
-        except OSError:  # not Linux: no resident memory figure
-            self._statm = None
-        self._wall, self._cpu = time.monotonic(), time.process_time()
-        self._nvml = _nvml_handle(local_rank)
-
-    def sample(self) -> dict[str, float]:
-        """The current readings under :data:`PER_RANK`'s short names."""
-        wall, cpu = time.monotonic(), time.process_time()
-        elapsed = wall - self._wall
-        out = {"cpu": 100.0 * (cpu - self._cpu) / elapsed if elapsed > 0 else 0.0}
-        self._wall, self._cpu = wall, cpu
-        if self._statm is not None:
-            # statm: sizes in pages; the second field is the resident set.
-            out["rss"] = int(os.pread(self._statm, 256, 0).split()[1]) * self._page_mb
-        if self._nvml is not None:
-            try:
-                nvml, handle = self._nvml
-                out["gpu"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                out["gpu_mem"] = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-            except Exception:  # a driver hiccup must not end training; stop asking
-                self._nvml = None
-        return out
-
-
-def _nvml_handle(local_rank: int) -> tuple[Any, Any] | None:
-    """``(pynvml, device handle)`` of this rank's GPU, or None without pynvml, driver or device."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        ids = [int(v) for v in visible.split(",") if v.strip().isdigit()]
-        count = pynvml.nvmlDeviceGetCount()
-        if not count:
-            return None
-        # NVML numbers all devices; CUDA_VISIBLE_DEVICES, when set, says which ones this job has.
-        index = ids[local_rank % len(ids)] if ids else local_rank % count
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # ImportError, NVMLError (no driver): no GPU metrics, nothing else changes
-        return None
 
 
 @dataclass(frozen=True)

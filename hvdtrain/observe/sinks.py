@@ -1,18 +1,15 @@
-"""Metric sinks and the rank-0 discipline: every rank calls ``log``; only rank 0 writes.
+"""Where records go: ``metrics.jsonl``, the console, and the dashboards (TensorBoard, W&B).
 
-Records are flat dicts of numbers (plus an ``events`` list when something happened, such as a
-straggler). ``metrics.jsonl`` gets one JSON object per logged step; the console gets a progress bar
-or plain lines, and TensorBoard and Weights & Biases the numbers as scalars tagged ``train/<key>``,
-``eval/<key>`` and ``system/<key>``, each at most one record a second by default
-(:class:`ThrottledSink`). Their packages are imported only when their sink is made, so importing
-this module loads neither (nor any framework).
+:func:`hvdtrain.observe.records.make_logger` builds them by their names in
+:data:`hvdtrain.registry.SINKS`. TensorBoard and W&B are built in the writer process only
+(:mod:`hvdtrain.observe.writer`) and import their packages when made, so importing this module
+loads neither (nor any framework). They get the numbers as scalars tagged ``train/<key>``,
+``eval/<key>`` and ``system/<key>``.
 """
 
 from __future__ import annotations
 
-import abc
 import json
-import math
 import os
 import secrets
 import socket
@@ -23,33 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.sinkproc import SinkProcess, Spec
-
-
-class Sink(abc.ABC):
-    """One destination for metric records."""
-
-    @abc.abstractmethod
-    def log(self, record: dict[str, Any]) -> None:
-        """Writes one record."""
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        """Records the run's final summary; most sinks have no place for it."""
-
-    def flush(self) -> None:
-        """Writes out what the sink holds back (most sinks hold nothing)."""
-
-    def rewind(self, step: int) -> None:
-        """Forgets held-back records of steps after ``step``, which the run trains again (an
-        elastic reset to its last commit); most sinks hold nothing."""
-
-    def close(self) -> None:
-        """Flushes and releases what the sink holds."""
-
-    def before_warning(self) -> None:
-        """Called before a warning goes to stderr (the console ends its progress bar's line)."""
+from hvdtrain.observe.records import Sink, has_eval
 
 
 class JsonlSink(Sink):
@@ -58,11 +30,9 @@ class JsonlSink(Sink):
 
     Records are held and written together at most every ``every_s`` seconds (0: each at once), and
     by :meth:`flush`, which the loop calls before each checkpoint and elastic commit and the stall
-    watchdog before it ends the job, so what a resume or a reader relies on is on disk. Why: inside
-    a training rank, with the encoder and the file cold after every step, a record encoded and
-    flushed alone took 0.14-0.16 ms (0.1 to encode, 0.05 to write), against 0.04-0.07 ms each for
-    records held and written together (40-epoch PyTorch runs, 4 ms steps), and every other rank
-    waits for rank 0 at the next allreduce.
+    watchdog before it ends the job, so what a resume or a reader relies on is on disk. Why: with
+    the encoder and the file cold after every step, a record encoded and written alone costs rank 0
+    more than its share of a batch, and every other rank waits for rank 0 at the next allreduce.
     ``flush`` may come from another thread (the watchdog's) while the training thread is stuck.
     """
 
@@ -108,60 +78,13 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def _has_eval(record: dict[str, Any]) -> bool:
-    return "eval_accuracy" in record or "eval_loss" in record
-
-
-class ThrottledSink(Sink):
-    """Hands ``sink`` at most one record every ``every_s`` seconds of run time (``time_s``).
-
-    The first record always goes, and so does every record that a reader must not miss: one with
-    an evaluation, one with events (a straggler), and the last step's (``step >= total_steps``).
-    The console and the dashboards (TensorBoard, W&B) sit behind one each (``log.console_every_s``,
-    ``log.dashboard_every_s``); ``metrics.jsonl`` gets every record.
-    """
-
-    def __init__(self, sink: Sink, every_s: float, total_steps: int) -> None:
-        self._sink, self._every_s, self._total = sink, every_s, total_steps
-        self._passed_at = -math.inf  # the run time (record's time_s) of the last record passed
-
-    def due(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` goes to the sink (it does not note that it went)."""
-        kept = _has_eval(record) or bool(record.get("events")) or record["step"] >= self._total
-        return kept or record.get("time_s", 0.0) - self._passed_at >= self._every_s
-
-    def log(self, record: dict[str, Any]) -> None:
-        if self.due(record):
-            self._passed_at = record.get("time_s", 0.0)
-            self._sink.log(record)
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        self._sink.summary(summary)
-
-    def flush(self) -> None:
-        self._sink.flush()
-
-    def rewind(self, step: int) -> None:
-        self._sink.rewind(step)
-
-    def before_warning(self) -> None:
-        self._sink.before_warning()
-
-    def close(self) -> None:
-        self._sink.close()
-
-
-def throttled(sink: Sink, every_s: float, total_steps: int) -> Sink:
-    """``sink`` behind a :class:`ThrottledSink`, or ``sink`` itself when ``every_s`` is 0."""
-    return ThrottledSink(sink, every_s, total_steps) if every_s > 0 else sink
-
-
 class ConsoleSink(Sink):
     """Progress on rank 0's stdout: plain periodic lines (CI logs, Slurm output files) or a bar.
 
-    :func:`make_logger` puts it behind a :class:`ThrottledSink` (``log.console_every_s``): every
-    line costs the writing rank a pipe write and a wake-up of ``horovodrun``'s forwarder (0.2 ms
-    measured), and 20 lines a second help nobody reading a log.
+    :func:`~hvdtrain.observe.records.make_logger` puts it behind a
+    :class:`~hvdtrain.observe.records.ThrottledSink` (``log.console_every_s``): every line costs the
+    writing rank a pipe write and a wake-up of ``horovodrun``'s forwarder, and 20 lines a second
+    help nobody reading a log.
 
     The bar is one line redrawn in place: epoch, a bar of the run's steps, step/total, ETA, loss,
     accuracy and samples/s. It ends each redraw with a carriage return, which ``horovodrun``
@@ -186,7 +109,7 @@ class ConsoleSink(Sink):
             print(f"{head} {body}", file=self._stream, flush=True)
             return
         line = self.bar_line(record)
-        if _has_eval(record):
+        if has_eval(record):
             evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy") if k in record)
             self._stream.write(f"{line} {evals}".ljust(self._drawn) + "\n")
             self._drawn = 0
@@ -241,7 +164,6 @@ def scalar_tags(record: dict[str, Any]) -> dict[str, float]:
         else:
             tags[("system/" if key.startswith(SYSTEM_KEYS) else "train/") + key] = float(value)
     return tags
-
 
 
 class TensorBoardSink(Sink):
@@ -310,9 +232,9 @@ class WandbSink(Sink):
         if mode == "online" and not os.environ.get("WANDB_API_KEY"):
             raise HvdtrainError("log.wandb=online needs WANDB_API_KEY in the environment "
                                 "(or log.wandb=offline, then `wandb sync` the run later)")
-        # W&B's own error reporting loads OpenTelemetry (118 modules) on the first log call: 0.14 s
-        # of CPU in the first second of training, to report to W&B's servers, which an offline run
-        # cannot reach. Off unless the user asks for it; this runs in the writer process only.
+        # W&B's own error reporting loads OpenTelemetry on the first log call: CPU time taken in
+        # the first second of training, to report to W&B's servers, which an offline run cannot
+        # reach. Off unless the user asks for it; this runs in the writer process only.
         os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
         import wandb
 
@@ -338,82 +260,3 @@ class WandbSink(Sink):
         # The service process holds the offline run's last records until it is torn down; teardown
         # also removes the WANDB_SERVICE variable that wandb.init put into this process's environment.
         self._wandb.teardown()
-
-
-class MetricsLogger:
-    """Fans records out to the sinks; on ranks other than 0 it holds none and does nothing.
-
-    ``writer`` says whether this is the rank that writes (default: whether it has sinks); only the
-    writer prints warnings, so that a warning that every rank reaches appears once.
-    """
-
-    def __init__(self, sinks: list[Sink], writer: bool | None = None) -> None:
-        self._sinks = sinks
-        self.writer = bool(sinks) if writer is None else writer
-
-    def warn(self, message: str) -> None:
-        """Prints ``hvdtrain: warning: <message>`` to stderr on the writing rank."""
-        if not self.writer:
-            return
-        for sink in self._sinks:
-            sink.before_warning()
-        print(f"hvdtrain: warning: {message}", file=sys.stderr, flush=True)
-
-    def log(self, record: dict[str, Any]) -> None:
-        """Writes ``record`` to every sink; non-finite numbers become null in JSON."""
-        if not self._sinks:  # every rank but 0, and rank 0 with every sink off
-            return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in record.items()}
-        for sink in self._sinks:
-            sink.log(clean)
-
-    def summary(self, summary: dict[str, Any]) -> None:
-        """Hands the run's final summary to every sink (W&B keeps it as the run summary)."""
-        for sink in self._sinks:
-            sink.summary(summary)
-
-    def flush(self) -> None:
-        """Writes out what any sink holds back (``metrics.jsonl``'s held records): called before a
-        checkpoint or commit, and at a stall; safe from another thread."""
-        for sink in self._sinks:
-            sink.flush()
-
-    def rewind(self, step: int) -> None:
-        """Forgets held-back records of steps after ``step`` (an elastic reset trains them again)."""
-        for sink in self._sinks:
-            sink.rewind(step)
-
-    def close(self) -> None:
-        """Closes every sink."""
-        for sink in self._sinks:
-            sink.close()
-
-
-def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, start_step: int = 0,
-                resumed: bool = False) -> MetricsLogger:
-    """Rank 0 logs to each sink that ``cfg.log`` turns on (a resumed run continues its event files
-    and its W&B run); the other ranks get no sinks."""
-    log, sinks = cfg.log, []
-    if writer:
-        if log.jsonl:
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl", log.jsonl_every_s))
-        if log.console:
-            bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
-            console = ConsoleSink(total_steps, epochs=cfg.train.epochs, bar=bar, start_step=start_step)
-            sinks.append(throttled(console, log.console_every_s, total_steps))
-        # TensorBoard and W&B cost milliseconds of Python per record: they write from a child
-        # process (hvdtrain.sinkproc), which takes that work and the GIL it holds off training. Where
-        # every core trains, that CPU time still comes out of training (about 4 ms a record, most of
-        # it W&B's), hence the throttle, at W&B's advice of under one log call a second by default.
-        remote: list[Spec] = []
-        if log.tensorboard:
-            remote.append(("hvdtrain.metrics:TensorBoardSink",
-                           {"logdir": str(run_dir / "tensorboard"), "fresh": not resumed}))
-        if log.wandb != "disabled":
-            remote.append(("hvdtrain.metrics:WandbSink",
-                           {"run_dir": str(run_dir), "mode": log.wandb, "project": log.wandb_project,
-                            "name": cfg.name, "config": cfg.to_dict(), "resumed": resumed}))
-        if remote:
-            sinks.append(throttled(SinkProcess(remote), log.dashboard_every_s, total_steps))
-    return MetricsLogger(sinks, writer=writer)

@@ -10,9 +10,9 @@ the next collective, forever. Every rank runs a watchdog thread. When its rank h
 3. waits briefly for the other ranks' notes (they stall at about the same time, since they wait for
    the same rank) and the lowest rank that has a note writes the verdict to ``stall.txt`` and
    stderr: which ranks stopped and where, and which wait for them;
-4. calls :attr:`StallWatchdog.before_exit` (rank 0 writes out the metrics records it holds, the
-   last ones before the stall) and exits with code 1, and the launcher ends the other ranks: the
-   job fails instead of hanging.
+4. calls its ``before_exit`` (rank 0 writes out the metrics records it holds, the last ones
+   before the stall) and exits with code 1, and the launcher ends the other ranks: the job fails
+   instead of hanging.
 
 A rank whose Python is blocked for good (native code holding the GIL) writes no note; it is
 reported as stopped, and ``faulthandler`` (a C thread, armed as a backstop a little later) still
@@ -86,10 +86,18 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class StallWatchdog:
-    """Re-armed by :meth:`beat` after every step and evaluation; disarmed on leaving the block."""
+    """Re-armed by :meth:`beat` after every step and evaluation; disarmed on leaving the block.
 
-    def __init__(self, timeout_s: float, run_dir: Path, rank: int, size: int = 1) -> None:
+    ``timeout_s`` of no progress is a stall (0: no watchdog). Notes, stacks and the verdict go to
+    ``run_dir``; ``rank`` and ``size`` say which rank this is and how many notes to wait for.
+    ``before_exit`` is called on the watchdog's thread just before a stall ends the process (an
+    error in it is printed as a warning: the stall is the error to report).
+    """
+
+    def __init__(self, timeout_s: float, run_dir: Path, rank: int, size: int = 1, *,
+                 before_exit: Callable[[], None] = lambda: None) -> None:
         self.timeout_s, self.run_dir, self.rank, self.size = timeout_s, run_dir, rank, size
+        self._before_exit = before_exit
         self.path = run_dir / f"stacks-rank{rank}.txt"
         # Long enough for every stalled rank to note where it is; short against the timeout.
         self.grace_s = min(max(timeout_s / 2, 2.0), 15.0)
@@ -98,8 +106,6 @@ class StallWatchdog:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._main = threading.main_thread().ident
-        self.before_exit: Callable[[], None] = lambda: None
-        """Called on the watchdog's thread just before a stall ends the process."""
 
     def __enter__(self) -> "StallWatchdog":
         if self.timeout_s > 0:
@@ -158,7 +164,7 @@ class StallWatchdog:
         else:  # let the reporting rank finish before this exit makes the launcher end the job
             self._wait_for(lambda: (self.run_dir / "stall.txt").exists())
         try:
-            self.before_exit()
+            self._before_exit()
         except Exception as exc:  # noqa: BLE001  (the stall is the error to report, and exit)
             print(f"hvdtrain: warning: at the stall exit: {exc}", file=sys.stderr, flush=True)
         state = "waiting in Horovod" if waiting else f"stopped in {location}"
