@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -158,3 +159,17 @@ def test_the_stall_verdict_names_stopped_silent_and_waiting_ranks():
 def test_where_tells_waiting_in_horovod_from_stopped():
     waiting, location = where(sys._getframe())
     assert not waiting and location.startswith("test_where_tells_waiting_in_horovod_from_stopped (")
+
+
+def test_a_stall_calls_before_exit_then_ends_the_process_with_its_report(tmp_path):
+    # In a child: the watchdog ends its process with os._exit.
+    code = ("import time; from pathlib import Path; from hvdtrain.observe.watchdog import StallWatchdog\n"
+            f"run = Path({str(tmp_path)!r})\n"
+            "flush = lambda: (run / 'flushed').write_text('yes')\n"
+            "with StallWatchdog(0.5, run, 0, before_exit=flush):\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert (tmp_path / "flushed").read_text() == "yes"
+    assert "Rank 0" in (tmp_path / "stall.txt").read_text()
+    assert "rank 0 stalled" in proc.stderr

@@ -46,6 +46,8 @@ def test_a_sink_that_cannot_start_fails_the_constructor_with_its_reason(tmp_path
         SinkProcess([(TARGET, {"path": str(tmp_path / "x"), "fail_open": True})])
     with pytest.raises(HvdtrainError, match="cannot import 'no_such_module'"):
         SinkProcess([("no_such_module:Sink", {})])
+    with pytest.raises(HvdtrainError, match="unknown sink 'tb'; known: console, jsonl, tensorboard"):
+        SinkProcess([("tb", {})])  # the child builds sinks by their names in registry.SINKS
 
 
 def test_a_sink_error_is_raised_by_a_later_call_and_by_close(tmp_path):
