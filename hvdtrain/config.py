@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from hvdtrain.compression import METHODS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key
 from hvdtrain.errors import ConfigError
 
@@ -88,9 +89,6 @@ class OptimConfig:
     """Learning-rate shape after warm-up."""
 
 
-COMPRESSIONS = ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
-"""The ``comm.compression`` methods; their math is :mod:`hvdtrain.compression.reference`."""
-
 BF16_REFUSED = ("comm.compression='bf16': Horovod 0.28.1 cannot carry it: its PyTorch ops refuse "
                 "torch.bfloat16 ('Tensor type torch.BFloat16Tensor is not supported', Gloo and MPI, "
                 "checked on CPU); use fp16")
@@ -98,7 +96,7 @@ BF16_REFUSED = ("comm.compression='bf16': Horovod 0.28.1 cannot carry it: its Py
 
 @dataclass(kw_only=True)
 class CommConfig:
-    compression: str = _opt("none", choices=COMPRESSIONS)
+    compression: str = _opt("none", choices=METHODS)
     """Gradient compression on the wire: ``none``, ``fp16`` (Horovod's), ``topk`` and ``randomk``
     (sparsification), ``qsgd`` (8-bit stochastic quantization) or ``powersgd`` (low rank)."""
     ratio: float = _opt(0.01, max=1.0)

@@ -1,2 +1,41 @@
-"""Gradient compression: the framework-free math (:mod:`hvdtrain.compression.reference`) that the
-torch and TensorFlow kernels implement and are tested against."""
+"""Gradient compression, framework-free: the registry of methods (:data:`PLANS`), a plan per method
+(:mod:`~hvdtrain.compression.plans`: tensors, rounds of collectives, state, byte counts), its state
+and re-sharding (:mod:`~hvdtrain.compression.state`), the exchange that runs a plan
+(:mod:`~hvdtrain.compression.exchange`) and the NumPy spec the framework kernels are tested against
+(:mod:`~hvdtrain.compression.reference`).
+
+This module imports neither a framework nor :mod:`hvdtrain.config` (which validates
+``comm.compression`` against :data:`METHODS`); plans load when :func:`make_plan` first needs one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from hvdtrain.registry import Registry
+
+if TYPE_CHECKING:
+    from hvdtrain.compression.plans import CommSettings, Plan
+
+_ENTRIES = {
+    "none": "hvdtrain.compression.plans:Plan",
+    "fp16": "hvdtrain.compression.plans:Half",
+    "topk": "hvdtrain.compression.plans:TopK",
+    "randomk": "hvdtrain.compression.plans:RandomK",
+    "qsgd": "hvdtrain.compression.plans:QSGD",
+    "powersgd": "hvdtrain.compression.plans:PowerSGD",
+}
+
+METHODS: tuple[str, ...] = tuple(_ENTRIES)
+"""The ``comm.compression`` methods, in the order they are documented."""
+
+PLANS = Registry("compression method", _ENTRIES)
+"""Method name -> its :class:`~hvdtrain.compression.plans.Plan` class."""
+
+
+def make_plan(comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]]) -> Plan:
+    """The plan of ``comm.compression`` for gradients of these shapes (the model's order).
+
+    ``seed`` is the run's seed, never ``seed + rank``: draws that ranks share must agree.
+    """
+    return PLANS.get(comm.compression)(comm, seed, shapes)

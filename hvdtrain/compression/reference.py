@@ -32,7 +32,9 @@ Methods:
   and ``code = sign(x) * floor(|x| / scale * 127 + u)`` as int8, ``u ~ U[0, 1)`` float32, one draw per
   element (0 codes where ``scale == 0``). Decoding is ``code * (scale / 127)``. ``E[floor(y + u)] =
   y``, so the decoded tensor is unbiased. The noise ``u`` is an argument: tests pass the same array
-  to the reference and the kernel; in training each kernel draws it from its framework's generator.
+  to the reference and the kernel. In training it is stateless: each framework draws it from its
+  own generator seeded with :func:`noise_seed` of ``(seed, rank, step, index)``, so a resumed run
+  draws what an uninterrupted one would, and ranks draw independently (less variance in the mean).
   Codes with different scales are not summable (and int8 sums overflow), so ranks allgather codes
   and scales and each decodes and averages them all. Wire: ``n + 4 * ceil(n / bucket)`` bytes per rank.
 - **powersgd** (Vogels et al., 2019): for the matrix ``M`` (rows x cols) and rank
@@ -42,7 +44,8 @@ Methods:
   the result is ``P Q^T``. A rank's own contribution is ``P (M^T P)^T``, which feeds error feedback.
   At full rank ``P P^T`` projects onto the column space of ``M``, so the result is the exact mean.
   Wire: ``4 r (rows + cols)`` bytes per rank.
-- Tensors that a method does not compress (see :func:`compressible`) are averaged densely as float32.
+- Tensors that a method does not compress (:func:`large_enough`, and for PowerSGD also
+  :func:`low_rank_pays`) are averaged densely as float32.
 """
 
 from __future__ import annotations
@@ -55,9 +58,6 @@ import numpy as np
 QSGD_LEVELS = 127
 """Quantization levels of qsgd on each side of zero: codes lie in [-127, 127] (int8)."""
 
-FEEDBACK_METHODS = ("topk", "randomk", "powersgd")
-"""The methods that use error feedback when ``comm.error_feedback`` is on (qsgd is unbiased)."""
-
 GRAM_SCHMIDT_EPS = 1e-8
 """Added to a column's norm before dividing, so that an all-zero column stays zero."""
 
@@ -67,6 +67,12 @@ def philox(seed: int, step: int, index: int) -> np.random.Generator:
     if not (0 <= step < 2**32 and 0 <= index < 2**32):
         raise ValueError(f"step={step} and index={index} must lie in [0, 2**32)")
     return np.random.Generator(np.random.Philox(key=[seed, (step << 32) | index]))
+
+
+def noise_seed(seed: int, rank: int, step: int, index: int) -> int:
+    """The seed in ``[0, 2**63)`` of qsgd's noise for tensor ``index`` on ``rank`` at ``step``."""
+    words = np.random.SeedSequence([seed, rank, step, index]).generate_state(1, np.uint64)
+    return int(words[0] >> np.uint64(1))
 
 
 def num_selected(n: int, ratio: float) -> int:
@@ -80,22 +86,20 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return rows, int(np.prod(shape)) // max(rows, 1)
 
 
-def compressible(method: str, shape: Sequence[int], min_size: int, rank: int = 2) -> bool:
-    """Whether ``method`` compresses a tensor of ``shape`` (otherwise it travels dense, float32).
-
-    Tensors under ``min_size`` elements never do; PowerSGD also leaves vectors and matrices whose
-    factors would not be smaller than the matrix itself.
-    """
+def large_enough(shape: Sequence[int], min_size: int) -> bool:
+    """Whether a tensor of ``shape`` is worth compressing: tensors under ``min_size`` elements (and
+    empty ones) travel dense, float32."""
     n = int(np.prod(shape)) if len(shape) else 1
-    if method in ("none", "fp16") or n < max(min_size, 1):
+    return n >= max(min_size, 1)
+
+
+def low_rank_pays(shape: Sequence[int], rank: int) -> bool:
+    """Whether PowerSGD's factors of ``shape`` are smaller than the tensor: never for a vector."""
+    if len(shape) < 2:
         return False
-    if method == "powersgd":
-        if len(shape) < 2:
-            return False
-        rows, cols = matrix_shape(shape)
-        r = min(rank, rows, cols)
-        return r * (rows + cols) < rows * cols
-    return True
+    rows, cols = matrix_shape(shape)
+    r = min(rank, rows, cols)
+    return r * (rows + cols) < rows * cols
 
 
 def error_feedback(grad: np.ndarray, residual: np.ndarray | None) -> np.ndarray:

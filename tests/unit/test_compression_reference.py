@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
+from hvdtrain.compression import METHODS, PLANS, make_plan, state
 from hvdtrain.compression import reference as ref
-from hvdtrain.config import load_config
-from hvdtrain.errors import ConfigError
+from hvdtrain.config import CommConfig, load_config
+from hvdtrain.errors import ConfigError, HvdtrainError
 
 
 def _vec(n: int, seed: int = 0) -> np.ndarray:
@@ -118,14 +119,11 @@ def test_powersgd_low_rank_is_an_orthogonal_projection():
     np.testing.assert_allclose(p.T @ p, np.eye(3), atol=1e-5)
 
 
-def test_what_each_method_compresses():
-    assert not ref.compressible("topk", (100,), min_size=1024)      # small: dense
-    assert ref.compressible("topk", (128,), min_size=0)
-    assert not ref.compressible("powersgd", (4096,), min_size=0)    # a vector
-    assert ref.compressible("powersgd", (64, 128), min_size=1024, rank=2)
-    assert not ref.compressible("powersgd", (4, 4), min_size=0, rank=2)  # factors not smaller
-    assert not ref.compressible("fp16", (4096, 10), min_size=0)
-    assert ref.num_selected(8192, 0.01) == 81 and ref.num_selected(10, 0.01) == 1
+def test_noise_seeds_differ_by_rank_step_and_tensor_and_repeat():
+    seeds = {ref.noise_seed(1, rank, step, index)
+             for rank in range(3) for step in range(1, 4) for index in range(3)}
+    assert len(seeds) == 27 and all(0 <= s < 2**63 for s in seeds)
+    assert ref.noise_seed(1, 2, 3, 0) == ref.noise_seed(1, 2, 3, 0) != ref.noise_seed(2, 2, 3, 0)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -148,3 +146,77 @@ def test_mnist1d_is_registered_and_generated_locally():
     assert data.spec().input_shape == (40,) and data.spec().num_classes == 10
     assert (len(data.train()), len(data.test())) == (4000, 1000)
     assert data.train().x.dtype == np.float32 and set(np.unique(data.train().y)) == set(range(10))
+
+
+# the framework-free plans and state ------------------------------------------------------------
+
+SHAPES = [(64, 128), (128,), (100,), (4, 4), (4096,)]
+
+
+def _plan(method: str, **kw):
+    return make_plan(CommConfig(compression=method, **{"min_size": 1024, "rank": 2, **kw}), 0, SHAPES)
+
+
+def test_the_method_names_live_in_the_registry_and_config_validates_with_them():
+    assert METHODS == ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
+    assert tuple(sorted(PLANS)) == tuple(sorted(METHODS))
+    with pytest.raises(HvdtrainError, match="unknown compression method 'zip'; known: fp16, none"):
+        PLANS.get("zip")
+
+
+def test_what_each_method_compresses():
+    compressed = {m: [t.compressed for t in _plan(m).tensors] for m in METHODS}
+    assert compressed["none"] == compressed["fp16"] == [False] * 5
+    # under min_size: dense; PowerSGD also leaves vectors and matrices its factors do not shrink
+    assert compressed["topk"] == compressed["randomk"] == compressed["qsgd"] == [
+        True, False, False, False, True]
+    assert compressed["powersgd"] == [True, False, False, False, False]
+    assert [t.compressed for t in _plan("powersgd", min_size=0).tensors] == [
+        True, False, False, False, False]
+    assert _plan("topk", min_size=0).tensors[3].compressed
+    assert ref.num_selected(8192, 0.01) == 81 and ref.num_selected(10, 0.01) == 1
+
+
+def test_plans_count_the_bytes_each_method_promises():
+    dense = 4 * (64 * 128 + 128 + 100 + 16 + 4096)
+    uncompressed = 4 * (128 + 100 + 16)
+    assert _plan("none").wire_bytes() == _plan("none").dense_bytes() == dense
+    assert _plan("fp16").wire_bytes() * 2 == dense
+    k = ref.num_selected(8192, 0.01), ref.num_selected(4096, 0.01)
+    assert _plan("topk").wire_bytes() == 8 * sum(k) + uncompressed
+    assert _plan("randomk").wire_bytes() == 4 * sum(k) + uncompressed
+    assert _plan("qsgd", bucket=512).wire_bytes() == 8192 + 4 * 16 + 4096 + 4 * 8 + uncompressed
+    assert _plan("powersgd").wire_bytes() == 4 * 2 * (64 + 128) + uncompressed + 4 * 4096
+    assert {m: _plan(m).dense_bytes() for m in METHODS} == dict.fromkeys(METHODS, dense)
+
+
+def test_each_methods_state():
+    assert [s.key for s in _plan("topk").slots()] == ["residual/0", "residual/4"]
+    assert _plan("topk", error_feedback=False).slots() == _plan("qsgd").slots() == []
+    slots = _plan("powersgd").slots()
+    assert [(s.key, s.per_rank) for s in slots] == [("residual/0", True), ("q/0", False)]
+    np.testing.assert_array_equal(slots[1].initial, ref.powersgd_initial_q((64, 128), 2, 0, 0))
+    assert [p.rounds for p in map(_plan, METHODS)] == [1, 1, 1, 1, 1, 2]
+
+
+def test_resharding_keeps_each_ranks_rows_or_what_the_ranks_owe_together():
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert state.reshard(rows, 3) is rows
+    for size in (1, 2, 5):
+        out = state.reshard(rows, size)
+        assert out.shape == (size, 4) and out.dtype == np.float32
+        np.testing.assert_allclose(out.mean(axis=0), rows.mean(axis=0), rtol=1e-6)
+        assert all(np.array_equal(r, out[0]) for r in out)
+
+
+def test_a_checkpoint_entry_round_trips_and_refuses_another_methods_state():
+    slots = _plan("powersgd").slots()
+    entry = state.pack("powersgd", 7, {"q/0": np.ones((128, 2), np.float32),
+                                       "residual/0": np.zeros((2, 8192), np.float32)})
+    saved = state.unpack(entry, "powersgd", slots, "ckpt")
+    assert saved.step == 7 and set(saved.shared) == {"q/0"} and saved.rows["residual/0"].shape == (2, 8192)
+    with pytest.raises(HvdtrainError, match="ckpt: its compression state is for 'powersgd', this run "
+                                            "uses comm.compression='topk'"):
+        state.unpack(entry, "topk", _plan("topk").slots(), "ckpt")
+    # a method without state may follow any other
+    assert state.unpack(state.pack("qsgd", 3, {}), "topk", _plan("topk").slots(), "x").step == 3

@@ -1,0 +1,240 @@
+"""Per compression method, the framework-free plan: which tensors it compresses, what each sends
+in which round (allgathered or averaged), its state, its host-side draws and its byte counts.
+
+A plan's stages are written once against :class:`~hvdtrain.compression.kernels.Kernels`; the
+framework exchanges (:mod:`hvdtrain.compression.exchange`) run them. Per compressed tensor, stage 0
+(:meth:`Plan.start`) turns ``acc`` (the flat gradient, plus the residual under error feedback)
+into a :class:`Message`; after each round's collectives, :meth:`Plan.advance` turns what came back
+into the next message, and the last round's into the flat average (:attr:`Stage.out`). Tensors a
+method does not compress are averaged in round 1 as ``dense_dtype``. The math is
+:mod:`hvdtrain.compression.reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+from hvdtrain.compression import reference as ref
+from hvdtrain.compression.kernels import Context, Tensor
+from hvdtrain.compression.state import Q, RESIDUAL, Slot, slot_key
+
+
+class CommSettings(Protocol):
+    """The ``comm`` settings a plan reads (:class:`hvdtrain.config.CommConfig` has them)."""
+
+    compression: str
+    ratio: float
+    error_feedback: bool
+    rank: int
+    min_size: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One gradient tensor as its method sees it."""
+
+    index: int
+    shape: tuple[int, ...]
+    size: int
+    compressed: bool
+
+
+class Message(NamedTuple):
+    """What one tensor hands to a round's collectives."""
+
+    gather: tuple = ()
+    """Allgathered: every rank receives all ranks' tensors, concatenated in rank order."""
+    mean: tuple = ()
+    """Averaged over the ranks (allreduce)."""
+
+
+class Stage(NamedTuple):
+    """A plan stage's result for one tensor."""
+
+    send: Message = Message()
+    """For the next round (empty after the last)."""
+    carry: tuple = ()
+    """Tensors the next stage needs."""
+    sent: Tensor = None
+    """This rank's own decompressed contribution, once known: error feedback keeps ``acc - sent``."""
+    out: Tensor = None
+    """The flat average over the ranks, from the last stage."""
+
+
+class Plan:
+    """A method that compresses nothing: every tensor is averaged as ``dense_dtype`` (``none``)."""
+
+    dense: ClassVar[bool] = True
+    """Every tensor travels dense: Horovod's own compressors do the same (PyTorch uses them)."""
+    feedback: ClassVar[bool] = False
+    """Whether the method keeps error-feedback residuals (when ``comm.error_feedback`` is on)."""
+    rounds: ClassVar[int] = 1
+    """Collective rounds per step."""
+    dense_dtype: ClassVar[str] = "float32"
+    """What uncompressed tensors travel as."""
+
+    def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]]) -> None:
+        self.comm, self.seed, self.method = comm, seed, comm.compression
+        self.tensors = []
+        for i, shape in enumerate(shapes):
+            dims = tuple(int(d) for d in shape)
+            self.tensors.append(TensorPlan(i, dims, math.prod(dims), self.compressible(dims)))
+        self.uses_feedback = self.feedback and comm.error_feedback
+
+    def compressible(self, shape: tuple[int, ...]) -> bool:
+        """Whether this method compresses a tensor of ``shape``."""
+        return False
+
+    def slots(self) -> list[Slot]:
+        """The method's state: residuals of the compressed tensors under error feedback."""
+        return [Slot(RESIDUAL, t.index, np.zeros(t.size, np.float32))
+                for t in self.tensors if t.compressed and self.uses_feedback]
+
+    def host(self, t: TensorPlan, step: int, rank: int) -> np.ndarray | None:
+        """A host-side draw that stage 0 of tensor ``t`` needs at ``step`` (None: none)."""
+        return None
+
+    def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
+        """Stage 0 of a compressed tensor."""
+        raise NotImplementedError
+
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+        """Stage ``round_`` (1-based) of a compressed tensor, from what round ``round_`` returned."""
+        raise NotImplementedError
+
+    def tensor_wire_bytes(self, t: TensorPlan) -> int:
+        """Bytes this rank sends per step for compressed tensor ``t``."""
+        raise NotImplementedError
+
+    def wire_bytes(self) -> int:
+        """Bytes each rank hands to Horovod per step (when it sends at all)."""
+        dense = np.dtype(self.dense_dtype).itemsize
+        return sum(self.tensor_wire_bytes(t) if t.compressed else dense * t.size
+                   for t in self.tensors)
+
+    def dense_bytes(self) -> int:
+        """Bytes of the float32 gradients those stand for."""
+        return 4 * sum(t.size for t in self.tensors)
+
+
+class Half(Plan):
+    """``fp16``: every tensor averaged as float16."""
+
+    dense_dtype = "float16"
+
+
+class _Sparse(Plan):
+    """The shared selection rule of top-k and random-k."""
+
+    dense = False
+    feedback = True
+
+    def compressible(self, shape: tuple[int, ...]) -> bool:
+        return ref.large_enough(shape, self.comm.min_size)
+
+    def k(self, t: TensorPlan) -> int:
+        """How many entries of ``t`` are sent."""
+        return ref.num_selected(t.size, self.comm.ratio)
+
+
+class TopK(_Sparse):
+    """``topk``, round 1: allgather values (float32) and indices (int32); each rank scatter-adds all."""
+
+    def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
+        values, indices = ctx.kernels.topk_compress(acc, self.k(t))
+        return Stage(Message(gather=(values, indices)),
+                     sent=ctx.kernels.scatter(values, indices, t.size))
+
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+        values, indices = got.gather
+        return Stage(out=ctx.kernels.scatter(values, indices, t.size) / ctx.size)
+
+    def tensor_wire_bytes(self, t: TensorPlan) -> int:
+        return 8 * self.k(t)
+
+
+class RandomK(_Sparse):
+    """``randomk``, round 1: average the values at indices every rank draws alike on the host."""
+
+    def host(self, t: TensorPlan, step: int, rank: int) -> np.ndarray:
+        return ref.randomk_indices(t.size, self.k(t), self.seed, step, t.index)
+
+    def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
+        scale = ref.randomk_scale(t.size, self.k(t), self.comm.error_feedback)
+        values = ctx.kernels.randomk_compress(acc, host, scale)
+        return Stage(Message(mean=(values,)), carry=(host,),
+                     sent=ctx.kernels.scatter(values, host, t.size))
+
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+        return Stage(out=ctx.kernels.scatter(got.mean[0], carry[0], t.size))
+
+    def tensor_wire_bytes(self, t: TensorPlan) -> int:
+        return 4 * self.k(t)
+
+
+class QSGD(Plan):
+    """``qsgd``, round 1: allgather int8 codes and float32 scales; each rank decodes and averages all."""
+
+    dense = False
+
+    def compressible(self, shape: tuple[int, ...]) -> bool:
+        return ref.large_enough(shape, self.comm.min_size)
+
+    def host(self, t: TensorPlan, step: int, rank: int) -> np.ndarray:
+        return np.array(ref.noise_seed(self.seed, rank, step, t.index), np.int64)
+
+    def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
+        noise = ctx.kernels.uniform(host, t.size)
+        codes, scales = ctx.kernels.qsgd_compress(acc, self.comm.bucket, noise)
+        return Stage(Message(gather=(codes, scales)))
+
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+        codes, scales = got.gather
+        return Stage(out=ctx.kernels.qsgd_mean(codes, scales, self.comm.bucket, ctx.size))
+
+    def tensor_wire_bytes(self, t: TensorPlan) -> int:
+        return t.size + 4 * ref.qsgd_buckets(t.size, self.comm.bucket)
+
+
+class PowerSGD(Plan):
+    """``powersgd``: round 1 averages ``P = M Q``; round 2 averages ``M^T P`` (P orthogonalised),
+    which becomes the shared ``Q`` (slot ``q/<i>``) and warm-starts the next step."""
+
+    dense = False
+    feedback = True
+    rounds = 2
+
+    def compressible(self, shape: tuple[int, ...]) -> bool:
+        return ref.large_enough(shape, self.comm.min_size) and ref.low_rank_pays(shape, self.comm.rank)
+
+    def slots(self) -> list[Slot]:
+        q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed, t.index))
+             for t in self.tensors if t.compressed]
+        return super().slots() + q
+
+    def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
+        m = ctx.kernels.reshape(acc, ref.matrix_shape(t.shape))
+        p = ctx.kernels.matmul(m, ctx.store.read(slot_key(Q, t.index)))
+        return Stage(Message(mean=(p,)), carry=(m,))
+
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+        k = ctx.kernels
+        if round_ == 1:
+            (m,) = carry
+            p = k.orthogonalize(got.mean[0])
+            local_q = k.matmul(k.transpose(m), p)
+            own = k.flat(k.matmul(p, k.transpose(local_q)))
+            return Stage(Message(mean=(local_q,)), carry=(p,), sent=own)
+        (p,), q = carry, got.mean[0]
+        ctx.store.write(slot_key(Q, t.index), q)
+        return Stage(out=k.flat(k.matmul(p, k.transpose(q))))
+
+    def tensor_wire_bytes(self, t: TensorPlan) -> int:
+        rows, cols = ref.matrix_shape(t.shape)
+        return 4 * min(self.comm.rank, rows, cols) * (rows + cols)
+

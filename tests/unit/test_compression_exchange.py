@@ -1,0 +1,245 @@
+"""The shared exchange (:mod:`hvdtrain.compression.exchange`) run with NumPy kernels (the reference
+functions themselves) by simulated ranks in threads: the plans' rounds, error feedback, byte counts
+and the state's gather, restore and re-sharding, with no framework and no Horovod."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pytest
+
+from hvdtrain.compression import METHODS, make_plan
+from hvdtrain.compression import reference as ref
+from hvdtrain.compression.exchange import Exchange
+from hvdtrain.compression.state import Slot
+from hvdtrain.config import CommConfig
+
+F32 = np.float32
+SEED = 3
+SHAPES = [(24, 16), (16,), (16, 10), (1, 80)]
+
+
+class NumpyKernels:
+    """The kernels protocol with the reference functions."""
+
+    topk_compress = staticmethod(ref.topk_compress)
+    scatter = staticmethod(ref.scatter)
+    randomk_compress = staticmethod(ref.randomk_compress)
+    qsgd_compress = staticmethod(ref.qsgd_compress)
+    orthogonalize = staticmethod(ref.orthogonalize)
+
+    @staticmethod
+    def flat(x: np.ndarray) -> np.ndarray:
+        return x.reshape(-1)
+
+    @staticmethod
+    def reshape(x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+        return x.reshape(tuple(shape))
+
+    @staticmethod
+    def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+        return x.astype(dtype)
+
+    @staticmethod
+    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return a @ b
+
+    @staticmethod
+    def transpose(m: np.ndarray) -> np.ndarray:
+        return m.T
+
+    @staticmethod
+    def uniform(seed: np.ndarray, n: int) -> np.ndarray:
+        return noise(int(seed), n)
+
+    @staticmethod
+    def qsgd_mean(codes: np.ndarray, scales: np.ndarray, bucket: int, size: int) -> np.ndarray:
+        return ref.qsgd_mean(list(zip(np.split(codes, size), np.split(scales, size))), bucket)
+
+
+def noise(seed: int, n: int) -> np.ndarray:
+    return np.random.Generator(np.random.Philox(seed)).random(n, dtype=F32)
+
+
+class DictStore:
+    def __init__(self, slots: list[Slot]) -> None:
+        self.arrays = {s.key: s.initial.copy() for s in slots}
+
+    def read(self, key: str) -> np.ndarray:
+        return self.arrays[key]
+
+    def write(self, key: str, value: np.ndarray) -> None:
+        self.arrays[key] = value
+
+    def numpy(self, key: str) -> np.ndarray:
+        return self.arrays[key].copy()
+
+    def assign(self, key: str, value: np.ndarray) -> None:
+        self.arrays[key] = np.array(value, F32)
+
+
+class Hub:
+    """Collectives between threads: every rank posts, all read every post."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size)
+        self.posts: list[Any] = [None] * size
+
+    def all(self, rank: int, value: Any) -> list[Any]:
+        self.posts[rank] = value
+        self.barrier.wait()
+        out = list(self.posts)
+        self.barrier.wait()
+        return out
+
+
+class NumpyExchange(Exchange):
+    kernels = NumpyKernels()
+
+    def __init__(self, plan: Any, rank: int, size: int, hub: Hub) -> None:
+        self.hub = hub
+        super().__init__(plan, rank, size)
+
+    def _make_store(self, slots: list[Slot]) -> DictStore:
+        return DictStore(slots)
+
+    def _tensor(self, array: np.ndarray) -> np.ndarray:
+        return np.asarray(array)
+
+    def _nbytes(self, tensors: Sequence[np.ndarray]) -> int:
+        return sum(t.nbytes for t in tensors)
+
+    def _collect(self, tag: str, gather: list, mean: list) -> tuple[list, list]:
+        posts = self.hub.all(self.rank, (gather, mean))
+        return ([np.concatenate([p[0][j] for p in posts]) for j in range(len(gather))],
+                [ref.dense_mean([p[1][j] for p in posts]) for j in range(len(mean))])
+
+    def _allgather_rows(self, array: np.ndarray, name: str) -> np.ndarray:
+        return np.stack(self.hub.all(self.rank, array))
+
+    def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        return self.hub.all(self.rank, array)[root_rank]
+
+
+def on_ranks(size: int, fn: Callable[[int, Hub], Any]) -> list[Any]:
+    hub = Hub(size)
+    with ThreadPoolExecutor(size) as pool:
+        return list(pool.map(lambda r: fn(r, hub), range(size)))
+
+
+def comm(method: str, **kw: Any) -> CommConfig:
+    return CommConfig(compression=method, **{"ratio": 0.1, "min_size": 64, "rank": 2, "bucket": 50,
+                                             **kw})
+
+
+def grads_of(rank: int, step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(100 * rank + step)
+    return [rng.standard_normal(s).astype(F32) for s in SHAPES]
+
+
+class Reference:
+    """Every rank's exchange from the reference functions: the means and each rank's residuals."""
+
+    def __init__(self, c: CommConfig, size: int) -> None:
+        self.c, self.size = c, size
+        self.plan = make_plan(c, SEED, SHAPES)
+        self.residuals: dict[tuple[int, int], np.ndarray] = {}
+        self.q = {s.index: s.initial for s in self.plan.slots() if s.kind == "q"}
+
+    def step(self, step: int) -> list[np.ndarray]:
+        grads = [grads_of(r, step) for r in range(self.size)]
+        return [self.tensor(t, [g[t.index] for g in grads], step) for t in self.plan.tensors]
+
+    def tensor(self, t: Any, grads: list[np.ndarray], step: int) -> np.ndarray:
+        c, n = self.c, t.size
+        if not t.compressed:
+            return ref.dense_mean([g.astype(self.plan.dense_dtype) for g in grads]).reshape(t.shape)
+        accs = [ref.error_feedback(g.reshape(-1), self.residuals.get((r, t.index))
+                                   if self.plan.uses_feedback else None) for r, g in enumerate(grads)]
+        k = ref.num_selected(n, c.ratio)
+        if c.compression == "topk":
+            pairs = [ref.topk_compress(a, k) for a in accs]
+            mean, sent = ref.sparse_mean(pairs, n), [ref.scatter(v, i, n) for v, i in pairs]
+        elif c.compression == "randomk":
+            idx = ref.randomk_indices(n, k, SEED, step, t.index)
+            values = [ref.randomk_compress(a, idx, ref.randomk_scale(n, k, c.error_feedback))
+                      for a in accs]
+            mean, sent = ref.randomk_mean(values, idx, n), [ref.scatter(v, idx, n) for v in values]
+        elif c.compression == "qsgd":
+            mean = ref.qsgd_mean([ref.qsgd_compress(a, c.bucket, noise(
+                ref.noise_seed(SEED, r, step, t.index), n)) for r, a in enumerate(accs)], c.bucket)
+            sent = []
+        else:
+            matrices = [a.reshape(ref.matrix_shape(t.shape)) for a in accs]
+            mean, self.q[t.index], own = ref.powersgd_mean(matrices, self.q[t.index])
+            sent = [o.reshape(-1) for o in own]
+        for r, (a, s) in enumerate(zip(accs, sent)):
+            self.residuals[(r, t.index)] = ref.new_residual(a, s)
+        return mean.reshape(t.shape)
+
+
+@pytest.mark.parametrize("method, feedback", [(m, True) for m in METHODS] + [
+    ("topk", False), ("randomk", False)])
+def test_two_ranks_get_the_references_mean_and_keep_its_residuals(method, feedback):
+    c = comm(method, error_feedback=feedback)
+    reference = Reference(c, 2)
+    expected = [reference.step(step) for step in (1, 2, 3)]
+
+    def rank(r: int, hub: Hub) -> tuple[list, dict, dict]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hub)
+        outs = [exchange.run(grads_of(r, step)) for step in (1, 2, 3)]
+        return outs, dict(exchange.store.arrays), exchange.stats
+
+    for r, (outs, store, stats) in enumerate(on_ranks(2, rank)):
+        for step, (got, want) in enumerate(zip(outs, expected), start=1):
+            for i, (g, w) in enumerate(zip(got, want)):
+                np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6,
+                                           err_msg=f"{method} rank {r} step {step} #{i}")
+        for key, value in store.items():
+            if key.startswith("residual/"):
+                np.testing.assert_allclose(value, reference.residuals[(r, int(key[9:]))], atol=1e-6)
+            else:
+                np.testing.assert_allclose(value, reference.q[int(key[2:])], atol=1e-6)
+        assert stats["wire_bytes"] == make_plan(c, SEED, SHAPES).wire_bytes()
+        assert stats["dense_bytes"] == 4 * sum(int(np.prod(s)) for s in SHAPES)
+
+
+def test_dense_methods_send_nothing_at_one_rank():
+    exchange = NumpyExchange(make_plan(comm("fp16"), SEED, SHAPES), 0, 1, Hub(1))
+    grads = grads_of(0, 1)
+    assert exchange.run(grads) == grads
+    assert exchange.stats["wire_bytes"] == exchange.stats["dense_bytes"] == 0
+
+
+@pytest.mark.parametrize("new_size", [2, 3, 1])
+def test_state_saved_at_two_ranks_restores_on_rank_0_and_reshards(new_size):
+    c = comm("powersgd")
+
+    def save(r: int, hub: Hub) -> tuple[dict, dict]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hub)
+        for step in (1, 2):
+            exchange.run(grads_of(r, step))
+        exchange.gather()
+        return exchange.state_dict(), dict(exchange.store.arrays)
+
+    (entry, before0), (_, before1) = on_ranks(2, save)
+    assert int(entry["step"]) == 2 and str(entry["method"]) == "powersgd"
+    assert entry["residual/0"].shape == (2, 24 * 16)
+
+    def restore(r: int, hub: Hub) -> dict:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, new_size, hub)
+        if r == 0:  # only rank 0 reads the checkpoint
+            exchange.load_state_dict(entry, "test")
+        exchange.broadcast(root_rank=0)
+        assert exchange.step == 2
+        return dict(exchange.store.arrays)
+
+    after = on_ranks(new_size, restore)
+    for r, arrays in enumerate(after):
+        np.testing.assert_array_equal(arrays["q/0"], before0["q/0"])
+        want = ((before0, before1)[r]["residual/0"] if new_size == 2
+                else (before0["residual/0"] + before1["residual/0"]) / 2)
+        np.testing.assert_allclose(arrays["residual/0"], want, rtol=1e-6)
