@@ -1,14 +1,13 @@
 """hvdtrain against PyTorch DDP: the same ResNet-18, data, batch and optimizer at 2 processes.
 
-Five jobs per round (``resnet_worker.py``), interleaved by job (``launch.run_jobs``): DDP started
-by ``torchrun --standalone`` over Gloo (A, the baseline), hvdtrain under ``horovodrun --gloo``
-(B) and ``horovodrun --mpi`` (C), a hand-written Horovod loop under ``horovodrun --gloo`` (D),
-and DDP again (A', the A/A control). Figure: samples/s on rank 0 over the steady steps. Target:
-hvdtrain >= 1.0x DDP.
+Five jobs a round (``resnet_worker.py``), interleaved by job: DDP under ``torchrun --standalone``
+over Gloo (A, the baseline), hvdtrain under ``horovodrun --gloo`` (B) and ``--mpi`` (C), a
+hand-written Horovod loop under ``horovodrun --gloo`` (D), and DDP again (A', the A/A control).
+Figure: samples/s on rank 0 over the steady steps. Target: hvdtrain >= 1.0x DDP.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/ddp.py                      # writes its section of docs/benchmarks.md
+    .venv/bin/python scripts/bench/ddp.py
     .venv/bin/python scripts/bench/ddp.py --quick --no-write     # a tiny end-to-end check
 """
 
@@ -16,72 +15,60 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import harness
-import launch
+import resnet_worker as rw
 
 KEY = "samples_per_s"
+TARGET = 1.0
 BASELINE, CONTROL = "DDP torchrun gloo (A)", "DDP torchrun gloo (A', A/A control)"
 GLOO, MPI = "hvdtrain horovodrun gloo (B)", "hvdtrain horovodrun mpi (C)"
 HANDWRITTEN = "hand-written Horovod horovodrun gloo (D)"
-TARGET = 1.0
 
 
-def jobs(args: argparse.Namespace, np: int = 2) -> list[launch.Job]:
+def jobs(args: argparse.Namespace, np: int = 2) -> list[harness.Job]:
     """A, B, C, D and A'."""
-    torchrun = [str(launch.python().parent / "torchrun"), "--standalone",
-                f"--nproc-per-node={np}"]
-    def horovod(controller: str) -> list[str]:
-        return [launch.horovodrun(), "-np", str(np), f"--{controller}", str(launch.python())]
-    ddp = launch.resnet_argv(torchrun, args, "ddp")
-    return [launch.Job(BASELINE, ddp, {}),
-            launch.Job(GLOO, launch.resnet_argv(horovod("gloo"), args, "hvdtrain"),
-                       args.horovod_env),
-            launch.Job(MPI, launch.resnet_argv(horovod("mpi"), args, "hvdtrain"),
-                       args.horovod_env),
-            launch.Job(HANDWRITTEN, launch.resnet_argv(horovod("gloo"), args, "horovod"),
-                       args.horovod_env),
-            launch.Job(CONTROL, ddp, {})]
+    torchrun = [str(harness.python().parent / "torchrun"), "--standalone", f"--nproc-per-node={np}"]
+    ddp, env = rw.job_argv(torchrun, args, "ddp"), harness.env_pairs(args.env)
+    return [harness.Job(BASELINE, ddp, {}),
+            harness.Job(GLOO, rw.job_argv(rw.horovodrun(np), args, "hvdtrain"), env),
+            harness.Job(MPI, rw.job_argv(rw.horovodrun(np, "mpi"), args, "hvdtrain"), env),
+            harness.Job(HANDWRITTEN, rw.job_argv(rw.horovodrun(np), args, "horovod"), env),
+            harness.Job(CONTROL, ddp, {})]
 
 
-def verdict(rows: Sequence[harness.Row]) -> str:
-    """Each hvdtrain variant's ratio to DDP against the target, beside the A/A control."""
-    by_name = {row.name: row for row in rows}
-    control = by_name[CONTROL].ratio
-    parts = [f"{name.split(' (')[0]} / DDP = {by_name[name].ratio:.3f} "
-             f"({harness.judge(by_name[name].ratio >= TARGET, control)})" for name in (GLOO, MPI)]
-    hand = by_name[HANDWRITTEN].ratio
-    return (f"{'; '.join(parts)}; target >= {TARGET}; A/A control = {control:.3f}; hand-written "
-            f"Horovod / DDP = {hand:.3f}, hvdtrain gloo / hand-written Horovod = "
-            f"{by_name[GLOO].ratio / hand:.3f}")
+def verdicts(rows: Sequence[harness.Row]) -> dict[str, harness.Verdict]:
+    """Each hvdtrain variant's ratio to DDP judged against the target beside the A/A control."""
+    named = harness.by_name(rows)
+    return {name: harness.judge(named[name].ratio, named[CONTROL].ratio, TARGET,
+                                higher_is_better=True) for name in (GLOO, MPI)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the jobs, prints the section and, unless ``--no-write``, writes it to the doc."""
-    return launch.resnet_benchmark(__doc__.splitlines()[0], jobs, section, KEY, argv)
-
-
-def section(args: argparse.Namespace, machine: dict[str, Any], results: launch.Results) -> str:
-    """The Markdown section of measured ``results``."""
-    rows = harness.summarize(harness.samples_of(results, KEY), baseline=BASELINE)
+    """Runs the jobs, prints the section and, unless ``--no-write``, writes it."""
+    p = harness.parser("ddp.py", __doc__.splitlines()[0], rw.SIZES, timeout=600.0)
+    rw.driver_options(p)
+    args = harness.parse(p, argv)
+    machine = harness.machine_record()
+    results = harness.run_jobs(jobs(args), args.rounds, args.warmup, KEY, args.timeout)
+    rows = harness.summarize(harness.samples_of(results, KEY), BASELINE)
+    named = harness.by_name(rows)
     notes = [
-        launch.resnet_note(args),
-        "DDP: `DistributedDataParallel` defaults (25 MB gradient buckets overlapping the "
-        "backward pass; BatchNorm buffers broadcast from rank 0 every forward), mean "
-        "cross-entropy, `torch.optim.SGD`. hvdtrain: its own loop and engine "
-        "(`hvd.DistributedOptimizer`, 128 MB fusion buffer, `comm.cycle_time_ms` automatic: 5 ms "
-        "for these 45 MB of gradients; Open MPI's `mpi_yield_when_idle` on), metrics allreduced "
-        "every 10 steps; no checkpoint, no W&B or TensorBoard. Hand-written Horovod: the DDP "
-        "loop with `hvd.DistributedOptimizer` instead of DDP, at Horovod's defaults (1 ms cycle). "
-        "All: threads per rank = cores / ranks, same data order and learning rate.",
-        "Each job is a fresh process tree (launcher start-up and imports are outside the figure).",
-        f"Result: {verdict(rows)}.",
+        rw.driver_note(args),
+        "DDP: `DistributedDataParallel` defaults (25 MB buckets overlapping the backward pass). "
+        "hvdtrain: its own loop and engine (`hvd.DistributedOptimizer`, `comm.cycle_time_ms` "
+        "automatic), metrics allreduced every 10 steps, no checkpoint, no W&B or TensorBoard. "
+        "Hand-written Horovod: the DDP loop with `hvd.DistributedOptimizer` at Horovod's defaults.",
+        *[f"Result, {name.split(' (')[0]} / DDP: {v}." for name, v in verdicts(rows).items()],
+        f"Hand-written Horovod / DDP = {named[HANDWRITTEN].ratio:.3f}; hvdtrain gloo / "
+        f"hand-written Horovod = {named[GLOO].median / named[HANDWRITTEN].median:.3f}.",
     ]
-    return harness.markdown_section(
+    fmt = {"unit": "samples/s", "scale": 1.0, "digits": 1}
+    harness.publish(harness.section_text(
         "hvdtrain vs PyTorch DDP: ResNet-18 on synthetic images, 2 processes (samples/s)",
-        launch.resnet_command("ddp.py", args), machine, rows, notes, unit="samples/s",
-        scale=1.0, digits=1)
+        args.command, machine, [harness.table_block("", rows, **fmt)], notes), args)
+    return 0
 
 
 if __name__ == "__main__":

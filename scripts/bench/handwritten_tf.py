@@ -10,9 +10,8 @@ on the test split and one ``np.savez`` of the variables on rank 0. The data stay
 batches are cut by indexing, as ``handwritten_torch.py`` and hvdtrain do, so that ``tf.data``'s
 per-batch iterator cost does not enter the comparison. It deliberately does not import hvdtrain.
 
-Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_tf.py --epochs 10``. Rank 0
-prints one JSON line ``{"rank", "steps", "wall_time_s", "step_time_s", ...}``; ``interleaved.py``
-calls :func:`run` instead, many times in one job. The wall time runs from the first step (its
+The interleaved job (``harness.job_main``) calls :func:`run` as variant
+``handwritten_tf:handwritten_tf``. The wall time runs from the first step (its
 ``tf.function`` trace included) through the final evaluation and save (process start, imports,
 ``hvd.init``, data loading and the initial broadcast are excluded, as in hvdtrain's
 ``summary["wall_time_s"]``).
@@ -132,8 +131,6 @@ def init() -> None:
 def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
 
-    The measurement is this rank's (see :func:`workload.measurement`).
-
     Every call builds its own model, optimizer and ``tf.function`` step and reseeds, so repeated
     calls in one process (``interleaved.py``) are independent and alike, each with its own trace.
     """
@@ -153,20 +150,14 @@ def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     steps = train(train_step, train_x, train_y, epochs, clock)
     clock.evaluation()
-    eval_loss, eval_accuracy = evaluate(model, test_x, test_y)
+    _, eval_accuracy = evaluate(model, test_x, test_y)
     if hvd.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         save(model, optimizer, out_dir / "checkpoint.npz")
     wall = time.perf_counter() - started
-    return workload.measurement(hvd.rank(), steps, wall, eval_loss, eval_accuracy, clock=clock,
-                                epochs=epochs)
+    return workload.measurement(hvd.rank(), steps, len(train_y) * epochs, wall, eval_accuracy,
+                                clock, epochs)
 
 
-def main() -> None:
-    """Parses the arguments, runs once, and prints the measurement on rank 0."""
-    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
-    workload.report(run(args.epochs, workload.out_dir(args.out_dir, "handwritten-tf-")))
-
-
-if __name__ == "__main__":
-    main()
+VARIANTS = {"handwritten_tf": run}
+"""This worker's run functions by ``harness.Variant`` key."""

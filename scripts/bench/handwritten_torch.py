@@ -9,11 +9,10 @@ The data stay in memory and batches are cut by tensor indexing, as hvdtrain does
 ``DataLoader``'s per-sample collation does not enter the comparison. It deliberately does not import
 hvdtrain; its settings and data come from :mod:`workload`, as the other workers' do.
 
-Run under ``horovodrun -np 2 --gloo python scripts/bench/handwritten_torch.py --epochs 10``. Rank 0
-prints one JSON line ``{"rank", "steps", "wall_time_s", "step_time_s", ...}``; ``interleaved.py``
-calls :func:`run` instead, many times in one job. The wall time runs from the first step through
-the final evaluation and save (process start, imports, ``hvd.init``, data loading and the initial
-broadcasts are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
+The interleaved job (``harness.job_main``) calls :func:`run` as variant
+``handwritten_torch:handwritten_torch``. The wall time runs from the first step through the final
+evaluation and save (process start, imports, ``hvd.init``, data loading and the initial broadcasts
+are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
 """
 
 from __future__ import annotations
@@ -82,8 +81,6 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
 
-    The measurement is this rank's (see :func:`workload.measurement`).
-
     Every call builds its own model, optimizer and sampler and reseeds, so repeated calls in one
     process (``interleaved.py``) are independent and alike. ``hvd.init`` is idempotent.
     """
@@ -103,21 +100,15 @@ def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     started = time.perf_counter()
     steps = train(model, optimizer, sampler, train_x, train_y, epochs, clock)
     clock.evaluation()
-    eval_loss, eval_accuracy = evaluate(model, test_x, test_y)
+    _, eval_accuracy = evaluate(model, test_x, test_y)
     if hvd.rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
                    out_dir / "checkpoint.pt")
     wall = time.perf_counter() - started
-    return workload.measurement(hvd.rank(), steps, wall, eval_loss, eval_accuracy, clock=clock,
-                                epochs=epochs)
+    return workload.measurement(hvd.rank(), steps, len(train_y) * epochs, wall, eval_accuracy,
+                                clock, epochs)
 
 
-def main() -> None:
-    """Parses the arguments, runs once, and prints the measurement on rank 0."""
-    args = workload.worker_parser(__doc__.splitlines()[0]).parse_args()
-    workload.report(run(args.epochs, workload.out_dir(args.out_dir, "handwritten-")))
-
-
-if __name__ == "__main__":
-    main()
+VARIANTS = {"handwritten_torch": run}
+"""This worker's run functions by ``harness.Variant`` key."""

@@ -1,48 +1,71 @@
-"""A small benchmark harness: interleaved runs, medians, ratios, an A/A control, a Markdown record.
+"""The benchmarks' shared machinery: options, jobs, interleaving, statistics and the Markdown record.
 
-The compared variants run inside one job (``interleaved.py`` under ``horovodrun``), in rounds, one
-run of each per round, so that a slow period of a shared machine hits every variant alike rather
-than whichever ran during it, and so that all of them share the same processes, the same pairing
-of ranks and the same scheduling: separate jobs differ by far more than the overheads measured
-here, depending on where the OS happens to place each job's processes. The order within a round is
-reversed on every other round (A B A' / A' B A), so that no variant always follows the same
-neighbour. The first variant is the baseline, and a second copy of it (the A/A control) shows how
-far two identical variants disagree: a ratio is only meaningful when it differs from 1 by more than
-the control does.
+Every benchmark compares variants side by side. A baseline A, the candidates, and A' (a second copy
+of A, the A/A control) run in rounds, one run of each per round, the order reversed on every other
+round (A B A' / A' B A), after discarded warm-up rounds, so that a busy spell of a shared machine
+hits every variant alike. Where the variants can share processes they run inside one ``horovodrun``
+job (this file is that job's entry point: :func:`job_main`); where they cannot (another launcher,
+a Horovod setting read once at start) each run is a job of its own (:func:`run_jobs`). Rank 0
+prints one JSON object per run; the driver collects them (:func:`parse_measurements`,
+:func:`group_runs`), summarises each variant (:class:`Row`: median, spread, the ratio of medians to
+the baseline and its bootstrap interval), judges the target where the A/A control is steady
+(:func:`judge`) and writes its section to ``docs/benchmarks.md`` with the command that reproduces
+it (:func:`publish`).
 
-Rank 0 of the job prints one JSON object per run on a line of its stdout (possibly behind a
-launcher's ``[rank]<stdout>:`` tag). Everything here is pure except :func:`machine_record`, which
-only reads files and package metadata. The harness imports no framework, so it measures nothing by
-accident and loads in milliseconds.
+The harness imports no framework, so drivers load in milliseconds and measure nothing by accident.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as _dt
+import gc
+import importlib
 import json
 import os
 import platform
+import random
 import re
+import shlex
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+DOC = ROOT / "docs" / "benchmarks.md"
+HEADER = "# Benchmarks\n"
+"""The first line of ``docs/benchmarks.md`` when a benchmark creates it."""
 PACKAGES = ("torch", "horovod", "tensorflow", "tensorflow-cpu", "numpy")
 """Distributions whose versions :func:`machine_record` reports (when installed)."""
 
 # Launchers tag each worker line with its rank: Gloo as "[0]<stdout>:", Open MPI as "[1,0]<stdout>:".
 _RANK_TAG = re.compile(r"^\[[\d,]+\]<\w+>:")
+Results = dict[str, list[dict[str, Any]]]
+"""Each variant's per-run records, one per measured round, by table name (:func:`group_runs`)."""
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
     """A benchmark job failed or printed fewer measurements than it should have."""
 
 
+# Statistics --------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class Row:
-    """Summary statistics of one variant's samples, and its median relative to the baseline's."""
+    """One variant's samples summarised, and its median relative to the baseline's."""
 
     name: str
     runs: int
@@ -50,14 +73,39 @@ class Row:
     median: float
     max: float
     ratio: float
-    """This variant's median divided by the baseline's median (1.0 for the baseline itself)."""
+    """This variant's median / the baseline's median (1.0 for the baseline itself)."""
+    low: float
+    high: float
+    """The ratio's 95% bootstrap interval (:func:`ratio_interval`)."""
 
 
-def summarize(samples: dict[str, list[float]], baseline: str) -> list[Row]:
-    """Min, median and max of each variant's samples, and the ratio of its median to the baseline's.
+def ratio_interval(base: Sequence[float], values: Sequence[float], resamples: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """The 95% bootstrap interval of ``median(values) / median(base)``.
 
-    Rows come in the order of ``samples``. Raises ``ValueError`` when ``baseline`` is not one of the
-    variants, when a variant has no samples, or when the baseline's median is not positive.
+    Samples of equal count are taken as paired by round and resampled together, so that a slow
+    round weighs on both sides; otherwise each side is resampled on its own. Seeded: the same
+    samples always give the same interval.
+    """
+    rng = random.Random(seed)
+    paired = len(base) == len(values)
+    draws = []
+    for _ in range(resamples):
+        if paired:
+            picks = [rng.randrange(len(base)) for _ in base]
+            b, v = [base[i] for i in picks], [values[i] for i in picks]
+        else:
+            b, v = rng.choices(base, k=len(base)), rng.choices(values, k=len(values))
+        draws.append(statistics.median(v) / statistics.median(b))
+    draws.sort()
+    return draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
+
+
+def summarize(samples: Mapping[str, Sequence[float]], baseline: str) -> list[Row]:
+    """A :class:`Row` per variant, in the order of ``samples``.
+
+    Raises ``ValueError`` when ``baseline`` is not a variant, a variant has no samples, or the
+    baseline's median is not positive.
     """
     if baseline not in samples:
         raise ValueError(f"baseline {baseline!r} is not among the variants: {', '.join(samples)}")
@@ -67,125 +115,124 @@ def summarize(samples: dict[str, list[float]], baseline: str) -> list[Row]:
     base = statistics.median(samples[baseline])
     if base <= 0:
         raise ValueError(f"baseline {baseline!r} has a non-positive median ({base})")
-    return [Row(name=name, runs=len(values), min=min(values), median=statistics.median(values),
-                max=max(values), ratio=statistics.median(values) / base)
-            for name, values in samples.items()]
+    rows = []
+    for name, values in samples.items():
+        low, high = ratio_interval(samples[baseline], values)
+        median = statistics.median(values)
+        rows.append(Row(name, len(values), min(values), median, max(values), median / base, low,
+                        high))
+    return rows
 
 
-def judge(met: bool, control: float, tolerance: float = 0.10) -> str:
-    """``met`` or ``missed``, or ``inconclusive`` when the A/A control's ratio is farther than
-    ``tolerance`` from 1: a machine that noisy cannot tell a target met from missed."""
+@dataclass(frozen=True)
+class Verdict:
+    """A ratio judged against its target beside the A/A control's ratio."""
+
+    status: str
+    """``met``, ``missed``, or ``inconclusive`` (the A/A control is off by more than the
+    tolerance: the machine was too noisy to tell)."""
+    ratio: float
+    control: float
+    target: float
+    tolerance: float
+    higher_is_better: bool = False
+
+    def __str__(self) -> str:
+        sign = ">=" if self.higher_is_better else "<="
+        return (f"{self.ratio:.3f}, A/A control {self.control:.3f}: {self.status} (target "
+                f"{sign} {self.target}, judged where the A/A control is within "
+                f"{self.tolerance:.0%} of 1)")
+
+
+def judge(ratio: float, control: float, target: float, tolerance: float = 0.10, *,
+          higher_is_better: bool = False) -> Verdict:
+    """Judges ``ratio`` against ``target``, or not at all when ``control`` strays from 1 by more
+    than ``tolerance``."""
     if abs(control - 1.0) > tolerance:
-        return (f"inconclusive (would be {'met' if met else 'missed'}, but the A/A control is off "
-                f"by more than {tolerance:.0%})")
-    return "met" if met else "missed"
+        status = "inconclusive"
+    else:
+        met = ratio >= target if higher_is_better else ratio <= target
+        status = "met" if met else "missed"
+    return Verdict(status, ratio, control, target, tolerance, higher_is_better)
 
 
-def markdown_table(rows: Sequence[Row], *, unit: str = "ms", scale: float = 1e3,
-                   digits: int = 3) -> str:
-    """A Markdown table ``name | runs | min | median | max | ratio to baseline``.
-
-    Values are multiplied by ``scale`` and shown with ``digits`` decimals and ``unit`` (the default
-    shows seconds as milliseconds). The table ends with a newline.
-    """
-    head = f"| name | runs | min ({unit}) | median ({unit}) | max ({unit}) | ratio to baseline |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
-    for row in rows:
-        cells = [f"{value * scale:.{digits}f}" for value in (row.min, row.median, row.max)]
-        lines.append(f"| {row.name} | {row.runs} | {' | '.join(cells)} | {row.ratio:.3f} |")
-    return "\n".join(lines) + "\n"
+def by_name(rows: Sequence[Row]) -> dict[str, Row]:
+    """The rows keyed by variant name."""
+    return {row.name: row for row in rows}
 
 
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    for line in text.splitlines():
-        if line.lower().startswith(("model name", "hardware", "cpu model")):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+# Markdown ----------------------------------------------------------------------------------------
 
-
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_record() -> dict[str, Any]:
-    """What the numbers were measured on: CPU, cores, OS, Python and package versions, load.
-
-    Keys: ``cpu``, ``cores``, ``os``, ``python``, one per installed package of :data:`PACKAGES`
-    (read from package metadata, never by importing the package), and ``loadavg`` (the 1, 5 and
-    15 minute load averages, where the OS has them).
-    """
-    record: dict[str, Any] = {
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count() or 0,
-        "os": platform.platform(),
-        "python": platform.python_version(),
-    }
-    for name in PACKAGES:
-        version = _version(name)
-        if version is not None:
-            record[name] = version
-    if hasattr(os, "getloadavg"):
-        # The machine may be shared: the load when the benchmark started says how busy it was.
-        record["loadavg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return record
+TABLE_COLUMNS = ("name", "runs", "min", "median", "max", "ratio to baseline", "ratio 95% interval")
+"""The columns of :func:`markdown_table` (the value columns carry their unit)."""
 
 
 def markdown_grid(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
-    """A Markdown table of preformatted ``cells`` under ``header``: first column left-aligned, the
-    others right-aligned. It ends with a newline."""
+    """A Markdown table of preformatted ``cells``: first column left-aligned, the others right."""
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
     lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines) + "\n"
 
 
-def section_text(title: str, command_line: str, machine: Mapping[str, Any],
-                 blocks: Sequence[str], notes: Sequence[str] = (), *,
-                 date: str | None = None) -> str:
+def markdown_table(rows: Sequence[Row], *, unit: str = "ms", scale: float = 1e3,
+                   digits: int = 3) -> str:
+    """The rows under :data:`TABLE_COLUMNS`, values times ``scale`` in ``unit``; the baseline's
+    interval (the first row's) is left blank."""
+    header = [c if c in ("name", "runs") or c.startswith("ratio") else f"{c} ({unit})"
+              for c in TABLE_COLUMNS]
+    cells = []
+    for index, row in enumerate(rows):
+        values = [f"{v * scale:.{digits}f}" for v in (row.min, row.median, row.max)]
+        interval = "" if index == 0 else f"{row.low:.3f}-{row.high:.3f}"
+        cells.append([row.name, str(row.runs), *values, f"{row.ratio:.3f}", interval])
+    return markdown_grid(header, cells)
+
+
+def machine_record() -> dict[str, Any]:
+    """What the numbers were measured on: ``cpu``, ``cores``, ``os``, ``python``, the version of
+    each installed package of :data:`PACKAGES` (from metadata, never imported) and ``loadavg``."""
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    record: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count() or 0,
+                              "os": platform.platform(), "python": platform.python_version()}
+    for name in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            record[name] = metadata.version(name)
+    if hasattr(os, "getloadavg"):  # a shared machine: how busy it was when the benchmark started
+        record["loadavg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return record
+
+
+def section_text(title: str, command: str, machine: Mapping[str, Any], blocks: Sequence[str],
+                 notes: Sequence[str] = (), *, date: str | None = None) -> str:
     """A dated Markdown section: title, the command that reproduces it, the machine, ``blocks``
-    (tables with their captions, each a finished piece of Markdown), then the notes as a list."""
+    (finished pieces of Markdown, such as captioned tables), then the notes as a list."""
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
     parts = [f"## {title}", "", f"Date: {date}", "", "Reproduce (from the repository root):", "",
-             "```", command_line, "```", "", f"Machine: {machine_text}.", ""]
+             "```", command, "```", "", f"Machine: {machine_text}.", ""]
     for block in blocks:
         parts += [block.rstrip("\n"), ""]
-    parts.pop()  # the blank line after the last block; the notes add their own
-    if notes:
-        parts += [""] + [f"- {note}" for note in notes]
-    return "\n".join(parts) + "\n"
+    parts += [f"- {note}" for note in notes]
+    return "\n".join(parts).rstrip("\n") + "\n"
 
 
-def markdown_section(title: str, command_line: str, machine: Mapping[str, Any], rows: Sequence[Row],
-                     notes: Sequence[str] = (), *, date: str | None = None, unit: str = "ms",
-                     scale: float = 1e3, digits: int = 3, caption: str = "",
-                     tables: Sequence[tuple[str, Sequence[Row]]] = ()) -> str:
-    """:func:`section_text` with tables of :class:`Row`: ``rows`` under ``caption`` (a line above
-    the table, when given), then further ``(caption, rows)`` tables, in the same unit, that follow
-    the first one: other measures of the same runs.
-    """
-    blocks = []
-    for text, table_rows in ((caption, rows), *tables):
-        table = markdown_table(table_rows, unit=unit, scale=scale, digits=digits)
-        blocks.append(f"{text}\n\n{table}" if text else table)
-    return section_text(title, command_line, machine, blocks, notes, date=date)
+def table_block(caption: str, rows: Sequence[Row], **fmt: Any) -> str:
+    """``caption``, a blank line and the rows' :func:`markdown_table` (``fmt``: its unit options)."""
+    return f"{caption}\n\n{markdown_table(rows, **fmt)}" if caption else markdown_table(rows, **fmt)
 
 
-def put_section(path: Path, section: str, header: str) -> None:
-    """Puts ``section`` into the Markdown file ``path``: in place of the section with the same
-    ``## `` heading (its first line) when there is one, so a rerun replaces its stale table and any
-    older copies go, else at the end. Creates the file with ``header`` first when it is missing."""
+def put_section(path: Path, section: str, header: str = HEADER) -> None:
+    """Puts ``section`` into the Markdown file ``path`` in place of the section with the same
+    ``## `` heading (older copies go), else at the end; creates the file with ``header`` first."""
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = path.read_text() if path.exists() else header.rstrip("\n") + "\n"
     heading = section.lstrip("\n").splitlines()[0]
-    # Split before every second-level heading: part 0 is the header, each other part one section.
-    parts = re.split(r"(?m)^(?=## )", existing)
+    parts = re.split(r"(?m)^(?=## )", existing)  # part 0 is the header, each other one section
     same = [i for i, part in enumerate(parts) if part.splitlines()[0:1] == [heading]]
     if not same:
         path.write_text(existing.rstrip("\n") + "\n\n" + section)
@@ -195,14 +242,15 @@ def put_section(path: Path, section: str, header: str) -> None:
     path.write_text("".join(kept).rstrip("\n") + "\n")
 
 
-def parse_measurements(output: str, key: str) -> list[dict[str, Any]]:
-    """Every JSON object in ``output`` that holds ``key``, one object per line, in order.
+# Records of a job --------------------------------------------------------------------------------
 
-    A launcher's rank tag in front of an object is ignored, and so is text after it: Open MPI's
-    output tagging can glue the next line's tag onto the end. Other lines are skipped.
+def parse_measurements(output: str, key: str) -> list[dict[str, Any]]:
+    """Every JSON object in ``output`` that holds ``key``, one a line, in order.
+
+    A launcher's rank tag in front is ignored, and so is text after the object (Open MPI's output
+    tagging can glue the next line's tag onto it). Other lines are skipped.
     """
-    decoder = json.JSONDecoder()
-    found = []
+    decoder, found = json.JSONDecoder(), []
     for line in output.splitlines():
         text = _RANK_TAG.sub("", line.strip(), count=1).strip()
         if not text.startswith("{"):
@@ -216,26 +264,17 @@ def parse_measurements(output: str, key: str) -> list[dict[str, Any]]:
     return found
 
 
-T = TypeVar("T")
-
-
 def round_order(items: Sequence[T], round_index: int) -> list[T]:
-    """The variants' order in round ``round_index``: as given on even rounds, reversed on odd ones.
-
-    Warm-up rounds have negative indices and follow the same rule.
-    """
+    """The variants' order in round ``round_index``: as given on even rounds, reversed on odd
+    ones (warm-up rounds have negative indices)."""
     return list(items) if round_index % 2 == 0 else list(reversed(items))
 
 
-def group_runs(records: Sequence[Mapping[str, Any]], names: Sequence[str],
-               rounds: int) -> dict[str, list[dict[str, Any]]]:
-    """The measured runs of each variant, by table name, from one job's per-run records.
-
-    Each record holds ``slot`` (the variant's index in ``names``) and ``round`` (negative for a
-    discarded warm-up round). Raises :class:`BenchError` unless every slot has exactly ``rounds``
-    measured runs: a job that died half-way must not pass for a shorter benchmark.
-    """
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+def group_runs(records: Sequence[Mapping[str, Any]], names: Sequence[str], rounds: int) -> Results:
+    """The measured runs of each variant from records holding ``slot`` (the index in ``names``)
+    and ``round`` (negative: warm-up, dropped). Raises :class:`BenchError` unless every slot has
+    exactly ``rounds`` runs: a job that died half-way must not pass for a shorter benchmark."""
+    results: Results = {name: [] for name in names}
     if len(results) != len(names):
         raise ValueError(f"variant names must be unique: {list(names)}")
     for record in records:
@@ -243,11 +282,288 @@ def group_runs(records: Sequence[Mapping[str, Any]], names: Sequence[str],
             results[names[record["slot"]]].append(dict(record))
     short = [f"{name} ({len(runs)})" for name, runs in results.items() if len(runs) != rounds]
     if short:
-        raise BenchError(f"expected {rounds} measured runs of every variant, got: "
-                         f"{', '.join(short)}")
+        raise BenchError(f"expected {rounds} measured runs of every variant, got: {', '.join(short)}")
     return results
 
 
-def samples_of(results: Mapping[str, list[dict[str, Any]]], key: str) -> dict[str, list[float]]:
-    """The values of ``key`` from :func:`group_runs`'s measurements, per variant."""
+def samples_of(results: Results, key: str) -> dict[str, list[float]]:
+    """The values of ``key`` in each variant's runs."""
     return {name: [float(m[key]) for m in runs] for name, runs in results.items()}
+
+
+# Launching ---------------------------------------------------------------------------------------
+
+def python() -> Path:
+    """This interpreter's absolute path, symlinks kept: ``.venv/bin/python`` must stay the venv's."""
+    return Path(os.path.abspath(sys.executable))
+
+
+def horovodrun() -> str:
+    """The ``horovodrun`` next to this interpreter (the project's .venv), else the one on PATH."""
+    local = python().parent / "horovodrun"
+    found = str(local) if local.exists() else shutil.which("horovodrun")
+    if not found:
+        raise SystemExit("horovodrun not found; run `make setup` first")
+    return found
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The jobs' environment: Open MPI allowed to start as root; ``extra`` added last."""
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.update(extra or {})
+    return env
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout carries the section)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_job(argv: Sequence[str], key: str, timeout: float, env: Mapping[str, str] | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Runs one job and returns every record holding ``key`` that it printed, passing each to
+    ``on_record`` as it comes. Raises :class:`BenchError` with the output's tail when the job
+    fails or outlives ``timeout`` seconds."""
+    tail: deque[str] = deque(maxlen=30)
+    records: list[dict[str, Any]] = []
+    started = time.monotonic()
+    # One pipe for both streams (two read in turn could deadlock); a session of its own lets the
+    # timeout kill the workers too, not only the launcher.
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=worker_env(env), start_new_session=True) as proc:
+        timer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                tail.append(line.rstrip("\n"))
+                for record in parse_measurements(line, key):
+                    records.append(record)
+                    log(f"round {record.get('round', '-')} {record.get('variant', '')}: "
+                        f"{key}={record[key]:.6g}")
+                    if on_record:
+                        on_record(record)
+        finally:
+            timer.cancel()
+    if proc.returncode != 0:
+        reason = (f"no result within {timeout:g} s" if time.monotonic() - started >= timeout
+                  else f"exit code {proc.returncode}")
+        raise BenchError(f"benchmark job: {reason}\n" + "\n".join(tail))
+    return records
+
+
+@dataclass(frozen=True)
+class Job:
+    """A variant that is a job of its own: table name, command line, extra environment."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+
+
+def run_jobs(jobs: Sequence[Job], rounds: int, warmup: int, key: str, timeout: float) -> Results:
+    """Runs every job once per round in :func:`round_order`, after ``warmup`` discarded rounds;
+    each job must print exactly one record holding ``key``."""
+    records = []
+    for round_index in range(-warmup, rounds):
+        for slot, job in round_order(list(enumerate(jobs)), round_index):
+            found = run_job(job.argv, key, timeout, job.env)
+            if len(found) != 1:
+                raise BenchError(f"{job.name}: expected one measurement, got {len(found)}")
+            records.append({**found[0], "round": round_index, "slot": slot, "variant": job.name})
+    return group_runs(records, [job.name for job in jobs], rounds)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A variant of an interleaved job: its table name and ``module:key`` of its run function
+    (``VARIANTS[key]`` of that worker module in this directory)."""
+
+    name: str
+    spec: str
+
+
+def run_interleaved(variants: Sequence[Variant], args: argparse.Namespace, key: str) -> Results:
+    """Runs ``variants`` interleaved in one ``horovodrun`` job (:func:`job_main`) with the job
+    options of ``args``; writes each record to ``args.records`` as it comes, when given."""
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as work, \
+            (args.records.open("w") if args.records else contextlib.nullcontext()) as out:
+        argv = [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python()),
+                str(HERE / "harness.py"), "--variants", ",".join(v.spec for v in variants),
+                "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--epochs",
+                str(args.epochs), "--out-dir", work,
+                *[flag for flag in ("--bind", "--spin") if getattr(args, flag[2:])]]
+        keep = (lambda r: print(json.dumps(r), file=out, flush=True)) if out else None
+        records = run_job(argv, key, args.timeout, on_record=keep)
+    return group_runs(records, [v.name for v in variants], args.rounds)
+
+
+def measure(variants: Sequence[Variant], args: argparse.Namespace,
+            keys: Sequence[str]) -> tuple[dict[str, Any], Results, list[list[Row]]]:
+    """The machine, the records of :func:`run_interleaved` and, for each of ``keys``, the rows of
+    every variant against the first."""
+    machine = machine_record()  # before the job: the load average shows what else was running
+    results = run_interleaved(variants, args, keys[0])
+    tables = [summarize(samples_of(results, key), variants[0].name) for key in keys]
+    return machine, results, tables
+
+
+# Options -----------------------------------------------------------------------------------------
+
+_NOT_REPRODUCED = {"help", "quick", "no_write", "output", "timeout", "records"}
+
+
+def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
+           interleaved: bool = False, timeout: float = 1200.0) -> argparse.ArgumentParser:
+    """A driver's parser: ``--NAME`` for each of ``sizes`` (``name: (full, quick)``, unset
+    values taken from the pair by ``--quick``), ``--quick``, ``--no-write``, ``--output`` and
+    ``--timeout``; with ``interleaved``, the job's ``--np``, ``--controller``, ``--bind``,
+    ``--spin`` and ``--records``. A driver adds its own options before :func:`parse`."""
+    p = argparse.ArgumentParser(description=description)
+    for name, (full, quick) in sizes.items():
+        p.add_argument(f"--{name}", type=int, help=f"default {full}, --quick: {quick}")
+    p.add_argument("--quick", action="store_true", help="a tiny end-to-end check")
+    p.add_argument("--no-write", action="store_true", help="print the section only")
+    p.add_argument("--output", type=Path, default=DOC, help="the Markdown file to write")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per job")
+    if interleaved:
+        p.add_argument("--np", type=int, default=2, help="ranks of the job (default 2)")
+        p.add_argument("--controller", choices=("gloo", "mpi"), default="gloo")
+        p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=False,
+                       help="pin each rank to one core, as `srun --cpu-bind=cores` would")
+        p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
+                       help="an idle-class busy loop beside each rank (:class:`IdleSpinner`)")
+        p.add_argument("--records", type=Path, help="also write every run's record here (JSONL)")
+    p.set_defaults(script=script, size_defaults=dict(sizes))
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; fills unset sizes from ``--quick`` or the full run, checks ``--rounds``
+    and ``--warmup``, and sets ``command``: the command line that repeats this run."""
+    args = p.parse_args(argv)
+    for name, (full, quick) in args.size_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if getattr(args, "rounds", 1) < 1 or getattr(args, "warmup", 0) < 0:
+        p.error("--rounds must be positive and --warmup not negative")
+    args.command = command_line(p, args)
+    return args
+
+
+def command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """Every option of ``args`` spelled out after the script (lists repeat their flag), as a
+    reader types it from the repository root."""
+    interpreter = python()
+    if interpreter.is_relative_to(ROOT):
+        interpreter = interpreter.relative_to(ROOT)
+    argv = [str(interpreter), f"scripts/bench/{args.script}"]
+    for action in p._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in _NOT_REPRODUCED or value is None:
+            continue
+        flag = next(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:
+            argv += [flag] if value else []
+        elif isinstance(value, list):
+            argv += [part for item in value for part in (flag, str(item))]
+        else:
+            argv += [flag, str(value)]
+    return shlex.join(argv)
+
+
+def publish(section: str, args: argparse.Namespace) -> None:
+    """Prints ``section`` and, unless ``--no-write``, puts it into ``args.output``."""
+    print(section)
+    if not args.no_write:
+        put_section(args.output, section)
+        log(f"written to {args.output}")
+
+
+def env_pairs(items: Sequence[str]) -> dict[str, str]:
+    """``NAME=VALUE`` options as a dict; raises ``SystemExit`` on an item without ``=``."""
+    if any("=" not in item for item in items):
+        raise SystemExit("--env takes NAME=VALUE")
+    return dict(item.split("=", 1) for item in items)
+
+
+# Inside the interleaved job ----------------------------------------------------------------------
+
+SPIN_CODE = """
+import os, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # ends by itself if its rank dies
+    pass
+"""
+
+
+@contextlib.contextmanager
+def idle_spinner(enabled: bool) -> Iterator[None]:
+    """A busy loop in Linux's idle scheduling class beside this rank for the ``with`` block.
+
+    A virtual core with nothing to run halts and is slow to wake, so a rank waiting for an
+    allreduce resumes later than on a busy core; a variant that starts a helper process (the
+    dashboards' writer) would keep its cores awake and gain from that alone. The spinner gives
+    every variant awake cores; training preempts it at once.
+    """
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN_CODE, str(os.getpid())]) if enabled else None
+    try:
+        yield
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+def bind_to_core() -> int:
+    """Pins this process (and what it starts later) to one core: its local rank modulo the cores
+    it may use. Returns the core."""
+    local = int(os.environ.get("HOROVOD_LOCAL_RANK") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+                or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def load_variant(spec: str) -> Callable[[int, Path], dict[str, Any]]:
+    """The run function of ``module:key``: ``VARIANTS[key]`` of that worker module, imported now
+    (so a PyTorch job never loads TensorFlow)."""
+    module, key = spec.split(":")
+    return importlib.import_module(module).VARIANTS[key]
+
+
+def job_main(argv: Sequence[str] | None = None) -> int:
+    """The interleaved job, on every rank: ``--warmup`` discarded rounds, then ``--rounds``
+    measured ones, each running every variant once in :func:`round_order`. A run returns this
+    rank's record; rank 0 prints it with ``round``, ``slot`` and ``variant`` added."""
+    p = argparse.ArgumentParser(description="one interleaved benchmark job (under horovodrun)")
+    p.add_argument("--variants", required=True, help="comma-separated module:key")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--bind", action="store_true")
+    p.add_argument("--spin", action="store_true")
+    args = p.parse_args(argv)
+    if args.bind:
+        bind_to_core()
+    specs = args.variants.split(",")
+    runs = {spec: load_variant(spec) for spec in specs}
+    with idle_spinner(args.spin):
+        for round_index in range(-args.warmup, args.rounds):
+            for slot, spec in round_order(list(enumerate(specs)), round_index):
+                gc.collect()  # the last run's garbage is collected here, not in the next one's time
+                record = runs[spec](args.epochs, args.out_dir / f"slot{slot}")
+                if record["rank"] == 0:
+                    print(json.dumps({"round": round_index, "slot": slot, "variant": spec,
+                                      **record}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(job_main())

@@ -30,20 +30,52 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-import torch
-
+import harness
 import workload
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
 
-from hvdtrain.synthetic import SyntheticImages  # noqa: E402
-from hvdtrain.torch.models import resnet18_module  # noqa: E402
+SIZES = {"rounds": (3, 1), "warmup": (0, 0), "steps": (20, 6), "width": (64, 8)}
+"""The drivers' sizes (``ddp.py``, ``scaling.py``): full and ``--quick``."""
 
 
-def dataset(args: argparse.Namespace, ranks: int) -> SyntheticImages:
+def driver_options(p: argparse.ArgumentParser) -> None:
+    """The options the drivers of this worker add to ``harness.parser(..., SIZES)``."""
+    p.add_argument("--skip", type=int, default=3, help="first steps not timed (default 3)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="environment of the horovodrun jobs, e.g. HOROVOD_CYCLE_TIME=5")
+
+
+def job_argv(launcher: Sequence[str], args: argparse.Namespace, trainer: str,
+             threads: int = 0) -> list[str]:
+    """``launcher`` followed by one run of this worker with the driver's options."""
+    return [*launcher, str(Path(__file__).resolve()), "--trainer", trainer, "--steps",
+            str(args.steps), "--skip", str(args.skip), "--batch", str(args.batch), "--width",
+            str(args.width), "--threads", str(threads)]
+
+
+def horovodrun(np: int, controller: str = "gloo") -> list[str]:
+    """The launcher of a ``horovodrun`` job of ``np`` ranks running this interpreter."""
+    return [harness.horovodrun(), "-np", str(np), f"--{controller}", str(harness.python())]
+
+
+def driver_note(args: argparse.Namespace) -> str:
+    """What every job of this worker trained and how its throughput is taken."""
+    params = ", 11.2 M parameters" if args.width == 64 else ""
+    return (f"Workload: hvdtrain's `resnet18` (width {args.width}{params}) on "
+            f"`synthetic_images` 3x32x32, 10 classes; batch {args.batch} per rank; SGD lr "
+            f"{workload.BASE_LR} x ranks, momentum {workload.MOMENTUM}; {args.steps} steps a "
+            f"job, samples/s over steps {args.skip + 1} to {args.steps - 1} on rank 0; "
+            f"{args.rounds} rounds after {args.warmup} warm-up, one job per variant per round; "
+            f"environment of the horovodrun jobs: {' '.join(args.env) or 'Horovod defaults'}.")
+
+
+def dataset(args: argparse.Namespace, ranks: int) -> Any:
     """Enough training samples for every step at this world size, and a token test split."""
+    from hvdtrain.synthetic import SyntheticImages
+
     return SyntheticImages(train_samples=args.steps * args.batch * ranks, test_samples=ranks,
                            seed=workload.SEED)
 
@@ -58,6 +90,8 @@ def span(clock: workload.Clock, skip: int, global_batch: int) -> float:
 
 def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
     """Trains with hvdtrain's own loop (``train(cfg)``), configured to match :func:`run_plain`."""
+    import torch
+
     from hvdtrain.config import load_config
     from hvdtrain_worker import train_clocked
 
@@ -76,8 +110,7 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
         "optim.scale_lr=true", "comm.compression=none", "checkpoint.enabled=false",
         "log.console=false", "log.wandb=disabled", "log.tensorboard=false",
         f"log.dir={out}", f"seed={workload.SEED}"], environ={})
-    clock = workload.Clock()
-    result = train_clocked(cfg, clock)
+    result, clock = train_clocked(cfg)
     engine = result.engine
     return {"rank": engine.rank, "ranks": engine.size, "threads": torch.get_num_threads(),
             "samples_per_s": span(clock, args.skip, args.batch * engine.size),
@@ -92,7 +125,11 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
     ``--trainer alone`` (under ``horovodrun``, for its rank variables) every process runs the same
     loop on its shard without communicating, and rank 0's samples/s is scaled by the process count:
     what the host's cores deliver to that many processes before any gradient exchange."""
+    import numpy as np
+    import torch
     import torch.nn.functional as F
+
+    from hvdtrain.torch.models import resnet18_module
 
     if args.trainer == "ddp":
         import torch.distributed as dist

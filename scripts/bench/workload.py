@@ -1,24 +1,19 @@
-"""The benchmark workers' common ground: the problem they all train and how they report on it.
+"""The problem every step-time worker trains, how each clocks itself, and what it reports.
 
-Every worker (``handwritten_torch.py``, ``handwritten_tf.py``, ``hvdtrain_worker.py``) takes its
-hyper-parameters, its data split and its thread count from here, and builds and prints its
-measurement with :func:`measurement` and :func:`report`, so the compared variants cannot drift
-apart by an edit to one of them. This module
-imports neither a deep-learning framework nor hvdtrain (the hand-written loops must stay free of
-hvdtrain's code), and numpy only when data is loaded, so the drivers can read its constants.
+``handwritten_torch.py``, ``handwritten_tf.py`` and ``hvdtrain_worker.py`` take their
+hyper-parameters, data split and thread count from here and build their record with
+:func:`measurement`, so the compared variants cannot drift apart by an edit to one of them. It
+imports neither a framework nor hvdtrain (the hand-written loops must stay free of hvdtrain's code),
+and numpy only when data is loaded, so the drivers can read its constants and notes.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
+import statistics
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,15 +29,24 @@ HIDDEN = 128
 """Width of the MLP's one hidden layer (64 inputs, 10 classes)."""
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
+LOG_EVERY = 10
+"""hvdtrain's steps per logged record (``log.every_steps``)."""
+
+SINKS = {
+    # The hand-written loops log nothing; W&B's service process is not training machinery.
+    "default": ["log.console=false", "log.wandb=disabled"],
+    "off": ["log.console=false", "log.wandb=disabled", "log.jsonl=false", "log.tensorboard=false",
+            "log.system=false"],
+    "on": ["log.console=true", "log.progress=lines", "log.wandb=offline", "log.jsonl=true",
+           "log.tensorboard=true", "log.system=true"],
+}
+"""hvdtrain's logging switches by ``hvdtrain_worker.run``'s ``sinks``: the default, every sink
+off, every sink on (``monitoring.py`` compares the last two)."""
 
 
 def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(train_x, train_y, test_x, test_y)`` of the digits, split exactly as hvdtrain's ``digits``.
-
-    Pixels are scaled to [0, 1] as float32 and labels are int64, as ``hvdtrain.data.DigitsDataset``
-    makes them; the split is stratified with a fixed seed.
-    """
-    # Imported here, not at the top: the drivers read this module's constants and must load fast.
+    """``(train_x, train_y, test_x, test_y)`` of the digits, split as hvdtrain's ``digits``:
+    pixels scaled to [0, 1] as float32, int64 labels, a stratified split with a fixed seed."""
     import numpy as np
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -55,96 +59,21 @@ def load_digits_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def threads_per_rank(local_size: int) -> int:
-    """Compute threads for one rank: the cores divided by the ranks on this host, at least one,
-    and no more than the cores this process may run on (one under ``--bind``).
-
-    hvdtrain's ``train.threads: 0`` uses the same rule (``hvdtrain.engine.compute_threads``),
-    written again here because the hand-written loops must not import hvdtrain.
-    """
+    """Compute threads for one rank: the cores over the ranks on this host, at least one, at most
+    the cores this process may run on. hvdtrain's ``train.threads: 0`` follows the same rule
+    (``hvdtrain.engine.compute_threads``), written again because these loops must not import it."""
     share = (os.cpu_count() or 1) // max(1, local_size)
     return max(1, min(len(os.sched_getaffinity(0)), share))
 
 
-def local_rank() -> int:
-    """This process's rank on its host, from the launcher's environment (Gloo's or Open MPI's)."""
-    for name in ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
-        if name in os.environ:
-            return int(os.environ[name])
-    return 0
-
-
-def bind_to_core() -> int:
-    """Pins this process, and the threads and processes it starts later, to one core: its local
-    rank modulo the cores it may use. Returns the core."""
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[local_rank() % len(cores)]
-    os.sched_setaffinity(0, {core})
-    return core
-
-
-SPIN_CODE = """
-import os, sys
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-parent = int(sys.argv[1])
-while os.getppid() == parent:  # ends by itself if its rank dies
-    pass
-"""
-
-
-class IdleSpinner:
-    """A busy loop in Linux's idle scheduling class beside this rank, on the cores it may use,
-    for the ``with`` block (nothing when ``enabled`` is false).
-
-    A core with nothing to run halts, and on this virtual machine waking it costs time: a rank
-    waiting for an allreduce resumes later than on a busy core. Measured, an idle-class busy
-    loop beside each rank made the same run 12% faster (interleaved, 10 rounds). Any variant that
-    starts a background process (the metrics writer: ``hvdtrain.sinkproc``) gets some of that for
-    free, so a benchmark comparing such variants gives every one of them the spinner. It runs
-    only when nothing else wants the core, and training preempts it at once.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> IdleSpinner:
-        if self.enabled:
-            self._process = subprocess.Popen([sys.executable, "-c", SPIN_CODE, str(os.getpid())])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-
-
-def worker_parser(description: str) -> argparse.ArgumentParser:
-    """A parser of the options every worker takes: ``--epochs`` and ``--out-dir``.
-
-    The drivers pass both to every job; a worker may add its own options before parsing.
-    """
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--out-dir", default="",
-                        help="where rank 0 writes its checkpoint or run (default: a new temp dir)")
-    return parser
-
-
-def out_dir(arg: str, prefix: str) -> Path:
-    """``--out-dir`` as a path, or a fresh temporary directory when it was not given."""
-    return Path(arg or tempfile.mkdtemp(prefix=prefix))
-
-
 class Clock:
-    """Notes when each optimizer step and the final evaluation start, for the steady-state figure.
+    """Notes when each optimizer step and the final evaluation start.
 
-    The whole-run wall time holds one-time costs: TensorFlow traces its ``tf.function`` step on
-    the first call (seconds, against milliseconds per step), and the first steps of any framework
-    touch cold memory. The steady state leaves the first epoch out: it runs from the start of the
-    first step of the second epoch to the start of the final evaluation, so it holds every step of
-    epochs 2 to N and all the work between them (metric logging, allreduces, shuffles), but no
-    trace, evaluation or checkpoint. Every worker notes its times the same way, so the figures of
-    the hand-written loops and of hvdtrain cover the same span.
+    The whole-run time holds one-time costs (TensorFlow traces its step on the first call, the
+    first steps touch cold memory). The steady state leaves the first epoch out: from the start of
+    the first step of epoch 2 to the start of the final evaluation, every step and the work between
+    steps (metric logging, allreduces, shuffles), but no trace, evaluation or checkpoint. Every
+    worker notes the same two points, so their figures cover the same span.
     """
 
     def __init__(self) -> None:
@@ -161,65 +90,58 @@ class Clock:
             self.eval_start = time.perf_counter()
 
     def steady_seconds(self, epochs: int) -> float | None:
-        """Seconds of epochs 2 to ``epochs`` (see the class); ``None`` for a one-epoch run."""
+        """Seconds of epochs 2 to ``epochs``; ``None`` for a one-epoch run or without evaluation."""
         skip = len(self.step_starts) // epochs  # every epoch has the same number of steps
         if epochs < 2 or self.eval_start is None or skip >= len(self.step_starts):
             return None
         return self.eval_start - self.step_starts[skip]
 
-    def block_means(self, epochs: int, block: int, classes: int) -> list[float] | None:
-        """Mean seconds per step of each block class, in the steady state: steps are numbered
-        from 0, block ``b`` holds steps ``b * block`` to ``(b + 1) * block - 1``, and its class is
-        ``b % classes``. Only blocks that lie wholly in the steady state count, and an odd number
-        of them (the last is dropped when they are even): even and odd blocks then lie alike about
-        the middle of the span, so a drift along the run (the machine slowing, or speeding up)
-        weighs the same on both, and the averages of the even and of the odd classes compare them
-        without it. (Whole cycles of ``classes`` blocks put the odd ones a block earlier on
-        average: a steady slowing by 10% over a 40-epoch run read as odd / even 0.995.)
 
-        For comparisons inside one run (``hvdtrain_worker.Alternation``, which mutes the even
-        blocks): neighbouring blocks share the machine's state of the moment, which two runs
-        seconds apart do not. ``None`` for a one-epoch run or one with fewer than ``classes``
-        blocks in its steady state.
-        """
-        if epochs < 2 or self.eval_start is None:
-            return None
-        times = [*self.step_starts, self.eval_start]
-        skip = len(self.step_starts) // epochs
-        first = -(-skip // block)  # the first block that starts in the steady state
-        count = len(self.step_starts) // block - first
-        count -= 1 - count % 2  # odd
-        if count < classes:
-            return None
-        sums, blocks = [0.0] * classes, [0] * classes
-        for b in range(first, first + count):
-            sums[b % classes] += times[(b + 1) * block] - times[b * block]
-            blocks[b % classes] += 1
-        return [total / (n * block) for total, n in zip(sums, blocks)]
+def measurement(rank: int, steps: int, samples: int, wall_time_s: float, eval_accuracy: float,
+                clock: Clock, epochs: int) -> dict[str, Any]:
+    """One run's record on this rank: ``step_time_s`` and ``samples_per_s`` over the whole run,
+    and their steady-state counterparts (``None`` for a one-epoch run).
 
-
-def measurement(rank: int, steps: int, wall_time_s: float, eval_loss: float | None,
-                eval_accuracy: float | None, *, clock: Clock, epochs: int,
-                **extra: Any) -> dict[str, Any]:
-    """The measurement every worker returns from ``run`` on every rank, with ``extra`` keys appended.
-
-    ``rank`` says whose clock it is (only rank 0's is reported). ``step_time_s`` is the wall time
-    per optimizer step; ``steady_step_time_s`` is the steady state's time (see :class:`Clock`) per
-    step it holds, ``None`` for a one-epoch run.
+    Every epoch has the same steps and samples, so the steady state holds ``(epochs - 1) /
+    epochs`` of each.
     """
     steady = clock.steady_seconds(epochs)
-    steady_steps = steps - steps // epochs
-    return {"rank": rank, "steps": steps, "wall_time_s": wall_time_s,
-            "step_time_s": wall_time_s / steps,
-            "steady_step_time_s": None if steady is None else steady / steady_steps,
-            "eval_loss": eval_loss, "eval_accuracy": eval_accuracy, **extra}
+    share = (epochs - 1) / epochs
+    return {"rank": rank, "steps": steps, "samples": samples, "wall_time_s": wall_time_s,
+            "step_time_s": wall_time_s / steps, "samples_per_s": samples / wall_time_s,
+            "steady_step_time_s": None if steady is None else steady / (steps * share),
+            "steady_samples_per_s": None if steady is None else samples * share / steady,
+            "eval_accuracy": eval_accuracy}
 
 
-def report(record: dict[str, Any]) -> None:
-    """On rank 0 only, prints ``record`` as a JSON line, as ``harness.parse_measurements`` reads it.
-
-    Every rank measures; one report per run is enough, and rank 0's is the one hvdtrain's run
-    summary (written by rank 0) also gives.
-    """
+def report(record: Mapping[str, Any]) -> None:
+    """On rank 0 only, prints ``record`` as one JSON line (``harness.parse_measurements``)."""
     if record["rank"] == 0:
         print(json.dumps(record), flush=True)
+
+
+STEADY_SPAN = "epochs 2 to N, up to the final evaluation"
+
+
+def notes(args: Any, results: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[str]:
+    """The lines every step-time section carries: the workload, the two spans, each variant's
+    median one-time cost and final accuracy (every variant trains the same problem)."""
+    steps = next(iter(results.values()))[0]["steps"]
+    def one_time(m: Mapping[str, Any]) -> float:
+        return m["wall_time_s"] - m["steady_step_time_s"] * m["steps"]
+
+    costs = ", ".join(f"{name} {statistics.median(map(one_time, runs)):.3f} s"
+                      for name, runs in results.items())
+    accuracy = ", ".join(f"{name} {statistics.median(m['eval_accuracy'] for m in runs):.3f}"
+                         for name, runs in results.items())
+    return [
+        f"Workload: digits MLP (64-{HIDDEN}-10), all runs in one `horovodrun -np {args.np} "
+        f"--{args.controller}` job, batch {BATCH_SIZE} per rank, SGD lr {BASE_LR} x {args.np} "
+        f"momentum {MOMENTUM}; {args.epochs} epochs ({steps} steps) a run; {args.rounds} rounds "
+        f"after {args.warmup} warm-up.",
+        "Whole run: from the first step through the final evaluation and checkpoint, on rank 0. "
+        f"Steady state: {STEADY_SPAN} (`workload.Clock`; hvdtrain's through a "
+        "`hvdtrain.loop.Callback`).",
+        f"Median one-time cost a run (whole run less steady step time x steps): {costs}.",
+        f"Median final test accuracy: {accuracy}.",
+    ]
