@@ -1,29 +1,32 @@
 """Gradient compression for TensorFlow: the kernels of :mod:`hvdtrain.compression.reference` in
-TensorFlow, and the exchange that averages a step's gradients over the ranks with them.
+TensorFlow and Horovod's TensorFlow collectives, which run the shared plans
+(:mod:`hvdtrain.compression.exchange`).
 
 A training step runs as: local gradients (the engine's ``tf.function``), then
-:meth:`GradientExchange.run`, then the update. The exchange runs compression kernels in
-``tf.function`` s (compute) and the Horovod collectives in a ``tf.function`` of their own, whose calls
-it times: an eager call returns only when the collectives inside have finished, so that time is the
+:meth:`GradientExchange.run`, then the update. The exchange runs each plan stage in a ``tf.function``
+(compute) and each round's Horovod collectives in a ``tf.function`` of their own, whose calls it
+times: an eager call returns only when the collectives inside have finished, so that time is the
 time this rank waited for the exchange. Every method, ``none`` included, goes this way, so ``none``
 costs one collective call per step (one grouped allreduce, as ``DistributedGradientTape`` makes).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
-from hvdtrain.config import CommConfig
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.compression.exchange import Exchange
+from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.state import Slot
 
 Tensors = list[tf.Tensor]
+_DTYPES = {"float32": tf.float32, "float16": tf.float16}
 
 
 # kernels: each mirrors the reference function of the same name ----------------------------------
@@ -44,6 +47,12 @@ def scatter(values: tf.Tensor, indices: tf.Tensor, n: int) -> tf.Tensor:
 def randomk_compress(x: tf.Tensor, indices: tf.Tensor, scale: float) -> tf.Tensor:
     """The entries of flat ``x`` at ``indices`` times ``scale``."""
     return tf.gather(x, indices) * scale
+
+
+def uniform(seed: tf.Tensor, n: int) -> tf.Tensor:
+    """``n`` draws from U[0, 1), a function of the int64 scalar ``seed`` alone (stateless)."""
+    seed = tf.cast(seed, tf.int64)
+    return tf.random.stateless_uniform([n], seed=tf.stack([seed, tf.zeros_like(seed)]))
 
 
 def _bucketed(flat: tf.Tensor, bucket: int) -> tf.Tensor:
@@ -75,14 +84,10 @@ def qsgd_decompress(codes: tf.Tensor, scales: tf.Tensor, bucket: int) -> tf.Tens
     return tf.reshape(decoded, [*codes.shape[:-1], -1])[..., :n]
 
 
-def orthogonalize(p: tf.Tensor) -> tf.Tensor:
-    """Modified Gram-Schmidt on the columns of ``p``, as the reference defines it."""
-    cols = tf.unstack(p, axis=1)
-    for i in range(len(cols)):
-        cols[i] = cols[i] / (tf.sqrt(tf.reduce_sum(cols[i] * cols[i])) + ref.GRAM_SCHMIDT_EPS)
-        for j in range(i + 1, len(cols)):
-            cols[j] = cols[j] - cols[i] * tf.reduce_sum(cols[i] * cols[j])
-    return tf.stack(cols, axis=1)
+def qsgd_mean(codes: tf.Tensor, scales: tf.Tensor, bucket: int, size: int) -> tf.Tensor:
+    """The mean of ``size`` ranks' decoded vectors (codes and scales one rank after another)."""
+    return rank_mean(qsgd_decompress(tf.reshape(codes, [size, -1]), tf.reshape(scales, [size, -1]),
+                                     bucket))
 
 
 def rank_mean(stacked: tf.Tensor) -> tf.Tensor:
@@ -93,13 +98,76 @@ def rank_mean(stacked: tf.Tensor) -> tf.Tensor:
     return total / float(stacked.shape[0])
 
 
-def _function(fn: Any) -> Any:
+def orthogonalize(p: tf.Tensor) -> tf.Tensor:
+    """Modified Gram-Schmidt on the columns of ``p``, as the reference defines it."""
+    cols = tf.unstack(p, axis=1)
+    for i in range(len(cols)):
+        cols[i] = cols[i] / (tf.sqrt(tf.reduce_sum(cols[i] * cols[i])) + ref.GRAM_SCHMIDT_EPS)
+        for j in range(i + 1, len(cols)):
+            cols[j] = cols[j] - cols[i] * tf.reduce_sum(cols[i] * cols[j])
+    return tf.stack(cols, axis=1)
+
+
+class Kernels:
+    """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
+
+    topk_compress = staticmethod(topk_compress)
+    scatter = staticmethod(scatter)
+    randomk_compress = staticmethod(randomk_compress)
+    uniform = staticmethod(uniform)
+    qsgd_compress = staticmethod(qsgd_compress)
+    qsgd_mean = staticmethod(qsgd_mean)
+    orthogonalize = staticmethod(orthogonalize)
+
+    @staticmethod
+    def flat(x: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(x, [-1])
+
+    @staticmethod
+    def reshape(x: tf.Tensor, shape: Sequence[int]) -> tf.Tensor:
+        return tf.reshape(x, list(shape))
+
+    @staticmethod
+    def cast(x: tf.Tensor, dtype: str) -> tf.Tensor:
+        return tf.cast(x, _DTYPES[dtype])
+
+    @staticmethod
+    def matmul(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(a, b)
+
+    @staticmethod
+    def transpose(m: tf.Tensor) -> tf.Tensor:
+        return tf.transpose(m)
+
+
+# state and collectives --------------------------------------------------------------------------
+
+class VariableStore:
+    """State slots as ``tf.Variable`` s (:class:`hvdtrain.compression.kernels.Store`), which traced
+    stages read and assign."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.variables = {s.key: tf.Variable(s.initial, trainable=False, name=s.key.replace("/", "_"))
+                          for s in slots}
+
+    def read(self, key: str) -> tf.Tensor:
+        return self.variables[key].value()
+
+    def write(self, key: str, value: tf.Tensor) -> None:
+        self.variables[key].assign(value)
+
+    def numpy(self, key: str) -> np.ndarray:
+        return self.variables[key].numpy().copy()
+
+    def assign(self, key: str, value: np.ndarray) -> None:
+        self.variables[key].assign(np.asarray(value, np.float32))
+
+
+def _function(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``tf.function`` without XLA (Horovod's XLA ops are not built) or AutoGraph (plain Python
     loops over lists, unrolled once at trace time)."""
     return tf.function(fn, jit_compile=False, autograph=False)
 
-
-# the collectives --------------------------------------------------------------------------------
 
 def _by_dtype(tensors: Sequence[tf.Tensor]) -> dict[tf.DType, list[int]]:
     groups: dict[tf.DType, list[int]] = {}
@@ -126,340 +194,39 @@ def _collective(tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, T
             grouped(hvd.grouped_allreduce, average, "mean", op=hvd.Average))
 
 
-def nbytes(tensors: Sequence[tf.Tensor]) -> int:
-    """Bytes of these (eager) tensors' contents."""
-    return sum(t.shape.num_elements() * t.dtype.size for t in tensors)
+class GradientExchange(Exchange):
+    """A plan run with TensorFlow kernels, its stages traced once each, and Horovod's grouped
+    TensorFlow collectives."""
 
+    kernels = Kernels()
 
-# the exchange -----------------------------------------------------------------------------------
-
-class GradientExchange:
-    """Averages gradients over ranks with one ``comm.compression`` method; the reference gives the
-    math. This base class carries everything densely (``none``, and ``fp16`` as half floats).
-
-    ``run(grads)`` returns the (approximate) average of each gradient over the ranks. Its state
-    (the step counter that seeds random draws, error-feedback residuals, PowerSGD's Q) is saved by
-    :meth:`checkpoint_arrays` and restored exactly by :meth:`load_arrays`.
-    """
-
-    error_feedback = False  # whether this method keeps residuals (when comm.error_feedback is on)
-
-    def __init__(self, comm: CommConfig, seed: int, rank: int, size: int,
-                 shapes: Sequence[Sequence[int]]) -> None:
-        self.comm, self.seed, self.rank, self.size = comm, seed, rank, size
-        self.method = comm.compression
-        self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.compressed = [ref.compressible(self.method, s, comm.min_size, comm.rank)
-                           for s in self.shapes]
-        self.chosen = [i for i, c in enumerate(self.compressed) if c]
-        """Indices of the tensors this method compresses."""
-        self.step = 0
-        self.residuals = {i: tf.Variable(tf.zeros([n]), trainable=False, name=f"residual_{i}")
-                          for i, n in enumerate(self.sizes)
-                          if self.compressed[i] and self.error_feedback and comm.error_feedback}
-        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
-        """The last step's bytes handed to Horovod, the fp32 bytes they stand for, the seconds
-        waited for the collectives and the rest of the exchange's time (kernels, host draws)."""
-        self.compress_s_total = 0.0
-        self._wire, self._waited = 0, 0.0
-        self._gathered: tuple[int, dict[str, np.ndarray]] | None = None
-        self._saved_rows: dict[int, np.ndarray] = {}  # after a restore: residuals, a row per rank
-        self._build()
+    def _make_store(self, slots: list[Slot]) -> VariableStore:
+        return VariableStore(slots)
 
     def _build(self) -> None:
-        """Wraps the kernels and collectives in ``tf.function`` s, each traced once (lists of fixed
-        shapes; the step is a tensor). The traces hold the world size, so a resize rebuilds them."""
-        self._collect = _function(_collective)
-        self._compress_fn = _function(self._compress)
-        self._decompress_fn = _function(self._decompress)
-        self._cast = _function(lambda ts, dtype: [tf.cast(t, dtype) for t in ts])
-
-    def resize(self, rank: int, size: int) -> None:
-        """Continues at another world size (elastic mode): this rank keeps its residuals."""
-        self.rank, self.size = rank, size
-        self._build()
-
-    def run(self, grads: Tensors) -> Tensors:
-        """The average over ranks of each gradient (one per shape, in order)."""
-        self.step += 1
-        self._wire, self._waited = 0, 0.0
-        start = time.perf_counter()
-        out = self._exchange(grads)
-        compress_s = time.perf_counter() - start - self._waited
-        dense = nbytes(grads) if self._wire else 0  # bytes replaced only where bytes were sent
-        self.stats = {"wire_bytes": float(self._wire), "dense_bytes": float(dense),
-                      "comm_s": self._waited, "compress_s": compress_s}
-        self.compress_s_total += compress_s
-        return out
-
-    def _send(self, tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, Tensors]:
-        """Hands these tensors to Horovod, counting their bytes and the time waited for them."""
-        self._wire += nbytes(gather) + nbytes(average)
-        start = time.perf_counter()
-        try:
-            return self._collect(tag, gather, average)
-        finally:
-            self._waited += time.perf_counter() - start
-
-    def _exchange(self, grads: Tensors) -> Tensors:
-        if self.size == 1:
-            # Nothing to average, and nothing sent: Horovod's own optimizers skip it too.
-            return grads
-        if self.method == "fp16":
-            _, mean = self._send("fp16", [], self._cast(grads, tf.float16))
-            return self._cast(mean, tf.float32)
-        return self._send("dense", [], grads)[1]
-
-    def _compress(self, *args: Any) -> Any:
-        """A method's compression kernels (a ``tf.function``); the dense exchange has none."""
-        raise NotImplementedError
-
-    def _decompress(self, *args: Any) -> Any:
-        """A method's decompression kernels (a ``tf.function``); the dense exchange has none."""
-        raise NotImplementedError
-
-    def _dense(self, grads: Tensors) -> Tensors:
-        """The tensors this method does not compress, flat, in order."""
-        return [tf.reshape(g, [-1]) for g, c in zip(grads, self.compressed) if not c]
-
-    def _merge(self, compressed: Sequence[tf.Tensor], dense: Sequence[tf.Tensor]) -> Tensors:
-        """Both kinds back in parameter order and shape."""
-        parts, dense_iter = iter(compressed), iter(dense)
-        return [tf.reshape(next(parts) if c else next(dense_iter), s)
-                for c, s in zip(self.compressed, self.shapes)]
-
-    def _acc(self, i: int, grad: tf.Tensor) -> tf.Tensor:
-        """Error feedback: the flat gradient plus what this rank left unsent before."""
-        flat = tf.reshape(grad, [-1])
-        return flat + self.residuals[i] if i in self.residuals else flat
-
-    def _keep(self, i: int, acc: tf.Tensor, sent: tf.Tensor) -> None:
-        if i in self.residuals:
-            self.residuals[i].assign(ref.new_residual(acc, sent))
-
-    # state ------------------------------------------------------------------------------------
-
-    def q_variables(self) -> dict[int, tf.Variable]:
-        """PowerSGD's Q per tensor index (none for other methods)."""
-        return {}
-
-    def gather_residuals(self) -> None:
-        """Collects every rank's residuals on all ranks (a collective; no-op without residuals)."""
-        arrays = {f"residual/{i}": hvd.allgather(var.value()[None], name=f"hvdtrain.ckpt.res.{i}")
-                  for i, var in self.residuals.items()}
-        self._gathered = (self.step, {k: v.numpy() for k, v in arrays.items()})
-
-    def checkpoint_arrays(self) -> dict[str, np.ndarray]:
-        """The state to checkpoint: method, step, Q and the residuals of all ranks (rows by rank).
-
-        Residuals come from the last :meth:`gather_residuals` if it ran at this step; otherwise
-        (an elastic commit at the start, before any was gathered) only a single rank's own are
-        known, and they are left out rather than handed to every rank on restore.
-        """
-        arrays = {"method": np.array(self.method), "step": np.array(self.step, np.int64)}
-        arrays |= {f"q/{i}": q.numpy() for i, q in self.q_variables().items()}
-        if self._gathered is not None and self._gathered[0] == self.step:
-            arrays |= self._gathered[1]
-        elif self.size == 1:
-            arrays |= {f"residual/{i}": v.numpy()[None] for i, v in self.residuals.items()}
-        return arrays
-
-    def load_arrays(self, arrays: dict[str, np.ndarray], where: str) -> None:
-        """Restores :meth:`checkpoint_arrays`' output; :meth:`broadcast` then hands each rank its
-        residuals (only rank 0 reads a checkpoint)."""
-        saved = str(arrays.get("method", self.method))
-        if saved != self.method and len(arrays) > 2:
-            raise HvdtrainError(f"{where}: its compression state is for {saved!r}, this run uses "
-                                f"comm.compression={self.method!r}")
-        self.step = int(arrays.get("step", self.step))
-        for i, q in self.q_variables().items():
-            if f"q/{i}" in arrays:
-                q.assign(arrays[f"q/{i}"])
-        self._saved_rows = {i: arrays[f"residual/{i}"] for i in self.residuals
-                            if f"residual/{i}" in arrays}
-        for i, rows in self._saved_rows.items():
-            self.residuals[i].assign(self._rows_for_world(rows)[self.rank])
-
-    def _rows_for_world(self, rows: np.ndarray) -> np.ndarray:
-        """Saved residuals (one row per rank then) as one row per rank now: the same rows at the
-        same world size; otherwise every rank gets their mean, so that the update the ranks still
-        owe, the mean of their residuals, is unchanged."""
-        if rows.shape[0] == self.size:
-            return rows
-        return np.repeat(rows.mean(axis=0, keepdims=True), self.size, axis=0)
-
-    def broadcast(self, root_rank: int = 0) -> None:
-        """Gives every rank the root's step, Q and, after a restore, its own row of residuals."""
-        restored = int(bool(self._saved_rows))
-        head = hvd.broadcast(tf.constant([self.step, restored], tf.int64), root_rank,
-                             name="hvdtrain.exchange.head").numpy()
-        self.step = int(head[0])
-        if self.q_variables():
-            hvd.broadcast_variables(list(self.q_variables().values()), root_rank=root_rank)
-        if head[1]:
-            for i, var in self.residuals.items():
-                table = (self._rows_for_world(self._saved_rows[i]) if i in self._saved_rows
-                         else np.zeros((self.size, self.sizes[i]), np.float32))
-                rows = hvd.broadcast(tf.constant(table), root_rank, name=f"hvdtrain.exchange.res.{i}")
-                var.assign(rows[self.rank])
-        self._saved_rows = {}
-
-
-class TopK(GradientExchange):
-    """Top-k sparsification: values and indices allgathered, scatter-added, averaged."""
-
-    error_feedback = True
-
-    def _exchange(self, grads: Tensors) -> Tensors:
-        values, indices, dense = self._compress_fn(grads)
-        gathered, mean = self._send("topk", [*values, *indices], dense)
-        return self._decompress_fn(gathered, mean)
-
-    def _compress(self, grads: Tensors) -> tuple[Tensors, Tensors, Tensors]:
-        dense = self._dense(grads)
-        values, indices = [], []
-        for i in self.chosen:
-            acc = self._acc(i, grads[i])
-            v, idx = topk_compress(acc, ref.num_selected(self.sizes[i], self.comm.ratio))
-            self._keep(i, acc, scatter(v, idx, self.sizes[i]))
-            values.append(v)
-            indices.append(idx)
-        return values, indices, dense
-
-    def _decompress(self, gathered: Tensors, mean: Tensors) -> Tensors:
-        values, indices = gathered[:len(self.chosen)], gathered[len(self.chosen):]
-        sums = [scatter(v, idx, self.sizes[i]) / float(self.size)
-                for i, v, idx in zip(self.chosen, values, indices)]
-        return self._merge(sums, mean)
-
-
-class RandomK(GradientExchange):
-    """Random-k sparsification: indices shared by all ranks for the step, values allreduced."""
-
-    error_feedback = True
-
-    def indices(self) -> Tensors:
-        """This step's indices per compressed tensor, drawn on the host by the reference."""
-        return [tf.constant(ref.randomk_indices(self.sizes[i], ref.num_selected(self.sizes[i],
-                                                                                 self.comm.ratio),
-                                                self.seed, self.step, i))
-                for i, c in enumerate(self.compressed) if c]
-
-    def _exchange(self, grads: Tensors) -> Tensors:
-        indices = self.indices()
-        values, dense = self._compress_fn(grads, indices)
-        _, mean = self._send("randomk", [], [*values, *dense])
-        return self._decompress_fn(mean, indices)
-
-    def _compress(self, grads: Tensors, indices: Tensors) -> tuple[Tensors, Tensors]:
-        dense = self._dense(grads)
-        values = []
-        for i, idx in zip(self.chosen, indices):
-            n = self.sizes[i]
-            acc = self._acc(i, grads[i])
-            scale = ref.randomk_scale(n, ref.num_selected(n, self.comm.ratio),
-                                      self.comm.error_feedback)
-            v = randomk_compress(acc, idx, scale)
-            self._keep(i, acc, scatter(v, idx, n))
-            values.append(v)
-        return values, dense
-
-    def _decompress(self, mean: Tensors, indices: Tensors) -> Tensors:
-        dense = [scatter(v, idx, self.sizes[i]) for i, v, idx in zip(self.chosen, mean, indices)]
-        return self._merge(dense, mean[len(self.chosen):])
-
-
-class QSGD(GradientExchange):
-    """8-bit stochastic quantization: codes and scales allgathered, each rank decodes all."""
-
-    def _exchange(self, grads: Tensors) -> Tensors:
-        codes, scales, dense = self._compress_fn(grads, tf.constant(self.step, tf.int64))
-        gathered, mean = self._send("qsgd", [*codes, *scales], dense)
-        return self._decompress_fn(gathered, mean)
-
-    def noise(self, step: tf.Tensor, index: int, n: int) -> tf.Tensor:
-        """U[0, 1) for tensor ``index`` at ``step``: stateless, from (seed, rank, step, index), so a
-        resumed run draws what the uninterrupted one would have, and ranks draw independently."""
-        key = tf.constant([self.seed, self.rank], tf.int64)
-        for data in (step, tf.constant(index, tf.int64)):
-            key = tf.random.experimental.stateless_fold_in(key, data)
-        return tf.random.stateless_uniform([n], seed=key)
-
-    def _compress(self, grads: Tensors, step: tf.Tensor) -> tuple[Tensors, Tensors, Tensors]:
-        dense = self._dense(grads)
-        pairs = [qsgd_compress(tf.reshape(grads[i], [-1]), self.comm.bucket,
-                               self.noise(step, i, self.sizes[i])) for i in self.chosen]
-        return [c for c, _ in pairs], [s for _, s in pairs], dense
-
-    def _decompress(self, gathered: Tensors, mean: Tensors) -> Tensors:
-        codes, scales = gathered[:len(self.chosen)], gathered[len(self.chosen):]
-        decoded = []
-        for i, c, s in zip(self.chosen, codes, scales):
-            n, buckets = self.sizes[i], ref.qsgd_buckets(self.sizes[i], self.comm.bucket)
-            decoded.append(rank_mean(qsgd_decompress(tf.reshape(c, [self.size, n]),
-                                                     tf.reshape(s, [self.size, buckets]),
-                                                     self.comm.bucket)))
-        return self._merge(decoded, mean)
-
-
-class PowerSGD(GradientExchange):
-    """Rank-r PowerSGD: P averaged, orthogonalised, Q averaged; Q warm-starts the next step."""
-
-    error_feedback = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.q = {i: tf.Variable(ref.powersgd_initial_q(s, self.comm.rank, self.seed, i),
-                                 trainable=False, name=f"powersgd_q_{i}")
-                  for i, s in enumerate(self.shapes) if self.compressed[i]}
-
-    def _build(self) -> None:
+        self._collect_fn = _function(_collective)
         super()._build()
-        self._project_fn = _function(self._project)
-        self._factor_fn = _function(self._factor)
-        self._expand_fn = _function(self._expand)
 
-    def q_variables(self) -> dict[int, tf.Variable]:
-        return self.q
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return _function(fn)
 
-    def _exchange(self, grads: Tensors) -> Tensors:
-        matrices, p, dense = self._project_fn(grads)
-        _, mean = self._send("powersgd.p", [], [*p, *dense])
-        ps, local_q = self._factor_fn(matrices, mean[:len(p)])
-        _, q = self._send("powersgd.q", [], local_q)
-        return self._expand_fn(ps, q, mean[len(p):])
+    def _tensor(self, array: np.ndarray) -> tf.Tensor:
+        return tf.constant(array)
 
-    def _project(self, grads: Tensors) -> tuple[Tensors, Tensors, Tensors]:
-        """Each compressed M (gradient + residual, as a matrix) and this rank's ``M Q``."""
-        dense = self._dense(grads)
-        matrices = [tf.reshape(self._acc(i, grads[i]), ref.matrix_shape(self.shapes[i]))
-                    for i in self.chosen]
-        return matrices, [m @ self.q[i] for i, m in zip(self.chosen, matrices)], dense
+    def _nbytes(self, tensors: Sequence[tf.Tensor]) -> int:
+        return sum(t.shape.num_elements() * t.dtype.size for t in tensors)
 
-    def _factor(self, matrices: Tensors, p_mean: Tensors) -> tuple[Tensors, Tensors]:
-        """Orthogonal P per matrix, then this rank's ``M^T P``; keeps the residual ``M - P (M^T P)^T``."""
-        ps = [orthogonalize(p) for p in p_mean]
-        local_q = [tf.transpose(m) @ p for m, p in zip(matrices, ps)]
-        for i, m, p, lq in zip(self.chosen, matrices, ps, local_q):
-            self._keep(i, tf.reshape(m, [-1]), tf.reshape(p @ tf.transpose(lq), [-1]))
-        return ps, local_q
+    def _collect(self, tag: str, gather: Tensors, mean: Tensors) -> tuple[Tensors, Tensors]:
+        return self._collect_fn(tag, gather, mean)
 
-    def _expand(self, ps: Tensors, q_mean: Tensors, dense: Tensors) -> Tensors:
-        for i, q in zip(self.chosen, q_mean):
-            self.q[i].assign(q)
-        return self._merge([p @ tf.transpose(q) for p, q in zip(ps, q_mean)], dense)
+    def _allgather_rows(self, array: np.ndarray, name: str) -> np.ndarray:
+        return hvd.allgather(tf.constant(array[None]), name=name).numpy()
+
+    def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
+        return hvd.broadcast(tf.constant(array), root_rank, name=name).numpy()
 
 
-_METHODS: dict[str, type[GradientExchange]] = {
-    "none": GradientExchange, "fp16": GradientExchange, "topk": TopK, "randomk": RandomK,
-    "qsgd": QSGD, "powersgd": PowerSGD}
-
-
-def make_exchange(comm: CommConfig, seed: int, rank: int, size: int,
+def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
                   shapes: Sequence[Sequence[int]]) -> GradientExchange:
-    """The exchange for ``comm.compression`` over tensors of these shapes (the model's order)."""
-    if comm.compression not in _METHODS:
-        raise HvdtrainError(f"comm.compression={comm.compression!r}: one of {', '.join(_METHODS)} "
-                            "for tensorflow")
-    return _METHODS[comm.compression](comm, seed, rank, size, shapes)
+    """The exchange for ``comm.compression`` over gradients of these shapes (the model's order)."""
+    return GradientExchange(make_plan(comm, seed, shapes), rank, size)

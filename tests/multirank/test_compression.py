@@ -90,15 +90,17 @@ def test_ranks_agree_and_checkpoint_holds_each_ranks_state(compressed, framework
 
 
 def _compression_state(directory: Path, framework: str) -> list[dict]:
-    """Every rank's compression state in the newest checkpoint."""
+    """Every rank's compression state in the newest checkpoint. Both frameworks store the same
+    entry (:func:`hvdtrain.compression.state.pack`): each residual once, as rows by rank."""
     newest = sorted(directory.glob("*.ckpt"))[-1]
     if framework == "torch":
         import torch
-        return torch.load(newest, weights_only=True)["compression"]
-    # TensorFlow's .npz holds each residual once, as rows by rank: compression/residual/<i>.
-    with np.load(newest, allow_pickle=False) as data:
-        step = int(data["compression/step"])
-        rows = {k.rsplit("/", 1)[1]: data[k] for k in data.files
-                if k.startswith("compression/residual/")}
+        saved = torch.load(newest, weights_only=True)["compression"]
+        entry = {k: np.asarray(v) for k, v in saved.items()}
+    else:
+        with np.load(newest, allow_pickle=False) as data:
+            entry = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith("compression/")}
+    rows = {k.split("/", 1)[1]: v for k, v in entry.items() if k.startswith("residual/")}
     size = len(next(iter(rows.values())))
-    return [{"step": step, "residuals": {k: v[r] for k, v in rows.items()}} for r in range(size)]
+    return [{"step": int(entry["step"]), "residuals": {k: v[r] for k, v in rows.items()}}
+            for r in range(size)]

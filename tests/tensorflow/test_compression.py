@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow import compression as tfc
-from hvdtrain.trainer import train
+from hvdtrain.driver import train
 from tests.conftest import TF_CONFIG, quiet_config
 
 F32 = np.float32
@@ -174,7 +175,7 @@ class Reference:
 
     def one(self, i: int, g: np.ndarray, step: int, noise) -> np.ndarray:
         c, n = self.c, g.size
-        if not ref.compressible(c.compression, g.shape, c.min_size, c.rank):
+        if not make_plan(c, self.seed, SHAPES).tensors[i].compressed:
             return g  # the dense mean over one rank (none and fp16 skip the exchange at size 1)
         if c.compression == "qsgd":
             codes, scales = ref.qsgd_compress(g, c.bucket, noise(step, i, n))
@@ -202,31 +203,43 @@ def test_exchange_matches_the_reference_and_conserves_with_error_feedback(method
     c = comm(method, error_feedback=feedback)
     exchange = tfc.make_exchange(c, seed=5, rank=0, size=1, shapes=SHAPES)
     reference = Reference(c, seed=5)
-    noise = lambda step, i, n: exchange.noise(tf.constant(step, tf.int64), i, n).numpy()  # noqa: E731
+    noise = lambda step, i, n: tfc.uniform(  # noqa: E731
+        tf.constant(ref.noise_seed(5, 0, step, i), tf.int64), n).numpy()
     for step in range(1, 4):
         grads = grads_of(step)
-        before = {i: r.numpy().copy() for i, r in exchange.residuals.items()}
+        before = residuals(exchange)
         out = [t.numpy() for t in exchange.run([tf.constant(g) for g in grads])]
         expected = reference.run(grads, step, noise)
         for i, (o, e) in enumerate(zip(out, expected)):
             np.testing.assert_allclose(o, e, rtol=0, atol=2e-6, err_msg=f"{method} step {step} #{i}")
-        for i, residual in exchange.residuals.items():
+        for i, residual in residuals(exchange).items():
             # Nothing is lost, only late: sent + new residual = old residual + gradient.
-            np.testing.assert_allclose(out[i].reshape(-1) + residual.numpy(),
+            np.testing.assert_allclose(out[i].reshape(-1) + residual,
                                        before[i] + grads[i].reshape(-1), rtol=0, atol=1e-6)
-            np.testing.assert_allclose(residual.numpy(), reference.residuals[i], rtol=0, atol=2e-6)
-    compressed = [ref.compressible(method, s, c.min_size, c.rank) for s in SHAPES]
+            np.testing.assert_allclose(residual, reference.residuals[i], rtol=0, atol=2e-6)
+    compressed = [t.index for t in exchange.plan.tensors if t.compressed]
     has_residuals = feedback and method in ("topk", "randomk", "powersgd")
-    assert sorted(exchange.residuals) == ([i for i, x in enumerate(compressed) if x]
-                                          if has_residuals else [])
+    assert sorted(residuals(exchange)) == (compressed if has_residuals else [])
+
+
+def residuals(exchange: tfc.GradientExchange) -> dict[int, np.ndarray]:
+    """The exchange's error-feedback residuals by tensor index."""
+    return {s.index: exchange.store.numpy(s.key) for s in exchange.slots if s.kind == "residual"}
+
+
+def test_qsgd_noise_is_a_function_of_its_seed():
+    first = tfc.uniform(tf.constant(7, tf.int64), 1000).numpy()
+    np.testing.assert_array_equal(first, tfc.uniform(tf.constant(7, tf.int64), 1000).numpy())
+    assert not np.array_equal(first, tfc.uniform(tf.constant(8, tf.int64), 1000).numpy())
+    assert first.dtype == F32 and 0 <= first.min() and first.max() < 1
 
 
 def expected_wire_bytes(c: CommConfig) -> int:
     """Bytes per rank per step from the reference's wire formulas."""
     total = 0
-    for s in SHAPES:
+    for s, t in zip(SHAPES, make_plan(c, 0, SHAPES).tensors):
         n = int(np.prod(s))
-        if not ref.compressible(c.compression, s, c.min_size, c.rank):
+        if not t.compressed:
             total += 4 * n
         elif c.compression == "topk":
             total += 8 * ref.num_selected(n, c.ratio)
@@ -252,27 +265,25 @@ def test_stats_count_the_bytes_sent(method):
             "wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0}
         return
     assert exchange.stats["dense_bytes"] == 4 * sum(int(np.prod(s)) for s in SHAPES)
-    assert exchange.stats["wire_bytes"] == expected_wire_bytes(c)
+    assert exchange.stats["wire_bytes"] == expected_wire_bytes(c) == exchange.plan.wire_bytes()
     assert exchange.stats["comm_s"] > 0
 
 
 def test_state_round_trip_is_exact():
-    """Checkpoint arrays of a PowerSGD exchange restore step, Q and residuals into a fresh one."""
+    """A PowerSGD exchange's checkpoint entry restores step, Q and residuals into a fresh one."""
     c = comm("powersgd")
     first = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
     for step in range(1, 3):
         first.run([tf.constant(g) for g in grads_of(step)])
-    first.gather_residuals()
-    arrays = first.checkpoint_arrays()
+    first.gather()
+    arrays = first.state_dict()
     assert str(arrays["method"]) == "powersgd" and int(arrays["step"]) == 2
     second = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
-    second.load_arrays(arrays, "test")
+    second.load_state_dict(arrays, "test")
     second.broadcast()
-    assert second.step == 2 and sorted(second.residuals) == sorted(first.residuals) == [0, 2]
-    for i in first.q:
-        np.testing.assert_array_equal(first.q[i].numpy(), second.q[i].numpy())
-    for i in first.residuals:
-        np.testing.assert_array_equal(first.residuals[i].numpy(), second.residuals[i].numpy())
+    assert second.step == 2 and sorted(residuals(second)) == sorted(residuals(first)) == [0, 2]
+    for s in first.slots:
+        np.testing.assert_array_equal(first.store.numpy(s.key), second.store.numpy(s.key))
     grads = [tf.constant(g) for g in grads_of(3)]
     for x, y in zip(first.run(grads), second.run(grads)):
         np.testing.assert_array_equal(x.numpy(), y.numpy())
@@ -280,12 +291,13 @@ def test_state_round_trip_is_exact():
     at_three = {k: np.stack([v[0], 2 * v[0], 3 * v[0]]) if k.startswith("residual/") else v
                 for k, v in arrays.items()}
     third = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
-    third.load_arrays(at_three, "test")
+    third.load_state_dict(at_three, "test")
     third.broadcast()
-    for i, residual in third.residuals.items():
-        np.testing.assert_allclose(residual.numpy(), 2 * arrays[f"residual/{i}"][0], rtol=1e-6)
+    for i, residual in residuals(third).items():
+        np.testing.assert_allclose(residual, 2 * arrays[f"residual/{i}"][0], rtol=1e-6)
     with pytest.raises(HvdtrainError, match="compression state is for 'powersgd'"):
-        tfc.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_arrays(arrays, "x")
+        tfc.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(
+            arrays, "x")
 
 
 # the trainer ------------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
 from hvdtrain.torch import compression as tc
-from hvdtrain.trainer import train
+from hvdtrain.driver import train
 from tests.conftest import CONFIG, quiet_config
 
 hvd.init()
@@ -44,23 +45,37 @@ def test_kernels_match_the_reference():
     p = np.random.default_rng(2).standard_normal((30, 4)).astype(np.float32)
     np.testing.assert_allclose(tc.orthogonalize(torch.from_numpy(p)).numpy(), ref.orthogonalize(p),
                                atol=1e-5)
+    idx = ref.randomk_indices(997, 30, seed=3, step=7, index=1)
+    for scale in (1.0, ref.randomk_scale(997, 30, error_feedback=False)):
+        np.testing.assert_array_equal(
+            tc.randomk_compress(torch.from_numpy(x), torch.from_numpy(idx), scale).numpy(),
+            ref.randomk_compress(x, idx, scale))
+    # Three ranks' codes, one after another as an allgather concatenates them, decoded and averaged.
+    per_rank = [ref.qsgd_compress(x * (r + 1), 100, noise) for r in range(3)]
+    codes, scales = (torch.from_numpy(np.concatenate(part)) for part in zip(*per_rank))
+    np.testing.assert_allclose(tc.qsgd_mean(codes, scales, 100, 3).numpy(),
+                               ref.qsgd_mean(per_rank, 100), rtol=0, atol=1e-6)
+
+
+def _noise(step: int, index: int, n: int) -> np.ndarray:
+    """qsgd's noise on rank 0: the torch kernel's draw from the reference's seed."""
+    return tc.uniform(torch.tensor(ref.noise_seed(SEED, 0, step, index)), n).numpy()
 
 
 def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
     """What one rank's exchange must produce per step, from the reference alone."""
+    plan = make_plan(comm, SEED, SHAPES)
     residual: dict[int, np.ndarray] = {}
     q = {i: ref.powersgd_initial_q(s, comm.rank, SEED, i) for i, s in enumerate(SHAPES)}
-    noise = torch.Generator().manual_seed(SEED * 7919)  # the exchange's documented generator
     out = []
     for step in range(1, steps + 1):
         row = []
-        for i, (shape, g) in enumerate(zip(SHAPES, _grads(step))):
-            n = g.size
-            if not ref.compressible(comm.compression, shape, comm.min_size, comm.rank):
+        for t, g in zip(plan.tensors, _grads(step)):
+            i, n, shape = t.index, t.size, t.shape
+            if not t.compressed:
                 row.append(g)
                 continue
-            feedback = comm.error_feedback and comm.compression in ref.FEEDBACK_METHODS
-            acc = ref.error_feedback(g.reshape(-1), residual.get(i) if feedback else None)
+            acc = ref.error_feedback(g.reshape(-1), residual.get(i) if plan.uses_feedback else None)
             if comm.compression == "topk":
                 sent = mean = ref.sparse_mean([ref.topk_compress(acc, ref.num_selected(n, comm.ratio))], n)
             elif comm.compression == "randomk":
@@ -69,7 +84,7 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
                 vals = ref.randomk_compress(acc, idx, ref.randomk_scale(n, k, comm.error_feedback))
                 sent = mean = ref.randomk_mean([vals], idx, n)
             elif comm.compression == "qsgd":
-                u = torch.rand(n, generator=noise).numpy()
+                u = _noise(step, i, n)
                 sent = mean = ref.qsgd_mean([ref.qsgd_compress(acc, comm.bucket, u)], comm.bucket)
             else:
                 m = acc.reshape(ref.matrix_shape(shape))
@@ -81,6 +96,17 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
     return out
 
 
+def _exchange(comm: CommConfig, seed: int = SEED) -> tc.GradientExchange:
+    return tc.make_exchange(comm, seed, hvd.rank(), hvd.size(), SHAPES)
+
+
+def test_qsgd_noise_is_a_function_of_its_seed():
+    first = tc.uniform(torch.tensor(7), 1000)
+    assert torch.equal(first, tc.uniform(torch.tensor(7), 1000))
+    assert not torch.equal(first, tc.uniform(torch.tensor(8), 1000))
+    assert first.dtype == torch.float32 and 0 <= first.min() and first.max() < 1
+
+
 @pytest.mark.parametrize("comm", [
     CommConfig(compression="topk", ratio=0.05, min_size=100),
     CommConfig(compression="randomk", ratio=0.1, min_size=100),
@@ -89,37 +115,38 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
     CommConfig(compression="powersgd", rank=2, min_size=100),
 ], ids=["topk", "randomk", "randomk-noEF", "qsgd", "powersgd"])
 def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
-    exchange = tc.GradientExchange(comm, SEED, SHAPES)
+    exchange = _exchange(comm)
     expected = _reference_exchange(comm, steps=4)
     for step in range(3):
-        grads = [torch.from_numpy(g) for g in _grads(step + 1)]
-        exchange.run(grads)
-        for got, want in zip(grads, expected[step]):
-            np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5)
+        got = exchange.run([torch.from_numpy(g) for g in _grads(step + 1)])
+        for x, want in zip(got, expected[step]):
+            np.testing.assert_allclose(x.numpy(), want, rtol=1e-4, atol=1e-5)
     assert 0 < exchange.stats["wire_bytes"] < exchange.stats["dense_bytes"]
     # The state goes through torch.save / weights_only load, as in a checkpoint.
     buffer = io.BytesIO()
-    torch.save(exchange.state_dict(), buffer)
+    torch.save(tc.to_torch(exchange.state_dict()), buffer)
     buffer.seek(0)
-    restored = tc.GradientExchange(comm, SEED, SHAPES)
-    restored.load_state_dict(torch.load(buffer, weights_only=True))
-    a, b = ([torch.from_numpy(g) for g in _grads(4)] for _ in range(2))
-    exchange.run(a)
-    restored.run(b)
+    restored = _exchange(comm)
+    restored.load_state_dict(torch.load(buffer, weights_only=True), "test")
+    restored.broadcast()
+    a = exchange.run([torch.from_numpy(g) for g in _grads(4)])
+    b = restored.run([torch.from_numpy(g) for g in _grads(4)])
     for x, y, want in zip(a, b, expected[3]):
         assert torch.equal(x, y)
         np.testing.assert_allclose(x.numpy(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_wire_bytes_are_those_of_the_tensors_sent():
-    topk = tc.GradientExchange(CommConfig(compression="topk", ratio=0.01, min_size=100), 0, SHAPES)
+    comm = CommConfig(compression="topk", ratio=0.01, min_size=100)
+    topk = tc.make_exchange(comm, 0, hvd.rank(), hvd.size(), SHAPES)
     topk.run([torch.from_numpy(g) for g in _grads(1)])
     k0, k2 = ref.num_selected(1920, 0.01), ref.num_selected(210, 0.01)
-    assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40  # values+int32 indices; bias dense
+    assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40 == topk.plan.wire_bytes()
     assert topk.stats["dense_bytes"] == 4 * (1920 + 40 + 210)
     fp16 = tc.horovod_compression("fp16")
     fp16.compress(torch.zeros(10))
     assert fp16.take() == (20, 40) and fp16.take() == (0, 0)
+    assert tc.horovod_compression("none") is not None and tc.horovod_compression("topk") is None
 
 
 EXACT = ("train.epochs=1", "optim.schedule=constant", "checkpoint.every_steps=20", "comm.min_size=0",
@@ -136,7 +163,7 @@ def test_training_resumes_bit_identically_with_compression_state(tmp_path, metho
     train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "train.max_steps=25"))
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "step-00000025.ckpt",
                       weights_only=True)
-    assert ckpt["compression"][0]["step"] == 25
+    assert int(ckpt["compression"]["step"]) == 25 and ckpt["compression"]["method"] == method
     resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "checkpoint.resume=auto"))
     assert resumed.summary["steps"] == straight.summary["steps"] == 45
     for key, value in straight.engine.parameters().items():
