@@ -10,7 +10,6 @@ truncated or corrupted later (a full disk, a bad copy) is detected and skipped o
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from hvdtrain.config import CheckpointConfig
-from hvdtrain.engine import Engine
+from hvdtrain.engine import StateIO
 
 SUFFIX = ".ckpt"
 
@@ -65,39 +64,37 @@ class _HashingWriter:
 class CheckpointManager:
     """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, *, writer: bool) -> None:
+    def __init__(self, cfg: CheckpointConfig, directory: Path) -> None:
         self.cfg = cfg
         self.directory = directory
         self._pending: threading.Thread | None = None
         self._failure: BaseException | None = None
-        self.writer = writer
 
     def due(self, step: int) -> bool:
         """Whether the periodic policy asks for a checkpoint after optimizer step ``step``."""
         every = self.cfg.every_steps
         return self.cfg.enabled and every > 0 and step % every == 0
 
-    def save(self, engine: Engine, step: int, meta: dict[str, Any]) -> Path | None:
+    def save(self, state: StateIO, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
         """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written."""
         if not self.cfg.enabled:
             return None
-        engine.gather_checkpoint_state()  # a collective: every rank, before rank 0 writes
-        if not self.writer:
+        state.gather_state()  # a collective: every rank, before rank 0 writes
+        if rank != 0:
             return None
         # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
         # thread while training goes on, so a step pays for serialising only. A write killed half
         # way has no manifest and never counts; the run waits for the last one before it ends.
-        buffer = io.BytesIO()
-        engine.write_checkpoint(buffer, {**meta, "step": step})
+        data = state.state_bytes({**meta, "step": step})
         self.wait()  # one write in flight at a time, in step order
-        self._pending = threading.Thread(target=self._write_behind, args=(step, buffer),
+        self._pending = threading.Thread(target=self._write_behind, args=(step, data),
                                          name=f"hvdtrain-checkpoint-{step}")
         self._pending.start()
         return self.path_for(step)
 
-    def _write_behind(self, step: int, buffer: io.BytesIO) -> None:
+    def _write_behind(self, step: int, data: bytes) -> None:
         try:
-            self.write(step, lambda f: f.write(buffer.getbuffer()))  # type: ignore[arg-type]
+            self.write(step, lambda f: f.write(data))
         except BaseException as exc:  # handed to the training thread by wait()
             self._failure = exc
 

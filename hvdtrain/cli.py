@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> int:
     from hvdtrain.config import load_config
-    from hvdtrain.trainer import train
+    from hvdtrain.driver import train
 
     result = train(load_config(args.config, args.overrides))
     if result.engine.rank == 0:

@@ -1,7 +1,8 @@
-"""The Engine: what the framework-free loop needs from a framework.
+"""The engine contract: what the framework-free loop, resuming and elastic mode need from a framework.
 
-``hvdtrain.torch.engine.TorchEngine`` and ``hvdtrain.tensorflow.engine.TensorFlowEngine`` implement it.
-Every method is called on every rank in the same order, because several of them run collectives.
+Split by job: :class:`Step` (train, evaluate), :class:`Collectives` (Horovod's, one object per
+engine), :class:`StateIO` (the training state to and from bytes) and :meth:`Engine.resize`. The
+framework packages implement them in files of the same names: ``engine.py`` and ``collectives.py``.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import abc
 import importlib
 import os
-from pathlib import Path
-from typing import IO, Any, Callable, Iterable, MutableMapping
+from typing import Any, Callable, Iterable, MutableMapping
 
 import numpy as np
 
@@ -19,25 +19,57 @@ from hvdtrain.data import Dataset, StepIndices
 from hvdtrain.errors import HvdtrainError
 
 
-class Engine(abc.ABC):
-    """One framework's side of training: model, optimizer, Horovod collectives and checkpoints."""
+class Collectives(abc.ABC):
+    """Horovod's collectives of one framework, as the loop, resuming and elastic mode use them.
 
-    framework: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cycle_time_ms: str
-    """Horovod's cycle time in force, as :func:`set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
+    Rank and sizes are read from Horovod on every call, so they follow an elastic reset. Elastic
+    mode hands this same object's ``broadcast_object`` and ``rank`` to its state.
+    """
 
     @abc.abstractmethod
-    def prepare(self, cfg: Config, dataset: Dataset) -> None:
-        """Starts Horovod (``rank`` and the sizes are known from here on), builds model and
-        optimizer and loads the data (no communication)."""
+    def rank(self) -> int:
+        """This process's rank."""
 
     @abc.abstractmethod
-    def broadcast_state(self) -> None:
-        """Gives every rank rank 0's model and optimizer state (initial or restored)."""
+    def size(self) -> int:
+        """The number of ranks."""
+
+    @abc.abstractmethod
+    def local_rank(self) -> int:
+        """This process's rank among the ranks on its host."""
+
+    @abc.abstractmethod
+    def local_size(self) -> int:
+        """The number of ranks on this host."""
+
+    @abc.abstractmethod
+    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
+        """Starts summing each value over all ranks (one collective for the whole dict).
+
+        Returns a function that waits for the result. Starting it before the next training step
+        lets Horovod carry it beside that step's gradients instead of stopping the ranks for it.
+        """
+
+    def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sums each value over all ranks and waits for the result."""
+        return self.start_allreduce_sums(sums)()
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Rank ``root_rank``'s ``obj`` on every rank (pickled)."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """Horovod's ``hvd.elastic.run`` of this framework: ``func(state, ...)`` restarted from the
+        last commit after every reset."""
+
+
+class Step(abc.ABC):
+    """The computation: one optimizer step and scoring the test split."""
 
     @abc.abstractmethod
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
@@ -57,29 +89,54 @@ class Engine(abc.ABC):
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         """Scores the test samples of these index batches; returns this rank's sums."""
 
-    @abc.abstractmethod
-    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
-        """Starts summing each value over all ranks (one collective for the whole dict).
 
-        Returns a function that waits for the result. Starting it before the next training step
-        lets Horovod carry it beside that step's gradients instead of stopping the ranks for it.
-        """
-
-    def allreduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sums each value over all ranks and waits for the result."""
-        return self.start_allreduce_sums(sums)()
+class StateIO(abc.ABC):
+    """The training state (model, optimizer, random states, compression state) to and from bytes,
+    and its agreement across ranks."""
 
     @abc.abstractmethod
-    def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
-        """Serialises model, optimizer and ``meta`` into an open binary file."""
-
-    def gather_checkpoint_state(self) -> None:
-        """Called on every rank just before rank 0 writes a checkpoint: collects the state that
-        differs between ranks (error-feedback residuals) onto rank 0. A collective; no-op here."""
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        """This rank's state and ``meta``, serialised (a checkpoint file's contents)."""
 
     @abc.abstractmethod
-    def read_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Restores model and optimizer from a checkpoint file; returns its ``meta``."""
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        """Restores the state from :meth:`state_bytes`'s output and returns its ``meta``; never runs
+        code from ``data``. ``where`` names the source in errors."""
+
+    def gather_state(self) -> None:
+        """Called on every rank just before rank 0 serialises: collects the state that differs
+        between ranks (error-feedback residuals) onto rank 0. A collective; no-op here."""
+
+    @abc.abstractmethod
+    def broadcast_state(self) -> None:
+        """Gives every rank rank 0's state (initial or restored); a collective."""
+
+    @abc.abstractmethod
+    def fork_rng(self, seed: int, step: int) -> None:
+        """Gives this rank its own random streams after it received rank 0's state."""
+
+
+class Engine(Step, StateIO):
+    """One framework's side of training: a model and optimizer on Horovod.
+
+    ``hvdtrain.torch.engine.TorchEngine`` and ``hvdtrain.tensorflow.engine.TensorFlowEngine``
+    implement it; :func:`make_engine` builds one complete (Horovod started, model, optimizer and data
+    ready). Every method is called on every rank in the same order: several run collectives.
+    """
+
+    framework: str
+    collectives: Collectives
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cycle_time_ms: str
+    """Horovod's cycle time in force, as :func:`set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
+
+    @abc.abstractmethod
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        """Follows a new world (elastic mode): this rank's place, the world size, and the
+        micro-batches each rank accumulates before its gradients are exchanged."""
 
     @abc.abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:
@@ -103,14 +160,12 @@ def set_cycle_time(configured_ms: float, gradient_bytes: int,
     A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
     else models with :data:`AUTO_CYCLE_MIN_BYTES` of gradients or more get :data:`AUTO_CYCLE_MS`.
     Why: Horovod's thread wakes and negotiates every cycle, 1 ms by default; on a CPU host whose
-    cores all run compute threads, 1000 wake-ups a second per rank took ResNet-18 (45 MB of
-    gradients, 0.3-0.6 s steps) from 104-109 to 76-82 samples/s against 5 ms. A small model's step
-    lasts a few ms, so there the extra wait for the next cycle dominates: the digits MLP (38 KB)
-    ran 40% slower at 5 ms, which is why the default depends on the size (docs/benchmarks.md).
+    cores all run compute threads, those wake-ups slow a large model's steps markedly. A small
+    model's step lasts a few ms, so there the extra wait for the next cycle would dominate, which is
+    why the default depends on the size (docs/benchmarks.md has the measurements).
     """
     # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
-    # instead of spinning on it, which matters where compute threads already take every core
-    # (hvdtrain over MPI ran ResNet-18 at 65 samples/s without it and 112 with it, on 2 cores).
+    # instead of spinning on it, which matters where compute threads already take every core.
     environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if configured_ms > 0:
         environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
@@ -154,13 +209,14 @@ def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any
         sums[key] = sums.get(key, 0.0) + float(value)
 
 
-def make_engine(framework: str) -> Engine:
-    """Imports the framework's engine (only now, so the core stays framework-free) and starts it."""
+def make_engine(cfg: Config, dataset: Dataset) -> Engine:
+    """The configured framework's engine, built complete: Horovod started, model, optimizer and
+    data ready. The framework is imported only now, so the core stays framework-free."""
     module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
-                   "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[framework]
+                   "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[cfg.framework]
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:
-        raise HvdtrainError(f"framework={framework!r}: cannot load its engine ({exc}); "
+        raise HvdtrainError(f"framework={cfg.framework!r}: cannot load its engine ({exc}); "
                             "run `hvdtrain doctor`") from None
-    return engine_cls()
+    return engine_cls(cfg, dataset)

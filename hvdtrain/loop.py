@@ -15,7 +15,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
@@ -73,15 +73,28 @@ class Position:
     samples: int = 0
 
 
-@dataclass
-class StepHooks:
-    """Callbacks for a driver around the loop (the elastic mode uses them to commit its state)."""
+class Callback:
+    """Hooks into the loop, every one a no-op here: subclass and override what you need.
 
-    stepped: Callable[[int, StepIndices], None] = lambda epoch, indices: None
-    """After each optimizer step: its epoch and this rank's sample indices."""
-    boundary: Callable[[Position], None] = lambda position: None
-    """At each step boundary from which the run could continue (never inside an epoch's last step,
-    whose evaluation and epoch change are still to come)."""
+    Every rank calls them at the same points. Elastic mode commits its state through them; a
+    benchmark or a user's code can observe the run through them without touching the loop.
+    """
+
+    def on_step_start(self, step: int) -> None:
+        """Before optimizer step ``step + 1`` (``step`` steps are done)."""
+
+    def on_step_end(self, epoch: int, indices: StepIndices) -> None:
+        """After each optimizer step: its epoch and this rank's sample indices."""
+
+    def on_boundary(self, position: Position) -> None:
+        """At each step boundary from which the run could continue (never inside an epoch's last
+        step, whose evaluation and epoch change are still to come)."""
+
+    def on_evaluate_start(self) -> None:
+        """Before the test split is scored."""
+
+    def on_epoch_end(self, epoch: int) -> None:
+        """After an epoch's last step, its evaluation, record and checkpoint."""
 
 
 class Stopped(Exception):
@@ -92,25 +105,45 @@ class Stopped(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
+def total_steps(cfg: Config, sampler: ShardedSampler, size: int, pos: Position) -> int:
+    """The step at which a run standing at ``pos`` ends at world size ``size``: its epochs from
+    where it stands, capped by ``train.max_steps``."""
+    epochs, left = cfg.train.epochs, 0
+    if pos.epoch < epochs:
+        left = (sampler.steps_in_epoch(size, pos.in_epoch)
+                + (epochs - pos.epoch - 1) * sampler.steps_in_epoch(size))
+    total = pos.step + left
+    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+
+
+def make_sampler(cfg: Config, num_train: int) -> ShardedSampler:
+    """The global-batch sampler of ``cfg`` over ``num_train`` samples."""
+    return ShardedSampler(num_train, cfg.data.batch_size,
+                          accumulation=cfg.train.backward_passes_per_step,
+                          seed=cfg.seed, shuffle=cfg.data.shuffle)
+
+
 class Loop:
-    """Runs training for one config on one engine; every rank constructs and runs it."""
+    """Runs training for one config on one engine; every rank constructs and runs it.
+
+    ``total`` is :func:`total_steps` of ``start``, computed by the caller, who needs it to build
+    ``logger`` first.
+    """
 
     def __init__(self, cfg: Config, engine: Engine, dataset: Dataset, checkpoints: CheckpointManager,
-                 start: Position | None = None,
+                 logger: MetricsLogger, *, start: Position, total: int,
                  stop_requested: Callable[[], bool] = lambda: False,
                  heartbeat: Callable[[], None] = lambda: None,
-                 hooks: StepHooks | None = None) -> None:
-        self.cfg, self.engine, self.checkpoints = cfg, engine, checkpoints
-        self.hooks = hooks or StepHooks()
-        self.logger = MetricsLogger([])
+                 callbacks: Sequence[Callback] = ()) -> None:
+        self.cfg, self.engine, self.checkpoints, self.logger = cfg, engine, checkpoints, logger
+        self.collectives = engine.collectives
+        self.callbacks = list(callbacks)
         self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
-        self.sampler = ShardedSampler(self.num_train, cfg.data.batch_size,
-                                      accumulation=cfg.train.backward_passes_per_step,
-                                      seed=cfg.seed, shuffle=cfg.data.shuffle)
-        self.pos = start or Position()
+        self.sampler = make_sampler(cfg, self.num_train)
+        self.pos = start
         self.stop_requested = stop_requested
         self.heartbeat = heartbeat
-        self.total_steps = self._plan_total()
+        self.total_steps = total
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
         self.last_train: dict[str, float] = {}
@@ -124,25 +157,13 @@ class Loop:
         log = cfg.log
         self.monitor = Monitor(engine.rank, engine.size, engine.local_rank, system=log.system,
                                straggler_factor=log.straggler_factor,
-                               straggler_logs=log.straggler_steps,
-                               warn=lambda message: self.logger.warn(message))
+                               straggler_logs=log.straggler_steps, warn=logger.warn)
 
-    def _plan_total(self) -> int:
-        """The step at which the run ends: its epochs (from where it stands), capped by max_steps."""
-        size, epochs = self.engine.size, self.cfg.train.epochs
-        left = 0
-        if self.pos.epoch < epochs:
-            left = (self.sampler.steps_in_epoch(size, self.pos.in_epoch)
-                    + (epochs - self.pos.epoch - 1) * self.sampler.steps_in_epoch(size))
-        total = self.pos.step + left
-        return min(total, self.cfg.train.max_steps) if self.cfg.train.max_steps else total
-
-    def run(self, logger: MetricsLogger) -> dict[str, Any]:
-        """Trains to the end, logging to ``logger``, and returns the summary (the same on every rank).
+    def run(self) -> dict[str, Any]:
+        """Trains to the end and returns the summary (the same on every rank).
 
         Raises :class:`Stopped` on every rank, after a checkpoint, when a stop was requested.
         """
-        self.logger = logger
         started = self.started = time.perf_counter()
         while self.pos.step < self.total_steps:
             self._train_epoch(self.pos.epoch)
@@ -155,6 +176,8 @@ class Loop:
         steps = self.sampler.steps(epoch, self.engine.rank, self.engine.size, self.pos.in_epoch)
         for indices in steps:
             lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size)
+            for callback in self.callbacks:
+                callback.on_step_start(self.pos.step)
             tick = time.perf_counter()
             sums = self.engine.train_step(indices, lr)
             seconds = time.perf_counter() - tick
@@ -174,7 +197,8 @@ class Loop:
                 self._checkpoint()
             if self.stop_agreed:
                 self._stop()
-            self.hooks.boundary(self.pos)
+            for callback in self.callbacks:
+                callback.on_boundary(self.pos)
         self._end_epoch(window, epoch, lr)
 
     def _advance(self, indices: StepIndices) -> None:
@@ -183,7 +207,8 @@ class Loop:
         self.pos.samples += indices.global_count
         for micro in indices.micro:
             self.fingerprint.update(micro.astype("<i8").tobytes())
-        self.hooks.stepped(self.pos.epoch, indices)
+        for callback in self.callbacks:
+            callback.on_step_end(self.pos.epoch, indices)
 
     def _end_epoch(self, window: Window, epoch: int, lr: float) -> None:
         finished = self.pos.step == self.total_steps
@@ -198,14 +223,16 @@ class Loop:
             self._checkpoint()
         if self.stop_agreed and not finished:
             self._stop()
-        self.hooks.boundary(self.pos)
+        for callback in self.callbacks:
+            callback.on_boundary(self.pos)
+            callback.on_epoch_end(epoch)
 
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
         """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
 
         Two controls ride along, so that every rank learns them from the same sum and acts after the
         same step: a stop request from any rank, and which ranks saw a non-finite loss. So do the
-        monitor's per-rank step costs and system samples (:mod:`hvdtrain.monitor`).
+        monitor's per-rank step costs and system samples (:mod:`hvdtrain.observe.ranks`).
         """
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
@@ -215,7 +242,7 @@ class Loop:
         controls = rank_keys("nonfinite", self.engine.rank, self.engine.size, self.first_nonfinite)
         sums = {**window.sums, **controls, "stop": float(self.stop_requested()),
                 **self.monitor.outgoing(window.costs, window.steps)}
-        self.pending = (record, window.steps, self.engine.start_allreduce_sums(sums))
+        self.pending = (record, window.steps, self.collectives.start_allreduce_sums(sums))
 
     def _flush(self) -> None:
         """Waits for the pending metric sum (started one step earlier) and logs its record."""
@@ -233,7 +260,7 @@ class Loop:
 
     def write_metrics(self) -> None:
         """Logs the pending record (waiting for its sum) and writes out every record the logger
-        holds back: before a checkpoint, and an elastic commit (:class:`StepHooks`)."""
+        holds back: before a checkpoint, and an elastic commit."""
         self._flush()
         self.logger.flush()
 
@@ -250,10 +277,12 @@ class Loop:
                        "lower optim.lr, add warm-up or check the data")
 
     def _evaluate(self) -> dict[str, float]:
+        for callback in self.callbacks:
+            callback.on_evaluate_start()
         shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,
                              self.cfg.data.eval_batch_size)
         self.local_eval = self.engine.evaluate(shards)
-        self.last_eval = means(self.engine.allreduce_sums(self.local_eval), prefix="eval_")
+        self.last_eval = means(self.collectives.allreduce_sums(self.local_eval), prefix="eval_")
         self.heartbeat()
         return self.last_eval
 
@@ -269,7 +298,7 @@ class Loop:
         meta = {"position": dataclasses.asdict(self.pos), "world_size": self.engine.size,
                 "framework": self.engine.framework, "config": self.cfg.to_dict()}
         self.saved_step = self.pos.step
-        return self.checkpoints.save(self.engine, self.pos.step, meta)
+        return self.checkpoints.save(self.engine, self.engine.rank, self.pos.step, meta)
 
     def _stop(self) -> None:
         if self.saved_step != self.pos.step:

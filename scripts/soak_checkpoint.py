@@ -46,7 +46,7 @@ START_TIMEOUT_S = 300.0
 def writer(run: Path) -> None:
     """The process that is killed: trains and checkpoints every step."""
     from hvdtrain.config import load_config
-    from hvdtrain.trainer import train
+    from hvdtrain.driver import train
 
     sys.stdout = sys.stderr = open(os.devnull, "w")
     train(load_config(ROOT / "configs" / "digits_torch.yaml", [*OVERRIDES, f"log.dir={run}"],
@@ -116,7 +116,7 @@ def trial(index: int, delay: float, workdir: Path) -> dict:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    manager = CheckpointManager(CheckpointConfig(keep=4), ckpts, writer=False)
+    manager = CheckpointManager(CheckpointConfig(keep=4), ckpts)
     files = manager.checkpoints()
     record["torn"] = sum(verify(p) is not None for p in files)  # cut short by the kill
     record["temp_files"] = len(list(ckpts.glob(".step-*.tmp")))
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     random.seed(args.seed)
     import hvdtrain.torch.engine  # noqa: F401  (once, before the writers are forked)
-    from hvdtrain.trainer import make_dataset
+    from hvdtrain.driver import make_dataset
     from hvdtrain.config import load_config
 
     make_dataset(load_config(None, [], environ={}))  # scikit-learn's loader, imported once too

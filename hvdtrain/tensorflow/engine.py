@@ -14,8 +14,7 @@ import json
 import math
 import time
 import warnings
-from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import Any, Iterable
 
 import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod
@@ -31,6 +30,7 @@ from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horov
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow import rng
+from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.compression import make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 
@@ -62,7 +62,8 @@ class TensorFlowEngine(Engine):
 
     framework = "tensorflow"
 
-    def prepare(self, cfg: Config, dataset: Dataset) -> None:
+    def __init__(self, cfg: Config, dataset: Dataset) -> None:
+        self.collectives = TensorFlowCollectives()
         self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
         def gradient_bytes() -> int:
@@ -95,7 +96,7 @@ class TensorFlowEngine(Engine):
         self.accumulators = [tf.Variable(tf.zeros_like(v.value), trainable=False)
                              for v in self.model.trainable_variables] if self.accumulation > 1 else []
         self.lr = float("nan")  # the loop sets the real one before the first step
-        self._compile(dataset.spec().input_shape)
+        self._compile()
 
     def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
         model = self.adapter.build(dataset.spec())
@@ -121,9 +122,25 @@ class TensorFlowEngine(Engine):
     def _state_variables(self) -> list[tf.Variable]:
         return [v.value for v in [*self.model.variables, *self.optimizer.variables]]
 
-    def _compile(self, input_shape: tuple[int, ...]) -> None:
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self._follow_world()
+        if self.accumulation == accumulation:
+            return
+        self.accumulation = accumulation
+        if accumulation > 1 and not self.accumulators:
+            self.accumulators = [tf.Variable(tf.zeros_like(v.value), trainable=False)
+                                 for v in self.model.trainable_variables]
+        # Whether the step functions accumulate at all is decided when they are traced.
+        self._compile()
+
+    def fork_rng(self, seed: int, step: int) -> None:
+        rng.fork(seed, self.rank, step)
+
+    def _compile(self) -> None:
         # One trace per function: a None batch dimension covers short and empty micro-batches.
-        batch = (tf.TensorSpec([None, *input_shape], self.train_x.dtype),
+        batch = (tf.TensorSpec([None, *self.train_x.shape[1:]], self.train_x.dtype),
                  tf.TensorSpec([None], self.train_y.dtype), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self._accumulate_fn = tf.function(self._accumulate, input_signature=batch, jit_compile=False)
@@ -207,43 +224,36 @@ class TensorFlowEngine(Engine):
             add_batch_sums(sums, loss_sum, metrics, len(idx))
         return sums
 
-    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
-        # Eager Horovod ops in TensorFlow complete before they return: nothing is left to wait for.
-        keys = sorted(sums)
-        values = tf.constant([sums[k] for k in keys], tf.float64)
-        total = dict(zip(keys, hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()))
-        return lambda: total
-
-    def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
         arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
-        arrays |= {f"compression/{k}": v for k, v in self.exchange.checkpoint_arrays().items()}
-        buffer = io.BytesIO()  # np.savez seeks, which the atomic writer's file allows, but be safe
+        arrays |= {f"compression/{k}": v for k, v in self.exchange.state_dict().items()}
+        buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
-        fileobj.write(buffer.getvalue())
+        return buffer.getvalue()
 
-    def gather_checkpoint_state(self) -> None:
-        self.exchange.gather_residuals()
+    def gather_state(self) -> None:
+        self.exchange.gather()
 
-    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # allow_pickle=False: loading a checkpoint must never execute code from the file.
-        with np.load(path, allow_pickle=False) as data:
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             for prefix, variables in (("model", self.model.variables),
                                       ("optimizer", self.optimizer.variables)):
                 for i, var in enumerate(variables):
-                    self._restore(var, data[f"{prefix}/{i}"], f"{prefix}/{i}", path)
-            states = {name[4:]: data[name] for name in data.files if name.startswith("rng/")}
+                    self._restore(var, arrays[f"{prefix}/{i}"], f"{prefix}/{i}", where)
+            states = {name[4:]: arrays[name] for name in arrays.files if name.startswith("rng/")}
             if states:  # absent in checkpoints written before random states were saved
                 rng.restore(states)
-            self.exchange.load_arrays({name[12:]: data[name] for name in data.files
-                                       if name.startswith("compression/")}, f"checkpoint {path}")
-            return json.loads(str(data["meta"]))
+            self.exchange.load_state_dict({name[12:]: arrays[name] for name in arrays.files
+                                           if name.startswith("compression/")}, where)
+            return json.loads(str(arrays["meta"]))
 
     @staticmethod
-    def _restore(var: Any, value: np.ndarray, name: str, path: Path) -> None:
+    def _restore(var: Any, value: np.ndarray, name: str, where: str) -> None:
         if tuple(var.shape) != value.shape:
-            raise HvdtrainError(f"checkpoint {path}: {name} has shape {value.shape}, "
+            raise HvdtrainError(f"{where}: {name} has shape {value.shape}, "
                                 f"the model has {tuple(var.shape)}")
         var.assign(value)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import time
-from pathlib import Path
-from typing import IO, Any, Callable, Iterable
+from typing import Any, Iterable
 
 import horovod
 import horovod.torch as hvd
@@ -18,7 +18,8 @@ from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horov
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch import rng
-from hvdtrain.torch.compression import GradientExchange, horovod_compression, state_for_rank
+from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.compression import GradientExchange, horovod_compression, make_exchange, to_torch
 from hvdtrain.torch.models import ClassifierAdapter
 
 
@@ -37,7 +38,9 @@ class TorchEngine(Engine):
 
     framework = "torch"
 
-    def prepare(self, cfg: Config, dataset: Dataset) -> None:
+    def __init__(self, cfg: Config, dataset: Dataset) -> None:
+        self.seed = cfg.seed
+        self.collectives = TorchCollectives()
         self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
         def gradient_bytes() -> int:
@@ -68,13 +71,10 @@ class TorchEngine(Engine):
     def _make_optimizer(self, cfg: Config) -> None:
         optimizer = make_optimizer(cfg, self.model)
         self.exchange: GradientExchange | None = None
-        self.counting = None
         self._stats: dict[str, float] = {}
-        self._restored_compression: list[dict[str, Any]] | None = None
-        self._gathered_compression: list[dict[str, Any]] | None = None
-        if cfg.comm.compression in ("none", "fp16"):
+        self.counting = horovod_compression(cfg.comm.compression)
+        if self.counting is not None:
             # Horovod's own path: allreduce starts in backward hooks, overlapping computation.
-            self.counting = horovod_compression(cfg.comm.compression)
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=self.model.named_parameters(),
                 compression=self.counting,
@@ -82,20 +82,26 @@ class TorchEngine(Engine):
         else:
             # hvdtrain's exchange runs once per step after the micro-batches' gradients accumulated.
             self.optimizer = optimizer
-            self.exchange = GradientExchange(cfg.comm, cfg.seed,
-                                             [p.shape for p in self.model.parameters()])
+            self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
+                                          [p.shape for p in self.model.parameters()])
 
     def broadcast_state(self) -> None:
         # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
         # which weight decay would turn into a change of the weights that the broadcast then undoes.
         hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.exchange is not None:
-            states = hvd.broadcast_object(self._restored_compression, root_rank=0,
-                                          name="hvdtrain.compression_state")
-            if states:
-                self.exchange.load_state_dict(state_for_rank(states, self.rank))
-            self._restored_compression = None  # applied once: a later broadcast must not rewind
+        if self.exchange is not None:  # each rank's own residuals, re-sharded if the size changed
+            self.exchange.resize(self.rank, self.size)
+            self.exchange.broadcast(root_rank=0)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        if self.exchange is None and self.optimizer.backward_passes_per_step != accumulation:
+            self.optimizer.set_backward_passes_per_step(accumulation)
+
+    def fork_rng(self, seed: int, step: int) -> None:
+        rng.fork(seed, self.rank, step)
 
     @staticmethod
     def _tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +140,8 @@ class TorchEngine(Engine):
             for p in params:
                 if p.grad is None:  # a parameter this step did not reach still takes part
                     p.grad = torch.zeros_like(p)
-            self.exchange.run([p.grad for p in params])
+            for p, averaged in zip(params, self.exchange.run([p.grad for p in params])):
+                p.grad = averaged
             self.optimizer.step()
             return {k: self.exchange.stats[k] for k in ("wire_bytes", "dense_bytes", "comm_s")}
         waited = time.perf_counter()
@@ -160,34 +167,31 @@ class TorchEngine(Engine):
         self.model.train()
         return sums
 
-    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
-        keys = sorted(sums)
-        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        handle = hvd.allreduce_async(values, op=hvd.Sum, name="hvdtrain.sums")
-        return lambda: dict(zip(keys, hvd.synchronize(handle).tolist()))
-
-    def write_checkpoint(self, fileobj: IO[bytes], meta: dict[str, Any]) -> None:
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        buffer = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": rng.capture(), "compression": self._gathered_compression,
-                    "meta": meta}, fileobj)
+                    "rng": rng.capture(),
+                    "compression": to_torch(self.exchange.state_dict()) if self.exchange else None,
+                    "meta": meta}, buffer)
+        return buffer.getvalue()
 
-    def gather_checkpoint_state(self) -> None:
+    def gather_state(self) -> None:
         # Residuals differ per rank: rank 0 collects them all so that resuming restores each one.
         if self.exchange is not None:
-            self._gathered_compression = hvd.allgather_object(
-                self.exchange.state_dict(), name="hvdtrain.compression_gather")
+            self.exchange.gather()
 
-    def read_checkpoint(self, path: Path) -> dict[str, Any]:
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError) as exc:
             first = str(exc).strip().splitlines()
-            raise HvdtrainError(f"checkpoint {path} does not fit the model: "
+            raise HvdtrainError(f"{where} does not fit the model: "
                                 f"{' '.join(line.strip() for line in first[:3])}") from None
-        self._restored_compression = state.get("compression")
+        if self.exchange is not None:
+            self.exchange.load_state_dict(state.get("compression"), where)
         if "rng" in state:  # absent in checkpoints written before random states were saved
             rng.restore(state["rng"])
         return state["meta"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from hvdtrain.config import load_config
-from hvdtrain.trainer import train
+from hvdtrain.driver import train
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.engine import TensorFlowEngine
-from hvdtrain.trainer import make_dataset, train
+from hvdtrain.driver import make_dataset, train
 from tests.conftest import TF_CONFIG, quiet_config
 
 
@@ -26,9 +26,8 @@ def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):
     assert set(summary["versions"]) == {"tensorflow", "keras", "horovod"}
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in ckpts] == ["step-00000500.ckpt", "step-00000600.ckpt", "step-00000675.ckpt"]
-    fresh = TensorFlowEngine()
-    fresh.prepare(cfg, make_dataset(cfg))
-    meta = fresh.read_checkpoint(ckpts[-1])
+    fresh = TensorFlowEngine(cfg, make_dataset(cfg))
+    meta = fresh.load_state(ckpts[-1].read_bytes(), "test")
     assert meta["step"] == 675 and meta["config"] == cfg.to_dict()
     for key, value in result.engine.parameters().items():
         assert np.array_equal(fresh.parameters()[key], value)
@@ -39,10 +38,9 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     cfg = config(tmp_path, "train.epochs=1")
     train(cfg)
     other = config(tmp_path / "b", "model.options={hidden: [64]}")
-    engine = TensorFlowEngine()
-    engine.prepare(other, make_dataset(other))
+    engine = TensorFlowEngine(other, make_dataset(other))
     with pytest.raises(HvdtrainError, match=r"model/0 has shape \(64, 128\), the model has \(64, 64\)"):
-        engine.read_checkpoint(next((tmp_path / "run" / "checkpoints").glob("*.ckpt")))
+        engine.load_state(next((tmp_path / "run" / "checkpoints").glob("*.ckpt")).read_bytes(), "test")
 
 
 def test_accumulation_equals_the_larger_batch(tmp_path):

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.trainer import train
+from hvdtrain.driver import train
 from tests.conftest import BIN, CONFIG, ROOT, quiet_config, read_jsonl, run_env
 
 # Constant schedule: a first run cut short by max_steps then follows the same learning rates.
@@ -70,7 +70,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path):
 def test_checkpoint_of_another_model_is_refused_clearly(tmp_path):
     train(quiet_config(CONFIG, tmp_path, "train.epochs=1"))
     ckpt = next((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
-    with pytest.raises(HvdtrainError, match="does not match this run's framework or model"):
+    with pytest.raises(HvdtrainError, match=r"step-00000045.ckpt does not fit the model: .*size mismatch"):
         train(quiet_config(CONFIG, tmp_path / "b", "model.options={hidden: [32]}",
                            f"checkpoint.resume={ckpt}"))
     with pytest.raises(HvdtrainError, match="no such file"):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdtrain.trainer import train
+from hvdtrain.driver import train
 from tests.conftest import CONFIG, ROOT, quiet_config, read_jsonl
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # W&B keys are 40 characters

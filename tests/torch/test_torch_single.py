@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.trainer import make_dataset, train
+from hvdtrain.driver import make_dataset, train
 from hvdtrain.torch.engine import TorchEngine
 from tests.conftest import CONFIG, hvdtrain_cli, quiet_config, read_jsonl
 
@@ -28,9 +28,8 @@ def test_trains_digits_to_the_bar_and_checkpoints_load(tmp_path):
     assert summary["samples"] == 1437 * 15
     ckpts = sorted((tmp_path / "run" / "checkpoints").glob("*.ckpt"))
     assert [p.name for p in ckpts] == ["step-00000500.ckpt", "step-00000600.ckpt", "step-00000675.ckpt"]
-    fresh = TorchEngine()
-    fresh.prepare(cfg, make_dataset(cfg))
-    meta = fresh.read_checkpoint(ckpts[-1])
+    fresh = TorchEngine(cfg, make_dataset(cfg))
+    meta = fresh.load_state(ckpts[-1].read_bytes(), "test")
     assert meta["step"] == 675 and meta["config"] == cfg.to_dict()
     for key, value in result.engine.parameters().items():
         assert np.array_equal(fresh.parameters()[key], value)

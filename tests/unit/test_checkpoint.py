@@ -14,7 +14,7 @@ from hvdtrain.data import ShardedSampler
 
 
 def manager(tmp_path, keep: int = 3) -> CheckpointManager:
-    return CheckpointManager(CheckpointConfig(keep=keep), tmp_path / "checkpoints", writer=True)
+    return CheckpointManager(CheckpointConfig(keep=keep), tmp_path / "checkpoints")
 
 
 def test_a_failed_write_leaves_neither_the_file_nor_a_temporary(tmp_path):

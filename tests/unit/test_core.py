@@ -21,7 +21,7 @@ FRAMEWORKS = "('torch', 'tensorflow', 'horovod', 'keras')"
 
 
 def test_import_hvdtrain_loads_no_framework():
-    code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.trainer, "
+    code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.driver, hvdtrain.elastic, "
             "hvdtrain.data, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, "
             "hvdtrain.observe.report, hvdtrain.observe.sinks, hvdtrain.observe.writer\n"
             f"bad = [m for m in {FRAMEWORKS} if m in sys.modules]\n"
@@ -92,23 +92,23 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 class _FakeWriter:
     """Stands in for the engine's serialiser only: the manager's own logic is what is tested."""
 
-    def gather_checkpoint_state(self):
+    def gather_state(self):
         pass  # one process: nothing to collect from other ranks
 
-    def write_checkpoint(self, fileobj, meta):
-        fileobj.write(json.dumps(meta).encode())
+    def state_bytes(self, meta):
+        return json.dumps(meta).encode()
 
 
 def test_checkpoint_policy_keeps_the_newest(tmp_path):
-    mgr = CheckpointManager(CheckpointConfig(every_steps=5, keep=2), tmp_path, writer=True)
+    mgr = CheckpointManager(CheckpointConfig(every_steps=5, keep=2), tmp_path)
     assert [s for s in range(1, 21) if mgr.due(s)] == [5, 10, 15, 20]
     for step in (5, 10, 15):
-        mgr.save(_FakeWriter(), step, {"epoch": 0})
+        mgr.save(_FakeWriter(), 0, step, {"epoch": 0})
     mgr.wait()  # saves are written behind training
     assert [p.name for p in mgr.checkpoints()] == ["step-00000010.ckpt", "step-00000015.ckpt"]
     assert json.loads(mgr.checkpoints()[-1].read_text()) == {"epoch": 0, "step": 15}
-    reader = CheckpointManager(CheckpointConfig(every_steps=5), tmp_path / "r", writer=False)
-    assert reader.save(_FakeWriter(), 5, {}) is None and not (tmp_path / "r").exists()
+    other_rank = CheckpointManager(CheckpointConfig(every_steps=5), tmp_path / "r")
+    assert other_rank.save(_FakeWriter(), 1, 5, {}) is None and not (tmp_path / "r").exists()
 
 
 def test_jsonl_sink_writes_one_object_per_record(tmp_path):

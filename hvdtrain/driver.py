@@ -1,0 +1,150 @@
+"""``train(cfg)``: the one run driver, from plug-in checks to ``summary.json``, elastic or not.
+
+Every rank calls it (under ``horovodrun``, ``srun`` or alone). The path is the same in both modes:
+
+1. check the plug-ins, build the dataset and the engine (Horovod starts, nothing is written yet);
+2. rank 0 alone decides where the run starts (:func:`start_on_rank0`: the run directory, the
+   checkpoint to resume from) and turns any problem into a message;
+3. every rank receives rank 0's start and state: by one broadcast, or, in elastic mode, by the
+   elastic state's ``sync`` (no collective may run before ``hvd.elastic.run``'s function);
+4. :class:`Session` runs the loop from that position; elastic mode runs it again after each reset,
+   from the last commit, at the new world size;
+5. rank 0 writes the summary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from hvdtrain.checkpoint import CheckpointManager, verify
+from hvdtrain.config import Config
+from hvdtrain.data import Dataset
+from hvdtrain.engine import Engine, make_engine
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.loop import Callback, Position
+from hvdtrain.observe.watchdog import StallWatchdog
+from hvdtrain.registry import DATASETS, MODELS
+from hvdtrain.rundir import RunDir
+from hvdtrain.session import Session, Start
+from hvdtrain.signals import StopRequest
+
+_POSITION = ("step", "epoch", "in_epoch", "samples")
+
+
+@dataclass
+class TrainResult:
+    """What a finished run returns on every rank."""
+
+    summary: dict[str, Any]
+    run_dir: Path
+    local_eval: dict[str, float]
+    """This rank's own evaluation sums, before the cross-rank allreduce."""
+    engine: Engine
+
+
+def make_dataset(cfg: Config) -> Dataset:
+    """Instantiates the configured dataset with ``data.options``."""
+    cls = DATASETS.get(cfg.data.name)
+    try:
+        dataset = cls(**cfg.data.options)
+    except TypeError as exc:
+        raise HvdtrainError(f"data.options for {cfg.data.name!r}: {exc}") from None
+    if not isinstance(dataset, Dataset):
+        raise HvdtrainError(f"data.name={cfg.data.name!r} is not a hvdtrain.data.Dataset")
+    return dataset
+
+
+def find_checkpoint(cfg: Config, run_dir: RunDir) -> Path | None:
+    """The checkpoint that ``checkpoint.resume`` asks for, or None to start afresh."""
+    resume = cfg.checkpoint.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return CheckpointManager(cfg.checkpoint, run_dir.checkpoints).latest_valid()
+    path = Path(resume)
+    problem = verify(path) if path.is_file() else "no such file"
+    if problem:
+        raise HvdtrainError(f"checkpoint.resume={resume!r}: {problem}")
+    return path
+
+
+def restore(engine: Engine, path: Path, cfg: Config) -> Position:
+    """Restores the checkpoint ``path`` into this rank's engine (no communication) and returns
+    where it stood; raises :class:`HvdtrainError` when it does not fit this run."""
+    meta = engine.load_state(path.read_bytes(), f"checkpoint {path}")
+    if meta.get("framework") != cfg.framework:
+        raise HvdtrainError(f"checkpoint {path} was written by {meta.get('framework')}, "
+                            f"this run trains with {cfg.framework}")
+    return Position(**{k: int(meta["position"][k]) for k in _POSITION})
+
+
+def start_on_rank0(cfg: Config, run_dir: RunDir, engine: Engine) -> Start:
+    """Rank 0's start (no communication): restores the checkpoint to resume from and prepares the
+    run directory. Only rank 0 reads them: other hosts may not see its file system."""
+    try:
+        path = find_checkpoint(cfg, run_dir)
+        if path is None:
+            run_dir.check_unused(cfg.log.overwrite)
+        position = restore(engine, path, cfg) if path else None
+        run_dir.prepare(cfg, position.step if position else None)
+    except HvdtrainError as exc:
+        return Start(error=str(exc))
+    return Start(position or Position(), resumed=position is not None)
+
+
+def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+    """Trains ``cfg`` on this rank and returns the result; rank 0 writes the run directory.
+
+    ``callbacks`` observe the loop (:class:`hvdtrain.loop.Callback`) on every rank.
+    """
+    DATASETS.check(cfg.data.name)
+    MODELS[cfg.framework].check(cfg.model.name)
+    run_dir = RunDir(cfg.run_dir)
+    dataset = make_dataset(cfg)
+    engine = make_engine(cfg, dataset)
+    start = start_on_rank0(cfg, run_dir, engine) if engine.rank == 0 else Start()
+    session = Session(cfg, run_dir, engine, dataset, callbacks, start.resumed)
+    mode = _mode(cfg, session, start)
+    summary = None
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir.root, engine.rank, engine.size,
+                             before_exit=session.flush_metrics)
+    try:
+        with StopRequest() as stop, watchdog as dog:
+            summary = mode.run(stop, dog.beat)
+    finally:
+        session.close(summary)
+    if engine.rank == 0:
+        run_dir.write_summary(summary)
+        mode.finish(run_dir)
+    assert session.loop is not None
+    return TrainResult(summary=summary, run_dir=run_dir.root, local_eval=session.loop.local_eval,
+                       engine=engine)
+
+
+def _mode(cfg: Config, session: Session, start: Start) -> FixedMode | Any:
+    """The fixed-size mode, or elastic mode (imported only then: it loads Horovod's elastic code)."""
+    if not cfg.elastic.enabled:
+        return FixedMode(session, start)
+    from hvdtrain.elastic_mode import ElasticMode
+    return ElasticMode(cfg, session, start)
+
+
+class FixedMode:
+    """A run at a fixed world size: one broadcast gives every rank rank 0's start and state."""
+
+    def __init__(self, session: Session, start: Start) -> None:
+        self.session, self.start = session, start
+
+    def run(self, stop: Callable[[], bool], heartbeat: Callable[[], None]) -> dict[str, Any]:
+        """Shares the start, then trains to the end."""
+        engine = self.session.engine
+        start = engine.collectives.broadcast_object(self.start)
+        if start.error:
+            raise HvdtrainError(start.error)
+        engine.broadcast_state()
+        return self.session.run(self.session.cfg, start.position, stop, heartbeat)
+
+    def finish(self, run_dir: RunDir) -> None:
+        """Nothing more to write at a fixed size."""

@@ -1,0 +1,132 @@
+"""The run directory: every path in it, and the rules for creating, reusing and trimming it.
+
+A run directory holds everything a run produced. Only rank 0 writes to it; every other module asks
+:class:`RunDir` for a path instead of spelling a file name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hvdtrain.checkpoint import atomic_write
+from hvdtrain.config import Config, save_config
+from hvdtrain.errors import HvdtrainError
+
+
+class RunDir:
+    """The files of one run under ``root`` (``log.dir/name``)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @property
+    def config(self) -> Path:
+        """The resolved config the run was started with."""
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON record per logged step (:mod:`hvdtrain.observe.sinks`)."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        """The run's summary, written at its end."""
+        return self.root / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Checkpoints and their manifests (:mod:`hvdtrain.checkpoint`)."""
+        return self.root / "checkpoints"
+
+    @property
+    def events(self) -> Path:
+        """Elastic events (start, reset), one JSON object per line."""
+        return self.root / "elastic.jsonl"
+
+    @property
+    def indices(self) -> Path:
+        """Elastic mode's record of the sample indices trained on, one file per epoch."""
+        return self.root / "indices"
+
+    @property
+    def tensorboard(self) -> Path:
+        """TensorBoard's event files."""
+        return self.root / "tensorboard"
+
+    @property
+    def wandb_id(self) -> Path:
+        """The W&B run id, kept so that a resumed run continues the same W&B run."""
+        return self.root / "wandb_id"
+
+    @property
+    def stall_report(self) -> Path:
+        """The stall watchdog's verdict over all ranks."""
+        return self.root / "stall.txt"
+
+    def stall_note(self, rank: int) -> Path:
+        """What the stall watchdog of ``rank`` saw."""
+        return self.root / f"stall-rank{rank}.json"
+
+    def stacks(self, rank: int) -> Path:
+        """The Python stacks of ``rank`` at a stall."""
+        return self.root / f"stacks-rank{rank}.txt"
+
+    @property
+    def job_script(self) -> Path:
+        """The rendered sbatch script of a submitted job."""
+        return self.root / "job.sbatch"
+
+    @property
+    def slurm_output(self) -> str:
+        """Slurm's output file pattern for the job (``%j``: the job id)."""
+        return str(self.root / "slurm-%j.out")
+
+    def check_unused(self, overwrite: bool) -> None:
+        """Refuses to mix two runs in one directory unless asked to overwrite."""
+        existing = [p.name for p in (self.metrics, self.summary, self.config) if p.exists()]
+        if existing and not overwrite:
+            raise HvdtrainError(f"run directory {str(self.root)!r} already holds a run ({existing[0]}); "
+                                "set log.overwrite=true or choose another log.dir")
+
+    def prepare(self, cfg: Config, resumed_step: int | None) -> None:
+        """Creates the directory and saves the config (rank 0).
+
+        A fresh run (``resumed_step`` None) removes an earlier run's files and checkpoints; a resumed
+        one keeps them and drops only the metrics records logged after its checkpoint.
+        """
+        try:
+            self.checkpoints.mkdir(parents=True, exist_ok=True)
+        except (NotADirectoryError, FileExistsError) as exc:
+            raise HvdtrainError(f"log.dir: cannot create the run directory {str(self.root)!r}: "
+                                f"{exc.strerror}") from None
+        if resumed_step is None:
+            for path in (self.metrics, self.summary, self.config, self.events):
+                path.unlink(missing_ok=True)
+            for old in self.checkpoints.glob("step-*"):  # checkpoints and their manifests
+                old.unlink()
+        else:
+            self.trim_metrics(resumed_step)
+        save_config(cfg, self.config)
+
+    def trim_metrics(self, step: int) -> None:
+        """Drops records logged after ``step`` (between a checkpoint or commit and a failure), which
+        the run logs again, so that ``metrics.jsonl`` holds each step once."""
+        if not self.metrics.exists():
+            return
+        kept = [line for line in self.metrics.read_text().splitlines(keepends=True)
+                if json.loads(line).get("step", 0) <= step]
+        self.metrics.write_text("".join(kept))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Writes ``summary.json`` atomically."""
+        text = json.dumps(summary, indent=2, sort_keys=True) + "\n"
+        atomic_write(self.summary, lambda f: f.write(text.encode()))
+
+    def log_event(self, event: dict[str, Any]) -> None:
+        """Appends one elastic event, with the time, to :attr:`events`."""
+        with self.events.open("a") as fileobj:
+            fileobj.write(json.dumps({"time": time.time(), **event}) + "\n")

@@ -1,0 +1,87 @@
+"""One rank's run as the driver and elastic mode share it: where it starts, and a session that
+runs the loop from a position with the collaborators that outlive an elastic reset."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from hvdtrain.checkpoint import CheckpointManager
+from hvdtrain.config import Config
+from hvdtrain.data import Dataset
+from hvdtrain.engine import Engine
+from hvdtrain.loop import Callback, Loop, Position, make_sampler, total_steps
+from hvdtrain.observe.records import MetricsLogger, make_logger
+from hvdtrain.rundir import RunDir
+
+
+@dataclass
+class Start:
+    """Where a run starts, as rank 0 found it; shared with every rank."""
+
+    position: Position = field(default_factory=Position)
+    resumed: bool = False
+    error: str = ""
+    """A problem rank 0 found before training; every rank raises it, so all stop together."""
+
+
+class Session:
+    """One rank's run: the collaborators that outlive an elastic reset, and the loop of each entry."""
+
+    def __init__(self, cfg: Config, run_dir: RunDir, engine: Engine, dataset: Dataset,
+                 callbacks: Sequence[Callback], resumed: bool) -> None:
+        self.cfg, self.run_dir, self.engine, self.dataset = cfg, run_dir, engine, dataset
+        self.callbacks, self.resumed = list(callbacks), resumed
+        # One for the whole run: a checkpoint still being written survives a reset.
+        self.checkpoints = CheckpointManager(cfg.checkpoint, run_dir.checkpoints)
+        self.logger: MetricsLogger | None = None
+        self.loop: Loop | None = None
+
+    def run(self, cfg: Config, position: Position, stop: Callable[[], bool],
+            heartbeat: Callable[[], None], extra: Sequence[Callback] = ()) -> dict[str, Any]:
+        """Trains with ``cfg`` (the run's, or elastic mode's at this world size) from ``position``
+        to the end of the run; returns the summary."""
+        total = total_steps(cfg, make_sampler(cfg, len(self.dataset.train())), self.engine.size,
+                            position)
+        logger = self._logger(total, position.step)
+        self.loop = Loop(cfg, self.engine, self.dataset, self.checkpoints, logger,
+                         start=dataclasses.replace(position), total=total, stop_requested=stop,
+                         heartbeat=heartbeat, callbacks=[*extra, *self.callbacks])
+        return self.loop.run()
+
+    def write_metrics(self) -> None:
+        """Logs the pending record and writes out what the logger holds (before an elastic commit)."""
+        if self.loop is not None:
+            self.loop.write_metrics()
+
+    def flush_metrics(self) -> None:
+        """Writes out the records this rank's logger holds (the stall watchdog, before it exits)."""
+        if self.logger is not None:
+            self.logger.flush()
+
+    def rewind_metrics(self, step: int) -> None:
+        """Forgets held records of steps after ``step``, which an elastic reset trains again."""
+        if self.logger is not None:
+            self.logger.rewind(step)
+
+    def close(self, summary: dict[str, Any] | None) -> None:
+        """Hands the summary to the sinks, closes them and waits for the last checkpoint."""
+        try:
+            if self.logger is not None:
+                if summary is not None:
+                    self.logger.summary(summary)
+                self.logger.close()
+        finally:
+            self.checkpoints.wait()  # the last checkpoint is on disk before the run ends or stops
+
+    def _logger(self, total: int, start_step: int) -> MetricsLogger:
+        """This rank's logger; a rank that becomes rank 0 after an elastic reset starts writing."""
+        writer = self.engine.rank == 0
+        if self.logger is None or self.logger.writer != writer:
+            resumed = self.resumed or self.logger is not None
+            if self.logger is not None:
+                self.logger.close()
+            self.logger = make_logger(self.cfg, self.run_dir.root, writer, total,
+                                      start_step=start_step, resumed=resumed)
+        return self.logger

@@ -1,0 +1,64 @@
+"""Horovod's TensorFlow collectives behind :class:`hvdtrain.engine.Collectives`."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from horovod.common.elastic import run_fn
+from horovod.common.exceptions import HorovodInternalError
+
+from hvdtrain.engine import Collectives
+
+
+class TensorFlowCollectives(Collectives):
+    """``horovod.tensorflow``'s collectives; see :class:`hvdtrain.engine.Collectives`."""
+
+    def rank(self) -> int:
+        return hvd.rank()
+
+    def size(self) -> int:
+        return hvd.size()
+
+    def local_rank(self) -> int:
+        return hvd.local_rank()
+
+    def local_size(self) -> int:
+        return hvd.local_size()
+
+    def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
+        # Eager Horovod ops in TensorFlow complete before they return: nothing is left to wait for.
+        keys = sorted(sums)
+        values = tf.constant([sums[k] for k in keys], tf.float64)
+        total = dict(zip(keys, hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()))
+        return lambda: total
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return hvd.broadcast_object(obj, root_rank=root_rank)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return hvd.allgather_object(obj)
+
+    def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``hvd.elastic.run`` for TensorFlow, with a fix: Horovod's version turns only errors that
+        name a Horovod op into ``HorovodInternalError`` and silently returns None on any other
+        ``UnknownError``. Here every TensorFlow error that comes from Horovod (its ops, or a
+        collective after Horovod shut down because a peer died) starts the recovery, and others
+        propagate."""
+        @functools.wraps(func)
+        def wrapper(state: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return func(state, *args, **kwargs)
+            except tf.errors.OpError as exc:
+                if "horovod" in exc.message.lower() or "gloo" in exc.message.lower():
+                    raise HorovodInternalError(exc) from exc
+                raise
+        return run_fn(wrapper, _reset)
+
+
+def _reset() -> None:
+    hvd.shutdown()
+    hvd.init()
