@@ -90,6 +90,9 @@ def unpack(entry: Mapping[str, Any], method: str, slots: list[Slot], where: str)
     A different method is refused when the entry holds state that would be misapplied; a slot the
     entry lacks keeps its current value.
     """
+    if not isinstance(entry, Mapping):  # a list of per-rank dicts: PyTorch's layout before this one
+        raise HvdtrainError(f"{where}: its compression state has a layout this version does not "
+                            "read; resume it with the version that wrote it")
     arrays = {k: np.asarray(v) for k, v in entry.items()}
     saved = str(arrays.get("method", method))
     if saved != method and set(arrays) - {"method", "step"}:

@@ -220,3 +220,5 @@ def test_a_checkpoint_entry_round_trips_and_refuses_another_methods_state():
         state.unpack(entry, "topk", _plan("topk").slots(), "ckpt")
     # a method without state may follow any other
     assert state.unpack(state.pack("qsgd", 3, {}), "topk", _plan("topk").slots(), "x").step == 3
+    with pytest.raises(HvdtrainError, match="x: its compression state has a layout"):
+        state.unpack([{"step": 3}], "topk", [], "x")  # type: ignore[arg-type]
