@@ -108,7 +108,7 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
     session = Session(cfg, run_dir, engine, dataset, callbacks, start.resumed)
     mode = _mode(cfg, session, start)
     summary = None
-    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir.root, engine.rank, engine.size,
+    watchdog = StallWatchdog(cfg.train.stall_timeout_s, run_dir, engine.rank, engine.size,
                              before_exit=session.flush_metrics)
     try:
         with StopRequest() as stop, watchdog as dog:

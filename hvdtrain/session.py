@@ -82,6 +82,6 @@ class Session:
             resumed = self.resumed or self.logger is not None
             if self.logger is not None:
                 self.logger.close()
-            self.logger = make_logger(self.cfg, self.run_dir.root, writer, total,
+            self.logger = make_logger(self.cfg, self.run_dir, writer, total,
                                       start_step=start_step, resumed=resumed)
         return self.logger

@@ -13,12 +13,12 @@ from __future__ import annotations
 import abc
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 from hvdtrain.config import Config
 from hvdtrain.observe.writer import SinkProcess, Spec
 from hvdtrain.registry import SINKS
+from hvdtrain.rundir import RunDir
 
 
 class Sink(abc.ABC):
@@ -144,7 +144,7 @@ class MetricsLogger:
             sink.close()
 
 
-def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, start_step: int = 0,
+def make_logger(cfg: Config, run_dir: RunDir, writer: bool, total_steps: int, *, start_step: int = 0,
                 resumed: bool = False) -> MetricsLogger:
     """Rank 0 logs to each sink that ``cfg.log`` turns on (a resumed run continues its event files
     and its W&B run); the other ranks get no sinks."""
@@ -152,7 +152,7 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
         return MetricsLogger([], writer=False)
     log, sinks = cfg.log, []
     if log.jsonl:
-        sinks.append(SINKS.get("jsonl")(run_dir / "metrics.jsonl", log.jsonl_every_s))
+        sinks.append(SINKS.get("jsonl")(run_dir.metrics, log.jsonl_every_s))
     if log.console:
         bar = log.progress == "bar" or (log.progress == "auto" and sys.stdout.isatty())
         console = SINKS.get("console")(total_steps, epochs=cfg.train.epochs, bar=bar,
@@ -164,7 +164,7 @@ def make_logger(cfg: Config, run_dir: Path, writer: bool, total_steps: int, *, s
     return MetricsLogger(sinks, writer=True)
 
 
-def dashboards(cfg: Config, run_dir: Path, resumed: bool) -> list[Spec]:
+def dashboards(cfg: Config, run_dir: RunDir, resumed: bool) -> list[Spec]:
     """The sinks that ``cfg.log`` turns on for the writer process: TensorBoard and W&B.
 
     They cost milliseconds of Python per record, holding the GIL that rank 0's training thread
@@ -174,9 +174,9 @@ def dashboards(cfg: Config, run_dir: Path, resumed: bool) -> list[Spec]:
     """
     log, remote = cfg.log, []
     if log.tensorboard:
-        remote.append(("tensorboard", {"logdir": str(run_dir / "tensorboard"), "fresh": not resumed}))
+        remote.append(("tensorboard", {"logdir": str(run_dir.tensorboard), "fresh": not resumed}))
     if log.wandb != "disabled":
-        remote.append(("wandb", {"run_dir": str(run_dir), "mode": log.wandb,
+        remote.append(("wandb", {"run_dir": str(run_dir.root), "mode": log.wandb,
                                  "project": log.wandb_project, "name": cfg.name,
                                  "config": cfg.to_dict(), "resumed": resumed}))
     return remote

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -74,17 +75,18 @@ def load_run(path: Path) -> Run:
     """Reads a run directory; a missing directory or ``metrics.jsonl`` is a user error."""
     if not path.is_dir():
         raise HvdtrainError(f"{str(path)!r} is not a directory")
-    metrics = path / "metrics.jsonl"
+    run_dir = RunDir(path)
+    metrics = run_dir.metrics
     if not metrics.is_file():
-        raise HvdtrainError(f"{str(path)!r} holds no metrics.jsonl (is it a hvdtrain run directory?)")
+        raise HvdtrainError(f"{str(path)!r} holds no {metrics.name} (is it a hvdtrain run directory?)")
     records = []
     for number, line in enumerate(metrics.read_text().splitlines(), 1):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             raise HvdtrainError(f"{metrics}:{number}: not a JSON object") from None
-    summary = _read_optional(path / "summary.json", json.loads)
-    config = _read_optional(path / "config.yaml", yaml.safe_load)
+    summary = _read_optional(run_dir.summary, json.loads)
+    config = _read_optional(run_dir.config, yaml.safe_load)
     label = summary.get("name") or config.get("name") or path.name
     return Run(path, str(label), records, summary, config)
 

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.observe.records import Sink, has_eval
+from hvdtrain.rundir import RunDir
 
 
 class JsonlSink(Sink):
@@ -208,7 +209,7 @@ class TensorBoardSink(Sink):
 def wandb_run_id(run_dir: Path, resumed: bool) -> str:
     """The W&B run id of ``run_dir``: the one stored in ``wandb_id`` when the run is resumed (so it
     continues the same W&B run), otherwise a new one, which is stored for a later resume."""
-    path = run_dir / "wandb_id"
+    path = RunDir(run_dir).wandb_id
     if resumed and path.exists():
         return path.read_text().strip()
     # W&B's own ids look like this (8 of [a-z0-9]); its generator is not public API.

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Callable
 
+from hvdtrain.rundir import RunDir
+
 EXIT_STALL = 1
 
 
@@ -94,11 +96,11 @@ class StallWatchdog:
     error in it is printed as a warning: the stall is the error to report).
     """
 
-    def __init__(self, timeout_s: float, run_dir: Path, rank: int, size: int = 1, *,
+    def __init__(self, timeout_s: float, run_dir: RunDir, rank: int, size: int = 1, *,
                  before_exit: Callable[[], None] = lambda: None) -> None:
         self.timeout_s, self.run_dir, self.rank, self.size = timeout_s, run_dir, rank, size
         self._before_exit = before_exit
-        self.path = run_dir / f"stacks-rank{rank}.txt"
+        self.path = run_dir.stacks(rank)
         # Long enough for every stalled rank to note where it is; short against the timeout.
         self.grace_s = min(max(timeout_s / 2, 2.0), 15.0)
         self._file: IO[str] | None = None
@@ -109,10 +111,10 @@ class StallWatchdog:
 
     def __enter__(self) -> "StallWatchdog":
         if self.timeout_s > 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir.root.mkdir(parents=True, exist_ok=True)
             self._note_path(self.rank).unlink(missing_ok=True)  # an earlier run's
             if self.rank == 0:
-                (self.run_dir / "stall.txt").unlink(missing_ok=True)
+                self.run_dir.stall_report.unlink(missing_ok=True)
             self._file = self.path.open("w")
             self._file.write(f"hvdtrain: rank {self.rank} (pid {os.getpid()}) finished no step or "
                              f"evaluation within {self.timeout_s:g} s (train.stall_timeout_s); "
@@ -142,7 +144,7 @@ class StallWatchdog:
                 self._report()
 
     def _note_path(self, rank: int) -> Path:
-        return self.run_dir / f"stall-rank{rank}.json"
+        return self.run_dir.stall_note(rank)
 
     def _report(self) -> None:
         frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the documented way to peek
@@ -159,10 +161,10 @@ class StallWatchdog:
         notes = self._gather()
         if min(notes) == self.rank:
             text = verdict(notes, self.size, self.timeout_s)
-            (self.run_dir / "stall.txt").write_text(text + "\n")
+            self.run_dir.stall_report.write_text(text + "\n")
             print(f"hvdtrain: error: {text}", file=sys.stderr, flush=True)
         else:  # let the reporting rank finish before this exit makes the launcher end the job
-            self._wait_for(lambda: (self.run_dir / "stall.txt").exists())
+            self._wait_for(self.run_dir.stall_report.exists)
         try:
             self._before_exit()
         except Exception as exc:  # noqa: BLE001  (the stall is the error to report, and exit)

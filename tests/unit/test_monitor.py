@@ -163,9 +163,10 @@ def test_where_tells_waiting_in_horovod_from_stopped():
 
 def test_a_stall_calls_before_exit_then_ends_the_process_with_its_report(tmp_path):
     # In a child: the watchdog ends its process with os._exit.
-    code = ("import time; from pathlib import Path; from hvdtrain.observe.watchdog import StallWatchdog\n"
-            f"run = Path({str(tmp_path)!r})\n"
-            "flush = lambda: (run / 'flushed').write_text('yes')\n"
+    code = ("import time; from hvdtrain.rundir import RunDir; "
+            "from hvdtrain.observe.watchdog import StallWatchdog\n"
+            f"run = RunDir({str(tmp_path)!r})\n"
+            "flush = lambda: (run.root / 'flushed').write_text('yes')\n"
             "with StallWatchdog(0.5, run, 0, before_exit=flush):\n"
             "    time.sleep(60)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
