@@ -114,7 +114,8 @@ def discovery_script() -> Path:
     (so the package must sit on a file system that they share, as the virtual environment does)."""
     path = TEMPLATES / DISCOVERY
     if not isinstance(path, Path):  # a zipped package: horovodrun needs a file it can execute
-        raise HvdtrainError(f"--elastic: {DISCOVERY} is not a file on disk ({path}); install hvdtrain unzipped")
+        raise HvdtrainError(f"--elastic: {DISCOVERY} is not a file on disk ({path}); "
+                            "install hvdtrain unzipped")
     return path
 
 

@@ -82,10 +82,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True, timeout=120)
     python = prefix / "bin" / "python"
     # Installed before the .pth line exists, so that pip sees none of .venv's packages as present.
-    pip("--python", str(python), "install", "-q", "--no-compile", *map(str, (tmp / "dist").glob("hvdtrain-*.whl")),
-        str(cached_horovod_wheel()))
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    wheels = [*map(str, (tmp / "dist").glob("hvdtrain-*.whl")), str(cached_horovod_wheel())]
+    pip("--python", str(python), "install", "-q", "--no-compile", *wheels)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.run([str(python), "-c", purelib], capture_output=True, text=True,
+                               check=True).stdout.strip())
     # A plain path line: .venv's own .pth files (the editable hvdtrain's among them) are not read.
     shared = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (site / "zz-hvdtrain-test-shared.pth").write_text("".join(f"{path}\n" for path in shared))
@@ -97,7 +98,8 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Venv:
 
 
 def test_the_environment_imports_its_own_hvdtrain_and_horovod(venv):
-    proc = venv.run("python", "-c", "import hvdtrain, horovod; print(hvdtrain.__file__); print(horovod.__file__)")
+    where = "import hvdtrain, horovod; print(hvdtrain.__file__); print(horovod.__file__)"
+    proc = venv.run("python", "-c", where)
     assert proc.returncode == 0, proc.stderr
     paths = [Path(line) for line in proc.stdout.splitlines()]
     assert len(paths) == 2 and all(path.is_relative_to(venv.site) for path in paths), paths
