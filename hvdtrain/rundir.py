@@ -80,10 +80,19 @@ class RunDir:
         """The rendered sbatch script of a submitted job."""
         return self.root / "job.sbatch"
 
+    def slurm_output(self, job_id: str = "%j") -> Path:
+        """Slurm's output file of job ``job_id`` (``%j``: sbatch's pattern for it)."""
+        return self.root / f"slurm-{job_id}.out"
+
     @property
-    def slurm_output(self) -> str:
-        """Slurm's output file pattern for the job (``%j``: the job id)."""
-        return str(self.root / "slurm-%j.out")
+    def stop_flag(self) -> Path:
+        """Left by a Slurm job's rank that exited 75 (stopped to be resubmitted)."""
+        return self.root / ".slurm-exit-75"
+
+    @property
+    def exclude_hosts(self) -> Path:
+        """Host names, one per line, that an elastic Slurm job's host discovery leaves out."""
+        return self.root / "exclude-hosts"
 
     def check_unused(self, overwrite: bool) -> None:
         """Refuses to mix two runs in one directory unless asked to overwrite."""

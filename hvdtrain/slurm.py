@@ -27,6 +27,7 @@ from typing import Sequence
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.rundir import RunDir
 
 TEMPLATES = resources.files("hvdtrain") / "templates"
 """The sbatch templates (Jinja2) and the host discovery script, shipped inside the package."""
@@ -123,9 +124,9 @@ def _template_source(name: str) -> str:
     return (TEMPLATES / name).read_text(encoding="utf-8")
 
 
-def run_dir_of(cfg: Config) -> Path:
-    """The run directory as an absolute path (relative ones are taken from the current directory)."""
-    return (Path.cwd() / cfg.run_dir).resolve()
+def run_dir_of(cfg: Config) -> RunDir:
+    """The run directory at an absolute path (relative ones are taken from the current directory)."""
+    return RunDir((Path.cwd() / cfg.run_dir).resolve())
 
 
 def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
@@ -147,10 +148,12 @@ def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobO
         controller=options.controller, launcher=options.launcher, gpus_per_node=options.gpus_per_node,
         min_np=options.min_nodes * options.tasks_per_node, network_interface=options.network_interface,
         discovery_q=shlex.quote(str(discovery_script())) if options.elastic else "",
-        output=_sbatch_path(run_dir, "log.dir", "/slurm-%j.out"),
+        output=_sbatch_path(run_dir.root, "log.dir", "/" + run_dir.slurm_output().name),
         workdir=_sbatch_path(Path.cwd(), "working directory"),
         bin_dir_q=shlex.quote(str(Path(sys.executable).parent)),
-        run_dir_q=shlex.quote(str(run_dir)),
+        run_dir_q=shlex.quote(str(run_dir.root)),
+        stop_flag_q=shlex.quote(str(run_dir.stop_flag)),
+        exclude_hosts_q=shlex.quote(str(run_dir.exclude_hosts)),
         config_q=shlex.quote(str(config_path)),
         overrides_q=[shlex.quote(item) for item in _job_overrides(overrides, options)])
 
@@ -159,7 +162,7 @@ def stop_time_estimate(cfg: Config) -> float:
     """Seconds from USR1 to a checkpointed exit: the ranks agree to stop at the next log interval,
     so up to ``log.every_steps`` steps (at the slowest step time measured in an earlier run of the
     same run directory, if there is one) plus :data:`BASE_STOP_S`."""
-    metrics = run_dir_of(cfg) / "metrics.jsonl"
+    metrics = run_dir_of(cfg).metrics
     step_time = 0.0
     if metrics.exists():
         for line in metrics.read_text().splitlines():
@@ -210,13 +213,13 @@ def submit(config_path: str | Path, overrides: Sequence[str] = (), options: JobO
     if shutil.which("sbatch") is None:
         raise HvdtrainError("sbatch not found: submit on a Slurm login node (or render the script)")
     run_dir = run_dir_of(load_config(config_path, overrides))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "job.sbatch"
+    run_dir.root.mkdir(parents=True, exist_ok=True)
+    path = run_dir.job_script
     path.write_text(text)
     proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise HvdtrainError(f"sbatch failed: {(proc.stderr or proc.stdout).strip()}")
     job_id = proc.stdout.strip().split(";")[0]
-    print(f"[hvdtrain] submitted job {job_id}: script {path}, logs {run_dir}/slurm-{job_id}.out, "
-          f"outputs in {run_dir}")
+    print(f"[hvdtrain] submitted job {job_id}: script {path}, logs {run_dir.slurm_output(job_id)}, "
+          f"outputs in {run_dir.root}")
     return job_id
