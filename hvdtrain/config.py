@@ -176,8 +176,8 @@ class LogConfig:
     dashboard_every_s: float = _opt(1.0, min=0.0)
     """Hand TensorBoard and W&B a record at most this often (seconds of run time; 0: every record);
     records with an evaluation or an event and the last step always go. ``metrics.jsonl`` gets
-    every record. Each record costs the writer process about 4 ms of CPU (W&B advises under one
-    ``log`` call a second), which training pays for where every core trains."""
+    every record. Each record costs the writer process CPU time (W&B advises under one ``log``
+    call a second), which training pays for where every core trains."""
     jsonl: bool = True
     """Write ``metrics.jsonl`` (rank 0); ``hvdtrain report`` and resuming read it."""
     jsonl_every_s: float = _opt(1.0, min=0.0)

@@ -37,7 +37,7 @@ CONTROLLERS = ("gloo", "mpi")
 LAUNCHERS = ("horovodrun", "srun")
 BASE_STOP_S = 30
 """Seconds a stop needs besides the steps up to the next log interval: writing the checkpoint and
-the launcher shutting the ranks down (a horovodrun start or stop costs 10-20 s on 2 cores)."""
+the launcher shutting the ranks down (a horovodrun start or stop takes seconds)."""
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _NP = re.compile(r"horovodrun\"? -np (\d+)|srun --mpi=\S+ --ntasks=(\d+)")

@@ -2,7 +2,7 @@
 :mod:`hvdtrain.tensorflow.compression` (timed: eager Horovod calls return when the collectives are
 done), then the update in a ``tf.function``.
 
-Keras 3 notes (see shared/DESIGN.md): a Keras variable is not a ``tf.Variable``, so Horovod gets
+Keras 3 notes: a Keras variable is not a ``tf.Variable``, so Horovod gets
 ``v.value``; Horovod's Keras API does not work with Keras 3, so this is a ``tf.GradientTape`` loop on
 the low-level ``horovod.tensorflow`` ops; Horovod's XLA ops are not built, so no ``jit_compile``.
 """

@@ -1,5 +1,6 @@
 """Elastic mode with real workers: one is killed with SIGKILL mid-epoch, and one joins through the
-hosts file. Two hosts on one machine: ``localhost`` and ``127.0.0.1`` (see shared/DESIGN.md)."""
+hosts file. Two hosts on one machine: ``localhost`` and ``127.0.0.1`` (elastic Horovod needs two
+hosts to start unless it is given the network interface)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ DIGITS_TRAIN = 1437
 def elastic_job(framework: str, run: Path, hosts: str, np_: int, *overrides: str,
                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``horovodrun`` in elastic mode (1 to 2 workers) with a host-discovery script."""
-    # One host alone does not start without naming the interface (shared/DESIGN.md).
+    # One host alone does not start without naming the interface.
     cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--min-np", "1", "--max-np", "2",
            "--network-interfaces", "lo", "--host-discovery-script", str(ROOT / "scripts" / hosts),
            str(BIN / "hvdtrain"), "train", str(CONFIGS[framework]), "elastic.enabled=true",
