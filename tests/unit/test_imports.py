@@ -1,6 +1,11 @@
-"""The data path runs one way: no module of hvdtrain imports, directly or through others, itself."""
+"""The data path runs one way: no module of hvdtrain imports, directly or through others, itself.
+
+``python tests/unit/test_imports.py [PACKAGE_DIR]`` prints the import graph of a package directory
+(default: this checkout's hvdtrain/), one module and what it imports per line, then its cycles.
+"""
 
 import ast
+import sys
 from pathlib import Path
 
 import hvdtrain
@@ -8,8 +13,8 @@ import hvdtrain
 PACKAGE = Path(hvdtrain.__file__).parent
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -31,43 +36,54 @@ def imported(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    paths = {module_name(p, package): p for p in package.rglob("*.py")}
     modules = set(paths)
     # A package's modules may import the package's __init__ (it runs first anyway): not an edge.
     return {m: {t for t in imported(p, modules) if t != m and not m.startswith(t + ".")}
             for m, p in paths.items()}
 
 
-def find_cycle(graph: dict[str, set[str]]) -> list[str]:
-    """One import cycle of ``graph`` as a list of modules (first == last), or [] if none."""
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles a depth-first walk of ``graph`` meets, each a list of modules
+    (first == last); empty when there is none."""
     state: dict[str, int] = {}
     stack: list[str] = []
+    cycles: list[list[str]] = []
 
-    def visit(node: str) -> list[str]:
+    def visit(node: str) -> None:
         state[node] = 1
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
-            if not state.get(target) and (cycle := visit(target)):
-                return cycle
+                cycles.append(stack[stack.index(target):] + [target])
+            elif not state.get(target):
+                visit(target)
         stack.pop()
         state[node] = 2
-        return []
 
     for node in sorted(graph):
-        if not state.get(node) and (cycle := visit(node)):
-            return cycle
-    return []
+        if not state.get(node):
+            visit(node)
+    return cycles
 
 
 def test_find_cycle_finds_a_planted_cycle():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert find_cycle({"a": {"b"}, "b": set()}) == []
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_no_import_cycle_in_hvdtrain():
     graph = import_graph()
     assert "hvdtrain.driver" in graph and "hvdtrain.loop" in graph["hvdtrain.session"]
-    assert find_cycle(graph) == [], " -> ".join(find_cycle(graph))
+    assert find_cycles(graph) == [], [" -> ".join(cycle) for cycle in find_cycles(graph)]
+
+
+if __name__ == "__main__":
+    graph = import_graph(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PACKAGE)
+    for module in sorted(graph):
+        print(f"{module} -> {', '.join(sorted(graph[module])) or '-'}")
+    cycles = find_cycles(graph)
+    print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, {len(cycles)} cycles")
+    for cycle in cycles:
+        print("cycle: " + " -> ".join(cycle))
