@@ -5,6 +5,10 @@ over its final name, so a crash leaves either the old set of checkpoints or the 
 half-written file under a checkpoint's name. A manifest ``step-N.json`` written after it holds the
 file's sha256: a checkpoint counts only when its manifest exists and the hash matches, so a file
 truncated or corrupted later (a full disk, a bad copy) is detected and skipped on resume.
+
+A write that fails (a full disk) removes what it had written and stops the run on every rank at
+the next checkpoint, or at its end, with an :class:`~hvdtrain.errors.EnvironmentFailure` naming
+the file; the checkpoints written before stay valid.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from hvdtrain.config import CheckpointConfig
-from hvdtrain.engine import StateIO
+from hvdtrain.engine import Collectives, Engine
+from hvdtrain.errors import HvdtrainError, os_failure
 
 SUFFIX = ".ckpt"
+POSITION_KEYS = ("step", "epoch", "in_epoch", "samples")
+"""The training position every checkpoint's metadata holds (``meta["position"]``)."""
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -50,6 +57,90 @@ class _HashingWriter:
 
     def __init__(self, fileobj: IO[bytes]) -> None:
         self.fileobj, self.digest, self.size = fileobj, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        view = memoryview(data).cast("B")
+        self.digest.update(view)
+        self.size += len(view)
+        return self.fileobj.write(view)
+
+    def flush(self) -> None:
+        self.fileobj.flush()
+
+
+class CheckpointManager:
+    """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
+
+    def __init__(self, cfg: CheckpointConfig, directory: Path) -> None:
+        self.cfg = cfg
+        self.directory = directory
+        self._pending: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the periodic policy asks for a checkpoint after optimizer step ``step``."""
+        every = self.cfg.every_steps
+        return self.cfg.enabled and every > 0 and step % every == 0
+
+    def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
+        """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written.
+
+        Every rank first learns whether rank 0's previous write failed, and then all raise its
+        error together, rather than rank 0 alone.
+        """
+        if not self.cfg.enabled:
+            return None
+        self._share_failure(engine.collectives, rank)
+        engine.gather_state()  # a collective: every rank, before rank 0 writes
+        if rank != 0:
+            return None
+        # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
+        # thread while training goes on, so a step pays for serialising only. A write killed half
+        # way has no manifest and never counts; the run waits for the last one before it ends.
+        data = engine.state_bytes({**meta, "step": step})
+        self._pending = threading.Thread(target=self._write_behind, args=(step, data),
+                                         name=f"hvdtrain-checkpoint-{step}")
+        self._pending.start()
+        return self.path_for(step)
+
+    def _share_failure(self, collectives: Collectives, rank: int) -> None:
+        """Rank 0 waits for its write in flight (one at a time, in step order) and tells every rank
+        whether it failed; then every rank raises the failure."""
+        failure: BaseException | None = None
+        if rank == 0:
+            try:
+                self.wait()
+            except BaseException as exc:  # raised below on every rank at once
+                failure = exc
+        shared = failure if isinstance(failure, HvdtrainError) or failure is None else \
+            HvdtrainError(f"rank 0 failed to write a checkpoint: {failure!r}")
+        shared = collectives.broadcast_object(shared)
+        if shared is not None:
+            raise failure if failure is not None else shared
+
+    def _write_behind(self, step: int, data: bytes) -> None:
+        try:
+            self.write(step, lambda f: f.write(data))
+        except OSError as exc:
+            self._failure = os_failure(exc, "cannot write checkpoint", self.path_for(step),
+                                       self._advice(step))
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._failure = exc
+
+    def _advice(self, step: int) -> str:
+        """What to do after checkpoint ``step`` failed: where the run can continue from."""
+        kept = [p for p in self.checkpoints() if p != self.path_for(step) and verify(p) is None]
+        last = f"the last valid checkpoint is {kept[-1].name}" if kept else "no valid checkpoint is left"
+        return f"{last}; free space (or fix the directory), then resubmit with checkpoint.resume=auto"
+
+    def wait(self) -> None:
+        """Waits until the checkpoint being written is on disk; raises the error if it failed."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def write(self, data: bytes) -> int:
         view = memoryview(data).cast("B")
@@ -122,7 +213,11 @@ class CheckpointManager:
         manifest = {"file": path.name, "sha256": written[0].digest.hexdigest(),
                     "bytes": written[0].size, "step": step}
         text = json.dumps(manifest, indent=2) + "\n"
-        atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
+        try:
+            atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
+        except BaseException:
+            path.unlink(missing_ok=True)  # never counts without its manifest: free its space
+            raise
         self._prune()
         return path
 
@@ -173,8 +268,34 @@ def verify(path: Path) -> str | None:
         manifest = json.loads(manifest_path(path).read_text())
     except (OSError, ValueError):
         return "no readable manifest (the write did not finish)"
-    if not path.exists() or path.stat().st_size != manifest.get("bytes"):
-        return "size differs from the manifest (truncated?)"
-    if sha256_of(path) != manifest.get("sha256"):
-        return "sha256 differs from the manifest (corrupted)"
+    if not isinstance(manifest, dict):
+        return "the manifest is not an hvdtrain manifest"
+    try:
+        if not path.exists() or path.stat().st_size != manifest.get("bytes"):
+            return "size differs from the manifest (truncated?)"
+        if sha256_of(path) != manifest.get("sha256"):
+            return "sha256 differs from the manifest (corrupted)"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
     return None
+
+
+def checked_position(meta: Any, where: str) -> dict[str, int]:
+    """The training position in a checkpoint's metadata, or a one-line error naming ``where``
+    when the file holds none (it was not written by hvdtrain)."""
+    position = meta.get("position") if isinstance(meta, dict) else None
+    if not isinstance(position, dict) or not all(
+            isinstance(position.get(k), int) and not isinstance(position.get(k), bool)
+            for k in POSITION_KEYS):
+        raise HvdtrainError(f"{where} is not an hvdtrain checkpoint: its metadata holds no "
+                            "training position")
+    return {k: position[k] for k in POSITION_KEYS}
+
+
+def not_a_checkpoint(where: str, exc: BaseException) -> HvdtrainError:
+    """The one-line error for a file that the engine's reader refused (``exc``): not a checkpoint
+    written by hvdtrain, or cut short."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return HvdtrainError(f"{where} is not an hvdtrain checkpoint or is damaged "
+                         f"({type(exc).__name__}: {first[:160]}); point checkpoint.resume at "
+                         "a step-*.ckpt file that hvdtrain wrote")

@@ -1,20 +1,30 @@
 """The ``hvdtrain`` command: ``train``, ``slurm``, ``report`` and ``doctor``.
 
-User errors (:class:`~hvdtrain.errors.HvdtrainError`) become one line on stderr and exit code 2.
+Errors become one line on stderr and an exit code a job script can act on (README, "Exit codes"):
+2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing environment
+(:class:`~hvdtrain.errors.EnvironmentFailure`, or any ``OSError``), 75 for a run stopped on request.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from typing import Sequence
 
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.loop import Stopped
 from hvdtrain.signals import EXIT_RESUBMIT
 
 EXIT_USAGE = 2
+"""A mistake in the command or the config: fix it; resubmitting as is fails again."""
+EXIT_ENVIRONMENT = 74
+"""The environment failed the run (a full disk, an unwritable directory, an I/O error); what the run
+saved stays valid: fix the cause, then resubmit with ``checkpoint.resume=auto``. 74 is
+``EX_IOERR`` of sysexits.h."""
+# Subcommands whose KEY=VALUE overrides may come before, between or after the options.
+_WITH_OVERRIDES = ("train", "slurm")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,9 +90,29 @@ def _slurm(args: argparse.Namespace) -> int:
     return EXIT_USAGE if problems else 0
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the command line; ``train`` and ``slurm`` take their KEY=VALUE overrides anywhere
+    after the config file, also after options (``--nodes 2 log.dir=X``), in the order given."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command in _WITH_OVERRIDES:
+        overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+        args.overrides = [*args.overrides, *overrides]
+        extra = [item for item in extra if item not in overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _os_error_line(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    where = f": {exc.filename!r}" if exc.filename else ""
+    return f"{exc.strerror or exc} ({code}){where}" if code else f"{exc.strerror or exc}{where}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hvdtrain`` console script."""
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)
@@ -94,9 +124,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _slurm(args)
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
+    except EnvironmentFailure as exc:
+        print(f"hvdtrain: error: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except HvdtrainError as exc:
         print(f"hvdtrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:  # a failure of the machine that no code above named more precisely
+        print(f"hvdtrain: error: {_os_error_line(exc)}; fix the cause and run again "
+              "(checkpoint.resume=auto continues a run)", file=sys.stderr)
+        return EXIT_ENVIRONMENT
     except Stopped as stop:
         print(f"hvdtrain: {stop}; resubmit with checkpoint.resume=auto to continue", file=sys.stderr)
         return EXIT_RESUBMIT

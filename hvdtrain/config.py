@@ -19,7 +19,7 @@ import yaml
 
 from hvdtrain.compression import METHODS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key
-from hvdtrain.errors import ConfigError
+from hvdtrain.errors import ConfigError, os_failure
 
 
 def _opt(default: Any, *, min: float | None = None, max: float | None = None,
@@ -249,7 +249,7 @@ def _set_dotted(tree: dict, dotted: str, raw: str) -> None:
             raise ConfigError(f"{dotted}: cannot set a key inside a {type(node).__name__}")
     try:
         node[leaf] = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: a date YAML cannot build (2024-13-01)
         node[leaf] = raw
 
 
@@ -292,15 +292,29 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        tree = _read_yaml(path)
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(tree).__name__}")
     environ = os.environ if environ is None else environ
     apply_overrides(tree, [*env_overrides(environ), *overrides])
     return build(Config, tree)
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document of the config file, or a one-line error naming the file."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None
+    except OSError as exc:
+        raise os_failure(exc, "cannot read the config file", path, "check its permissions") from None
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except (ValueError, RecursionError) as exc:  # a date that does not exist, or absurd nesting
+        raise ConfigError(f"{path}: not a valid config ({str(exc).splitlines()[0]})") from None
 
 
 def save_config(cfg: Config, path: Path) -> None:

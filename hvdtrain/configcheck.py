@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any, Iterable
 
 from hvdtrain.errors import ConfigError
@@ -25,20 +26,40 @@ def coerce_value(path: str, value: Any, ftype: type) -> Any:
     """Returns ``value`` as ``ftype`` or raises naming the key, the value and the type wanted.
 
     Only lossless conversions happen: an int, or a string such as ``1e-3``, where a float is wanted.
-    ``1.5`` for an int, ``"abc"`` for a number and ``1`` for a bool are all rejected.
+    ``1.5`` for an int, ``"abc"`` for a number and ``1`` for a bool are all rejected, and so are
+    NaN and the infinities (``.nan``, ``.inf``, ``1e999``) for a number: no key means anything by them.
     """
+    if ftype is float:
+        return _finite_float(path, value)
     ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
-    if ftype is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if ftype is float and isinstance(value, str):
+    if not ok:
+        raise ConfigError(f"{path}={_shown(value)}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
+    if isinstance(value, str) and "\0" in value:  # no path or name can hold one
+        raise ConfigError(f"{path}={_shown(value)}: contains a NUL character")
+    return value
+
+
+def _finite_float(path: str, value: Any) -> float:
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value) if abs(value) < 1e308 else math.inf  # a huge int would overflow
+    elif isinstance(value, str):
         # YAML 1.1 reads 1e-3 (no dot) as a string; a number written that way is still a number.
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             pass
-    if not ok:
-        raise ConfigError(f"{path}={value!r}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
-    return value
+    if number is None:
+        raise ConfigError(f"{path}={_shown(value)}: expected a number")
+    if not math.isfinite(number):
+        raise ConfigError(f"{path}={_shown(value)}: expected a finite number, not NaN or infinity")
+    return number
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut short so that the error stays one readable line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def check_section(obj: Any, prefix: str = "") -> None:
@@ -48,8 +69,8 @@ def check_section(obj: Any, prefix: str = "") -> None:
         path = f"{prefix}{f.name}"
         lo, hi, choices = (f.metadata.get(k) for k in ("min", "max", "choices"))
         if choices and value not in choices:
-            raise ConfigError(f"{path}={value!r}: must be one of {', '.join(choices)}")
+            raise ConfigError(f"{path}={_shown(value)}: must be one of {', '.join(choices)}")
         if lo is not None and value < lo:
-            raise ConfigError(f"{path}={value!r}: must be >= {lo}")
+            raise ConfigError(f"{path}={_shown(value)}: must be >= {lo}")
         if hi is not None and value > hi:
-            raise ConfigError(f"{path}={value!r}: must be <= {hi}")
+            raise ConfigError(f"{path}={_shown(value)}: must be <= {hi}")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from hvdtrain.checkpoint import CheckpointManager, verify
+from hvdtrain.checkpoint import CheckpointManager, checked_position, verify
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset
 from hvdtrain.engine import Engine, make_engine
@@ -29,8 +29,6 @@ from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
 from hvdtrain.signals import StopRequest
-
-_POSITION = ("step", "epoch", "in_epoch", "samples")
 
 
 @dataclass
@@ -77,7 +75,7 @@ def restore(engine: Engine, path: Path, cfg: Config) -> Position:
     if meta.get("framework") != cfg.framework:
         raise HvdtrainError(f"checkpoint {path} was written by {meta.get('framework')}, "
                             f"this run trains with {cfg.framework}")
-    return Position(**{k: int(meta["position"][k]) for k in _POSITION})
+    return Position(**checked_position(meta, f"checkpoint {path}"))
 
 
 def start_on_rank0(cfg: Config, run_dir: RunDir, engine: Engine) -> Start:
@@ -90,7 +88,7 @@ def start_on_rank0(cfg: Config, run_dir: RunDir, engine: Engine) -> Start:
         position = restore(engine, path, cfg) if path else None
         run_dir.prepare(cfg, position.step if position else None)
     except HvdtrainError as exc:
-        return Start(error=str(exc))
+        return Start(error=exc)
     return Start(position or Position(), resumed=position is not None)
 
 
@@ -142,7 +140,7 @@ class FixedMode:
         engine = self.session.engine
         start = engine.collectives.broadcast_object(self.start)
         if start.error:
-            raise HvdtrainError(start.error)
+            raise start.error
         engine.broadcast_state()
         return self.session.run(self.session.cfg, start.position, stop, heartbeat)
 

@@ -13,7 +13,6 @@ from horovod.common.elastic import State
 from hvdtrain.config import Config
 from hvdtrain.elastic import Committer, IndexRecord, entry_event, loop_config
 from hvdtrain.engine import Engine
-from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Position
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
@@ -95,7 +94,7 @@ class ElasticMode:
         """Trains from the committed state at the current world size to the end of the run."""
         session, engine = self.session, self.session.engine
         if state.error:
-            raise HvdtrainError(state.error)
+            raise state.error
         cfg = state.loop_cfg
         session.rewind_metrics(state.position.step)  # held records past the commit: trained again
         if engine.rank == 0:

@@ -7,13 +7,14 @@ A run directory holds everything a run produced. Only rank 0 writes to it; every
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from hvdtrain.checkpoint import atomic_write
 from hvdtrain.config import Config, save_config
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, os_failure
 
 
 class RunDir:
@@ -105,13 +106,22 @@ class RunDir:
         """Creates the directory and saves the config (rank 0).
 
         A fresh run (``resumed_step`` None) removes an earlier run's files and checkpoints; a resumed
-        one keeps them and drops only the metrics records logged after its checkpoint.
+        one keeps them and drops only the metrics records logged after its checkpoint. A directory
+        that cannot be created or written raises a one-line error naming it (an
+        :class:`~hvdtrain.errors.EnvironmentFailure` when the file system is at fault), before any
+        training.
         """
         try:
-            self.checkpoints.mkdir(parents=True, exist_ok=True)
-        except (NotADirectoryError, FileExistsError) as exc:
-            raise HvdtrainError(f"log.dir: cannot create the run directory {str(self.root)!r}: "
-                                f"{exc.strerror}") from None
+            self._prepare(cfg, resumed_step)
+        except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (a NUL byte)
+            raise os_failure(exc, "log.dir: cannot write the run directory", self.root,
+                             "choose a writable log.dir or fix its permissions or space") from None
+
+    def _prepare(self, cfg: Config, resumed_step: int | None) -> None:
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        # Checkpoints are written by a thread during training: find out now that they can be.
+        with tempfile.TemporaryFile(dir=self.checkpoints):
+            pass
         if resumed_step is None:
             for path in (self.metrics, self.summary, self.config, self.events):
                 path.unlink(missing_ok=True)

@@ -11,6 +11,7 @@ from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset
 from hvdtrain.engine import Engine
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Callback, Loop, Position, make_sampler, total_steps
 from hvdtrain.observe.records import MetricsLogger, make_logger
 from hvdtrain.rundir import RunDir
@@ -22,8 +23,9 @@ class Start:
 
     position: Position = field(default_factory=Position)
     resumed: bool = False
-    error: str = ""
-    """A problem rank 0 found before training; every rank raises it, so all stop together."""
+    error: HvdtrainError | None = None
+    """A problem rank 0 found before training; every rank raises it (its type picks the exit
+    code), so all stop together."""
 
 
 class Session:

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
+from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, Split, StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
@@ -238,17 +239,34 @@ class TensorFlowEngine(Engine):
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # allow_pickle=False: loading a checkpoint must never execute code from the file.
-        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+            meta = json.loads(str(arrays["meta"]))
+            expected = [f"{prefix}/{i}" for prefix, variables in (
+                ("model", self.model.variables), ("optimizer", self.optimizer.variables))
+                for i in range(len(variables))]
+            missing = [name for name in expected if name not in arrays]
+            if missing or not isinstance(meta, dict):
+                raise KeyError(f"no entry {missing[0]}" if missing else "meta is not a mapping")
+        except Exception as exc:  # whatever the file holds, the user gets one line naming it
+            raise not_a_checkpoint(where, exc) from None
+        try:
             for prefix, variables in (("model", self.model.variables),
                                       ("optimizer", self.optimizer.variables)):
                 for i, var in enumerate(variables):
                     self._restore(var, arrays[f"{prefix}/{i}"], f"{prefix}/{i}", where)
-            states = {name[4:]: arrays[name] for name in arrays.files if name.startswith("rng/")}
+            states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
             if states:  # absent in checkpoints written before random states were saved
                 rng.restore(states)
-            self.exchange.load_state_dict({name[12:]: arrays[name] for name in arrays.files
+            self.exchange.load_state_dict({name[12:]: value for name, value in arrays.items()
                                            if name.startswith("compression/")}, where)
-            return json.loads(str(arrays["meta"]))
+        except HvdtrainError:
+            raise
+        except Exception as exc:  # entries of the wrong type, or not what hvdtrain wrote
+            raise HvdtrainError(f"{where} does not fit the model: {type(exc).__name__}: "
+                                f"{(str(exc).strip().splitlines() or [''])[0][:160]}") from None
+        return meta
 
     @staticmethod
     def _restore(var: Any, value: np.ndarray, name: str, where: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
+from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config
 from hvdtrain.data import Dataset, StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
@@ -182,18 +183,26 @@ class TorchEngine(Engine):
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # whatever the file holds, the user gets one line naming it
+            raise not_a_checkpoint(where, exc) from None
+        if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
+                and isinstance(state["meta"], dict)):
+            raise not_a_checkpoint(where, KeyError("no model, optimizer and meta entries"))
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()
+            if self.exchange is not None:
+                self.exchange.load_state_dict(state.get("compression"), where)
+            if "rng" in state:  # absent in checkpoints written before random states were saved
+                rng.restore(state["rng"])
+        except HvdtrainError:
+            raise
+        except Exception as exc:  # entries of the wrong shape, or not what torch wrote
+            first = str(exc).strip().splitlines() or [type(exc).__name__]
             raise HvdtrainError(f"{where} does not fit the model: "
                                 f"{' '.join(line.strip() for line in first[:3])}") from None
-        if self.exchange is not None:
-            self.exchange.load_state_dict(state.get("compression"), where)
-        if "rng" in state:  # absent in checkpoints written before random states were saved
-            rng.restore(state["rng"])
         return state["meta"]
 
     def parameters(self) -> dict[str, np.ndarray]:
