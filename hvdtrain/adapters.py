@@ -14,7 +14,7 @@ import abc
 import inspect
 from typing import Any
 
-from hvdtrain.data import DatasetSpec
+from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from hvdtrain.checkpoint import CheckpointManager, checked_position, verify
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset
+from hvdtrain.data.contracts import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Callback, Position
@@ -50,7 +50,7 @@ def make_dataset(cfg: Config) -> Dataset:
     except TypeError as exc:
         raise HvdtrainError(f"data.options for {cfg.data.name!r}: {exc}") from None
     if not isinstance(dataset, Dataset):
-        raise HvdtrainError(f"data.name={cfg.data.name!r} is not a hvdtrain.data.Dataset")
+        raise HvdtrainError(f"data.name={cfg.data.name!r} is not a hvdtrain.data.contracts.Dataset")
     return dataset
 
 

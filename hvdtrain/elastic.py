@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hvdtrain.config import Config
-from hvdtrain.data import StepIndices
+from hvdtrain.data.sampler import StepIndices
 from hvdtrain.loop import Callback, Position
 
 

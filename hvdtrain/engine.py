@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, MutableMapping
 import numpy as np
 
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset, StepIndices
+from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 
 

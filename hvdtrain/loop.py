@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset, ShardedSampler, StepIndices, eval_shards
+from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.sampler import ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged
 from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys

@@ -71,7 +71,7 @@ class Registry:
         return name in self._entries
 
 
-DATASETS = Registry("dataset", {"digits": "hvdtrain.data:DigitsDataset",
+DATASETS = Registry("dataset", {"digits": "hvdtrain.data.digits:DigitsDataset",
                                 "synthetic_images": "hvdtrain.synthetic:SyntheticImages",
                                 "mnist1d": "hvdtrain.datasets_mnist1d:Mnist1dDataset"})
 """Framework-free datasets: each yields NumPy arrays."""

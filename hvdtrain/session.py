@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset
+from hvdtrain.data.contracts import Dataset
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Callback, Loop, Position, make_sampler, total_steps

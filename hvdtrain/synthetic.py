@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.data import Dataset, DatasetSpec, Split
+from hvdtrain.data.contracts import Dataset, DatasetSpec, Split
 from hvdtrain.errors import HvdtrainError
 
 

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.adapters import ModelAdapter, mlp_hidden
-from hvdtrain.data import DatasetSpec
+from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
 

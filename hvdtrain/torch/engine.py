@@ -14,7 +14,8 @@ import torch
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config
-from hvdtrain.data import Dataset, StepIndices
+from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hvdtrain.adapters import ModelAdapter, mlp_hidden
-from hvdtrain.data import DatasetSpec
+from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
 

@@ -39,7 +39,7 @@ SIZES = {"rounds": (30, 2), "warmup": (2, 0)}
 def build_engine(hidden: str) -> tuple[Any, Any]:
     """The config and a PyTorch engine on digits with a wide MLP, after one training step."""
     from hvdtrain.config import load_config
-    from hvdtrain.data import ShardedSampler
+    from hvdtrain.data.sampler import ShardedSampler
     from hvdtrain.driver import make_dataset
     from hvdtrain.engine import make_engine
 
@@ -49,7 +49,7 @@ def build_engine(hidden: str) -> tuple[Any, Any]:
     engine = make_engine(cfg, dataset)
     engine.broadcast_state()
     sampler = ShardedSampler(len(dataset.train()), cfg.data.batch_size)
-    engine.train_step(next(sampler.steps(0, 0, 1)), cfg.optim.lr)
+    engine.train_step(next(iter(sampler.steps(0, 0, 1))), cfg.optim.lr)
     return cfg, engine
 
 

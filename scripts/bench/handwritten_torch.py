@@ -2,7 +2,7 @@
 
 It is what a user writes after Horovod's ``examples/pytorch/pytorch_mnist.py``, trained on the same
 problem as ``configs/digits_torch.yaml``: scikit-learn's digits (same stratified split as
-``hvdtrain.data.DigitsDataset``), the same MLP, SGD at ``0.05 x size`` with momentum 0.9,
+``hvdtrain.data.digits.DigitsDataset``), the same MLP, SGD at ``0.05 x size`` with momentum 0.9,
 ``hvd.DistributedOptimizer``, a per-rank batch of 32 sharded by ``DistributedSampler`` with a
 shuffle per epoch, then one evaluation on the test split and one ``torch.save`` on rank 0.
 The data stay in memory and batches are cut by tensor indexing, as hvdtrain does, so that a
@@ -32,7 +32,7 @@ from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEE
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test tensors of the digits, split exactly as ``hvdtrain.data.DigitsDataset``."""
+    """Train and test tensors of the digits, split exactly as ``hvdtrain.data.digits.DigitsDataset``."""
     train_x, train_y, test_x, test_y = workload.load_digits_split()
     return (torch.from_numpy(train_x), torch.from_numpy(train_y), torch.from_numpy(test_x),
             torch.from_numpy(test_y))

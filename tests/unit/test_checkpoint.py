@@ -10,7 +10,7 @@ import pytest
 
 from hvdtrain.checkpoint import CheckpointManager, atomic_write, manifest_path, sha256_of, verify
 from hvdtrain.config import CheckpointConfig, load_config
-from hvdtrain.data import ShardedSampler
+from hvdtrain.data.sampler import ShardedSampler
 
 
 def manager(tmp_path, keep: int = 3) -> CheckpointManager:
@@ -77,7 +77,7 @@ def test_elastic_keep_global_batch_accumulates_what_the_missing_ranks_did():
 
 
 def test_elastic_index_record_rolls_back_to_the_commit(tmp_path):
-    from hvdtrain.data import StepIndices
+    from hvdtrain.data.sampler import StepIndices
     from hvdtrain.elastic import IndexRecord
 
     record = IndexRecord(enabled=True)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hvdtrain.data import ShardedSampler, eval_shards
+from hvdtrain.data.sampler import ShardedSampler, eval_shards
 
 
 def epoch_indices(sampler, epoch, rank, size, start=0):

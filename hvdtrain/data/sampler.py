@@ -1,4 +1,4 @@
-"""Framework-free datasets and the sharding sampler.
+"""The sharding sampler: one global batch per step, every sample once per epoch.
 
 Sharding is by global batch: step ``s`` of an epoch takes the next ``batch x world x accumulation``
 samples of the epoch's permutation, and rank ``r`` takes every ``world``-th of each micro-batch's
@@ -9,9 +9,8 @@ number (samples consumed) that a resumed or resized job can continue from.
 
 from __future__ import annotations
 
-import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -20,83 +19,39 @@ from hvdtrain.errors import HvdtrainError
 
 
 @dataclass(frozen=True)
-class DatasetSpec:
-    """What a model needs to know about its data."""
-
-    input_shape: tuple[int, ...]
-    num_classes: int
-
-
-@dataclass(frozen=True)
-class Split:
-    """One split of a dataset as NumPy arrays: inputs ``x`` (float32) and integer labels ``y``."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __post_init__(self) -> None:
-        if len(self.x) != len(self.y):
-            raise HvdtrainError(f"dataset split has {len(self.x)} inputs but {len(self.y)} labels")
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-
-class Dataset(abc.ABC):
-    """A dataset plug-in: fixed train and test splits in memory, identical on every rank.
-
-    Subclass it and name it in the config as ``data.name: package.module:MyDataset``; the
-    ``data.options`` mapping is passed to the constructor as keyword arguments.
-    """
-
-    @abc.abstractmethod
-    def spec(self) -> DatasetSpec:
-        """Input shape (without the batch dimension) and the number of classes."""
-
-    @abc.abstractmethod
-    def train(self) -> Split:
-        """The training split."""
-
-    @abc.abstractmethod
-    def test(self) -> Split:
-        """The evaluation split."""
-
-
-class DigitsDataset(Dataset):
-    """scikit-learn's bundled 8x8 handwritten digits (1,797 images, no download).
-
-    Pixels are scaled to [0, 1] and flattened to 64 features. The split is stratified and fixed
-    (it does not depend on the run's seed), so runs with different seeds are comparable.
-    """
-
-    def __init__(self, test_fraction: float = 0.2, split_seed: int = 0) -> None:
-        if not 0.0 < test_fraction < 1.0:
-            raise HvdtrainError(f"data.options.test_fraction={test_fraction!r}: must be in (0, 1)")
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        x, y = load_digits(return_X_y=True)
-        x = (x / 16.0).astype(np.float32)
-        xtr, xte, ytr, yte = train_test_split(x, y.astype(np.int64), test_size=test_fraction,
-                                              random_state=split_seed, stratify=y)
-        self._train, self._test = Split(xtr, ytr), Split(xte, yte)
-
-    def spec(self) -> DatasetSpec:
-        return DatasetSpec(input_shape=(64,), num_classes=10)
-
-    def train(self) -> Split:
-        return self._train
-
-    def test(self) -> Split:
-        return self._test
-
-
-@dataclass(frozen=True)
 class StepIndices:
-    """One optimizer step for one rank: sample indices per micro-batch, and the step's global size."""
+    """One optimizer step for one rank: sample indices per micro-batch, and the step's global size.
+
+    ``plan`` and ``number`` place the step in its epoch's :class:`EpochPlan`, so that a loader can
+    prefetch the steps that follow it.
+    """
 
     micro: list[np.ndarray]
     global_count: int
+    plan: EpochPlan | None = field(default=None, repr=False, compare=False)
+    number: int = 0
+
+
+class EpochPlan:
+    """One rank's steps of one epoch from a sample position: the order a loader fetches in.
+
+    Iterating it gives the :class:`StepIndices`; each knows its plan and its place in it.
+    """
+
+    def __init__(self, epoch: int, steps: list[tuple[list[np.ndarray], int]]) -> None:
+        self.epoch = epoch
+        self.steps = [StepIndices(micro, count, self, number)
+                      for number, (micro, count) in enumerate(steps)]
+
+    def __iter__(self) -> Iterator[StepIndices]:
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def micro_batches(self, first: int = 0) -> list[np.ndarray]:
+        """The micro-batches of steps ``first`` onwards, in training order."""
+        return [micro for step in self.steps[first:] for micro in step.micro]
 
 
 class ShardedSampler:
@@ -132,15 +87,17 @@ class ShardedSampler:
         """Optimizer steps left in an epoch from sample position ``start``."""
         return math.ceil((self.num_samples - start) / self.step_samples(world_size))
 
-    def steps(self, epoch: int, rank: int, world_size: int, start: int = 0) -> Iterator[StepIndices]:
+    def steps(self, epoch: int, rank: int, world_size: int, start: int = 0) -> EpochPlan:
         """This rank's steps of ``epoch``, from sample position ``start`` (samples already consumed)."""
         order = self.permutation(epoch)[start:]
         per_step, per_micro = self.step_samples(world_size), self.batch_size * world_size
+        steps = []
         for begin in range(0, len(order), per_step):
             chunk = order[begin:begin + per_step]
             micro = [chunk[m:m + per_micro][rank::world_size]
                      for m in range(0, per_step, per_micro)]
-            yield StepIndices(micro=micro, global_count=len(chunk))
+            steps.append((micro, len(chunk)))
+        return EpochPlan(epoch, steps)
 
 
 def eval_shards(num_samples: int, rank: int, world_size: int, batch_size: int) -> Iterator[np.ndarray]:
