@@ -116,8 +116,8 @@ def block(controller: str, args: argparse.Namespace, tables: Tables) -> str:
 def notes(args: argparse.Namespace, all_tables: dict[str, Tables]) -> list[str]:
     """The lines under the tables: method, definitions, the verdicts."""
     spreads = [abs(rows[CONTROL].ratio - 1) for t in all_tables.values() for rows in t.values()]
-    results = [f"Result, {c}: Horovod / raw at >= 64 MB, worst size: {verdict(t) or 'not measured'}."
-               for c, t in all_tables.items()]
+    results = [f"Result, {c}: Horovod / raw at >= 64 MB, worst size: "
+               f"{verdict(t) or 'not measured'}." for c, t in all_tables.items()]
     return [
         f"Per size: {args.rounds} rounds after {args.warmup} warm-up of A B A' C (reversed on "
         f"odd rounds); a run is about {human(args.budget)} of back-to-back in-place float32 sums "
@@ -143,8 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     machine = harness.machine_record()
     env = harness.env_pairs(args.env)
-    all_tables = {c: by_size(harness.run_job(job_argv(args, c), KEY, args.timeout, env), args.rounds)
-                  for c in args.controllers.split(",")}
+    all_tables = {c: by_size(harness.run_job(job_argv(args, c), KEY, args.timeout, env),
+                             args.rounds) for c in args.controllers.split(",")}
     blocks = [block(c, args, t) for c, t in all_tables.items()]
     harness.publish(harness.section_text(
         f"Allreduce bandwidth at {args.np} processes: Horovod vs its raw backend vs memory copy",

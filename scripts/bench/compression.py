@@ -39,7 +39,7 @@ METHODS = {
     "qsgd": ["comm.compression=qsgd"],
     "powersgd": ["comm.compression=powersgd"],
 }
-"""Benchmarked variants: each method with its defaults; top-k without error feedback as the control."""
+"""The variants: each method with its defaults; top-k without error feedback as a control."""
 DATASETS = {
     "digits": [],
     "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=6"],
@@ -95,7 +95,8 @@ def worker(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     methods = args.methods.split(",")
     shift = args.seed % len(methods)
-    config = harness.ROOT / "configs" / f"digits_{'tf' if args.framework == 'tensorflow' else 'torch'}.yaml"
+    short = "tf" if args.framework == "tensorflow" else "torch"
+    config = harness.ROOT / "configs" / f"digits_{short}.yaml"
     for method in methods[shift:] + methods[:shift]:
         run_dir = Path(args.out) / f"{args.dataset}-{method}-s{args.seed}"
         cfg = load_config(config, ["log.console=false", "log.wandb=disabled",
@@ -174,7 +175,8 @@ def grouped(records: list[dict], methods: Sequence[str]) -> dict[tuple[str, str,
     for fw in dict.fromkeys(r["framework"] for r in records):
         for ds in dict.fromkeys(r["dataset"] for r in records):
             for m in methods:
-                rs = [r for r in records if (r["framework"], r["dataset"], r["method"]) == (fw, ds, m)]
+                rs = [r for r in records
+                      if (r["framework"], r["dataset"], r["method"]) == (fw, ds, m)]
                 if rs:
                     out[(fw, ds, m)] = rs
     return out
@@ -282,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "loopback), MLP 64-1024-1024-10 on digits, seed 0"
                       + "".join(f", {e}" for e in args.slow_extra) + ":\n\n"
                       + slow_table(slow, args.slow_target))
-    title = f"Gradient compression: {args.seeds} seed{'s' if args.seeds != 1 else ''}, {args.frameworks}"
+    seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
+    title = f"Gradient compression: {seeds}, {args.frameworks}"
     harness.publish(harness.section_text(title, args.command, machine, blocks,
                                          notes(records, slow)), args)
     return 0

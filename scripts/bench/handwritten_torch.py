@@ -9,7 +9,7 @@ The data stay in memory and batches are cut by tensor indexing, as hvdtrain does
 ``DataLoader``'s per-sample collation does not enter the comparison. It deliberately does not import
 hvdtrain; its settings and data come from :mod:`workload`, as the other workers' do.
 
-The interleaved job (``harness.job_main``) calls :func:`run` as variant
+The interleaved job (``workload.job_main``) calls :func:`run` as variant
 ``handwritten_torch:handwritten_torch``. The wall time runs from the first step through the final
 evaluation and save (process start, imports, ``hvd.init``, data loading and the initial broadcasts
 are excluded, as in hvdtrain's ``summary["wall_time_s"]``).
@@ -32,14 +32,14 @@ from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEE
 
 
 def load_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test tensors of the digits, split exactly as ``hvdtrain.data.digits.DigitsDataset``."""
+    """Train and test tensors of the digits, split as ``hvdtrain.data.digits.DigitsDataset``."""
     train_x, train_y, test_x, test_y = workload.load_digits_split()
     return (torch.from_numpy(train_x), torch.from_numpy(train_y), torch.from_numpy(test_x),
             torch.from_numpy(test_y))
 
 
 def make_model() -> nn.Module:
-    """The MLP that hvdtrain's ``mlp`` builds with ``hidden: [128]`` for 64 inputs and 10 classes."""
+    """The MLP hvdtrain's ``mlp`` builds with ``hidden: [128]`` for 64 inputs and 10 classes."""
     return nn.Sequential(nn.Flatten(), nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
 
 
@@ -82,7 +82,7 @@ def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
 
     Every call builds its own model, optimizer and sampler and reseeds, so repeated calls in one
-    process (``interleaved.py``) are independent and alike. ``hvd.init`` is idempotent.
+    process (``workload.job_main``) are independent and alike. ``hvd.init`` is idempotent.
     """
     hvd.init()
     torch.set_num_threads(workload.threads_per_rank(hvd.local_size()))

@@ -1,18 +1,13 @@
-"""The benchmarks' shared machinery: options, jobs, interleaving, statistics and the Markdown record.
+"""The benchmarks' machinery: options, jobs, interleaving, statistics, the Markdown record.
 
-Every benchmark compares variants side by side. A baseline A, the candidates, and A' (a second copy
-of A, the A/A control) run in rounds, one run of each per round, the order reversed on every other
-round (A B A' / A' B A), after discarded warm-up rounds, so that a busy spell of a shared machine
-hits every variant alike. Where the variants can share processes they run inside one ``horovodrun``
-job (this file is that job's entry point: :func:`job_main`); where they cannot (another launcher,
-a Horovod setting read once at start) each run is a job of its own (:func:`run_jobs`). Rank 0
-prints one JSON object per run; the driver collects them (:func:`parse_measurements`,
-:func:`group_runs`), summarises each variant (:class:`Row`: median, spread, the ratio of medians to
-the baseline and its bootstrap interval), judges the target where the A/A control is steady
-(:func:`judge`) and writes its section to ``docs/benchmarks.md`` with the command that reproduces
-it (:func:`publish`).
-
-The harness imports no framework, so drivers load in milliseconds and measure nothing by accident.
+A baseline A, the candidates and A' (a copy of A: the A/A control) run in rounds, one run of each a
+round, the order reversed every other round (A B A' / A' B A), after discarded warm-up rounds, so
+that a busy spell of a shared machine hits all alike. Variants that can share processes run in one
+``horovodrun`` job (``workload.job_main``); others run a job each
+(:func:`run_jobs`). Rank 0 prints a JSON object a run; the driver groups them, summarises each
+variant (:class:`Row`: median, spread, ratio to the baseline with its bootstrap interval), judges
+the target beside the A/A control (:func:`judge`) and writes its section with the command that
+reproduces it (:func:`publish`). No framework is imported here: drivers load in milliseconds.
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import gc
-import importlib
 import json
 import os
 import platform
@@ -40,17 +33,16 @@ from collections import deque
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n"
-"""The first line of ``docs/benchmarks.md`` when a benchmark creates it."""
 PACKAGES = ("torch", "horovod", "tensorflow", "tensorflow-cpu", "numpy")
 """Distributions whose versions :func:`machine_record` reports (when installed)."""
 
-# Launchers tag each worker line with its rank: Gloo as "[0]<stdout>:", Open MPI as "[1,0]<stdout>:".
+# Launchers tag each worker line with its rank: Gloo "[0]<stdout>:", Open MPI "[1,0]<stdout>:".
 _RANK_TAG = re.compile(r"^\[[\d,]+\]<\w+>:")
 Results = dict[str, list[dict[str, Any]]]
 """Each variant's per-run records, one per measured round, by table name (:func:`group_runs`)."""
@@ -222,8 +214,9 @@ def section_text(title: str, command: str, machine: Mapping[str, Any], blocks: S
 
 
 def table_block(caption: str, rows: Sequence[Row], **fmt: Any) -> str:
-    """``caption``, a blank line and the rows' :func:`markdown_table` (``fmt``: its unit options)."""
-    return f"{caption}\n\n{markdown_table(rows, **fmt)}" if caption else markdown_table(rows, **fmt)
+    """``caption``, a blank line and the rows' :func:`markdown_table` (``fmt``: its units)."""
+    table = markdown_table(rows, **fmt)
+    return f"{caption}\n\n{table}" if caption else table
 
 
 def put_section(path: Path, section: str, header: str = HEADER) -> None:
@@ -282,7 +275,7 @@ def group_runs(records: Sequence[Mapping[str, Any]], names: Sequence[str], round
             results[names[record["slot"]]].append(dict(record))
     short = [f"{name} ({len(runs)})" for name, runs in results.items() if len(runs) != rounds]
     if short:
-        raise BenchError(f"expected {rounds} measured runs of every variant, got: {', '.join(short)}")
+        raise BenchError(f"expected {rounds} runs of every variant, got: {', '.join(short)}")
     return results
 
 
@@ -294,7 +287,7 @@ def samples_of(results: Results, key: str) -> dict[str, list[float]]:
 # Launching ---------------------------------------------------------------------------------------
 
 def python() -> Path:
-    """This interpreter's absolute path, symlinks kept: ``.venv/bin/python`` must stay the venv's."""
+    """This interpreter's absolute path, symlinks kept (``.venv/bin/python`` stays the venv's)."""
     return Path(os.path.abspath(sys.executable))
 
 
@@ -340,8 +333,7 @@ def run_job(argv: Sequence[str], key: str, timeout: float, env: Mapping[str, str
                 tail.append(line.rstrip("\n"))
                 for record in parse_measurements(line, key):
                     records.append(record)
-                    log(f"round {record.get('round', '-')} {record.get('variant', '')}: "
-                        f"{key}={record[key]:.6g}")
+                    log(f"{key}={record[key]:.6g} {record.get('variant', '')}")
                     if on_record:
                         on_record(record)
         finally:
@@ -385,12 +377,12 @@ class Variant:
 
 
 def run_interleaved(variants: Sequence[Variant], args: argparse.Namespace, key: str) -> Results:
-    """Runs ``variants`` interleaved in one ``horovodrun`` job (:func:`job_main`) with the job
+    """Runs ``variants`` interleaved in one ``horovodrun`` job (``workload.job_main``) with the job
     options of ``args``; writes each record to ``args.records`` as it comes, when given."""
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as work, \
             (args.records.open("w") if args.records else contextlib.nullcontext()) as out:
         argv = [horovodrun(), "-np", str(args.np), f"--{args.controller}", str(python()),
-                str(HERE / "harness.py"), "--variants", ",".join(v.spec for v in variants),
+                str(HERE / "workload.py"), "--variants", ",".join(v.spec for v in variants),
                 "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--epochs",
                 str(args.epochs), "--out-dir", work,
                 *[flag for flag in ("--bind", "--spin") if getattr(args, flag[2:])]]
@@ -433,7 +425,7 @@ def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
         p.add_argument("--bind", action=argparse.BooleanOptionalAction, default=False,
                        help="pin each rank to one core, as `srun --cpu-bind=cores` would")
         p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
-                       help="an idle-class busy loop beside each rank (:class:`IdleSpinner`)")
+                       help="an idle-class busy loop beside each rank (workload.idle_spinner)")
         p.add_argument("--records", type=Path, help="also write every run's record here (JSONL)")
     p.set_defaults(script=script, size_defaults=dict(sizes))
     return p
@@ -488,82 +480,3 @@ def env_pairs(items: Sequence[str]) -> dict[str, str]:
     if any("=" not in item for item in items):
         raise SystemExit("--env takes NAME=VALUE")
     return dict(item.split("=", 1) for item in items)
-
-
-# Inside the interleaved job ----------------------------------------------------------------------
-
-SPIN_CODE = """
-import os, sys
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-parent = int(sys.argv[1])
-while os.getppid() == parent:  # ends by itself if its rank dies
-    pass
-"""
-
-
-@contextlib.contextmanager
-def idle_spinner(enabled: bool) -> Iterator[None]:
-    """A busy loop in Linux's idle scheduling class beside this rank for the ``with`` block.
-
-    A virtual core with nothing to run halts and is slow to wake, so a rank waiting for an
-    allreduce resumes later than on a busy core; a variant that starts a helper process (the
-    dashboards' writer) would keep its cores awake and gain from that alone. The spinner gives
-    every variant awake cores; training preempts it at once.
-    """
-    spinner = subprocess.Popen([sys.executable, "-c", SPIN_CODE, str(os.getpid())]) if enabled else None
-    try:
-        yield
-    finally:
-        if spinner is not None:
-            spinner.kill()
-            spinner.wait()
-
-
-def bind_to_core() -> int:
-    """Pins this process (and what it starts later) to one core: its local rank modulo the cores
-    it may use. Returns the core."""
-    local = int(os.environ.get("HOROVOD_LOCAL_RANK") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
-                or 0)
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[local % len(cores)]
-    os.sched_setaffinity(0, {core})
-    return core
-
-
-def load_variant(spec: str) -> Callable[[int, Path], dict[str, Any]]:
-    """The run function of ``module:key``: ``VARIANTS[key]`` of that worker module, imported now
-    (so a PyTorch job never loads TensorFlow)."""
-    module, key = spec.split(":")
-    return importlib.import_module(module).VARIANTS[key]
-
-
-def job_main(argv: Sequence[str] | None = None) -> int:
-    """The interleaved job, on every rank: ``--warmup`` discarded rounds, then ``--rounds``
-    measured ones, each running every variant once in :func:`round_order`. A run returns this
-    rank's record; rank 0 prints it with ``round``, ``slot`` and ``variant`` added."""
-    p = argparse.ArgumentParser(description="one interleaved benchmark job (under horovodrun)")
-    p.add_argument("--variants", required=True, help="comma-separated module:key")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--bind", action="store_true")
-    p.add_argument("--spin", action="store_true")
-    args = p.parse_args(argv)
-    if args.bind:
-        bind_to_core()
-    specs = args.variants.split(",")
-    runs = {spec: load_variant(spec) for spec in specs}
-    with idle_spinner(args.spin):
-        for round_index in range(-args.warmup, args.rounds):
-            for slot, spec in round_order(list(enumerate(specs)), round_index):
-                gc.collect()  # the last run's garbage is collected here, not in the next one's time
-                record = runs[spec](args.epochs, args.out_dir / f"slot{slot}")
-                if record["rank"] == 0:
-                    print(json.dumps({"round": round_index, "slot": slot, "variant": spec,
-                                      **record}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(job_main())

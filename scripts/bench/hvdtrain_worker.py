@@ -1,11 +1,12 @@
-"""The measured side of the step-time benchmarks: hvdtrain's trainer on the bench problem.
+"""The measured side of the step-time benchmarks: hvdtrain's trainer on the problem.
 
 Loads ``configs/digits_torch.yaml`` or ``configs/digits_tf.yaml`` with overrides that make a run do
 the work of ``handwritten_torch.py`` / ``handwritten_tf.py`` (the settings of :mod:`workload`, a
 constant learning rate, one evaluation and one checkpoint at the end) and keep what hvdtrain always
 does (metrics averaged over ranks every ``log.every_steps``, an atomic checkpoint), since that is
-its overhead. The sinks are set by config switches only (``workload.SINKS``). The run is timed through
-the loop's public callbacks (:class:`Clocked`), over the same span as the hand-written loops.
+its overhead. The sinks are set by config switches only (``workload.SINKS``). The run is timed
+through the loop's public callbacks (:class:`Clocked`), over the same span as the hand-written
+loops.
 """
 
 from __future__ import annotations

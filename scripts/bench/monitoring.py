@@ -45,6 +45,11 @@ def verdict(rows: Sequence[harness.Row]) -> harness.Verdict:
     return harness.judge(named[ON].ratio, named[CONTROL].ratio, TARGET, TOLERANCE)
 
 
+def switches(sinks: str) -> str:
+    """The overrides of ``workload.SINKS[sinks]`` as Markdown code."""
+    return ", ".join(f"`{switch}`" for switch in workload.SINKS[sinks])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints its section and, unless ``--no-write``, writes it."""
     p = harness.parser("monitoring.py", __doc__.splitlines()[0], SIZES, interleaved=True,
@@ -55,9 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = ("step_time_s", "steady_step_time_s")
     machine, results, (whole, steady) = harness.measure(variants(args.framework), args, keys)
     notes = [*workload.notes(args, results),
-             f"Sinks on: {', '.join(f'`{s}`' for s in workload.SINKS['on'])}, a record every "
-             f"{workload.LOG_EVERY} steps; off: {', '.join(f'`{s}`' for s in workload.SINKS['off'])}."
-             " Both allreduce the same metrics.",
+             f"Sinks on: {switches('on')}, a record every {workload.LOG_EVERY} steps; off: "
+             f"{switches('off')}. Both allreduce the same metrics.",
              f"Result, on / off, whole run: {verdict(whole)}.",
              f"Result, on / off, steady state: {verdict(steady)}."]
     title = (f"Monitoring cost: hvdtrain {FRAMEWORKS[args.framework][0]} trainer with every sink "

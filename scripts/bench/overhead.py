@@ -23,8 +23,10 @@ import workload
 
 TARGET, TOLERANCE = 1.03, 0.01
 BASELINE, CANDIDATE, CONTROL = "handwritten (A)", "hvdtrain (B)", "handwritten (A', A/A control)"
-FRAMEWORKS = {"torch": ("PyTorch", "handwritten_torch:handwritten_torch", "hvdtrain_worker:hvdtrain_torch"),
-              "tensorflow": ("TensorFlow", "handwritten_tf:handwritten_tf", "hvdtrain_worker:hvdtrain_tf")}
+FRAMEWORKS = {
+    "torch": ("PyTorch", "handwritten_torch:handwritten_torch", "hvdtrain_worker:hvdtrain_torch"),
+    "tensorflow": ("TensorFlow", "handwritten_tf:handwritten_tf", "hvdtrain_worker:hvdtrain_tf"),
+}
 # Many short runs: the median of many settles better than that of a few long ones.
 SIZES = {"rounds": (60, 1), "epochs": (4, 2), "warmup": (1, 0)}
 

@@ -1,4 +1,5 @@
-"""The problem every step-time worker trains, how each clocks itself, and what it reports.
+"""The problem every step-time worker trains, how each clocks itself, what it reports, and the
+interleaved job that runs them (:func:`job_main`, this file's entry point under ``horovodrun``).
 
 ``handwritten_torch.py``, ``handwritten_tf.py`` and ``hvdtrain_worker.py`` take their
 hyper-parameters, data split and thread count from here and build their record with
@@ -9,11 +10,20 @@ and numpy only when data is loaded, so the drivers can read its constants and no
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import gc
+import importlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+import harness
 
 if TYPE_CHECKING:
     import numpy as np
@@ -145,3 +155,83 @@ def notes(args: Any, results: Mapping[str, Sequence[Mapping[str, Any]]]) -> list
         f"Median one-time cost a run (whole run less steady step time x steps): {costs}.",
         f"Median final test accuracy: {accuracy}.",
     ]
+
+
+# The interleaved job (under horovodrun) -----------------------------------------------------------
+
+SPIN_CODE = """
+import os, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # ends by itself if its rank dies
+    pass
+"""
+
+
+@contextlib.contextmanager
+def idle_spinner(enabled: bool) -> Iterator[None]:
+    """A busy loop in Linux's idle scheduling class beside this rank for the ``with`` block.
+
+    A virtual core with nothing to run halts and is slow to wake, so a rank waiting for an
+    allreduce resumes later than on a busy core; a variant that starts a helper process (the
+    dashboards' writer) would keep its cores awake and gain from that alone. The spinner gives
+    every variant awake cores; training preempts it at once.
+    """
+    argv = [sys.executable, "-c", SPIN_CODE, str(os.getpid())]
+    spinner = subprocess.Popen(argv) if enabled else None
+    try:
+        yield
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+def bind_to_core() -> int:
+    """Pins this process (and what it starts later) to one core: its local rank modulo the cores
+    it may use. Returns the core."""
+    local = int(os.environ.get("HOROVOD_LOCAL_RANK") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")
+                or 0)
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+def load_variant(spec: str) -> Callable[[int, Path], dict[str, Any]]:
+    """The run function of ``module:key``: ``VARIANTS[key]`` of that worker module, imported now
+    (so a PyTorch job never loads TensorFlow)."""
+    module, key = spec.split(":")
+    return importlib.import_module(module).VARIANTS[key]
+
+
+def job_main(argv: Sequence[str] | None = None) -> int:
+    """The interleaved job, on every rank: ``--warmup`` discarded rounds, then ``--rounds``
+    measured ones, each running every variant once in :func:`round_order`. A run returns this
+    rank's record; rank 0 prints it with ``round``, ``slot`` and ``variant`` added."""
+    p = argparse.ArgumentParser(description="one interleaved benchmark job (under horovodrun)")
+    p.add_argument("--variants", required=True, help="comma-separated module:key")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--bind", action="store_true")
+    p.add_argument("--spin", action="store_true")
+    args = p.parse_args(argv)
+    if args.bind:
+        bind_to_core()
+    specs = args.variants.split(",")
+    runs = {spec: load_variant(spec) for spec in specs}
+    with idle_spinner(args.spin):
+        for round_index in range(-args.warmup, args.rounds):
+            for slot, spec in harness.round_order(list(enumerate(specs)), round_index):
+                gc.collect()  # the last run's garbage is collected here, not in the next one's time
+                record = runs[spec](args.epochs, args.out_dir / f"slot{slot}")
+                if record["rank"] == 0:
+                    print(json.dumps({"round": round_index, "slot": slot, "variant": spec,
+                                      **record}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(job_main())
