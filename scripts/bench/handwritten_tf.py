@@ -3,12 +3,13 @@
 It is what a user writes after Horovod's ``examples/tensorflow2/tensorflow2_mnist.py``, adapted to
 Keras 3 (a Keras variable is not a ``tf.Variable``, so Horovod gets ``v.value``) and trained on the
 same problem as ``configs/digits_tf.yaml``: scikit-learn's digits (the split of
-``hvdtrain.data.digits.DigitsDataset``), a Dense(128, relu) -> Dense(10) MLP, Keras SGD at
-``0.05 x size`` with momentum 0.9, a ``tf.function`` step on ``hvd.DistributedGradientTape``, a
-per-rank batch of 32 from a permutation that all ranks draw alike each epoch and shard by rank,
-then one evaluation on the test split and one ``np.savez`` of the variables on rank 0. The data stay in memory and
-batches are cut by indexing, as ``handwritten_torch.py`` and hvdtrain do, so that ``tf.data``'s
-per-batch iterator cost does not enter the comparison. It deliberately does not import hvdtrain.
+``hvdtrain.data.digits.DigitsDataset``), a Dense(128, relu) -> Dense(10) MLP, Keras SGD at ``0.05 x
+size`` with momentum 0.9, a ``tf.function`` step on ``hvd.DistributedGradientTape``, a per-rank
+batch of 32 from a permutation that all ranks draw alike each epoch and shard by rank, then one
+evaluation on the test split and one ``np.savez`` of the variables on rank 0. The data stay in
+memory and batches are cut by indexing, as ``handwritten_torch.py`` and hvdtrain do, so that
+``tf.data``'s per-batch iterator cost does not enter the comparison. It deliberately does not import
+hvdtrain.
 
 The interleaved job (``workload.job_main``) calls :func:`run` as variant
 ``handwritten_tf:handwritten_tf``. The wall time runs from the first step (its
