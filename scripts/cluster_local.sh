@@ -206,6 +206,8 @@ stop_node() {
 
 stop() {
     local n k
+    # Slurm over the nodes first (scripts/slurm_local.sh start --nodes): its slurmctld lives outside them
+    if [ -d "$DIR/slurm" ]; then bash "$(dirname "$0")/slurm_local.sh" stop --nodes; fi
     n=$(nodes_started)
     k=$(nodes_linked)
     [ "${k:-0}" -le "$n" ] || n=$k
