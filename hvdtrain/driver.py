@@ -14,6 +14,8 @@ Every rank calls it (under ``horovodrun``, ``srun`` or alone). The path is the s
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -113,12 +115,27 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
             summary = mode.run(stop, dog.beat)
     finally:
         session.close(summary)
+    placements = engine.collectives.allgather_object(placement())
+    summary = {**summary, "hosts": [host for host, _ in placements],
+               "net_namespaces": [netns for _, netns in placements]}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)
     assert session.loop is not None
     return TrainResult(summary=summary, run_dir=run_dir.root, local_eval=session.loop.local_eval,
                        engine=engine)
+
+
+def placement() -> tuple[str, str]:
+    """This rank's host, named as its launcher knows it (horovodrun's ``-H`` name, Slurm's node name,
+    else the host name), and its network namespace: what tells where the ranks of a run ran."""
+    host = (os.environ.get("HOROVOD_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+            or socket.gethostname())
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:  # no /proc (not Linux)
+        netns = ""
+    return host, netns
 
 
 def _mode(cfg: Config, session: Session, start: Start) -> FixedMode | Any:
