@@ -19,7 +19,9 @@ import yaml
 
 from hvdtrain.compression import METHODS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key
+from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
+from hvdtrain.precision import PRECISIONS
 
 
 def _opt(default: Any, *, min: float | None = None, max: float | None = None,
@@ -37,6 +39,10 @@ class ModelConfig:
     """Registered model name (``mlp``) or an import path ``package.module:Name``."""
     options: dict = _opt({})
     """Keyword arguments for the model adapter, e.g. ``{hidden: [128]}`` for ``mlp``."""
+    sync_batchnorm: bool = False
+    """Synchronize batch normalization across ranks: each batch-norm layer normalizes with the mean
+    and variance of the global batch, not of the rank's share (Horovod's ``SyncBatchNorm`` in
+    PyTorch; :mod:`hvdtrain.tensorflow.syncbn` in Keras). Costs one allreduce per layer per step."""
 
 
 @dataclass(kw_only=True)
@@ -69,6 +75,14 @@ class TrainConfig:
     stall_timeout_s: float = _opt(300.0, min=0.0)
     """When a rank finishes no step or evaluation for this long, it writes its stacks to
     ``stacks-rank<r>.txt`` in the run directory and exits, so a hung job fails (0: never)."""
+    device: str = _opt("auto", choices=DEVICES)
+    """Where each rank computes: ``auto`` (a GPU when one is visible, else the CPU), ``cpu``, or
+    ``cuda`` (an error before anything starts when no GPU is visible). One rank per GPU, picked
+    by local rank (see :mod:`hvdtrain.device`)."""
+    precision: str = _opt("fp32", choices=PRECISIONS)
+    """Arithmetic of the forward and backward passes: ``fp32``, ``bf16`` (autocast / Keras mixed
+    policy, CPU and GPU) or ``fp16`` (the same with loss scaling); weights, optimizer state and
+    the gradient exchange stay float32 (see :mod:`hvdtrain.precision`)."""
 
 
 @dataclass(kw_only=True)
