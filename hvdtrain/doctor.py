@@ -1,4 +1,4 @@
-"""``hvdtrain doctor``: versions and Horovod build facts, and whether the trainers can run.
+"""``hvdtrain doctor``: versions, Horovod build facts, GPUs and NCCL, and whether the trainers can run.
 
 The frameworks are imported here by name only when the doctor runs, never when hvdtrain is imported.
 """
@@ -46,6 +46,35 @@ def _horovod_framework(framework: str) -> list[Check]:
     return [Check(name, ok, detail + ("" if ok else " (Gloo and MPI are both needed)"))]
 
 
+def _gpus() -> list[Check]:
+    """The GPUs this process sees (through PyTorch's CUDA runtime), the NCCL PyTorch carries, and
+    whether Horovod was built to reduce GPU tensors with NCCL. A machine without GPUs passes: it
+    trains on the CPU."""
+    try:
+        torch = importlib.import_module("torch")
+    except Exception as exc:
+        return [Check("gpus", False, f"cannot ask torch: {exc}")]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        built = "CUDA build" if torch.version.cuda else "CPU-only build"
+        return [Check("gpus", True, f"none visible (torch {built}; training runs on the CPU)")]
+    names = ", ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(count))
+    checks = [Check("gpus", True, f"{count} visible, CUDA {torch.version.cuda} ({names})")]
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        checks.append(Check("nccl", True, f"{nccl} (PyTorch's)"))
+    except Exception as exc:
+        checks.append(Check("nccl", False, f"PyTorch has none: {exc}"))
+    try:
+        hvd_nccl = importlib.import_module("horovod.torch").nccl_built()
+    except Exception:
+        hvd_nccl = False
+    checks.append(Check("horovod nccl", bool(hvd_nccl),
+                        "built with NCCL: GPU tensors are reduced on the GPUs" if hvd_nccl else
+                        "Horovod was built without NCCL; rebuild with HVDTRAIN_CUDA=1 scripts/setup.sh"))
+    return checks
+
+
 def _executable(name: str) -> Check:
     local = Path(sys.executable).parent / name
     path = str(local) if local.exists() else shutil.which(name)
@@ -60,6 +89,7 @@ def run_checks() -> list[Check]:
     checks += [_version(m) for m in ("numpy", "yaml", "sklearn", "torch", "tensorflow", "horovod")]
     checks += _horovod_framework("torch") + _horovod_framework("tensorflow")
     checks += [_executable("horovodrun"), _executable("mpirun")]
+    checks += _gpus()
     return checks
 
 
