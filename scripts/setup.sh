@@ -7,7 +7,8 @@
 # Environment:
 #   HVDTRAIN_CACHE   where built Horovod wheels are kept (default ~/.cache/hvdtrain)
 #   HVDTRAIN_CUDA=1  GPU clusters: take PyPI's CUDA build of torch 2.13.0 and build Horovod with
-#                    HOROVOD_GPU_OPERATIONS=NCCL (needs the CUDA toolkit and NCCL on the machine).
+#                    HOROVOD_GPU_OPERATIONS=NCCL, using the CUDA toolkit and NCCL of the machine or
+#                    of pip's nvidia-* wheels, whichever is found (scripts/cuda_env.sh; says which).
 #   HVDTRAIN_PYTHON  the interpreter that creates .venv (default python3)
 #
 # Usage: scripts/setup.sh           set up (or check) everything
@@ -143,6 +144,17 @@ build_horovod_wheel() {
   rm -rf "$work"
 }
 
+# HVDTRAIN_CUDA=1: finds the CUDA toolkit and NCCL for Horovod's NCCL build (scripts/cuda_env.sh
+# exports where they are for the build) and says where each came from; stops when one is missing.
+step_cuda() {
+  [ "$CUDA" = 1 ] || return 0
+  [ -f "$(horovod_stamp)" ] && return 0
+  # shellcheck source=scripts/cuda_env.sh
+  source "$ROOT/scripts/cuda_env.sh"
+  cuda_detect "$PY" "$CACHE/nccl-link" || fail "cuda: toolkit and NCCL" "$CUDA_PROBLEM"
+  say "cuda: toolkit from $CUDA_FROM; NCCL from $NCCL_FROM"
+}
+
 step_horovod() {
   if [ -f "$(horovod_stamp)" ]; then say "horovod $HOROVOD_VERSION: installed"; return; fi
   local dir; dir="$(wheel_dir)"
@@ -175,6 +187,7 @@ main() {
   step_system_packages
   step_venv
   step_python_packages
+  step_cuda
   step_horovod
   step_hvdtrain
   # The doctor imports both frameworks (seconds each), so it runs only after something was installed.
