@@ -147,6 +147,11 @@ class Engine(Step, StateIO):
     def versions(self) -> dict[str, str]:
         """Versions of the framework and Horovod, for the run summary."""
 
+    def placement(self) -> dict[str, str]:
+        """For the run summary: ``device`` (``cpu`` or ``cuda:<i>``) and ``collectives`` (``nccl``
+        for GPU tensors where Horovod was built with it, else ``gloo`` or ``mpi``)."""
+        return {"device": "cpu", "collectives": "unknown"}
+
 
 AUTO_CYCLE_MIN_BYTES = 4 << 20
 """Gradients of at least this many bytes get :data:`AUTO_CYCLE_MS` under ``comm.cycle_time_ms: 0``."""

@@ -25,6 +25,7 @@ from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged
 from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
 from hvdtrain.observe.records import MetricsLogger
+from hvdtrain.precision import SkippedSteps
 from hvdtrain.schedule import lr_at
 
 
@@ -151,6 +152,7 @@ class Loop:
         self.pending: tuple[dict[str, Any], int, Callable[[], dict[str, float]]] | None = None
         self.stop_agreed = False
         self.first_nonfinite = 0  # the first step with a NaN or Inf loss on this rank (0: none)
+        self.skipped = SkippedSteps()  # fp16 steps the loss scaler skipped: overflows, not divergence
         self.saved_step = -1
         self.started = time.perf_counter()  # reset by run(); records carry time since then
         self.last_eval: dict[str, float] = {}
@@ -182,7 +184,9 @@ class Loop:
             tick = time.perf_counter()
             sums = self.engine.train_step(indices, lr)
             seconds = time.perf_counter() - tick
-            window.add(sums, indices.global_count, seconds, self.engine.step_stats())
+            stats = self.engine.step_stats()
+            sums = self._skip_check(sums, bool(stats.get("skipped")))
+            window.add(sums, indices.global_count, seconds, stats)
             self.train_seconds += seconds
             self.heartbeat()
             if not self.first_nonfinite and not math.isfinite(sums["loss"]):
@@ -201,6 +205,14 @@ class Loop:
             for callback in self.callbacks:
                 callback.on_boundary(self.pos)
         self._end_epoch(window, epoch, lr)
+
+    def _skip_check(self, sums: dict[str, float], skipped: bool) -> dict[str, float]:
+        """A step the fp16 loss scaler skipped trained nothing: a non-finite loss there is the
+        overflow the scaler handles, left out of the metrics. Too many skipped in a row is
+        divergence: the loss is then reported as NaN."""
+        if self.skipped.tolerated(skipped):
+            return sums if math.isfinite(sums["loss"]) else {key: 0.0 for key in sums}
+        return {**sums, "loss": math.nan} if skipped else sums
 
     def _advance(self, indices: StepIndices) -> None:
         self.pos.step += 1
@@ -314,7 +326,8 @@ class Loop:
             "world_size": self.engine.size, "steps": self.pos.step, "epochs": self.pos.epoch,
             "samples": self.pos.samples, "wall_time_s": wall, "train_time_s": self.train_seconds,
             "samples_per_sec": self.pos.samples / max(self.train_seconds, 1e-9),
-            "compression": self.cfg.comm.compression,
+            "compression": self.cfg.comm.compression, "precision": self.cfg.train.precision,
+            **self.engine.placement(), "skipped_steps": self.skipped.total,
             "horovod_cycle_time_ms": float(self.engine.cycle_time_ms), **self.monitor.summary(),
             "data_fingerprint": self.fingerprint.hexdigest()[:16],
             "final": {**self.last_eval, **train},

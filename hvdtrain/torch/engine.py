@@ -19,10 +19,12 @@ from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
-from hvdtrain.torch import rng
+from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
 from hvdtrain.torch.compression import GradientExchange, horovod_compression, make_exchange, to_torch
+from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.models import ClassifierAdapter
+from hvdtrain.torch.precision import PlacedAdapter, Precision
 
 
 def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -52,12 +54,19 @@ class TorchEngine(Engine):
                 return sum(p.numel() * p.element_size()
                            for p in self._build(cfg, dataset).parameters() if p.requires_grad)
 
+        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         torch.manual_seed(cfg.seed + self.rank)
         self.model = self._build(cfg, dataset)
+        self.device = place(kind, self.local_rank, self.local_size)
+        if cfg.model.sync_batchnorm:
+            self.model = syncbn.convert(self.model, self.device)
+        self.model.to(self.device)  # before the optimizer, whose state then lives there too
+        self.precision = Precision(cfg.train.precision, self.device)
+        self.adapter = PlacedAdapter(self.adapter, self.device, self.precision)
         self.train_x, self.train_y = self._tensors(dataset.train())
         self.test_x, self.test_y = self._tensors(dataset.test())
         self._make_optimizer(cfg)
@@ -127,7 +136,7 @@ class TorchEngine(Engine):
             x, y = self.train_x[index], self.train_y[index]
             data_s += time.perf_counter() - gathered
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y)
-            (loss_sum * scale).backward()
+            self.precision.backward(loss_sum * scale)
             add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
         stats = self._exchange_and_step()
         stats["data_s"] = data_s
@@ -142,17 +151,14 @@ class TorchEngine(Engine):
             for p in params:
                 if p.grad is None:  # a parameter this step did not reach still takes part
                     p.grad = torch.zeros_like(p)
-            for p, averaged in zip(params, self.exchange.run([p.grad for p in params])):
-                p.grad = averaged
-            self.optimizer.step()
-            return {k: self.exchange.stats[k] for k in ("wire_bytes", "dense_bytes", "comm_s")}
-        waited = time.perf_counter()
-        self.optimizer.synchronize()
-        comm_s = time.perf_counter() - waited
-        with self.optimizer.skip_synchronize():
-            self.optimizer.step()
+            if not self.precision.step_exchange(self.optimizer, params, self.exchange.run):
+                return {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "skipped": 1.0}
+            return {**{k: self.exchange.stats[k] for k in ("wire_bytes", "dense_bytes", "comm_s")},
+                    "skipped": float(self.precision.skipped)}
+        comm_s = self.precision.step_horovod(self.optimizer)
         wire, dense = self.counting.take()
-        return {"wire_bytes": float(wire), "dense_bytes": float(dense), "comm_s": comm_s}
+        return {"wire_bytes": float(wire), "dense_bytes": float(dense), "comm_s": comm_s,
+                "skipped": float(self.precision.skipped)}
 
     def step_stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -172,7 +178,7 @@ class TorchEngine(Engine):
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         buffer = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": rng.capture(),
+                    "rng": rng.capture(), "precision": self.precision.state_dict(),
                     "compression": to_torch(self.exchange.state_dict()) if self.exchange else None,
                     "meta": meta}, buffer)
         return buffer.getvalue()
@@ -194,6 +200,7 @@ class TorchEngine(Engine):
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            self.precision.load_state_dict(state.get("precision"))
             if self.exchange is not None:
                 self.exchange.load_state_dict(state.get("compression"), where)
             if "rng" in state:  # absent in checkpoints written before random states were saved
@@ -211,3 +218,6 @@ class TorchEngine(Engine):
 
     def versions(self) -> dict[str, str]:
         return {"torch": torch.__version__, "horovod": horovod.__version__}
+
+    def placement(self) -> dict[str, str]:
+        return summary(self.device)

@@ -1,0 +1,45 @@
+"""Where a PyTorch rank computes: one GPU per rank by local rank, or the CPU (policy in
+:mod:`hvdtrain.device`), and moving batches there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvdtrain.device import choose_device, describe, gpu_index
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied); 0 with a CPU-only torch."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve(requested: str) -> str:
+    """``cpu`` or ``cuda`` for ``train.device``; asked before Horovod starts, so that ``cuda``
+    without a GPU is an error before anything runs."""
+    return choose_device(requested, visible_gpus())
+
+
+def place(kind: str, local_rank: int, local_size: int) -> torch.device:
+    """This rank's device. A GPU is made the current one, so that Horovod's NCCL work, allocations
+    and kernels of this process stay on it."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    index = gpu_index(local_rank, local_size, visible_gpus())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[Any, ...]:
+    """The tensors on ``device``; copies from pinned host memory do not wait for the GPU."""
+    if device.type == "cpu":
+        return tensors
+    return tuple(t.to(device, non_blocking=True) for t in tensors)
+
+
+def summary(device: torch.device) -> dict[str, str]:
+    """The run summary's ``device`` and ``collectives``."""
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+    return describe(device.type, device.index, device.type == "cuda" and hvd.nccl_built(), controller)
