@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command set-up of hvdtrain: system packages, .venv, pinned Python packages, Horovod 0.28.1
-# built from its sdist (patched for current torch and TensorFlow) and cached outside the clone.
+# built from its sdist (with patches/ applied, for current torch, TensorFlow and Keras 3) and cached
+# outside the clone.
 #
 # Idempotent: each step checks first and does only what is missing, so a second run takes seconds.
 #
@@ -25,7 +26,7 @@ UV_VERSION=0.13.9
 CACHE="${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}"
 CUDA="${HVDTRAIN_CUDA:-0}"
 CHANGED=0
-APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make python3-dev)
+APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make patch python3-dev)
 
 say() { printf '==> [setup] %s\n' "$*"; }
 fail() { printf '!!! [setup] step "%s" failed: %s\n' "$1" "$2" >&2; exit 1; }
@@ -107,19 +108,21 @@ step_python_packages() {
 }
 
 python_tag() { "$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")'; }
-wheel_dir() { echo "$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-tf$TF_VERSION-$(python_tag)-cuda$CUDA"; }
+# The patches' hash is part of the key, so a changed patch never reuses a wheel built without it.
+patches_hash() { cat "$ROOT"/patches/*.patch | sha256sum | cut -c1-12; }
+wheel_dir() {
+  echo "$CACHE/horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-tf$TF_VERSION-$(python_tag)-cuda$CUDA-patches$(patches_hash)"
+}
 
 # Written after the cached wheel is installed; its name carries the wheel's key.
 horovod_stamp() { echo "$VENV/.hvdtrain-$(basename "$(wheel_dir)")"; }
 
-# Applies the two fixes from shared/DESIGN.md to an unpacked Horovod sdist and checks they took.
+# Applies patches/*.patch in order to an unpacked Horovod sdist (each patch says why at its top).
 patch_horovod_source() {
-  local src="$1"
-  sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
-    "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
-  sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
-  ! grep -q 'CMAKE_CXX_STANDARD 14' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt" &&
-    ! grep -q 'xla_mpi_ops' "$src/horovod/tensorflow/CMakeLists.txt"
+  local src="$1" p
+  for p in "$ROOT"/patches/*.patch; do
+    patch -p1 --forward --silent -d "$src" <"$p" || { echo "patch failed: $p" >&2; return 1; }
+  done
 }
 
 build_horovod_wheel() {
@@ -127,8 +130,8 @@ build_horovod_wheel() {
   run_step "horovod: download sdist $HOROVOD_VERSION" "check that PyPI is reachable" \
     pip_run download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
   tar -xzf "$work"/horovod-*.tar.gz -C "$work"
-  run_step "horovod: patch for C++17 (torch >= 2.1) and drop xla_mpi_ops.cc (TF 2.21)" \
-    "the sdist layout changed; compare with shared/DESIGN.md" patch_horovod_source "$work/horovod-$HOROVOD_VERSION"
+  run_step "horovod: apply patches/ ($(ls "$ROOT"/patches/*.patch | wc -l) patches: C++17, no XLA op file, Keras 3)" \
+    "a patch no longer applies to the sdist; see the patch named above" patch_horovod_source "$work/horovod-$HOROVOD_VERSION"
   local gpu_env=(HOROVOD_GPU_OPERATIONS=)
   [ "$CUDA" = 1 ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL)
   say "horovod: building the wheel (about 8-15 minutes on 2 cores; log in $work/build.log)"
@@ -162,6 +165,8 @@ step_horovod() {
   say "horovod: cached wheel $(ls "$dir"/horovod-*.whl)"
   run_step "horovod: install cached wheel" "delete $dir and rerun to rebuild it" \
     pip_run install -q --no-deps --force-reinstall "$dir"/horovod-*.whl
+  # One stamp only: it names the cache directory of the wheel that is installed.
+  rm -f "$VENV"/.hvdtrain-horovod-*
   touch "$(horovod_stamp)"
   CHANGED=1
 }
