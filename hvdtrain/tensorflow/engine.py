@@ -31,10 +31,12 @@ from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
-from hvdtrain.tensorflow import rng
+from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.compression import make_exchange
+from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.models import ClassifierAdapter
+from hvdtrain.tensorflow.precision import Precision
 
 
 def make_optimizer(cfg: Config) -> keras.optimizers.Optimizer:
@@ -76,15 +78,21 @@ class TensorFlowEngine(Engine):
                 return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
                            for v in self._build(cfg, dataset).trainable_variables)
 
+        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         _set_threads(compute_threads(cfg.train.threads, self.local_size))
+        self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
+        self.precision = Precision(cfg.train.precision)
         keras.utils.set_random_seed(cfg.seed + self.rank)
-        self.model = self._build(cfg, dataset)
+        with self.precision.policy():
+            self.model = self._build(cfg, dataset)
+        if cfg.model.sync_batchnorm:
+            syncbn.convert(self.model)
         self.train_x, self.train_y = self._tensors(dataset.train())
         self.test_x, self.test_y = self._tensors(dataset.test())
-        self.optimizer = make_optimizer(cfg)
+        self.optimizer = self.precision.wrap(make_optimizer(cfg))
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
         self.optimizer.build(self.model.trainable_variables)
@@ -156,7 +164,7 @@ class TensorFlowEngine(Engine):
         variables = [v.value for v in self.model.trainable_variables]
         with tf.GradientTape() as tape:
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=True)
-            target = loss_sum * scale
+            target = self.precision.scale(self.optimizer, loss_sum * scale)
         # Zeros, not None, for a variable the loss does not reach: every rank sends every tensor.
         grads = tape.gradient(target, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         return loss_sum, metrics, grads
@@ -181,8 +189,10 @@ class TensorFlowEngine(Engine):
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The update with the exchanged (averaged) gradients."""
-        if self.l2:
-            grads = [g + self.l2 * v.value for g, v in zip(grads, self.model.trainable_variables)]
+        self.precision.note(grads)
+        if self.l2:  # scaled as the gradients are: the loss-scale optimizer unscales both
+            grads = [g + self.precision.scale(self.optimizer, self.l2 * v.value)
+                     for g, v in zip(grads, self.model.trainable_variables)]
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
 
     def _eval_batch(self, idx: tf.Tensor) -> tuple[tf.Tensor, dict]:
@@ -217,7 +227,7 @@ class TensorFlowEngine(Engine):
         return sums
 
     def step_stats(self) -> dict[str, float]:
-        return dict(self.stats)
+        return {**self.stats, "skipped": self.precision.skipped}
 
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
@@ -283,3 +293,6 @@ class TensorFlowEngine(Engine):
     def versions(self) -> dict[str, str]:
         return {"tensorflow": tf.__version__, "keras": keras.__version__,
                 "horovod": horovod.__version__}
+
+    def placement(self) -> dict[str, str]:
+        return summary(self.device_kind, self.gpu)

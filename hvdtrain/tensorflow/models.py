@@ -33,7 +33,8 @@ class ClassifierAdapter(ModelAdapter):
 
     def loss_and_metrics(self, model: keras.Model, x: tf.Tensor, y: tf.Tensor,
                          training: bool = True) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
-        logits = model(x, training=training)
+        # Under a mixed-precision policy the logits are bf16 or fp16: the loss is taken in float32.
+        logits = tf.cast(model(x, training=training), tf.float32)
         losses = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
         correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
         return tf.reduce_sum(losses), {"correct": tf.reduce_sum(correct)}
