@@ -6,9 +6,10 @@ half-written file under a checkpoint's name. A manifest ``step-N.json`` written 
 file's sha256: a checkpoint counts only when its manifest exists and the hash matches, so a file
 truncated or corrupted later (a full disk, a bad copy) is detected and skipped on resume.
 
-A write that fails (a full disk) removes what it had written and stops the run on every rank at
-the next checkpoint, or at its end, with an :class:`~hvdtrain.errors.EnvironmentFailure` naming
-the file; the checkpoints written before stay valid.
+A write that fails (a full disk) removes what it had written and stops the run on every rank, at
+the loop's next log interval or next checkpoint, whichever comes first (or at its end), with an
+:class:`~hvdtrain.errors.EnvironmentFailure` naming the file; the checkpoints written before stay
+valid.
 """
 
 from __future__ import annotations
@@ -85,12 +86,12 @@ class CheckpointManager:
     def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
         """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written.
 
-        Every rank first learns whether rank 0's previous write failed, and then all raise its
-        error together, rather than rank 0 alone.
+        Every rank first learns whether rank 0's previous write failed (:meth:`share_failure`),
+        and then all raise its error together, rather than rank 0 alone.
         """
         if not self.cfg.enabled:
             return None
-        self._share_failure(engine.collectives, rank)
+        self.share_failure(engine.collectives, rank)
         engine.gather_state()  # a collective: every rank, before rank 0 writes
         if rank != 0:
             return None
@@ -103,9 +104,15 @@ class CheckpointManager:
         self._pending.start()
         return self.path_for(step)
 
-    def _share_failure(self, collectives: Collectives, rank: int) -> None:
-        """Rank 0 waits for its write in flight (one at a time, in step order) and tells every rank
-        whether it failed; then every rank raises the failure."""
+    def failed(self) -> bool:
+        """Whether rank 0's write in flight has already failed (without waiting for it). The loop
+        sums it over ranks with its metrics, so that every rank then calls :meth:`share_failure`
+        at the same step."""
+        return self._failure is not None
+
+    def share_failure(self, collectives: Collectives, rank: int) -> None:
+        """Called by every rank at the same point: rank 0 waits for its write in flight (one at a
+        time, in step order) and tells every rank whether it failed; then every rank raises it."""
         failure: BaseException | None = None
         if rank == 0:
             try:
@@ -132,62 +139,6 @@ class CheckpointManager:
         kept = [p for p in self.checkpoints() if p != self.path_for(step) and verify(p) is None]
         last = f"the last valid checkpoint is {kept[-1].name}" if kept else "no valid checkpoint is left"
         return f"{last}; free space (or fix the directory), then resubmit with checkpoint.resume=auto"
-
-    def wait(self) -> None:
-        """Waits until the checkpoint being written is on disk; raises the error if it failed."""
-        if self._pending is not None:
-            self._pending.join()
-            self._pending = None
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    def write(self, data: bytes) -> int:
-        view = memoryview(data).cast("B")
-        self.digest.update(view)
-        self.size += len(view)
-        return self.fileobj.write(view)
-
-    def flush(self) -> None:
-        self.fileobj.flush()
-
-
-class CheckpointManager:
-    """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
-
-    def __init__(self, cfg: CheckpointConfig, directory: Path) -> None:
-        self.cfg = cfg
-        self.directory = directory
-        self._pending: threading.Thread | None = None
-        self._failure: BaseException | None = None
-
-    def due(self, step: int) -> bool:
-        """Whether the periodic policy asks for a checkpoint after optimizer step ``step``."""
-        every = self.cfg.every_steps
-        return self.cfg.enabled and every > 0 and step % every == 0
-
-    def save(self, state: StateIO, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
-        """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written."""
-        if not self.cfg.enabled:
-            return None
-        state.gather_state()  # a collective: every rank, before rank 0 writes
-        if rank != 0:
-            return None
-        # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
-        # thread while training goes on, so a step pays for serialising only. A write killed half
-        # way has no manifest and never counts; the run waits for the last one before it ends.
-        data = state.state_bytes({**meta, "step": step})
-        self.wait()  # one write in flight at a time, in step order
-        self._pending = threading.Thread(target=self._write_behind, args=(step, data),
-                                         name=f"hvdtrain-checkpoint-{step}")
-        self._pending.start()
-        return self.path_for(step)
-
-    def _write_behind(self, step: int, data: bytes) -> None:
-        try:
-            self.write(step, lambda f: f.write(data))
-        except BaseException as exc:  # handed to the training thread by wait()
-            self._failure = exc
 
     def wait(self) -> None:
         """Waits until the checkpoint being written is on disk; raises the error if it failed."""
@@ -292,10 +243,11 @@ def checked_position(meta: Any, where: str) -> dict[str, int]:
     return {k: position[k] for k in POSITION_KEYS}
 
 
-def not_a_checkpoint(where: str, exc: BaseException) -> HvdtrainError:
-    """The one-line error for a file that the engine's reader refused (``exc``): not a checkpoint
-    written by hvdtrain, or cut short."""
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return HvdtrainError(f"{where} is not an hvdtrain checkpoint or is damaged "
-                         f"({type(exc).__name__}: {first[:160]}); point checkpoint.resume at "
-                         "a step-*.ckpt file that hvdtrain wrote")
+def not_a_checkpoint(where: str, reason: BaseException | str) -> HvdtrainError:
+    """The one-line error for a file that an engine's reader refused: not a checkpoint written by
+    hvdtrain, or cut short. ``reason``: the reader's exception (its first line is shown) or words."""
+    if isinstance(reason, BaseException):
+        first = (str(reason).strip().splitlines() or [""])[0]
+        reason = f"{type(reason).__name__}: {first[:100]}" if first else type(reason).__name__
+    return HvdtrainError(f"{where} is not an hvdtrain checkpoint or is damaged ({reason}); "
+                         "point checkpoint.resume at a step-*.ckpt file that hvdtrain wrote")

@@ -33,16 +33,17 @@ class EnvironmentFailure(HvdtrainError):
 _WRONG_KIND = (errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG)
 
 
-def os_failure(exc: OSError | ValueError, what: str, path: os.PathLike | str, advice: str) -> HvdtrainError:
+def os_failure(exc: OSError | ValueError, what: str, path: os.PathLike | str, advice: str,
+               wrong_kind: str = "") -> HvdtrainError:
     """The one-line error for an ``OSError`` (or a ``ValueError`` such as an embedded NUL byte)
-    met while working on ``path``: :class:`HvdtrainError` when the path is of the wrong kind,
-    :class:`EnvironmentFailure` otherwise (no space, no permission, read-only, I/O)."""
+    met while working on ``path``: :class:`HvdtrainError` (with ``wrong_kind`` as its advice) when
+    the path is of the wrong kind, :class:`EnvironmentFailure` (with ``advice``) otherwise: no
+    space, no permission, a read-only file system, an I/O error."""
     if isinstance(exc, ValueError):
         return HvdtrainError(f"{what} {str(path)!r}: {exc}")
-    path = exc.filename or path  # the part of the path that failed, when the error says
     reason = exc.strerror or str(exc)
     code = errno.errorcode.get(exc.errno or 0)
     detail = f"{reason} ({code})" if code else reason
     if exc.errno in _WRONG_KIND:
-        return HvdtrainError(f"{what} {str(path)!r}: {detail}")
+        return HvdtrainError(f"{what} {str(path)!r}: {detail}" + (f"; {wrong_kind}" if wrong_kind else ""))
     return EnvironmentFailure(f"{what} {str(path)!r}: {detail}; {advice}")

@@ -243,9 +243,10 @@ class Loop:
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
         """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
 
-        Two controls ride along, so that every rank learns them from the same sum and acts after the
-        same step: a stop request from any rank, and which ranks saw a non-finite loss. So do the
-        monitor's per-rank step costs and system samples (:mod:`hvdtrain.observe.ranks`).
+        Three controls ride along, so that every rank learns them from the same sum and acts after
+        the same step: a stop request from any rank, which ranks saw a non-finite loss, and whether
+        rank 0's checkpoint write failed. So do the monitor's per-rank step costs and system
+        samples (:mod:`hvdtrain.observe.ranks`).
         """
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
@@ -254,6 +255,7 @@ class Loop:
                   "step_time_s": seconds / max(window.steps, 1)}
         controls = rank_keys("nonfinite", self.engine.rank, self.engine.size, self.first_nonfinite)
         sums = {**window.sums, **controls, "stop": float(self.stop_requested()),
+                "checkpoint_failed": float(self.checkpoints.failed()),
                 **self.monitor.outgoing(window.costs, window.steps)}
         self.pending = (record, window.steps, self.collectives.start_allreduce_sums(sums))
 
@@ -265,10 +267,13 @@ class Loop:
         self.pending = None
         sums = result()
         self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
+        checkpoint_failed = sums.pop("checkpoint_failed") > 0
         first_bad = dict(enumerate(map(int, pop_ranks(sums, "nonfinite", self.engine.size))))
         health = self.monitor.incoming(sums, steps, record["step"])
         self.last_train = means(sums)
         self.logger.log({**record, **self.last_train, **health})
+        if checkpoint_failed:  # every rank raises rank 0's error here, together
+            self.checkpoints.share_failure(self.collectives, self.engine.rank)
         self._check_finite(first_bad)
 
     def write_metrics(self) -> None:

@@ -10,7 +10,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hvdtrain.checkpoint import atomic_write
 from hvdtrain.config import Config, save_config
@@ -102,6 +102,18 @@ class RunDir:
             raise HvdtrainError(f"run directory {str(self.root)!r} already holds a run ({existing[0]}); "
                                 "set log.overwrite=true or choose another log.dir")
 
+    def create(self) -> None:
+        """Creates the directory and checks that files can be written in it (every rank that
+        writes there calls it); a directory that cannot be created or written raises a one-line
+        error naming it (an :class:`~hvdtrain.errors.EnvironmentFailure` when the file system is
+        at fault), so that ranks that share the file system all stop with the same message."""
+        self._guarded(self._create)
+
+    def _create(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=self.root):
+            pass
+
     def prepare(self, cfg: Config, resumed_step: int | None) -> None:
         """Creates the directory and saves the config (rank 0).
 
@@ -111,11 +123,15 @@ class RunDir:
         :class:`~hvdtrain.errors.EnvironmentFailure` when the file system is at fault), before any
         training.
         """
+        self._guarded(lambda: self._prepare(cfg, resumed_step))
+
+    def _guarded(self, work: Callable[[], None]) -> None:
         try:
-            self._prepare(cfg, resumed_step)
+            work()
         except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (a NUL byte)
             raise os_failure(exc, "log.dir: cannot write the run directory", self.root,
-                             "choose a writable log.dir or fix its permissions or space") from None
+                             "choose a writable log.dir, or fix its permissions or free space",
+                             "log.dir must name a directory (or where one can be made)") from None
 
     def _prepare(self, cfg: Config, resumed_step: int | None) -> None:
         self.checkpoints.mkdir(parents=True, exist_ok=True)

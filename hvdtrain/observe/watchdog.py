@@ -111,7 +111,7 @@ class StallWatchdog:
 
     def __enter__(self) -> "StallWatchdog":
         if self.timeout_s > 0:
-            self.run_dir.root.mkdir(parents=True, exist_ok=True)
+            self.run_dir.create()  # or a one-line error, the same on every rank
             self._note_path(self.rank).unlink(missing_ok=True)  # an earlier run's
             if self.rank == 0:
                 self.run_dir.stall_report.unlink(missing_ok=True)

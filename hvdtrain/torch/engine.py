@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import pickle
 import time
+import warnings
 from typing import Any, Iterable
 
 import horovod
@@ -191,12 +193,16 @@ class TorchEngine(Engine):
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
         try:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # a foreign file's pickle protocol: the error says it
+                warnings.simplefilter("ignore")
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # objects other than tensors: refused, never built
+            raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was run") from None
         except Exception as exc:  # whatever the file holds, the user gets one line naming it
             raise not_a_checkpoint(where, exc) from None
         if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
                 and isinstance(state["meta"], dict)):
-            raise not_a_checkpoint(where, KeyError("no model, optimizer and meta entries"))
+            raise not_a_checkpoint(where, "no model, optimizer and meta entries")
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -92,6 +92,12 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 class _FakeWriter:
     """Stands in for the engine's serialiser only: the manager's own logic is what is tested."""
 
+    def __init__(self):
+        self.collectives = self  # one process: a broadcast returns what it was given
+
+    def broadcast_object(self, obj, root_rank=0):
+        return obj
+
     def gather_state(self):
         pass  # one process: nothing to collect from other ranks
 
