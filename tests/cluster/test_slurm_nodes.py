@@ -1,0 +1,51 @@
+"""``hvdtrain slurm submit --nodes 2 --tasks-per-node 1`` on Slurm over the two namespace nodes: one
+rank per node with srun (PMIx) and with the default launcher (horovodrun over ssh inside the job),
+and a 2-node job preempted by USR1 that checkpoints on both nodes, is requeued and resumes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+
+from tests.cluster.conftest import (TRAIN_SAMPLES, check_on_two_nodes, job_field, job_log, submit, summary,
+                                    wait_state)
+
+
+def test_srun_job_trains_one_rank_per_node(cluster, tmp_path):
+    run = tmp_path / "run"
+    job_id = submit(cluster, run, "train.epochs=5", "log.console=false", "--launcher", "srun")
+    state = wait_state(cluster, job_id, timeout=300)
+    assert state == "COMPLETED", job_log(run, job_id)
+    result = summary(run)
+    assert result["world_size"] == 2
+    check_on_two_nodes(result)
+    assert job_field(cluster, job_id, "NodeList") == "node[1-2]"
+
+
+def test_preempted_two_node_job_checkpoints_on_both_requeues_and_resumes(cluster, tmp_path):
+    """The default launcher: horovodrun inside the job starts the ranks on both nodes over ssh."""
+    run, epochs = tmp_path / "run", 30
+    job_id = submit(cluster, run, f"train.epochs={epochs}", "log.every_steps=5", "log.console=false",
+                    "checkpoint.every_steps=1000")
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline, job_log(run, job_id)
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=cluster, check=True)
+    state = wait_state(cluster, job_id, timeout=420)
+    log = job_log(run, job_id)
+    assert state == "COMPLETED", log
+    assert job_field(cluster, job_id, "Restarts") == "1", log
+    assert "requeueing job" in log and "restart count 1" in log, log
+    # each rank (one per node) stopped after the same step's checkpoint
+    stops = dict(re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", log))
+    assert set(stops) == {"0", "1"} and stops["0"] == stops["1"], log
+    result = summary(run)
+    check_on_two_nodes(result)
+    assert result["world_size"] == 2
+    assert result["samples"] == epochs * TRAIN_SAMPLES  # every sample once per epoch, across the stop
+    steps = [record["step"] for record in map(json.loads, metrics.read_text().splitlines())]
+    assert steps == sorted(set(steps)), "a step was logged twice after the resume"
