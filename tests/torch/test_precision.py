@@ -1,0 +1,130 @@
+"""PyTorch device, precision and synchronized batch norm in one process (Horovod size 1)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from hvdtrain.driver import make_dataset, train
+from hvdtrain.torch.engine import TorchEngine
+from hvdtrain.torch.precision import Precision
+from hvdtrain.torch.syncbn import CpuSyncBatchNorm, convert
+from tests.conftest import CONFIG, hvdtrain_cli, quiet_config
+
+
+def test_bf16_autocast_trains_digits_to_the_bar(tmp_path):
+    train(quiet_config(CONFIG, tmp_path, "train.precision=bf16"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final"]["eval_accuracy"] >= 0.95
+    assert (summary["precision"], summary["device"], summary["skipped_steps"]) == ("bf16", "cpu", 0)
+    assert summary["collectives"] in ("gloo", "mpi")
+
+
+def test_bf16_autocast_computes_in_bf16(tmp_path):
+    engine = TorchEngine(quiet_config(CONFIG, tmp_path, "train.precision=bf16"), make_dataset(
+        quiet_config(CONFIG, tmp_path)))
+    seen = []
+    engine.model[1].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    engine.adapter.loss_and_metrics(engine.model, torch.zeros(4, 64), torch.zeros(4, dtype=torch.long))
+    assert seen == [torch.bfloat16]
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+
+
+class RecordingOptimizer(torch.optim.SGD):
+    """SGD with the calls of Horovod's DistributedOptimizer, recording their order and what the
+    gradient was at each (the loss was scaled by 2**16, so the scaled gradient is 2**16 x 3)."""
+
+    def __init__(self, params, calls: list) -> None:
+        super().__init__(params, lr=0.1)
+        self.calls = calls
+
+    def grad(self) -> float:
+        return float(self.param_groups[0]["params"][0].grad)
+
+    def synchronize(self) -> None:
+        self.calls.append(("synchronize", self.grad()))
+
+    @contextmanager
+    def skip_synchronize(self):
+        self.calls.append(("skip_synchronize", self.grad()))
+        yield
+        self.calls.append(("end_skip", None))
+
+    def step(self, closure=None):
+        self.calls.append(("step", self.grad()))
+        return super().step(closure)
+
+
+def test_fp16_scaler_order_with_horovods_optimizer():
+    """Horovod's documented order: reduce the scaled gradients once, unscale, step without a
+    second reduction."""
+    weight = torch.nn.Parameter(torch.tensor([1.0]))
+    calls: list = []
+    optimizer = RecordingOptimizer([weight], calls)
+    precision = Precision("fp16", torch.device("cpu"))
+    precision.backward((weight * 3.0).sum())
+    precision.step_horovod(optimizer)
+    scale = 2.0 ** 16
+    assert calls == [("synchronize", 3.0 * scale), ("skip_synchronize", 3.0), ("step", 3.0),
+                     ("end_skip", None)]
+    assert not precision.skipped and abs(float(weight.detach()) - 0.7) < 1e-6
+
+
+def test_fp16_overflow_is_skipped_and_the_scale_lowered():
+    weight = torch.nn.Parameter(torch.tensor([1.0]))
+    optimizer = RecordingOptimizer([weight], [])
+    precision = Precision("fp16", torch.device("cpu"))
+    precision.backward((weight * float("inf")).sum())
+    precision.step_horovod(optimizer)
+    assert precision.skipped and float(weight.detach()) == 1.0
+    assert precision.scaler.get_scale() == 2.0 ** 15
+    assert [name for name, _ in optimizer.calls] == ["synchronize", "skip_synchronize", "end_skip"]
+
+
+def test_fp16_with_hvdtrains_exchange_unscales_before_exchanging():
+    weight = torch.nn.Parameter(torch.tensor([1.0]))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    precision = Precision("fp16", torch.device("cpu"))
+    exchanged = []
+    precision.backward((weight * 3.0).sum())
+    assert precision.step_exchange(optimizer, [weight], lambda grads: exchanged.extend(grads) or grads)
+    assert [float(g) for g in exchanged] == [3.0]  # residuals and averages in the gradient's units
+    precision.backward((weight * float("inf")).sum())
+    exchanged.clear()
+    assert not precision.step_exchange(optimizer, [weight], lambda grads: exchanged.extend(grads) or grads)
+    assert exchanged == [] and precision.skipped
+
+
+def test_fp16_checkpoint_carries_the_scaler_and_loads_elsewhere(tmp_path):
+    cfg = quiet_config(CONFIG, tmp_path, "train.precision=fp16", "train.max_steps=20")
+    result = train(cfg)
+    result.engine.precision.scaler.update(1024.0)
+    data = result.engine.state_bytes({"step": 20})
+    fresh = TorchEngine(cfg, make_dataset(cfg))  # loads through map_location onto its own device
+    assert fresh.load_state(data, "test") == {"step": 20}
+    assert fresh.precision.scaler.get_scale() == 1024.0
+    for key, value in result.engine.parameters().items():
+        assert np.array_equal(fresh.parameters()[key], value)
+
+
+def test_cuda_without_a_gpu_is_one_line_before_anything_starts(tmp_path):
+    proc = hvdtrain_cli("train", str(CONFIG), f"log.dir={tmp_path / 'run'}", "train.device=cuda",
+                        "log.wandb=disabled")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.device='cuda': no GPU is visible" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sync_batchnorm_conversion_keeps_state():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4),
+                                torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+    model[1].running_mean.fill_(0.5)
+    converted = convert(model, torch.device("cpu"))
+    assert isinstance(converted[1], CpuSyncBatchNorm) and isinstance(converted[2][0], CpuSyncBatchNorm)
+    assert float(converted[1].running_mean[0]) == 0.5
+    assert (converted[1].sync_name, converted[2][0].sync_name) == ("hvdtrain.syncbn.model.1",
+                                                                   "hvdtrain.syncbn.model.2.0")
