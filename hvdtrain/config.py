@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from hvdtrain.compression import METHODS
-from hvdtrain.configcheck import check_section, coerce_value, nearest_key
+from hvdtrain.configcheck import check_section, coerce_value, nearest_key, shown
 from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
 from hvdtrain.precision import PRECISIONS
@@ -280,14 +280,14 @@ def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
 def build(cls: type, tree: Any, prefix: str = "") -> Any:
     """Builds dataclass ``cls`` from a raw tree, checking every key, type and range."""
     if not isinstance(tree, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={tree!r}: expected a mapping of keys")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={shown(tree)}: expected a mapping of keys")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     types = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"unknown key {path!r}{nearest_key(str(key), fields, prefix)}")
+            raise ConfigError(f"unknown key {shown(path)}{nearest_key(str(key), fields, prefix)}")
         ftype = types[key]
         if dataclasses.is_dataclass(ftype):
             kwargs[key] = build(ftype, {} if value is None else value, f"{path}.")

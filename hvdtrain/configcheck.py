@@ -33,9 +33,9 @@ def coerce_value(path: str, value: Any, ftype: type) -> Any:
         return _finite_float(path, value)
     ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{path}={_shown(value)}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
+        raise ConfigError(f"{path}={shown(value)}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
     if isinstance(value, str) and "\0" in value:  # no path or name can hold one
-        raise ConfigError(f"{path}={_shown(value)}: contains a NUL character")
+        raise ConfigError(f"{path}={shown(value)}: contains a NUL character")
     return value
 
 
@@ -50,13 +50,13 @@ def _finite_float(path: str, value: Any) -> float:
         except ValueError:
             pass
     if number is None:
-        raise ConfigError(f"{path}={_shown(value)}: expected a number")
+        raise ConfigError(f"{path}={shown(value)}: expected a number")
     if not math.isfinite(number):
-        raise ConfigError(f"{path}={_shown(value)}: expected a finite number, not NaN or infinity")
+        raise ConfigError(f"{path}={shown(value)}: expected a finite number, not NaN or infinity")
     return number
 
 
-def _shown(value: Any, limit: int = 80) -> str:
+def shown(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut short so that the error stays one readable line."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
@@ -69,8 +69,8 @@ def check_section(obj: Any, prefix: str = "") -> None:
         path = f"{prefix}{f.name}"
         lo, hi, choices = (f.metadata.get(k) for k in ("min", "max", "choices"))
         if choices and value not in choices:
-            raise ConfigError(f"{path}={_shown(value)}: must be one of {', '.join(choices)}")
+            raise ConfigError(f"{path}={shown(value)}: must be one of {', '.join(choices)}")
         if lo is not None and value < lo:
-            raise ConfigError(f"{path}={_shown(value)}: must be >= {lo}")
+            raise ConfigError(f"{path}={shown(value)}: must be >= {lo}")
         if hi is not None and value > hi:
-            raise ConfigError(f"{path}={_shown(value)}: must be <= {hi}")
+            raise ConfigError(f"{path}={shown(value)}: must be <= {hi}")

@@ -1,0 +1,188 @@
+"""The config loader never fails with a traceback: every key, given a value of every YAML type or an
+edge value, in the file, in an override or in the environment, either loads (and then holds what
+its type promises) or raises one ``ConfigError`` of one line; the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvdtrain.cli import EXIT_ENVIRONMENT, EXIT_USAGE, parse_args
+from hvdtrain.config import Config, load_config
+from hvdtrain.errors import ConfigError
+from tests.conftest import CONFIG, ROOT, run_env
+
+# Bounded and derandomized: the same examples on every run, and no database in the checkout.
+PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def keys(cls: type = Config, prefix: str = "") -> dict[str, type]:
+    """Every dotted key of the config (sections too) and its type."""
+    out: dict[str, type] = {}
+    for name, ftype in typing.get_type_hints(cls).items():
+        out[prefix + name] = ftype
+        if dataclasses.is_dataclass(ftype):
+            out |= keys(ftype, f"{prefix}{name}.")
+    return out
+
+
+KEYS = keys()
+EDGE_VALUES = [None, True, False, 0, -1, 1, 2**63, -(2**63), 10**400, 0.0, -0.0, 1e-320, 1e308,
+               float("nan"), float("inf"), float("-inf"), "", " ", "nan", "inf", "-Infinity",
+               "1e999", "0x10", "a\0b", "\u00e9t\u00e9", "x" * 5000, [], [1, [2]], {}, {"a": {"b": {}}},
+               {"nested": [None, 1.5]}]
+YAML_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6)
+
+
+def check_loaded_or_one_line_error(load: typing.Callable[[], Config]) -> None:
+    """The loader either returns a config whose numbers are finite or raises one line."""
+    try:
+        cfg = load()
+    except ConfigError as exc:
+        message = str(exc)
+        assert message and "\n" not in message and len(message) < 1000, message
+        return
+    for key, ftype in KEYS.items():
+        if ftype is float:
+            value = _get(cfg, key)
+            assert isinstance(value, float) and math.isfinite(value), (key, value)
+
+
+def _get(cfg: Config, dotted: str) -> typing.Any:
+    node: typing.Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def as_override(key: str, value: typing.Any) -> str:
+    """``key=value`` with the value written as YAML on one line, as a user would type it."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9)
+    return f"{key}={text.removesuffix(chr(10) + '...' + chr(10)).strip()}"
+
+
+def as_file(tmp_path: Path, key: str, value: typing.Any) -> Path:
+    """A config file that sets the dotted ``key`` to ``value``."""
+    tree: dict = {}
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.mark.parametrize("key", sorted(KEYS))
+def test_every_key_with_every_edge_value_loads_or_gives_one_line(key, tmp_path):
+    for value in EDGE_VALUES:
+        check_loaded_or_one_line_error(lambda: load_config(None, [as_override(key, value)], environ={}))
+        path = as_file(tmp_path, key, value)
+        check_loaded_or_one_line_error(lambda: load_config(path, [], environ={}))
+
+
+@pytest.mark.parametrize("key", sorted(k for k, t in KEYS.items() if t is float))
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "nan", "inf", "1e999", str(10**400)])
+def test_every_float_key_refuses_nan_and_infinities(key, value):
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        load_config(None, [f"{key}={value}"], environ={})
+
+
+@PROPERTY
+@given(key=st.sampled_from(sorted(KEYS)), value=YAML_VALUES)
+def test_any_yaml_value_in_an_override_or_a_file_loads_or_gives_one_line(key, value, tmp_path_factory):
+    check_loaded_or_one_line_error(lambda: load_config(None, [as_override(key, value)], environ={}))
+    path = as_file(tmp_path_factory.mktemp("cfg"), key, value)
+    check_loaded_or_one_line_error(lambda: load_config(path, [], environ={}))
+
+
+@PROPERTY
+@given(key=st.sampled_from(sorted(KEYS)), raw=st.text(max_size=40))
+def test_any_text_typed_on_the_command_line_or_in_the_environment_loads_or_gives_one_line(key, raw):
+    check_loaded_or_one_line_error(lambda: load_config(None, [f"{key}={raw}"], environ={}))
+    if "\0" not in raw:  # the environment cannot hold one
+        env = {"HVDTRAIN_" + key.upper().replace(".", "__"): raw}
+        check_loaded_or_one_line_error(lambda: load_config(None, [], environ=env))
+
+
+@PROPERTY
+@given(text=st.text(max_size=200) | st.binary(max_size=200))
+def test_any_config_file_content_loads_or_gives_one_line(text, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cfg") / "cfg.yaml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    check_loaded_or_one_line_error(lambda: load_config(path, [], environ={}))
+
+
+def hvdtrain(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as a user runs it (these runs stop at the config: no framework is loaded)."""
+    return subprocess.run([sys.executable, "-m", "hvdtrain.cli", *args], cwd=ROOT, env=run_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=nan", "optim.lr='nan': expected a finite number"),
+    ("optim.lr=.inf", "optim.lr=inf: expected a finite number"),
+    ("train.stall_timeout_s=-.inf", "train.stall_timeout_s=-inf: expected a finite number"),
+    ("comm.ratio=1e999", "comm.ratio='1e999': expected a finite number"),
+    ("data.batch_size=[1]", "data.batch_size=[1]: expected an integer"),
+    ("log.dir={a: {b: 1}}", "log.dir={'a': {'b': 1}}: expected a string"),
+])
+def test_the_cli_turns_bad_values_into_one_line_and_exit_2(override, message, tmp_path):
+    proc = hvdtrain("train", str(CONFIG), f"log.dir={tmp_path / 'run'}", override)
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hvdtrain: error: {message}"), proc.stderr
+
+
+def test_a_config_file_that_is_not_text_gives_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    proc = hvdtrain("train", str(path))
+    assert proc.returncode == EXIT_USAGE
+    assert proc.stderr.strip() == (f"hvdtrain: error: config file {str(path)!r} is not UTF-8 text "
+                                   "(invalid start byte at byte 0)")
+
+
+def test_overrides_are_taken_before_between_and_after_the_options():
+    args = parse_args(["slurm", "submit", "c.yaml", "a=1", "--nodes", "1", "b=2",
+                       "--tasks-per-node", "2", "log.dir=X"])
+    assert args.overrides == ["a=1", "b=2", "log.dir=X"]
+    assert (args.nodes, args.tasks_per_node) == (1, 2)
+    assert parse_args(["train", "c.yaml", "x=1", "y=2"]).overrides == ["x=1", "y=2"]
+
+
+def test_slurm_render_takes_overrides_after_the_options_end_to_end(tmp_path):
+    proc = hvdtrain("slurm", "render", str(CONFIG), "--nodes", "1", "--tasks-per-node", "2",
+                    f"log.dir={tmp_path / 'x'}", "train.epochs=2")
+    assert proc.returncode == 0, proc.stderr
+    assert str(tmp_path / "x") in proc.stdout and "train.epochs=2" in proc.stdout
+
+
+def test_an_argument_that_is_neither_an_option_nor_an_override_is_refused():
+    proc = hvdtrain("slurm", "render", str(CONFIG), "--nodes", "1", "stray")
+    assert proc.returncode == EXIT_USAGE and "unrecognized arguments: stray" in proc.stderr
+
+
+def test_the_environment_failure_code_differs_from_the_user_error_and_resubmit_codes():
+    from hvdtrain.signals import EXIT_RESUBMIT
+
+    assert len({EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_RESUBMIT, 0, 1}) == 5
