@@ -1,16 +1,16 @@
-"""Each benchmark of ``scripts/bench`` in its smallest configuration, once, end to end.
+"""Each benchmark of ``scripts/bench`` in its smallest configuration (``--quick``), end to end.
 
 Real jobs (``horovodrun``, ``torchrun``), real measurements, nothing timed or compared: the tests
-check that every driver runs its variants, collects one measurement per variant and round, and
-prints a complete section with its table and verdict.
+check that every driver runs its variants, writes its section with the tables' columns and one run
+of each variant, and that the ratios in the tables are the ones its records give.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,95 +22,110 @@ from hvdtrain.registry import DATASETS, MODELS
 from tests.conftest import ROOT, run_env
 
 BENCH = ROOT / "scripts" / "bench"
+sys.path.insert(0, str(BENCH))
+import ddp  # noqa: E402
+import frameworks  # noqa: E402
+import fusion  # noqa: E402
+import harness  # noqa: E402
+import monitoring  # noqa: E402
+import overhead  # noqa: E402
+import scaling  # noqa: E402
 
 
-def run_driver(script: str, *args: str) -> str:
-    """Runs ``script --quick --no-write`` and returns its section; fails with the output tail."""
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--no-write", *args],
-                          cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=840)
+def run_driver(doc: Path, script: str, *args: str) -> None:
+    """Runs ``script --quick`` writing its section into ``doc``; fails with the output's tail."""
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--output", str(doc),
+                           *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
+                          timeout=840)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc.stdout
 
 
-def table_rows(section: str) -> list[list[str]]:
-    """The cells of every table row in ``section`` (header and rule lines excluded)."""
-    return [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| ") and not line.startswith(("| name ", "| size "))]
+def sections(doc: Path) -> dict[str, list[list[list[str]]]]:
+    """Each section's tables by its title; a table is its rows of cells, header first, the rule
+    line left out."""
+    found: dict[str, list[list[list[str]]]] = {}
+    title, previous = "", ""
+    for line in doc.read_text().splitlines():
+        if line.startswith("## "):
+            title, found[line[3:]] = line[3:], []
+        elif line.startswith("|") and not line.startswith("|---"):
+            if not previous.startswith("|"):
+                found[title].append([])
+            found[title][-1].append([c.strip() for c in line.strip().strip("|").split("|")])
+        previous = line
+    return found
 
 
-@pytest.mark.timeout(900)
-def test_allreduce_bandwidth_smallest_run_covers_both_controllers():
-    section = run_driver("allreduce.py")
-    rows = table_rows(section)
-    # Two jobs (Gloo, MPI) x two sizes; every bandwidth and ratio a positive number.
-    assert [r[0] for r in rows] == ["4 KB", "64 KB", "4 KB", "64 KB"]
-    for row in rows:
-        assert all(float(re.split(r" \(", cell)[0]) > 0 for cell in row[1:]), row
-    assert "raw = torch.distributed gloo" in section and "raw = mpi4py Allreduce" in section
-    assert section.count("no size of 64 MB or more was measured") == 2
-
-
-@pytest.mark.timeout(900)
-def test_fusion_smallest_run_measures_on_off_and_control():
-    section = run_driver("fusion.py")
-    names = [row[0] for row in table_rows(section)]
-    assert names == ["fusion on (A)", "fusion off, threshold 0 (B)", "fusion on (A', A/A control)"]
-    assert re.search(r"fusion off / fusion on = \d+\.\d{3}", section)
+def check_rows(table: list[list[str]], names: list[str]) -> None:
+    """Harness table columns, one run of each of ``names`` in order, the baseline's ratio 1."""
+    assert [c.split(" (")[0] for c in table[0]] == list(harness.TABLE_COLUMNS)
+    assert [row[0] for row in table[1:]] == names
+    assert [row[1] for row in table[1:]] == ["1"] * len(names)
+    assert table[1][5] == "1.000"
 
 
 @pytest.mark.timeout(900)
-def test_ddp_and_scaling_smallest_runs():
-    section = run_driver("ddp.py")
-    assert [row[0] for row in table_rows(section)] == [
-        "DDP torchrun gloo (A)", "hvdtrain horovodrun gloo (B)", "hvdtrain horovodrun mpi (C)",
-        "hand-written Horovod horovodrun gloo (D)", "DDP torchrun gloo (A', A/A control)"]
-    assert re.search(r"hvdtrain horovodrun mpi / DDP = \d+\.\d{3}", section)
-    assert re.search(r"hvdtrain gloo / hand-written Horovod = \d+\.\d{3}", section)
-    section = run_driver("scaling.py")
-    assert [row[1] for row in table_rows(section)] == ["1", "1", "1", "1"]  # one run each
-    assert re.search(r"efficiency = tput\(2\) / \(2 x tput\(1\)\) = \d+\.\d{3}", section)
-    assert re.search(r"kept \d+\.\d{3} of that ceiling \(B/C\)", section)
-
-
-@pytest.mark.timeout(900)
-def test_step_time_benchmarks_smallest_runs(tmp_path):
+def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
     """overhead.py (both frameworks), frameworks.py and monitoring.py: one interleaved job each."""
-    records = tmp_path / "runs.jsonl"
-    for script, args, baseline in (
-            ("overhead.py", ["--framework", "torch"], "handwritten (A)"),
-            ("overhead.py", ["--framework", "tensorflow"], "handwritten (A)"),
-            ("monitoring.py", ["--framework", "torch", "--between", "--records", str(records)],
-             "sinks off (A)"),
-            ("frameworks.py", [], None)):
-        section = run_driver(script, *args)
-        rows = table_rows(section)
-        assert rows and all(row[1] == "1" for row in rows), (script, section)
-        if baseline:
-            assert rows[0][0] == baseline and "A/A control = " in section, section
-        if script == "monitoring.py":  # five blocks, muted and live by turns, inside the W run
-            assert re.search(r"live / muted = \d+\.\d{3}, A/A control \(W0\) = \d+\.\d{3}",
-                             section)
-            assert re.search(r"noise added\): \d+\.\d{3}, 95% bootstrap interval", section)
-            runs = [json.loads(line) for line in records.read_text().splitlines()]
-            assert [run["slot"] for run in runs] == [0, 1, 2, 3, 4]  # every run, as it came
+    doc, measured = tmp_path / "bench.md", []
+    steps = [overhead.BASELINE, overhead.CANDIDATE, overhead.CONTROL]
+    for index, (script, args, names, key) in enumerate((
+            ("overhead.py", ["--framework", "torch"], steps, "step_time_s"),
+            ("overhead.py", ["--framework", "tensorflow"], steps, "step_time_s"),
+            ("frameworks.py", [], [frameworks.BASELINE, frameworks.CANDIDATE, frameworks.CONTROL],
+             "samples_per_s"),
+            ("monitoring.py", [], [monitoring.OFF, monitoring.ON, monitoring.CONTROL],
+             "step_time_s"))):
+        records = tmp_path / f"records{index}.jsonl"
+        run_driver(doc, script, *args, "--records", str(records))
+        runs = [json.loads(line) for line in records.read_text().splitlines()]
+        assert [run["slot"] for run in runs] == [0, 1, 2]
+        assert {"step_time_s", "steady_step_time_s", "samples_per_s", "steady_samples_per_s",
+                "eval_accuracy", "round", "variant"} <= set(runs[0])
+        measured.append((names, key, runs))
+    found = sections(doc)
+    assert len(found) == 4 and all(len(tables) == 2 for tables in found.values())
+    for (names, key, runs), tables in zip(measured, found.values()):
+        check_rows(tables[0], names)
+        check_rows(tables[1], names)
+        assert tables[0][2][5] == f"{runs[1][key] / runs[0][key]:.3f}"  # B over A, whole run
+
+
+@pytest.mark.timeout(900)
+def test_allreduce_and_fusion_smallest_runs(tmp_path):
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "allreduce.py")
+    run_driver(doc, "fusion.py")
+    (allreduce_tables, fusion_tables) = sections(doc).values()
+    assert len(allreduce_tables) == 2  # Gloo and MPI
+    for table in allreduce_tables:
+        assert [row[0] for row in table[1:]] == ["4 KB", "64 KB"]
+        assert all(float(cell.split(" (")[0]) > 0 for row in table[1:] for cell in row[1:])
+    check_rows(fusion_tables[0], [fusion.BASELINE, fusion.CANDIDATE, fusion.CONTROL])
+
+
+@pytest.mark.timeout(900)
+def test_ddp_and_scaling_smallest_runs(tmp_path):
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "ddp.py")
+    run_driver(doc, "scaling.py")
+    (ddp_tables, scaling_tables) = sections(doc).values()
+    check_rows(ddp_tables[0], [ddp.BASELINE, ddp.GLOO, ddp.MPI, ddp.HANDWRITTEN, ddp.CONTROL])
+    check_rows(scaling_tables[0], [scaling.ONE, scaling.TWO, scaling.CEILING, scaling.CONTROL])
 
 
 @pytest.mark.timeout(900)
 def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
-    section = run_driver("compression.py")
-    rows = {row[0]: row for row in table_rows(section) if row[0] != "framework dataset method"}
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "compression.py")
+    run_driver(doc, "checkpoint.py", "--hidden", "64")
+    run_driver(doc, "elastic_recovery.py", "--frameworks", "torch")
+    (compression_tables, checkpoint_tables, recovery_tables) = sections(doc).values()
+    rows = {row[0]: row for row in compression_tables[0][1:]}
     assert set(rows) == {"torch digits none", "torch digits topk", "torch digits powersgd"}
     assert rows["torch digits none"][5] == "1.0" and float(rows["torch digits topk"][5]) > 10
-    assert "Accuracy bars, torch digits" in section
-    doc = tmp_path / "bench.md"
-    for script, args in (("checkpoint.py", ["--rounds", "2", "--hidden", "64"]),
-                         ("elastic_recovery.py", ["--trials", "1", "--frameworks", "torch"])):
-        proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(doc)],
-                              cwd=ROOT, env=run_env(), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    text = doc.read_text()
-    assert "## Checkpoint save" in text and "## Elastic recovery" in text
+    assert len(checkpoint_tables[0]) == 5 and checkpoint_tables[0][1][5] == "1.000"
+    assert [row[0] for row in recovery_tables[0][1:]] == ["torch"]
 
 
 def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
