@@ -5,8 +5,9 @@ NP ?= 2
 # Open MPI refuses to run as root without these; harmless for other users.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export HOROVOD_TESTS
 
-.PHONY: setup demo test test-unit bench clean
+.PHONY: setup demo test test-unit test-horovod bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -22,8 +23,15 @@ demo: setup
 # for torch and for TensorFlow both started in one process crash it at exit (after the tests passed).
 test: setup
 	bash scripts/slurm_local.sh start
-	$(BIN)/python -m pytest tests --ignore=tests/tensorflow
+	$(BIN)/python -m pytest tests --ignore=tests/tensorflow --ignore=tests/horovod
 	$(BIN)/python -m pytest tests/tensorflow
+	$(BIN)/python -m pytest tests/horovod
+
+# Horovod's own parallel suites (torch, TensorFlow; Gloo and MPI; 2 ranks) against the installed
+# build, with a table per suite and controller. HOROVOD_TESTS: a folder with v0.28.1's test/
+# (default ../shared/horovod-tests). Known test artifacts: tests/horovod/known_artifacts.txt.
+test-horovod: setup
+	$(BIN)/python scripts/test_horovod.py
 
 test-unit:
 	$(BIN)/python -m pytest tests/unit

@@ -1,0 +1,58 @@
+"""Horovod's Keras API and SyncBatchNormalization on Keras 3 at 2 ranks: the fast subset of
+`make test-horovod` that `make test` runs.
+
+Every test starts `horovodrun -np 2`, so this pytest process imports neither framework.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def horovodrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Runs `horovodrun -np 2 --gloo ARGS` from the project root and returns its output."""
+    return subprocess.run([str(BIN / "horovodrun"), "-np", "2", "--gloo", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_keras3_model_fit_example_trains_at_two_ranks():
+    proc = horovodrun(str(BIN / "python"), "examples/keras3_fit.py", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line.split(":", 1)[1]) for line in proc.stdout.splitlines()
+               if line.split(":", 1)[-1].startswith('{"rank"')]
+    assert sorted(r["rank"] for r in records) == [0, 1] and {r["size"] for r in records} == {2}
+    first, second = records
+    assert first["checksum"] == second["checksum"]  # same weights on both ranks
+    assert first["loss"] == second["loss"]  # MetricAverageCallback: the averaged loss on both
+    assert first["loss"][-1] < first["loss"][0] / 2 and first["accuracy"][-1] > 0.9
+
+
+def test_keras_api_and_sync_batch_norm_on_keras3():
+    proc = horovodrun(str(BIN / "python"), "tests/horovod/keras3_worker.py")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("sync_batch_norm", "partial_gradient_tape", "distributed_optimizer",
+                  "fit_callbacks", "elastic_state"):
+        assert f"[0]<stdout>:ok check_{check}" in proc.stdout
+        assert f"[1]<stdout>:ok check_{check}" in proc.stdout
+
+
+def test_horovods_own_keras_and_sync_batch_norm_cases_pass():
+    # Horovod's own suites, through the same runner as `make test-horovod`, restricted to its Keras
+    # API suite and the SyncBatchNormalization and model-parallel tape cases, under Gloo.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "test_horovod.py"), "--controller", "gloo",
+         "--suite", "test_tensorflow.py", "--suite", "test_tensorflow2_keras.py",
+         "--select", "syncbn or model_parallel_model or Tf2KerasTests"],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| test_")]
+    assert len(rows) == 2
+    for row in rows:
+        passed = int(row.split("|")[3])
+        assert passed >= 1, row
