@@ -65,3 +65,16 @@ def test_config_keys_and_their_choices():
         load_config(None, ["train.precision=fp8"], environ={})
     with pytest.raises(ConfigError, match="model.sync_batchnorm=1: expected true or false"):
         load_config(None, ["model.sync_batchnorm=1"], environ={})
+
+
+def test_loop_leaves_out_a_skipped_overflow_and_stops_on_too_many():
+    from types import SimpleNamespace
+
+    from hvdtrain.loop import Loop
+    loop = SimpleNamespace(skipped=SkippedSteps(limit=2))
+    inf = {"loss": float("inf"), "count": 8.0, "correct": 3.0}
+    assert Loop._skip_check(loop, inf, True) == {"loss": 0.0, "count": 0.0, "correct": 0.0}
+    assert Loop._skip_check(loop, {"loss": 1.5, "count": 8.0}, True) == {"loss": 1.5, "count": 8.0}
+    third = Loop._skip_check(loop, {"loss": 1.5, "count": 8.0}, True)  # over the limit: diverged
+    assert third["loss"] != third["loss"]  # NaN, which the loop reports as divergence
+    assert Loop._skip_check(loop, inf, False) is inf  # not skipped: the loop's divergence check sees it
