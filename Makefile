@@ -21,10 +21,14 @@ demo: setup
 
 # The TensorFlow tests that start Horovod in pytest's own process get a process of their own: Horovod
 # for torch and for TensorFlow both started in one process crash it at exit (after the tests passed).
+# tests/cluster needs the two-node namespace cluster with Slurm over it: started here, and stopped
+# whatever the tests do (the trap), so that the machine is left as it was.
 test: setup
 	bash scripts/slurm_local.sh start
-	$(BIN)/python -m pytest tests --ignore=tests/tensorflow --ignore=tests/horovod
-	$(BIN)/python -m pytest tests/tensorflow
+	trap 'bash scripts/cluster_local.sh stop' EXIT; \
+	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
+	$(BIN)/python -m pytest tests --ignore=tests/tensorflow --ignore=tests/horovod && \
+	$(BIN)/python -m pytest tests/tensorflow && \
 	$(BIN)/python -m pytest tests/horovod
 
 # Horovod's own parallel suites (torch, TensorFlow; Gloo and MPI; 2 ranks) against the installed
