@@ -185,6 +185,7 @@ def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOp
     if options.gpus_per_node and options.gpus_per_node != options.tasks_per_node:
         problems.append(f"--gpus-per-node={options.gpus_per_node} but --tasks-per-node="
                         f"{options.tasks_per_node}: hvdtrain runs one rank per GPU")
+    problems += _device_problems(cfg.train.device, options.gpus_per_node)
     estimate = stop_time_estimate(cfg)
     if options.signal_lead <= estimate:
         problems.append(f"--signal-lead={options.signal_lead}s does not exceed the estimated stop "
@@ -195,6 +196,16 @@ def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOp
     if not problems and shutil.which("sbatch"):
         problems += _sbatch_test_only(text)
     return problems
+
+
+def _device_problems(device: str, gpus_per_node: int) -> list[str]:
+    """``train.device`` against the GPUs the job asks for (the ranks' choice is
+    :func:`hvdtrain.device.choose_device` on the GPUs the job script leaves each rank)."""
+    if device == "cuda" and not gpus_per_node:
+        return ["train.device=cuda but no --gpus-per-node: the ranks would see no GPU and stop"]
+    if device == "cpu" and gpus_per_node:
+        return [f"train.device=cpu but --gpus-per-node={gpus_per_node}: the allocated GPUs would sit idle"]
+    return []
 
 
 def _sbatch_test_only(text: str) -> list[str]:
