@@ -51,7 +51,21 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("--elastic", action="store_true", help="render elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
+    data = sub.add_parser("data", help="data set tools: make-images writes a class-per-folder JPEG set")
+    data.add_argument("action", choices=("make-images",))
+    data.add_argument("dir", help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
+    for flag, default in (("--train", 5000), ("--test", 1000), ("--size", 32), ("--seed", 0)):
+        data.add_argument(flag, type=int, default=default, help=f"default: {default}")
     return parser
+
+
+def _data(args: argparse.Namespace) -> int:
+    from hvdtrain.data.make_images import make_images
+
+    root = make_images(args.dir, args.train, args.test, args.size, args.seed)
+    print(f"[hvdtrain] wrote {args.train} training and {args.test} test images of {args.size}x"
+          f"{args.size} pixels, 10 classes, to {root}; train on them with data.options.root={root}")
+    return 0
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -122,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "slurm":
             return _slurm(args)
+        if args.command == "data":
+            return _data(args)
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
     except EnvironmentFailure as exc:

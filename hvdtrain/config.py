@@ -57,6 +57,14 @@ class DataConfig:
     """Samples per rank per evaluation batch."""
     shuffle: bool = True
     """Shuffle the training samples every epoch (from ``seed`` and the epoch number)."""
+    workers: int = _opt(-1, min=-1)
+    """Loader workers per rank for data on disk: PyTorch ``DataLoader`` processes, ``tf.data``
+    parallel calls (0: load on the training thread; -1: half the cores the rank has, 1 to 8, see
+    ``hvdtrain.data.loading.loader_workers``). Data in memory is always gathered on the training
+    thread. Which samples a step trains on, in what order, does not depend on it."""
+    prefetch: int = _opt(2, min=1)
+    """Micro-batches each loader worker keeps ready ahead of training (PyTorch's
+    ``prefetch_factor``; ``tf.data`` prefetches ``workers x prefetch``)."""
 
 
 @dataclass(kw_only=True)

@@ -79,7 +79,7 @@ class Step(abc.ABC):
     def step_stats(self) -> dict[str, float]:
         """Measurements of this rank's last :meth:`train_step` (empty when an engine has none).
 
-        ``data_s``: gathering the batch; ``compute_s``: forward, backward, update and compression
+        ``data_s``: waiting for the step's batches (what the loader's prefetching did not hide); ``compute_s``: forward, backward, update and compression
         kernels; ``comm_s``: time spent waiting for the gradient exchange's Horovod collectives;
         ``wire_bytes``: bytes of the tensors handed to Horovod for that exchange, counted from the
         tensors sent; ``dense_bytes``: bytes of the dense gradients they stand for.

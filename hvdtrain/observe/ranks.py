@@ -19,7 +19,7 @@ from hvdtrain.observe.system import SystemSampler
 STAT_KEYS = ("data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional)."""
 
-TIME_NAMES = {"data_s": "data_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s"}
+TIME_NAMES = {"data_s": "data_wait_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s"}
 """Record key of each per-step time: its mean over the window's steps and the ranks."""
 
 PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "gpu_mem": "gpu_mem_mb"}

@@ -48,7 +48,7 @@ FIGURES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "eval_accuracy.png": ("Evaluation accuracy per epoch",
                           (Panel("epoch", ("eval_accuracy",), "eval accuracy"),)),
     "comm_compute.png": ("Communication vs compute per step",
-                         (Panel("step", ("compute_time_s", "comm_time_s", "data_time_s"), "seconds"),)),
+                         (Panel("step", ("compute_time_s", "comm_time_s", "data_wait_time_s"), "seconds"),)),
     "bytes.png": ("Bytes per step and rank", (Panel("step", ("wire_bytes", "dense_bytes"), "bytes"),)),
     "system.png": ("System, per rank", (Panel("step", ("cpu_percent_rank*",), "CPU (% of one core)"),
                                         Panel("step", ("rss_mb_rank*",), "resident memory (MiB)"))),

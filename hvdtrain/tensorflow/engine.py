@@ -26,7 +26,8 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config
-from hvdtrain.data.contracts import Dataset, Split
+from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
@@ -35,6 +36,7 @@ from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.compression import make_exchange
 from hvdtrain.tensorflow.device import place, resolve, summary
+from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.precision import Precision
 
@@ -90,8 +92,10 @@ class TensorFlowEngine(Engine):
             self.model = self._build(cfg, dataset)
         if cfg.model.sync_batchnorm:
             syncbn.convert(self.model)
-        self.train_x, self.train_y = self._tensors(dataset.train())
-        self.test_x, self.test_y = self._tensors(dataset.test())
+        self.input_shape = tuple(dataset.spec().input_shape)
+        self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
+                                     workers=loader_workers(cfg.data.workers, self.local_size),
+                                     prefetch=cfg.data.prefetch, input_shape=self.input_shape)
         self.optimizer = self.precision.wrap(make_optimizer(cfg))
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
@@ -125,10 +129,6 @@ class TensorFlowEngine(Engine):
         if (self.exchange.rank, self.exchange.size) != (self.rank, self.size):
             self.exchange.resize(self.rank, self.size)
 
-    @staticmethod
-    def _tensors(split: Split) -> tuple[tf.Tensor, tf.Tensor]:
-        return tf.constant(split.x), tf.constant(split.y)
-
     def _state_variables(self) -> list[tf.Variable]:
         return [v.value for v in [*self.model.variables, *self.optimizer.variables]]
 
@@ -150,14 +150,13 @@ class TensorFlowEngine(Engine):
 
     def _compile(self) -> None:
         # One trace per function: a None batch dimension covers short and empty micro-batches.
-        batch = (tf.TensorSpec([None, *self.train_x.shape[1:]], self.train_x.dtype),
-                 tf.TensorSpec([None], self.train_y.dtype), tf.TensorSpec([], tf.float32))
+        batch = (tf.TensorSpec([None, *self.input_shape], tf.float32),
+                 tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self._accumulate_fn = tf.function(self._accumulate, input_signature=batch, jit_compile=False)
         self._gradients_fn = tf.function(self._gradients, input_signature=batch, jit_compile=False)
         self._apply_fn = tf.function(self._apply, input_signature=[grads], jit_compile=False)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=[tf.TensorSpec([None], tf.int64)],
-                                    jit_compile=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=batch[:2], jit_compile=False)
 
     def _local_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
                          ) -> tuple[tf.Tensor, dict, list[tf.Tensor]]:
@@ -195,9 +194,8 @@ class TensorFlowEngine(Engine):
                      for g, v in zip(grads, self.model.trainable_variables)]
         self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
 
-    def _eval_batch(self, idx: tf.Tensor) -> tuple[tf.Tensor, dict]:
-        return self.adapter.loss_and_metrics(self.model, tf.gather(self.test_x, idx),
-                                             tf.gather(self.test_y, idx), training=False)
+    def _eval_batch(self, x: tf.Tensor, y: tf.Tensor) -> tuple[tf.Tensor, dict]:
+        return self.adapter.loss_and_metrics(self.model, x, y, training=False)
 
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
         if lr != self.lr:
@@ -209,10 +207,11 @@ class TensorFlowEngine(Engine):
         # the result the mean over the step's samples, even when ranks hold unequal shares.
         scale = tf.constant(self.size / step.global_count, tf.float32)
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        data_s = 0.0
+        data_s = 0.0  # the wait for each micro-batch: what prefetching did not hide
+        batches = self.data.batches(step)
         for i, idx in enumerate(step.micro):
             tick = time.perf_counter()
-            x, y = tf.gather(self.train_x, idx), tf.gather(self.train_y, idx)
+            x, y = next(batches)
             data_s += time.perf_counter() - tick
             if i < len(step.micro) - 1:
                 loss_sum, metrics = self._accumulate_fn(x, y, scale)
@@ -231,9 +230,9 @@ class TensorFlowEngine(Engine):
 
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        for idx in batches:
-            loss_sum, metrics = self._eval_fn(tf.constant(idx, tf.int64))
-            add_batch_sums(sums, loss_sum, metrics, len(idx))
+        for x, y in self.data.eval_batches(batches):
+            loss_sum, metrics = self._eval_fn(x, y)
+            add_batch_sums(sums, loss_sum, metrics, int(y.shape[0]))
         return sums
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:

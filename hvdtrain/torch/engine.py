@@ -17,6 +17,7 @@ from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
@@ -25,6 +26,7 @@ from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
 from hvdtrain.torch.compression import GradientExchange, horovod_compression, make_exchange, to_torch
 from hvdtrain.torch.device import place, resolve, summary
+from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.precision import PlacedAdapter, Precision
 
@@ -69,8 +71,9 @@ class TorchEngine(Engine):
         self.model.to(self.device)  # before the optimizer, whose state then lives there too
         self.precision = Precision(cfg.train.precision, self.device)
         self.adapter = PlacedAdapter(self.adapter, self.device, self.precision)
-        self.train_x, self.train_y = self._tensors(dataset.train())
-        self.test_x, self.test_y = self._tensors(dataset.test())
+        self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
+                                workers=loader_workers(cfg.data.workers, self.local_size),
+                                prefetch=cfg.data.prefetch)
         self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
         self.lr = float("nan")  # the loop sets the real one before the first step
@@ -116,10 +119,6 @@ class TorchEngine(Engine):
     def fork_rng(self, seed: int, step: int) -> None:
         rng.fork(seed, self.rank, step)
 
-    @staticmethod
-    def _tensors(split: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(split.x), torch.from_numpy(split.y)
-
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
         if lr != self.lr:
             for group in self.optimizer.param_groups:
@@ -131,12 +130,12 @@ class TorchEngine(Engine):
         # the result the mean over the step's samples, even when ranks hold unequal shares.
         scale = self.size / step.global_count
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        data_s = 0.0
+        data_s = 0.0  # the wait for each micro-batch: what prefetching did not hide
+        batches = self.data.batches(step)
         for idx in step.micro:
-            gathered = time.perf_counter()
-            index = torch.from_numpy(idx)
-            x, y = self.train_x[index], self.train_y[index]
-            data_s += time.perf_counter() - gathered
+            waited = time.perf_counter()
+            x, y = next(batches)
+            data_s += time.perf_counter() - waited
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y)
             self.precision.backward(loss_sum * scale)
             add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
@@ -169,11 +168,9 @@ class TorchEngine(Engine):
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         self.model.eval()
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        for idx in batches:
-            index = torch.from_numpy(idx)
-            loss_sum, metrics = self.adapter.loss_and_metrics(
-                self.model, self.test_x[index], self.test_y[index], training=False)
-            add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
+        for x, y in self.data.eval_batches(batches):
+            loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=False)
+            add_batch_sums(sums, loss_sum.detach(), metrics, len(y))
         self.model.train()
         return sums
 
