@@ -36,8 +36,9 @@ def cluster_script(*args: str, check: bool = True) -> subprocess.CompletedProces
     """Runs ``scripts/cluster_local.sh ARGS`` (or ``slurm_local.sh`` when args[0] names it)."""
     script = "slurm_local.sh" if args[0] == "slurm" else "cluster_local.sh"
     argv = args[1:] if args[0] == "slurm" else args
+    env = {**os.environ, "HVDTRAIN_CLUSTER_DIR": str(CLUSTER_DIR)}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / script), *argv], capture_output=True,
-                          text=True, timeout=180, env={**os.environ, "HVDTRAIN_CLUSTER_DIR": str(CLUSTER_DIR)})
+                          text=True, timeout=180, env=env)
     assert not check or proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
