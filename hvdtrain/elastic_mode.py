@@ -96,7 +96,6 @@ class ElasticMode:
         if state.error:
             raise state.error
         cfg = state.loop_cfg
-        session.rewind_metrics(state.position.step)  # held records past the commit: trained again
         if engine.rank == 0:
             session.run_dir.log_event(entry_event(state, cfg.train.backward_passes_per_step))
             # Steps after the commit are trained again: their records would appear twice.

@@ -47,6 +47,7 @@ class Session:
         total = total_steps(cfg, make_sampler(cfg, len(self.dataset.train())), self.engine.size,
                             position)
         logger = self._logger(total, position.step)
+        logger.restart(position.step, total)  # a logger kept over an elastic reset: new total
         self.loop = Loop(cfg, self.engine, self.dataset, self.checkpoints, logger,
                          start=dataclasses.replace(position), total=total, stop_requested=stop,
                          heartbeat=heartbeat, callbacks=[*extra, *self.callbacks])
@@ -61,11 +62,6 @@ class Session:
         """Writes out the records this rank's logger holds (the stall watchdog, before it exits)."""
         if self.logger is not None:
             self.logger.flush()
-
-    def rewind_metrics(self, step: int) -> None:
-        """Forgets held records of steps after ``step``, which an elastic reset trains again."""
-        if self.logger is not None:
-            self.logger.rewind(step)
 
     def close(self, summary: dict[str, Any] | None) -> None:
         """Hands the summary to the sinks, closes them and waits for the last checkpoint."""

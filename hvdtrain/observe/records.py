@@ -34,9 +34,10 @@ class Sink(abc.ABC):
     def flush(self) -> None:
         """Writes out what the sink holds back (most sinks hold nothing)."""
 
-    def rewind(self, step: int) -> None:
-        """Forgets held-back records of steps after ``step``, which the run trains again (an
-        elastic reset to its last commit); most sinks hold nothing."""
+    def restart(self, step: int, total_steps: int) -> None:
+        """The run goes on from ``step`` towards ``total_steps`` (an elastic reset to its last
+        commit, at a new world size): records held back of later steps are forgotten, since they
+        are trained again, and progress counts to the new total. Most sinks keep nothing of either."""
 
     def close(self) -> None:
         """Flushes and releases what the sink holds."""
@@ -79,8 +80,9 @@ class ThrottledSink(Sink):
     def flush(self) -> None:
         self._sink.flush()
 
-    def rewind(self, step: int) -> None:
-        self._sink.rewind(step)
+    def restart(self, step: int, total_steps: int) -> None:
+        self._total = total_steps
+        self._sink.restart(step, total_steps)
 
     def before_warning(self) -> None:
         self._sink.before_warning()
@@ -133,10 +135,10 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.flush()
 
-    def rewind(self, step: int) -> None:
-        """Forgets held-back records of steps after ``step`` (an elastic reset trains them again)."""
+    def restart(self, step: int, total_steps: int) -> None:
+        """See :meth:`Sink.restart`: every sink continues from ``step`` towards ``total_steps``."""
         for sink in self._sinks:
-            sink.rewind(step)
+            sink.restart(step, total_steps)
 
     def close(self) -> None:
         """Closes every sink."""

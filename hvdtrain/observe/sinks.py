@@ -57,7 +57,7 @@ class JsonlSink(Sink):
                 self._file.flush()
             self._written_at = time.monotonic()
 
-    def rewind(self, step: int) -> None:
+    def restart(self, step: int, total_steps: int) -> None:
         with self._lock:
             self._held = [record for record in self._held if record["step"] <= step]
 
@@ -102,6 +102,11 @@ class ConsoleSink(Sink):
         self._width = len(str(total_steps))
         self._total, self._epochs, self._bar, self._start = total_steps, epochs, bar, start_step
         self._drawn = 0  # length of the bar line on screen (0: none)
+
+    def restart(self, step: int, total_steps: int) -> None:
+        # The loop's clock (``time_s``) starts again at a restart, so the ETA counts from ``step``.
+        self._width = max(self._width, len(str(total_steps)))
+        self._total, self._start = total_steps, step
 
     def log(self, record: dict[str, Any]) -> None:
         if not self._bar:

@@ -80,8 +80,8 @@ class SinkProcess:
     def flush(self) -> None:
         """Nothing: every record was sent as it came, and the child writes it when it arrives."""
 
-    def rewind(self, step: int) -> None:
-        """Nothing: the child holds no record back."""
+    def restart(self, step: int, total_steps: int) -> None:
+        """Nothing: the child holds no record back and shows no progress."""
 
     def before_warning(self) -> None:
         """Nothing: the child writes nothing to the console."""

@@ -104,5 +104,4 @@ def test_node_lost_then_rejoins(cluster, tmp_path):
     counts = re.findall(r"\[\d+\]<stdout>:\[hvdtrain\] epoch \d+ step +(\d+)/(\d+)", log)
     assert len(counts) > 10, log[-4000:]
     past = [(step, total) for step, total in counts if int(step) > int(total)]
-    if past:  # known: the console sink keeps the total it was built with (issue 22)
-        pytest.xfail(f"console step count past its total after a resize: {past[:3]}")
+    assert not past, f"console step count past its total after a resize: {past[:3]}"

@@ -127,7 +127,7 @@ def test_jsonl_sink_writes_one_object_per_record(tmp_path):
     assert list(lines[0]) == ["step", "loss", "accuracy"]  # the record's own order, step first
 
 
-def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_rewinds_held_ones(tmp_path):
+def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_forgets_them_at_a_restart(tmp_path):
     path = tmp_path / "m.jsonl"
     sink = JsonlSink(path, every_s=3600)
     for step in (10, 20, 30):
@@ -137,7 +137,7 @@ def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_rewinds_held_o
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [10, 20, 30]
     for step in (40, 50, 60):
         sink.log({"step": step})
-    sink.rewind(50)  # an elastic reset to the commit at step 50: step 60 is trained again
+    sink.restart(50, 90)  # an elastic reset to the commit at step 50: step 60 is trained again
     sink.close()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [10, 20, 30, 40, 50]
     eager = JsonlSink(tmp_path / "e.jsonl", every_s=0)
@@ -203,3 +203,16 @@ def test_a_late_usr1_after_the_run_does_not_kill_the_exiting_process():
         assert seen == [signal.SIGUSR1]
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+def test_console_counts_to_the_new_total_after_a_restart():
+    import io
+
+    from hvdtrain.observe.sinks import ConsoleSink
+
+    out = io.StringIO()
+    console = ConsoleSink(690, out)
+    console.log({"step": 480, "epoch": 16, "loss": 0.5})
+    console.restart(480, 960)  # an elastic reset at step 480 to one rank: more, smaller steps
+    console.log({"step": 700, "epoch": 17, "loss": 0.4})
+    assert [line.split()[4] for line in out.getvalue().splitlines()] == ["480/690", "700/960"]
