@@ -1,4 +1,4 @@
-"""Input pipelines: images from disk with loader workers vs preloaded in memory, and memory vs data set size.
+"""Input pipelines: images from disk with workers vs preloaded in memory; memory vs data set size.
 
 Loading (one section per framework): ResNet-18 (narrow: ``--width``) on 64x64 JPEGs written by
 ``hvdtrain data make-images``, four variants interleaved in one ``horovodrun -np 2`` job
@@ -83,7 +83,8 @@ def wait_shares(results: harness.Results, key: str = "data_wait_share") -> dict[
 
 def wait_table(shares: dict[str, list[float]]) -> str:
     """Min, median and max of each variant's wait share, in percent."""
-    cells = [[name, str(len(values)), *(f"{100 * f(values):.2f}" for f in (min, statistics.median, max))]
+    stats = (min, statistics.median, max)
+    cells = [[name, str(len(values)), *(f"{100 * f(values):.2f}" for f in stats)]
              for name, values in shares.items() if values]
     return harness.markdown_grid(["name", "runs", "min (%)", "median (%)", "max (%)"], cells)
 
@@ -174,7 +175,8 @@ def loading_section(framework: str, args: argparse.Namespace, work: Path) -> str
 def memory_jobs(framework: str, args: argparse.Namespace, work: Path) -> list[harness.Job]:
     """A, B and A': a ``horovodrun`` job each over the small or the large ``npy`` set."""
     jobs = []
-    for name, samples in ((SMALL, args.small), (LARGE, 10 * args.small), (SMALL_CONTROL, args.small)):
+    sets = ((SMALL, args.small), (LARGE, 10 * args.small), (SMALL_CONTROL, args.small))
+    for name, samples in sets:
         root = work / f"npy-{samples}"
         if not root.exists():
             harness.log(f"writing an npy data set of {samples} samples to {root}")
@@ -199,10 +201,10 @@ def memory_section(framework: str, args: argparse.Namespace, work: Path) -> str:
     size_mb = args.small * (1 + 1 / 10) * (SHAPE[0] * SHAPE[1] * SHAPE[2] + 8) / 1e6
     notes = [
         f"Workload: one epoch of an MLP (hidden 64) on an `npy` data set of {args.small} (N) or "
-        f"{10 * args.small} (10 N) random uint8 images of {'x'.join(map(str, SHAPE))} and a tenth as "
-        f"many test images ({size_mb:.0f} MB or {10 * size_mb:.0f} MB on disk), `data.workers: -1` "
-        f"(one worker a rank), {FRAMEWORKS[framework][0]}, `horovodrun -np {args.np} "
-        f"--{args.controller}`, a job a run; {args.memory_rounds} rounds.",
+        f"{10 * args.small} (10 N) random uint8 images of {'x'.join(map(str, SHAPE))} and a "
+        f"tenth as many test images ({size_mb:.0f} MB or {10 * size_mb:.0f} MB on disk), "
+        f"`data.workers: -1` (one worker a rank), {FRAMEWORKS[framework][0]}, "
+        f"`horovodrun -np {args.np} --{args.controller}`, a job a run; {args.memory_rounds} rounds.",
         "Each rank samples itself and its child processes (`/proc/PID/smaps_rollup`) in a thread; "
         "the job's figure is the largest over its ranks (gathered by the engine's "
         "`allgather_object` after `hvdtrain.driver.train`).",

@@ -41,7 +41,7 @@ CONFIGS = {"torch": ROOT / "configs" / "images_torch.yaml",
 SIZE = 64
 """Pixels of the square images the model sees (the JPEGs are written at this size)."""
 LOG_EVERY = 5
-"""Steps per logged record: the records' ``data_wait_time_s`` and ``step_time_s`` are means over them."""
+"""Steps per logged record (its ``data_wait_time_s`` and ``step_time_s`` are means over them)."""
 SINKS = ["log.console=false", "log.wandb=disabled", "log.tensorboard=false", "log.system=false"]
 """Every sink off but ``metrics.jsonl``, which holds ``data_wait_time_s``."""
 
@@ -115,9 +115,11 @@ def wait_share(records: Sequence[dict[str, Any]], first_epoch: int = 0) -> float
     return waited / stepped if stepped > 0 else None
 
 
-def loading_overrides(framework: str, source: str, epochs: int, log_dir: Path) -> list[str]:
+def loading_overrides(framework: str, source: str, epochs: int,
+                      log_dir: Path) -> list[str]:
     """The image config's overrides for one loading variant: ``memory``, ``disk`` (default
-    workers) or ``disk0`` (no workers); no augmentation, one evaluation at the end, no checkpoint."""
+    workers) or ``disk0`` (no workers); no augmentation, one evaluation at the end, no
+    checkpoint."""
     root, width = env_setting("BENCH_DATA_ROOT"), int(env_setting("BENCH_DATA_WIDTH"))
     if source == "memory":
         data = [f"data.name={Path(__file__).stem}:PreloadedImages",
@@ -126,7 +128,8 @@ def loading_overrides(framework: str, source: str, epochs: int, log_dir: Path) -
         data = ["data.name=image_folder", f"data.options={{root: {root}, size: {SIZE}}}",
                 f"data.workers={0 if source == 'disk0' else -1}"]
     return [f"framework={framework}", "model.name=resnet18", f"model.options={{width: {width}}}",
-            *data, f"data.batch_size={workload.BATCH_SIZE}", f"train.epochs={epochs}", "train.max_steps=0",
+            *data, f"data.batch_size={workload.BATCH_SIZE}", f"train.epochs={epochs}",
+            "train.max_steps=0",
             f"train.eval_every_epochs={epochs}", "train.threads=0", "seed=0",
             "checkpoint.enabled=false", "log.overwrite=true", f"log.dir={log_dir}",
             f"log.every_steps={LOG_EVERY}", "log.jsonl=true", *SINKS]
@@ -227,7 +230,8 @@ def memory_overrides(framework: str, root: Path, log_dir: Path) -> list[str]:
 def memory_main(argv: Sequence[str] | None = None) -> int:
     """One memory run on every rank; rank 0 prints ``{"rank_rss_mb", "tree_pss_mb",
     "tree_anon_mb", ...}``, each the largest over the ranks."""
-    p = argparse.ArgumentParser(description="one memory run of scripts/bench/data.py (under horovodrun)")
+    p = argparse.ArgumentParser(
+        description="one memory run of scripts/bench/data.py (under horovodrun)")
     p.add_argument("--framework", choices=sorted(CONFIGS), default="torch")
     p.add_argument("--root", type=Path, required=True, help="the npy data set")
     p.add_argument("--out-dir", type=Path, required=True)
