@@ -204,7 +204,8 @@ def memory_section(framework: str, args: argparse.Namespace, work: Path) -> str:
         f"{10 * args.small} (10 N) random uint8 images of {'x'.join(map(str, SHAPE))} and a "
         f"tenth as many test images ({size_mb:.0f} MB or {10 * size_mb:.0f} MB on disk), "
         f"`data.workers: -1` (one worker a rank), {FRAMEWORKS[framework][0]}, "
-        f"`horovodrun -np {args.np} --{args.controller}`, a job a run; {args.memory_rounds} rounds.",
+        f"`horovodrun -np {args.np} --{args.controller}`, a job a run; {args.memory_rounds} "
+        "rounds.",
         "Each rank samples itself and its child processes (`/proc/PID/smaps_rollup`) in a thread; "
         "the job's figure is the largest over its ranks (gathered by the engine's "
         "`allgather_object` after `hvdtrain.driver.train`).",
