@@ -21,11 +21,12 @@ demo: setup
 
 # The TensorFlow tests that start Horovod in pytest's own process get a process of their own: Horovod
 # for torch and for TensorFlow both started in one process crash it at exit (after the tests passed).
-# tests/cluster needs the two-node namespace cluster with Slurm over it: started here, and stopped
-# whatever the tests do (the trap), so that the machine is left as it was.
+# tests/slurm needs the one-node Slurm cluster, tests/cluster the two-node namespace cluster with
+# Slurm over it: all started here and stopped whatever the tests do (the trap), so that the machine is
+# left as it was.
 test: setup
-	bash scripts/slurm_local.sh start
-	trap 'bash scripts/cluster_local.sh stop' EXIT; \
+	trap 'bash scripts/cluster_local.sh stop; bash scripts/slurm_local.sh stop' EXIT; \
+	bash scripts/slurm_local.sh start && \
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
 	$(BIN)/python -m pytest tests --ignore=tests/tensorflow --ignore=tests/horovod && \
 	$(BIN)/python -m pytest tests/tensorflow && \
