@@ -12,6 +12,7 @@ BENCH = Path(__file__).parents[2] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 import allreduce  # noqa: E402
 import compression  # noqa: E402
+import data as data_bench  # noqa: E402
 import ddp  # noqa: E402
 import harness  # noqa: E402
 import monitoring  # noqa: E402
@@ -19,8 +20,8 @@ import overhead  # noqa: E402
 import scaling  # noqa: E402
 import workload  # noqa: E402
 
-DRIVERS = ("allreduce", "checkpoint", "compression", "ddp", "elastic_recovery", "frameworks",
-           "fusion", "monitoring", "overhead", "scaling")
+DRIVERS = ("allreduce", "checkpoint", "compression", "data", "ddp", "elastic_recovery",
+           "frameworks", "fusion", "monitoring", "overhead", "scaling")
 
 
 def test_summarize_gives_min_median_max_ratio_and_interval():
@@ -339,3 +340,103 @@ def test_synthetic_images_are_deterministic_shaped_and_learnable():
         SyntheticImages(height=0)
     with pytest.raises(HvdtrainError, match="data.options.noise=-1"):
         SyntheticImages(noise=-1)
+
+
+def test_data_bench_wait_share_weights_records_by_their_steps_and_skips_the_first_epoch():
+    import data_worker
+
+    records = [{"step": 4, "epoch": 0, "data_wait_time_s": 1.0, "step_time_s": 2.0},
+               {"step": 5, "epoch": 0, "data_wait_time_s": 0.0, "step_time_s": 2.0},
+               {"step": 9, "epoch": 1, "data_wait_time_s": 0.1, "step_time_s": 1.0},
+               {"step": 10, "epoch": 1, "data_wait_time_s": 0.6, "step_time_s": 1.0},
+               {"step": 11, "epoch": 1, "step_time_s": 1.0}]  # no wait figure: left out
+    assert data_worker.wait_share(records) == pytest.approx((4 * 1.0 + 0.4 + 0.6) / (10 + 4 + 1))
+    assert data_worker.wait_share(records, first_epoch=1) == pytest.approx(1.0 / 5)
+    assert data_worker.wait_share(records, first_epoch=2) is None
+
+
+def test_data_bench_verdicts_and_tables_from_canned_runs():
+    names = [v.name for v in data_bench.loading_variants("tensorflow")]
+    assert names == [data_bench.MEMORY, data_bench.DISK, data_bench.DISK0, data_bench.CONTROL]
+    assert [v.spec for v in data_bench.loading_variants("tensorflow")] == [
+        "data_worker:memory_tf", "data_worker:disk_tf", "data_worker:disk0_tf",
+        "data_worker:memory_tf"]
+    speed = {data_bench.MEMORY: [100.0, 200.0], data_bench.DISK: [96.0, 192.0],
+             data_bench.DISK0: [48.0, 96.0], data_bench.CONTROL: [101.0, 202.0]}
+    verdict = data_bench.speed_verdict(harness.summarize(speed, data_bench.MEMORY))
+    assert (verdict.status, verdict.ratio) == ("met", pytest.approx(0.96))
+    speed[data_bench.CONTROL] = [110.0, 220.0]  # A/A off by 10%: not judged
+    assert data_bench.speed_verdict(harness.summarize(speed, data_bench.MEMORY)).status == \
+        "inconclusive"
+    assert data_bench.workers_gain(speed) == pytest.approx((2.0, 2.0, 2.0))
+    runs = {name: [{"data_wait_share": share}, {"data_wait_share": None}]
+            for name, share in zip(names, (0.001, 0.04, 0.2, 0.002))}
+    shares = data_bench.wait_shares(runs)
+    assert shares[data_bench.DISK] == [0.04]
+    assert cells(data_bench.wait_table(shares))[3] == [data_bench.DISK, "1", "4.00", "4.00",
+                                                       "4.00"]
+    assert data_bench.wait_verdict(shares).endswith("met (target < 5%)")
+    assert data_bench.wait_verdict({data_bench.DISK: [0.06]}).startswith("6.00%")
+    memory = {data_bench.SMALL: [300.0, 310.0], data_bench.LARGE: [320.0, 330.0],
+              data_bench.SMALL_CONTROL: [305.0, 305.0]}
+    tables = {key: harness.summarize(memory, data_bench.SMALL) for key, _ in data_bench.MEMORY_KEYS}
+    assert {v.status for v in data_bench.memory_verdicts(tables).values()} == {"met"}
+
+
+def test_data_bench_sets_load_through_hvdtrain_and_preloaded_images_equal_the_folder(tmp_path):
+    import data_worker
+    import numpy as np
+
+    from hvdtrain.config import load_config
+    from hvdtrain.data.image_folder import ImageFolder
+    from hvdtrain.data.npy import NpyDataset
+
+    data_bench.write_npy(tmp_path / "npy", 30)
+    npy = NpyDataset(str(tmp_path / "npy"), scale=1 / 255)
+    assert (len(npy.train()), len(npy.test())) == (30, 3)
+    assert npy.spec().input_shape == data_bench.SHAPE
+    data_bench.make_images(tmp_path / "images", 20, 10)
+    folder = ImageFolder(str(tmp_path / "images"), data_worker.SIZE)
+    preloaded = data_worker.PreloadedImages(str(tmp_path / "images"))
+    assert preloaded.train().in_memory and preloaded.spec() == folder.spec()
+    picks = np.array([3, 0, 19])
+    assert np.array_equal(preloaded.train().load(picks).x, folder.train().load(picks).x)
+    assert np.array_equal(preloaded.test().load(picks[:2]).y, folder.test().load(picks[:2]).y)
+    for framework in ("torch", "tensorflow"):
+        for source, workers in (("memory", -1), ("disk", -1), ("disk0", 0)):
+            env = {"BENCH_DATA_ROOT": str(tmp_path / "images"), "BENCH_DATA_WIDTH": "8"}
+            with pytest.MonkeyPatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                overrides = data_worker.loading_overrides(framework, source, 3, tmp_path / "r")
+            cfg = load_config(data_worker.CONFIGS[framework], overrides, environ={})
+            assert (cfg.data.workers, cfg.model.options, cfg.train.eval_every_epochs) == \
+                (workers, {"width": 8}, 3)
+            assert cfg.data.options == {"root": str(tmp_path / "images"), "size": 64}
+            assert cfg.log.jsonl and not cfg.checkpoint.enabled
+        cfg = load_config(data_worker.CONFIGS[framework],
+                          data_worker.memory_overrides(framework, tmp_path / "npy", tmp_path / "r"),
+                          environ={})
+        assert (cfg.data.name, cfg.data.options["root"]) == ("npy", str(tmp_path / "npy"))
+
+
+def test_data_bench_peak_memory_counts_child_processes():
+    import os
+    import time
+
+    import data_worker
+
+    with data_worker.PeakMemory(interval=0.05) as alone:
+        pass
+    code = "import time; x = bytearray(64 << 20); print(flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the child holds its 64 MB
+        assert child.pid in data_worker.children(os.getpid())
+        peak = data_worker.PeakMemory()
+        peak.sample()
+        assert peak.anon_kb >= alone.anon_kb + 60_000
+        assert peak.pss_kb >= peak.anon_kb > 0
+    finally:
+        child.kill()
+        child.wait()
