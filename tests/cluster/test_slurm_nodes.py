@@ -96,7 +96,9 @@ def test_elastic_job_goes_on_when_a_node_is_drained(cluster, tmp_path):
     assert result["world_size"] == 1 and result["hosts"] == ["node1"], result
     assert result["elastic"]["resets"] >= 1
     assert result["samples"] == epochs * TRAIN_SAMPLES
-    for path in sorted((run / "indices").glob("epoch-*.npy")):  # every sample once per epoch
+    paths = sorted((run / "indices").glob("epoch-*.npy"))
+    assert len(paths) == epochs
+    for path in paths:  # every sample once per epoch
         assert np.array_equal(np.sort(np.load(path)), np.arange(TRAIN_SAMPLES)), path.name
     steps = [record["step"] for record in read_jsonl(run / "metrics.jsonl")]
     assert steps == sorted(set(steps))
