@@ -56,14 +56,21 @@ class TrainingState(State):
     def sync(self) -> None:
         self._saved = self._bcast_object(self._saved)
         self.restore()
-        collectives, size = self.engine.collectives, self.engine.collectives.size()
-        self.loop_cfg = loop_config(self.cfg, self.reference_size, size)
-        self.engine.resize(collectives.rank(), size, self.loop_cfg.train.backward_passes_per_step)
+        self.follow_world()
         # Every rank now holds rank 0's model and optimizer; this also hands each rank its share
         # of the compression state (error-feedback residuals) that the state carries.
         self.engine.broadcast_state()
         if self.engine.rank != 0:
             self.engine.fork_rng(self.cfg.seed, self.position.step)
+
+    def follow_world(self) -> None:
+        """Takes this rank's place and the world size Horovod runs at now into the engine and the
+        loop's config. Called by :meth:`sync` and on every entry into the training function: a
+        reset after hosts were only removed skips the sync (the survivors' states agree)."""
+        collectives = self.engine.collectives
+        size = collectives.size()
+        self.loop_cfg = loop_config(self.cfg, self.reference_size, size)
+        self.engine.resize(collectives.rank(), size, self.loop_cfg.train.backward_passes_per_step)
 
     def reset(self) -> None:
         self.resets += 1
@@ -95,6 +102,7 @@ class ElasticMode:
         session, engine = self.session, self.session.engine
         if state.error:
             raise state.error
+        state.follow_world()
         cfg = state.loop_cfg
         if engine.rank == 0:
             session.run_dir.log_event(entry_event(state, cfg.train.backward_passes_per_step))

@@ -11,7 +11,6 @@ import subprocess
 import time
 
 import numpy as np
-import pytest
 
 from tests.cluster.conftest import (TRAIN_SAMPLES, check_on_two_nodes, job_field, job_log, slurm, submit,
                                     summary, wait_state)
@@ -65,9 +64,6 @@ def wait_for_records(run, job_id: str, count: int, timeout: float) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a reset after hosts were only removed skips Horovod's sync, where hvdtrain resizes: the survivor "
-    "keeps the old rank and world size (half of each epoch's samples, no summary when it was rank 1)"))
 def test_elastic_job_goes_on_when_a_node_is_drained(cluster, tmp_path):
     """``--elastic``: the job's host discovery drops a drained node; its rank leaves, the other
     trains on alone from the last commit, and the job completes with every sample once per epoch."""
