@@ -113,7 +113,9 @@ class TorchEngine(Engine):
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        if self.exchange is None and self.optimizer.backward_passes_per_step != accumulation:
+        if self.exchange is not None:
+            self.exchange.resize(rank, size)
+        elif self.optimizer.backward_passes_per_step != accumulation:
             self.optimizer.set_backward_passes_per_step(accumulation)
 
     def fork_rng(self, seed: int, step: int) -> None:
