@@ -6,8 +6,10 @@ A training step runs as: local gradients (the engine's ``tf.function``), then
 :meth:`GradientExchange.run`, then the update. The exchange runs each plan stage in a ``tf.function``
 (compute) and each round's Horovod collectives in a ``tf.function`` of their own, whose calls it
 times: an eager call returns only when the collectives inside have finished, so that time is the
-time this rank waited for the exchange. Every method, ``none`` included, goes this way, so ``none``
-costs one collective call per step (one grouped allreduce, as ``DistributedGradientTape`` makes).
+time this rank waited for the exchange. The dense methods (``none``, ``fp16``) also have
+:func:`dense_mean`, which the engine traces into one step function with the gradients and the
+update, as a hand-written ``DistributedGradientTape`` loop does; the exchange then serves them only
+for their state (the step count in checkpoints).
 """
 
 from __future__ import annotations
@@ -224,6 +226,17 @@ class GradientExchange(Exchange):
 
     def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
         return hvd.broadcast(tf.constant(array), root_rank, name=name).numpy()
+
+
+def dense_mean(grads: Sequence[tf.Tensor], dtype: str, size: int) -> Tensors:
+    """The dense methods' average, traced inside the engine's fused step: ``grads`` sent as
+    ``dtype`` in one grouped Horovod allreduce and back as float32. The same numbers as
+    :class:`GradientExchange` gives a dense plan (nothing is sent at ``size`` 1, as there)."""
+    if size == 1:
+        return list(grads)
+    sent = [tf.cast(g, _DTYPES[dtype]) for g in grads]
+    averaged = hvd.grouped_allreduce(sent, op=hvd.Average, name=f"hvdtrain.fused.mean.{dtype}")
+    return [tf.cast(g, tf.float32) for g in averaged]
 
 
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,

@@ -1,4 +1,7 @@
-"""The TensorFlow engine: local gradients in a ``tf.function``, the gradient exchange of
+"""The TensorFlow engine. For the dense methods (``none``, ``fp16``) a step is one ``tf.function``:
+local gradients, Horovod's grouped allreduce and the update, as a hand-written
+``DistributedGradientTape`` loop runs it; two timestamps inside it give the time waited for the
+allreduce. The other methods run local gradients in a ``tf.function``, the gradient exchange of
 :mod:`hvdtrain.tensorflow.compression` (timed: eager Horovod calls return when the collectives are
 done), then the update in a ``tf.function``.
 
@@ -34,7 +37,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
-from hvdtrain.tensorflow.compression import make_exchange
+from hvdtrain.tensorflow.compression import dense_mean, make_exchange
 from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.models import ClassifierAdapter
@@ -102,6 +105,9 @@ class TensorFlowEngine(Engine):
         self.optimizer.build(self.model.trainable_variables)
         self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
                                       [v.shape for v in self.model.trainable_variables])
+        # Methods that send every tensor dense need no stage between the collectives: one traced
+        # step saves the calls, and the host round trips, of the split one.
+        self.fused = self.exchange.plan.dense
         self.stats: dict[str, float] = {}
         # L2 on the gradient, as torch's SGD and Adam do (Keras would decay the weights directly).
         self.l2 = cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0
@@ -128,6 +134,8 @@ class TensorFlowEngine(Engine):
         was built; its traced functions hold them."""
         if (self.exchange.rank, self.exchange.size) != (self.rank, self.size):
             self.exchange.resize(self.rank, self.size)
+        if self.fused and self._traced_size != self.size:
+            self._compile()  # the fused step decides when traced whether there is anyone to send to
 
     def _state_variables(self) -> list[tf.Variable]:
         return [v.value for v in [*self.model.variables, *self.optimizer.variables]]
@@ -153,7 +161,9 @@ class TensorFlowEngine(Engine):
         batch = (tf.TensorSpec([None, *self.input_shape], tf.float32),
                  tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
+        self._traced_size = self.size
         self._accumulate_fn = tf.function(self._accumulate, input_signature=batch, jit_compile=False)
+        self._fused_fn = tf.function(self._fused_step, input_signature=batch, jit_compile=False)
         self._gradients_fn = tf.function(self._gradients, input_signature=batch, jit_compile=False)
         self._apply_fn = tf.function(self._apply, input_signature=[grads], jit_compile=False)
         self._eval_fn = tf.function(self._eval_batch, input_signature=batch[:2], jit_compile=False)
@@ -186,6 +196,21 @@ class TensorFlowEngine(Engine):
                 acc.assign(tf.zeros_like(acc))
         return loss_sum, metrics, grads
 
+    def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                    ) -> tuple[tf.Tensor, dict, tf.Tensor]:
+        """The step's last micro-batch, the allreduce of a dense method and the update in one
+        function; also returns the seconds from the gradients being ready to the average."""
+        loss_sum, metrics, grads = self._gradients(x, y, scale)
+        with tf.control_dependencies(grads):
+            ready = tf.timestamp()
+        with tf.control_dependencies([ready]):  # the allreduce starts after the clock reads
+            grads = [tf.identity(g) for g in grads]
+        averaged = dense_mean(grads, self.exchange.plan.dense_dtype, self.size)
+        with tf.control_dependencies(averaged):
+            comm_s = tf.timestamp() - ready
+        self._apply(averaged)
+        return loss_sum, metrics, comm_s
+
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The update with the exchanged (averaged) gradients."""
         self.precision.note(grads)
@@ -215,15 +240,28 @@ class TensorFlowEngine(Engine):
             data_s += time.perf_counter() - tick
             if i < len(step.micro) - 1:
                 loss_sum, metrics = self._accumulate_fn(x, y, scale)
+            elif self.fused:
+                loss_sum, metrics, comm = self._fused_fn(x, y, scale)
             else:
                 loss_sum, metrics, grads = self._gradients_fn(x, y, scale)
             add_batch_sums(sums, loss_sum, metrics, len(idx))
-        self._apply_fn(self.exchange.run(grads))
-        exchange = self.exchange.stats
+        exchange = self._fused_stats(comm) if self.fused else self._exchange(grads)
         self.stats = {"data_s": data_s, "comm_s": exchange["comm_s"],
                       "compute_s": time.perf_counter() - started - data_s - exchange["comm_s"],
                       "wire_bytes": exchange["wire_bytes"], "dense_bytes": exchange["dense_bytes"]}
         return sums
+
+    def _exchange(self, grads: list[tf.Tensor]) -> dict[str, float]:
+        """The split step's exchange and update; the exchange's measurements."""
+        self._apply_fn(self.exchange.run(grads))
+        return self.exchange.stats
+
+    def _fused_stats(self, comm: tf.Tensor) -> dict[str, float]:
+        """What the split step's exchange would report for a fused step."""
+        self.exchange.step += 1  # checkpoints carry the exchange's step count, whichever path ran
+        plan, sent = self.exchange.plan, self.size > 1
+        return {"comm_s": float(comm), "wire_bytes": float(plan.wire_bytes()) if sent else 0.0,
+                "dense_bytes": float(plan.dense_bytes()) if sent else 0.0}
 
     def step_stats(self) -> dict[str, float]:
         return {**self.stats, "skipped": self.precision.skipped}

@@ -10,6 +10,7 @@ import pytest
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.engine import TensorFlowEngine
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.loop import make_sampler
 from tests.conftest import TF_CONFIG, quiet_config
 
 
@@ -65,3 +66,26 @@ def test_bad_model_name_lists_the_tensorflow_models(tmp_path):
     with pytest.raises(HvdtrainError, match="unknown tensorflow model 'resnet'; known: mlp"):
         train(config(tmp_path, "model.name=resnet"))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    ("comm.compression=none",),
+    ("comm.compression=fp16", "train.backward_passes_per_step=2"),
+    ("comm.compression=none", "train.precision=fp16", "optim.name=adamw", "optim.weight_decay=0.01"),
+    ("comm.compression=none", "optim.weight_decay=0.001"),
+])
+def test_the_fused_step_trains_as_the_split_one(tmp_path, overrides):
+    """A dense method's one traced step (gradients, allreduce, update) and the split step
+    (gradients, the exchange, update) give the same weights, step counts and measurements."""
+    cfg = config(tmp_path, *overrides)
+    fused, split = (TensorFlowEngine(cfg, make_dataset(cfg)) for _ in range(2))
+    split.fused = False
+    assert fused.fused and fused.parameters().keys() == split.parameters().keys()
+    plan = make_sampler(cfg, len(make_dataset(cfg).train())).steps(0, 0, 1)
+    for number, indices in enumerate(list(plan)[:6]):
+        lr = 0.05 * (number + 1)
+        assert fused.train_step(indices, lr) == split.train_step(indices, lr)
+        assert set(fused.step_stats()) == set(split.step_stats())
+    for key, value in split.parameters().items():
+        np.testing.assert_array_equal(fused.parameters()[key], value, err_msg=key)
+    assert fused.exchange.step == split.exchange.step == 6
