@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "horovod" / "known_artifacts.txt"
 LOGS = ROOT / "runs" / "test-horovod"
 PLUGIN_DIR = ROOT / "tests" / "horovod"
-SUITES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow2_keras.py")
+SUITES = ("test_torch.py", "test_tensorflow.py", "test_tensorflow2_keras.py",
+          "test_tensorflow_process_sets.py", "test_tensorflow_process_sets_dynamic.py",
+          "test_tensorflow2_keras_process_sets.py", "test_process_sets_static.py")
 CONTROLLERS = ("gloo", "mpi")
 OUTCOMES = ("passed", "failed", "skipped", "errors")
 # Rank 0's lines: "[0]<stdout>:" under Gloo, "[1,0]<stdout>:" under Open MPI.
