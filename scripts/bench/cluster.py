@@ -203,8 +203,9 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def bandwidth_row(placement: str, size: int, rows: list[harness.Row],
-                  tables: dict[str, Any]) -> tuple[list[str], harness.Verdict | None]:
-    """One placement's size: the cells and, on a link-limited row from 64 MB, the verdict."""
+                  tables: dict[str, Any]) -> tuple[list[str], harness.Verdict | str | None]:
+    """One placement's size: the cells and, on a row from 64 MB where the link limits, the verdict
+    (only shown where the CPU limits too)."""
     import allreduce as ar
 
     raw, hvd, control = rows[ar.RAW], rows[ar.HOROVOD], rows[ar.CONTROL]
@@ -217,8 +218,10 @@ def bandwidth_row(placement: str, size: int, rows: list[harness.Row],
         limit = "?" if free is None else "link" if free >= 2 * rate else "CPU" if free < rate else "both"
         ratio = ar.bus(hvd.median, 2) * 1e9 / rate
         share = f"{ratio:.3f}"
-        if limit == "link" and size >= LINK_FROM:
+        if limit in ("link", "both") and size >= LINK_FROM:
             verdict = harness.judge(ratio, control.ratio, LINK_TARGET, higher_is_better=True)
+            if limit == "both":  # shown, not judged: the CPU is a limit too
+                verdict = f"{ratio:.3f}, A/A control {control.ratio:.3f}: not judged (CPU and link)"
     spread = lambda r: f"{gbit(r.median):.3g} ({gbit(r.min):.3g}-{gbit(r.max):.3g})"  # noqa: E731
     return [placement, ar.human(size), spread(raw), spread(hvd), share, f"{hvd.ratio:.3f}",
             f"{control.ratio:.3f}", limit], verdict
@@ -270,9 +273,10 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as out:
         for seed in range(args.seeds):
             for rate in harness.round_order(rates, seed):
-                argv = [str(harness.python()), str(harness.HERE / "compression.py"), "--worker", "--framework", "torch",
-                        "--dataset", "digits", "--seed", str(seed), "--methods", ",".join(methods),
-                        "--out", f"{out}/{rate}", "--target", str(args.target),
+                argv = [str(harness.python()), str(harness.HERE / "compression.py"), "--worker",
+                        "--framework", "torch", "--dataset", "digits", "--seed", str(seed),
+                        "--methods", ",".join(methods), "--out", f"{out}/{rate}",
+                        "--target", str(args.target),
                         *[f"--extra={e}" for e in [*cp.SLOW, *args.extra]]]
                 found = run_on(rate, argv, cp.KEY, args.timeout)
                 records += [{**r, "rate": rate} for r in found]
