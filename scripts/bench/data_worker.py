@@ -8,7 +8,7 @@
   (:class:`PreloadedImages`, a dataset plug-in by import path). The record adds the steady share
   of step time spent waiting for data.
 - Memory (this file's ``__main__`` under ``horovodrun``, one job a run, since a peak is a process's
-  whole life): one epoch on an ``npy`` data set; rank 0 prints the peak memory of the worst rank.
+  whole life): ``--epochs`` on an ``npy`` data set; rank 0 prints the peak memory of the worst rank.
 """
 
 from __future__ import annotations
@@ -218,11 +218,13 @@ class PeakMemory:
         self.sample()
 
 
-def memory_overrides(framework: str, root: Path, log_dir: Path) -> list[str]:
-    """One epoch of an MLP on the ``npy`` set at ``root`` (uint8 pixels), default workers."""
+def memory_overrides(framework: str, root: Path, log_dir: Path, epochs: int = 1) -> list[str]:
+    """``epochs`` of an MLP on the ``npy`` set at ``root`` (uint8 pixels), default workers, one
+    evaluation at the end."""
     return [f"framework={framework}", "model.name=mlp", "model.options={hidden: [64]}",
             "data.name=npy", f"data.options={{root: {root}, scale: {1 / 255}}}",
-            "data.workers=-1", "data.batch_size=64", "train.epochs=1", "train.max_steps=0",
+            "data.workers=-1", "data.batch_size=64", f"train.epochs={epochs}",
+            f"train.eval_every_epochs={epochs}", "train.max_steps=0",
             "train.threads=0", "seed=0", "checkpoint.enabled=false", "log.overwrite=true",
             f"log.dir={log_dir}", "log.jsonl=false", *SINKS]
 
@@ -235,9 +237,10 @@ def memory_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--framework", choices=sorted(CONFIGS), default="torch")
     p.add_argument("--root", type=Path, required=True, help="the npy data set")
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--epochs", type=int, default=1)
     args = p.parse_args(argv)
-    cfg = load_config(CONFIGS[args.framework],
-                      memory_overrides(args.framework, args.root, args.out_dir / "run"), environ={})
+    overrides = memory_overrides(args.framework, args.root, args.out_dir / "run", args.epochs)
+    cfg = load_config(CONFIGS[args.framework], overrides, environ={})
     with PeakMemory() as peak:
         result = train(cfg)
     mine = {"rank_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
