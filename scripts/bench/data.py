@@ -165,6 +165,9 @@ def loading_section(framework: str, args: argparse.Namespace, work: Path) -> str
         "rank here; workers 0: on the training thread).",
         "Timed through a `hvdtrain.loop.Callback` (steady state) and `summary.json` (whole run); "
         "the wait share from the run's `metrics.jsonl`.",
+        f"With as many ranks as cores ({args.np} on {os.cpu_count()}), a loader worker decodes on "
+        "the cores that train: parallel loading can hide the wait for data, not add CPU, so "
+        "disk against memory measures the decoding's CPU cost beside the model's.",
         f"Result, disk with workers / in memory, whole run: {speed_verdict(whole)}.",
         f"Result, disk with workers / in memory, steady state: {speed_verdict(steady)}.",
         f"Result, data wait of disk with workers: {wait_verdict(shares)}.",
