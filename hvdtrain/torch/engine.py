@@ -139,7 +139,7 @@ class TorchEngine(Engine):
             x, y = next(batches)
             data_s += time.perf_counter() - waited
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y)
-            self.precision.backward(loss_sum * scale)
+            self.precision.backward(loss_sum, scale)
             add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
         stats = self._exchange_and_step()
         stats["data_s"] = data_s
