@@ -17,7 +17,7 @@ import json
 import math
 import time
 import warnings
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod
@@ -66,6 +66,20 @@ def _set_threads(count: int) -> None:
                           f"train.threads={count} applies to a new process only", stacklevel=2)
 
 
+def _concrete(function: Any) -> Callable[..., Any]:
+    """Calls ``function``'s one concrete function (``function`` has an input signature), traced on
+    the first call. Called directly, it skips what a ``tf.function`` call does every time to match
+    its arguments to a trace, which costs as much as running a small model's step."""
+    concrete = None
+
+    def call(*args: Any) -> Any:
+        nonlocal concrete
+        if concrete is None:
+            concrete = function.get_concrete_function()
+        return concrete(*args)
+    return call
+
+
 class TensorFlowEngine(Engine):
     """Trains a ``keras.Model`` on Horovod; see :class:`hvdtrain.engine.Engine`."""
 
@@ -108,6 +122,7 @@ class TensorFlowEngine(Engine):
         # Methods that send every tensor dense need no stage between the collectives: one traced
         # step saves the calls, and the host round trips, of the split one.
         self.fused = self.exchange.plan.dense
+        self._scale_cache: tuple[float, tf.Tensor | None] = (math.nan, None)
         self.stats: dict[str, float] = {}
         # L2 on the gradient, as torch's SGD and Adam do (Keras would decay the weights directly).
         self.l2 = cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0
@@ -162,10 +177,14 @@ class TensorFlowEngine(Engine):
                  tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self._traced_size = self.size
-        self._accumulate_fn = tf.function(self._accumulate, input_signature=batch, jit_compile=False)
-        self._fused_fn = tf.function(self._fused_step, input_signature=batch, jit_compile=False)
-        self._gradients_fn = tf.function(self._gradients, input_signature=batch, jit_compile=False)
-        self._apply_fn = tf.function(self._apply, input_signature=[grads], jit_compile=False)
+        self._accumulate_fn = _concrete(tf.function(self._accumulate, input_signature=batch,
+                                                    jit_compile=False))
+        self._fused_fn = _concrete(tf.function(self._fused_step, input_signature=batch,
+                                               jit_compile=False))
+        self._gradients_fn = _concrete(tf.function(self._gradients, input_signature=batch,
+                                                   jit_compile=False))
+        self._apply_fn = _concrete(tf.function(self._apply, input_signature=[grads],
+                                               jit_compile=False))
         self._eval_fn = tf.function(self._eval_batch, input_signature=batch[:2], jit_compile=False)
 
     def _local_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
@@ -196,11 +215,13 @@ class TensorFlowEngine(Engine):
                 acc.assign(tf.zeros_like(acc))
         return loss_sum, metrics, grads
 
-    def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
-                    ) -> tuple[tf.Tensor, dict, tf.Tensor]:
+    def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
         """The step's last micro-batch, the allreduce of a dense method and the update in one
-        function; also returns the seconds from the gradients being ready to the average."""
+        function. Returns its loss sum, its metrics (in ``_metric_keys`` order) and the seconds
+        from the gradients being ready to their average as one float64 vector: one copy to the
+        host a step."""
         loss_sum, metrics, grads = self._gradients(x, y, scale)
+        self._metric_keys = sorted(metrics)  # set while tracing, before the first result is read
         with tf.control_dependencies(grads):
             ready = tf.timestamp()
         with tf.control_dependencies([ready]):  # the allreduce starts after the clock reads
@@ -209,7 +230,8 @@ class TensorFlowEngine(Engine):
         with tf.control_dependencies(averaged):
             comm_s = tf.timestamp() - ready
         self._apply(averaged)
-        return loss_sum, metrics, comm_s
+        values = [loss_sum, *(metrics[k] for k in self._metric_keys), comm_s]
+        return tf.stack([tf.cast(v, tf.float64) for v in values])
 
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The update with the exchanged (averaged) gradients."""
@@ -230,7 +252,7 @@ class TensorFlowEngine(Engine):
         started = time.perf_counter()
         # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
         # the result the mean over the step's samples, even when ranks hold unequal shares.
-        scale = tf.constant(self.size / step.global_count, tf.float32)
+        scale = self._scale(self.size / step.global_count)
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         data_s = 0.0  # the wait for each micro-batch: what prefetching did not hide
         batches = self.data.batches(step)
@@ -241,7 +263,8 @@ class TensorFlowEngine(Engine):
             if i < len(step.micro) - 1:
                 loss_sum, metrics = self._accumulate_fn(x, y, scale)
             elif self.fused:
-                loss_sum, metrics, comm = self._fused_fn(x, y, scale)
+                loss_sum, *values, comm = self._fused_fn(x, y, scale).numpy().tolist()
+                metrics = dict(zip(self._metric_keys, values))
             else:
                 loss_sum, metrics, grads = self._gradients_fn(x, y, scale)
             add_batch_sums(sums, loss_sum, metrics, len(idx))
@@ -256,12 +279,18 @@ class TensorFlowEngine(Engine):
         self._apply_fn(self.exchange.run(grads))
         return self.exchange.stats
 
-    def _fused_stats(self, comm: tf.Tensor) -> dict[str, float]:
+    def _fused_stats(self, comm: float) -> dict[str, float]:
         """What the split step's exchange would report for a fused step."""
         self.exchange.step += 1  # checkpoints carry the exchange's step count, whichever path ran
         plan, sent = self.exchange.plan, self.size > 1
-        return {"comm_s": float(comm), "wire_bytes": float(plan.wire_bytes()) if sent else 0.0,
+        return {"comm_s": comm, "wire_bytes": float(plan.wire_bytes()) if sent else 0.0,
                 "dense_bytes": float(plan.dense_bytes()) if sent else 0.0}
+
+    def _scale(self, value: float) -> tf.Tensor:
+        """``value`` as a tensor, made again only when it changes (the last step of an epoch)."""
+        if self._scale_cache[0] != value:
+            self._scale_cache = (value, tf.constant(value, tf.float32))
+        return self._scale_cache[1]
 
     def step_stats(self) -> dict[str, float]:
         return {**self.stats, "skipped": self.precision.skipped}
