@@ -69,6 +69,32 @@ class Collectives(abc.ABC):
         last commit after every reset."""
 
 
+class HorovodCollectives(Collectives):
+    """What ``horovod.torch`` and ``horovod.tensorflow`` offer under the same names, given the
+    module; the framework packages add the sums and the elastic runner."""
+
+    def __init__(self, hvd: Any) -> None:
+        self._hvd = hvd
+
+    def rank(self) -> int:
+        return self._hvd.rank()
+
+    def size(self) -> int:
+        return self._hvd.size()
+
+    def local_rank(self) -> int:
+        return self._hvd.local_rank()
+
+    def local_size(self) -> int:
+        return self._hvd.local_size()
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        return self._hvd.broadcast_object(obj, root_rank=root_rank)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self._hvd.allgather_object(obj)
+
+
 class Step(abc.ABC):
     """The computation: one optimizer step and scoring the test split."""
 

@@ -11,23 +11,14 @@ import tensorflow as tf
 from horovod.common.elastic import run_fn
 from horovod.common.exceptions import HorovodInternalError
 
-from hvdtrain.engine import Collectives
+from hvdtrain.engine import HorovodCollectives
 
 
-class TensorFlowCollectives(Collectives):
+class TensorFlowCollectives(HorovodCollectives):
     """``horovod.tensorflow``'s collectives; see :class:`hvdtrain.engine.Collectives`."""
 
-    def rank(self) -> int:
-        return hvd.rank()
-
-    def size(self) -> int:
-        return hvd.size()
-
-    def local_rank(self) -> int:
-        return hvd.local_rank()
-
-    def local_size(self) -> int:
-        return hvd.local_size()
+    def __init__(self) -> None:
+        super().__init__(hvd)
 
     def start_allreduce_sums(self, sums: dict[str, float]) -> Callable[[], dict[str, float]]:
         # Eager Horovod ops in TensorFlow complete before they return: nothing is left to wait for.
@@ -35,12 +26,6 @@ class TensorFlowCollectives(Collectives):
         values = tf.constant([sums[k] for k in keys], tf.float64)
         total = dict(zip(keys, hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()))
         return lambda: total
-
-    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
-        return hvd.broadcast_object(obj, root_rank=root_rank)
-
-    def allgather_object(self, obj: Any) -> list[Any]:
-        return hvd.allgather_object(obj)
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """``hvd.elastic.run`` for TensorFlow, with a fix: Horovod's version turns only errors that
