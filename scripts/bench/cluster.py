@@ -50,7 +50,10 @@ RATES = {"10gbit": 10e9, "1gbit": 1e9, "100mbit": 100e6}
 """The shaped links, in bits per second."""
 LINK_TARGET, LINK_FROM = 0.9, 64 << 20
 SPEEDUP_TARGET = 3.0
-WIDE = ["model.options.hidden=[1024,1024]"]
+ONE_THREAD = "train.threads=1"
+"""Every node of this cluster sees the machine's cores, so ``train.threads: 0`` would give each of
+the two ranks all of them (one host gives each rank its share): one thread a rank everywhere."""
+WIDE = ["model.options.hidden=[1024,1024]", ONE_THREAD]
 """The training part's MLP, 64-1024-1024-10 as in ``compression.SLOW``."""
 GRADIENT_BYTES = 4 * (64 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
 SIZES = {"rounds": (3, 1), "warmup": (1, 0), "seeds": (3, 1), "epochs": (3, 2)}
@@ -251,7 +254,10 @@ def training(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     named = harness.by_name(rows)
     ceilings = [f"{p} {2 * 32 / (GRADIENT_BYTES / rate_of(p)):,.0f}" for p in placements
                 if rate_of(p)]
-    notes = [f"A run: {args.epochs} epochs of {next(iter(results.values()))[0]['steps']} steps, "
+    notes = [f"One compute thread a rank everywhere (`{ONE_THREAD}`): each namespace node sees "
+             "both cores, and `train.threads: 0` would give each rank two threads on the 2 cores "
+             "the ranks share.",
+             f"A run: {args.epochs} epochs of {next(iter(results.values()))[0]['steps']} steps, "
              f"batch 32 per rank, after {args.warmup} warm-up run in the same job; one job per "
              f"placement and round, {args.rounds} rounds, order reversed on odd rounds.",
              f"The link alone allows at most 64 samples per {GRADIENT_BYTES / 1e6:.2f} MB of "
@@ -277,7 +283,7 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                         "--framework", "torch", "--dataset", "digits", "--seed", str(seed),
                         "--methods", ",".join(methods), "--out", f"{out}/{rate}",
                         "--target", str(args.target),
-                        *[f"--extra={e}" for e in [*cp.SLOW, *args.extra]]]
+                        *[f"--extra={e}" for e in [*cp.SLOW, ONE_THREAD, *args.extra]]]
                 found = run_on(rate, argv, cp.KEY, args.timeout)
                 records += [{**r, "rate": rate} for r in found]
     blocks, notes = [], []
@@ -287,8 +293,8 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         blocks.append(f"Over the {rate} link between the nodes:\n\n{table}")
         notes.append(f"Result, {rate}: {verdict}.")
     notes.insert(0, f"Workload: `compression.SLOW` (MLP 64-1024-1024-10 on digits, 5 epochs, "
-                    f"constant learning rate), 2 ranks over Gloo, one rank per node, seeds 0 to "
-                    f"{args.seeds - 1}; time to {args.target} test accuracy from the start of "
+                    f"constant learning rate, one compute thread a rank), 2 ranks over Gloo, one "
+                    f"rank per node, seeds 0 to {args.seeds - 1}; time to {args.target} test accuracy from the start of "
                     "training, at the evaluation after each epoch. Sooner = none's median / the "
                     "method's; its interval pairs the runs by seed. Replaces the single-host "
                     "network-namespace link of `compression.py`'s slow-link table.")
