@@ -118,14 +118,14 @@ def make_images(root: Path, train: int, test: int) -> None:
     write(root, train, test, SHAPE[1])
 
 
-def write_npy(root: Path, samples: int, seed: int = 0) -> None:
-    """An ``npy`` data set of ``samples`` random uint8 images and a tenth as many test ones,
+def write_npy(root: Path, samples: int, test: int, seed: int = 0) -> None:
+    """An ``npy`` data set of ``samples`` random uint8 training images and ``test`` test ones,
     written a chunk at a time (never whole in this process's memory)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", samples), ("test", max(1, samples // 10))):
+    for split, count in (("train", samples), ("test", test)):
         x = np.lib.format.open_memmap(root / f"{split}_x.npy", "w+", np.uint8, (count, *SHAPE))
         for start in range(0, count, 1000):
             stop = min(count, start + 1000)
@@ -181,6 +181,12 @@ def loading_section(framework: str, args: argparse.Namespace, work: Path) -> str
     return harness.section_text(title, args.command, machine, blocks, notes)
 
 
+def npy_test_count(args: argparse.Namespace) -> int:
+    """The test split of both ``npy`` sets: a tenth of the small one's training split (the same
+    in both, so that the evaluation's batches do not differ)."""
+    return max(1, args.small // 10)
+
+
 def memory_jobs(framework: str, args: argparse.Namespace, work: Path) -> list[harness.Job]:
     """A, B and A': a ``horovodrun`` job each over the small or the large ``npy`` set."""
     jobs = []
@@ -190,7 +196,7 @@ def memory_jobs(framework: str, args: argparse.Namespace, work: Path) -> list[ha
         root = work / f"npy-{samples}"
         if not root.exists():
             harness.log(f"writing an npy data set of {samples} samples to {root}")
-            write_npy(root, samples)
+            write_npy(root, samples, npy_test_count(args))
         argv = [harness.horovodrun(), "-np", str(args.np), f"--{args.controller}",
                 str(harness.python()), str(harness.HERE / "data_worker.py"), "--framework",
                 framework, "--root", str(root), "--epochs", str(epochs), "--out-dir",
@@ -209,12 +215,13 @@ def memory_section(framework: str, args: argparse.Namespace, work: Path) -> str:
     verdicts = memory_verdicts(tables)
     blocks = [harness.table_block(f"{caption}:", tables[key], unit="MB", scale=1.0, digits=1)
               for key, caption in MEMORY_KEYS]
-    size_mb = args.small * (1 + 1 / 10) * (SHAPE[0] * SHAPE[1] * SHAPE[2] + 8) / 1e6
+    size_mb = args.small * (SHAPE[0] * SHAPE[1] * SHAPE[2] + 8) / 1e6
     notes = [
         f"Workload: an MLP (hidden 64) trained on {FACTOR * args.small} samples, batch 64 per "
         f"rank: {FACTOR} epochs of an `npy` data set of {args.small} (N) or one epoch of "
-        f"{FACTOR * args.small} (10 N) random uint8 images of {'x'.join(map(str, SHAPE))} and a "
-        f"tenth as many test images ({size_mb:.0f} MB or {10 * size_mb:.0f} MB on disk), "
+        f"{FACTOR * args.small} (10 N) random uint8 images of {'x'.join(map(str, SHAPE))} "
+        f"({size_mb:.0f} MB or {FACTOR * size_mb:.0f} MB on disk), and the same "
+        f"{npy_test_count(args)} test images (evaluated once, at the end), "
         f"`data.workers: -1` (one worker a rank), {FRAMEWORKS[framework][0]}, "
         f"`horovodrun -np {args.np} --{args.controller}`, a job a run; {args.memory_rounds} "
         "rounds.",

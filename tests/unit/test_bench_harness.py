@@ -391,7 +391,7 @@ def test_data_bench_sets_load_through_hvdtrain_and_preloaded_images_equal_the_fo
     from hvdtrain.data.image_folder import ImageFolder
     from hvdtrain.data.npy import NpyDataset
 
-    data_bench.write_npy(tmp_path / "npy", 30)
+    data_bench.write_npy(tmp_path / "npy", 30, 3)
     npy = NpyDataset(str(tmp_path / "npy"), scale=1 / 255)
     assert (len(npy.train()), len(npy.test())) == (30, 3)
     assert npy.spec().input_shape == data_bench.SHAPE
