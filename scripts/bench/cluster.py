@@ -295,8 +295,9 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     notes.insert(0, f"Workload: `compression.SLOW` (MLP 64-1024-1024-10 on digits, 5 epochs, "
                     f"constant learning rate, one compute thread a rank), 2 ranks over Gloo, one "
                     f"rank per node, seeds 0 to {args.seeds - 1}; time to {args.target} test "
-                    "accuracy from the start of training, at the evaluation after each epoch. Sooner = none's median / the "
-                    "method's; its interval pairs the runs by seed. Replaces the single-host "
+                    "accuracy from the start of training, at the evaluation after each epoch. "
+                    "Sooner = none's median / the method's; its interval pairs the runs by seed. "
+                    "Replaces the single-host "
                     "network-namespace link of `compression.py`'s slow-link table.")
     return blocks, notes
 
