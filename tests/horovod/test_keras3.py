@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[2]
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -42,6 +44,14 @@ def test_keras_api_and_sync_batch_norm_on_keras3():
         assert f"[1]<stdout>:ok check_{check}" in proc.stdout
 
 
+SUITES = Path(os.environ.get("HOROVOD_TESTS") or ROOT.parent / "shared" / "horovod-tests")
+
+
+# Horovod's sdist does not ship its tests and nothing of them is copied into the project: on a machine
+# without a v0.28.1 test/ folder beside the checkout (or HOROVOD_TESTS) this case cannot run, and says
+# so in pytest's summary; the Keras 3 checks above run everywhere.
+@pytest.mark.skipif(not (SUITES / "test" / "parallel").is_dir(),
+                    reason=f"Horovod v0.28.1's test/ not found at {SUITES}; set HOROVOD_TESTS")
 def test_horovods_own_keras_and_sync_batch_norm_cases_pass():
     # Horovod's own suites, through the same runner as `make test-horovod`, restricted to its Keras
     # API suite and the SyncBatchNormalization and model-parallel tape cases, under Gloo.
