@@ -30,7 +30,7 @@ test: setup
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
 	$(BIN)/python -m pytest tests --ignore=tests/tensorflow --ignore=tests/horovod && \
 	$(BIN)/python -m pytest tests/tensorflow && \
-	$(BIN)/python -m pytest tests/horovod
+	$(BIN)/python -m pytest -rs tests/horovod
 
 # Horovod's own parallel suites (torch, TensorFlow; Gloo and MPI; 2 ranks) against the installed
 # build, with a table per suite and controller. HOROVOD_TESTS: a folder with v0.28.1's test/
