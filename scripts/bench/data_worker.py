@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is in
 import numpy as np  # noqa: E402
 
 import workload  # noqa: E402
+from hvdtrain_worker import Clocked  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
 from hvdtrain.data.contracts import Dataset, DatasetSpec, Source, Split  # noqa: E402
 from hvdtrain.data.image_folder import ImageFolder  # noqa: E402
 from hvdtrain.driver import train  # noqa: E402
-from hvdtrain.loop import Callback  # noqa: E402
 from hvdtrain.rundir import RunDir  # noqa: E402
 
 CONFIGS = {"torch": ROOT / "configs" / "images_torch.yaml",
@@ -85,19 +85,6 @@ class PreloadedImages(Dataset):
 
     def test(self) -> Source:
         return self._test
-
-
-class Clocked(Callback):
-    """Notes on a :class:`workload.Clock` when each step and the first evaluation start."""
-
-    def __init__(self, clock: workload.Clock) -> None:
-        self.clock = clock
-
-    def on_step_start(self, step: int) -> None:
-        self.clock.step()
-
-    def on_evaluate_start(self) -> None:
-        self.clock.evaluation()
 
 
 def wait_share(records: Sequence[dict[str, Any]], first_epoch: int = 0) -> float | None:
