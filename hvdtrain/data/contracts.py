@@ -105,6 +105,24 @@ class Dataset(abc.ABC):
         """The evaluation split."""
 
 
+class BuiltDataset(Dataset):
+    """A dataset whose constructor builds its spec and both splits once, into ``_spec``,
+    ``_train`` and ``_test``; the accessors hand them out."""
+
+    _spec: DatasetSpec
+    _train: Source
+    _test: Source
+
+    def spec(self) -> DatasetSpec:
+        return self._spec
+
+    def train(self) -> Source:
+        return self._train
+
+    def test(self) -> Source:
+        return self._test
+
+
 def check_label_range(y: np.ndarray, num_classes: int, where: str) -> None:
     """Raises when labels fall outside ``[0, num_classes)``: the loss would fail mid-run."""
     if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from hvdtrain.data.augment import Augment
-from hvdtrain.data.contracts import Batch, Dataset, DatasetSpec, Draw, Source
+from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source
 from hvdtrain.errors import HvdtrainError
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -99,7 +99,7 @@ def list_images(split_dir: Path, classes: list[str] | None) -> tuple[list[str], 
     return paths, np.array(labels, np.int64), found
 
 
-class ImageFolder(Dataset):
+class ImageFolder(BuiltDataset):
     """Class-per-folder images under ``root`` (``train`` and ``test`` sub-folders).
 
     Options: ``root``; ``size`` (pixels of the square images the model sees, default 32);
@@ -119,11 +119,3 @@ class ImageFolder(Dataset):
         self._train = ImageFiles(train_paths, train_labels, size, augment, bool(skip_corrupt))
         self._test = ImageFiles(test_paths, test_labels, size, None, bool(skip_corrupt))
 
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    def train(self) -> Source:
-        return self._train
-
-    def test(self) -> Source:
-        return self._test

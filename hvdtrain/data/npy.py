@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from hvdtrain.data.augment import Augment
-from hvdtrain.data.contracts import Batch, Dataset, DatasetSpec, Draw, Source, check_label_range
+from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source, check_label_range
 from hvdtrain.errors import HvdtrainError
 
 
@@ -42,7 +42,7 @@ class NpySource(Source):
         return Batch(rows, np.asarray(self.y[indices], np.int64))
 
 
-class NpyDataset(Dataset):
+class NpyDataset(BuiltDataset):
     """``root/{train,test}_{x,y}.npy``: inputs of any shape (the batch first), integer labels.
 
     Options: ``root``; ``scale`` multiplies the inputs (``1/255`` for uint8 pixels);
@@ -76,11 +76,3 @@ class NpyDataset(Dataset):
         self._train = NpySource(arrays["train_x"], arrays["train_y"], scale, augment)
         self._test = NpySource(arrays["test_x"], arrays["test_y"], scale, None)
 
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    def train(self) -> Source:
-        return self._train
-
-    def test(self) -> Source:
-        return self._test

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from hvdtrain.data.contracts import Batch, Dataset, DatasetSpec, Draw, Source
+from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source
 from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
                                    eval_requests, fetch)
 from hvdtrain.data.sampler import StepIndices
@@ -153,7 +153,7 @@ class TorchDatasetSource(Source):
         return Batch(np.stack([x for x, _ in samples]), np.array([y for _, y in samples], np.int64))
 
 
-class TorchDatasets(Dataset):
+class TorchDatasets(BuiltDataset):
     """A user's own ``torch.utils.data.Dataset`` objects (``data.name: torch_dataset``).
 
     ``train`` and ``test`` are import paths ``package.module:Name`` of a class or function that
@@ -186,11 +186,3 @@ class TorchDatasets(Dataset):
         except TypeError as exc:
             raise HvdtrainError(f"data.options for {path!r}: {exc}") from None
 
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    def train(self) -> Source:
-        return self._train
-
-    def test(self) -> Source:
-        return self._test

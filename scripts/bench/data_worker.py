@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import workload  # noqa: E402
 from hvdtrain_worker import Clocked  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
-from hvdtrain.data.contracts import Dataset, DatasetSpec, Source, Split  # noqa: E402
+from hvdtrain.data.contracts import BuiltDataset, DatasetSpec, Source, Split  # noqa: E402
 from hvdtrain.data.image_folder import ImageFolder  # noqa: E402
 from hvdtrain.driver import train  # noqa: E402
 from hvdtrain.rundir import RunDir  # noqa: E402
@@ -69,7 +69,7 @@ def decoded(root: str, size: int) -> tuple[Split, Split, DatasetSpec]:
     return whole(folder.train()), whole(folder.test()), folder.spec()
 
 
-class PreloadedImages(Dataset):
+class PreloadedImages(BuiltDataset):
     """The images of an ``image_folder`` root, decoded before training and held in memory
     (``data.name: data_worker:PreloadedImages``): what ``image_folder`` loads from disk, minus
     the reading and decoding."""
@@ -77,14 +77,6 @@ class PreloadedImages(Dataset):
     def __init__(self, root: str, size: int = SIZE) -> None:
         self._train, self._test, self._spec = decoded(root, size)
 
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    def train(self) -> Source:
-        return self._train
-
-    def test(self) -> Source:
-        return self._test
 
 
 def wait_share(records: Sequence[dict[str, Any]], first_epoch: int = 0) -> float | None:
