@@ -319,7 +319,8 @@ def run_job(argv: Sequence[str], key: str, timeout: float, env: Mapping[str, str
     """Runs one job and returns every record holding ``key`` that it printed, passing each to
     ``on_record`` as it comes. Raises :class:`BenchError` with the output's tail when the job
     fails or outlives ``timeout`` seconds."""
-    tail: deque[str] = deque(maxlen=30)
+    # Long enough to hold a rank's own error above a launcher's closing report.
+    tail: deque[str] = deque(maxlen=120)
     records: list[dict[str, Any]] = []
     started = time.monotonic()
     # One pipe for both streams (two read in turn could deadlock); a session of its own lets the

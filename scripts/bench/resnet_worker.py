@@ -170,6 +170,9 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
               "samples_per_s": span(clock, args.skip, args.batch * size),
               "train_loss": float(loss.detach())}
     if args.trainer == "ddp":
+        # Both ranks done with every collective before either tears Gloo down: a peer that closes
+        # its pairs while the other still reads them aborts that one (SIGABRT in Gloo's pair).
+        dist.barrier()
         dist.destroy_process_group()
     return result
 
