@@ -3,7 +3,9 @@ memory trains with bounded memory, since a rank reads only the rows of its own b
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -12,12 +14,51 @@ from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Sour
 from hvdtrain.errors import HvdtrainError
 
 
-def open_array(path: Path, what: str) -> np.ndarray:
-    """The array in ``path``, memory-mapped; a missing or unreadable file names itself."""
+class MappedArray:
+    """The array of one ``.npy`` file, memory-mapped read-only.
+
+    :meth:`release` unmaps the pages this process has touched. They stay in the kernel's page cache,
+    so a later read costs a minor fault, but the process's resident set stops growing with every
+    row it has ever read: memory stays bounded by a batch, not by the data set.
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        if not path.is_file():
+            raise HvdtrainError(f"data.options: {what} file {path} not found")
+        try:
+            with path.open("rb") as f:
+                shape, fortran, dtype = read_header(f)
+                if dtype.hasobject:
+                    raise ValueError("it holds Python objects, which hvdtrain does not unpickle")
+                offset = f.tell()
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.array = np.ndarray(shape, dtype, buffer=self.map, offset=offset,
+                                    order="F" if fortran else "C")
+        except (OSError, ValueError, TypeError) as exc:
+            raise HvdtrainError(f"data.options: {what} file {path} is not a readable .npy: {exc}") \
+                from None
+
+    def release(self) -> None:
+        """Drops this process's mappings of the file's pages (``MADV_DONTNEED``)."""
+        self.map.madvise(mmap.MADV_DONTNEED)
+
+
+def read_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype from an open ``.npy`` file, left at the start of the data."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f"format version {version} is not supported")
+
+
+def load_labels(path: Path, what: str) -> np.ndarray:
+    """A labels file read whole: labels are a few bytes a sample, and every one is range-checked."""
     if not path.is_file():
         raise HvdtrainError(f"data.options: {what} file {path} not found")
     try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
         raise HvdtrainError(f"data.options: {what} file {path} is not a readable .npy: {exc}") from None
 
@@ -25,8 +66,9 @@ def open_array(path: Path, what: str) -> np.ndarray:
 class NpySource(Source):
     """Rows of a memory-mapped input array and its labels; inputs cast to float32 and scaled."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, scale: float, augment: Augment | None) -> None:
-        self.x, self.y, self.scale, self.augment = x, y, np.float32(scale), augment
+    def __init__(self, x: MappedArray, y: np.ndarray, scale: float, augment: Augment | None) -> None:
+        self.mapped, self.x, self.y = x, x.array, y
+        self.scale, self.augment = np.float32(scale), augment
 
     def __len__(self) -> int:
         return len(self.y)
@@ -36,6 +78,7 @@ class NpySource(Source):
         order = np.argsort(indices, kind="stable")
         rows = np.empty((len(indices), *self.x.shape[1:]), np.float32)
         rows[order] = self.x[indices[order]]
+        self.mapped.release()
         rows *= self.scale
         if self.augment is not None and draw is not None:
             rows = self.augment.batch(rows, indices, draw)
@@ -54,8 +97,9 @@ class NpyDataset(BuiltDataset):
     def __init__(self, root: str, scale: float = 1.0, num_classes: int = 0, random_crop: int = 0,
                  flip: bool = False) -> None:
         base = Path(root)
-        arrays = {name: open_array(base / f"{name}.npy", name)
-                  for name in ("train_x", "train_y", "test_x", "test_y")}
+        inputs = {name: MappedArray(base / f"{name}.npy", name) for name in ("train_x", "test_x")}
+        arrays = {**{name: mapped.array for name, mapped in inputs.items()},
+                  **{name: load_labels(base / f"{name}.npy", name) for name in ("train_y", "test_y")}}
         for split in ("train", "test"):
             x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
             if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
@@ -70,9 +114,9 @@ class NpyDataset(BuiltDataset):
                                 f"test_x.npy samples {shapes[1]}")
         classes = num_classes or int(max(arrays["train_y"].max(), arrays["test_y"].max())) + 1
         for split in ("train", "test"):
-            check_label_range(np.asarray(arrays[f"{split}_y"]), classes, f"{base / split}_y.npy")
+            check_label_range(arrays[f"{split}_y"], classes, f"{base / split}_y.npy")
         augment = Augment.from_options(random_crop, flip, shapes[0])
         self._spec = DatasetSpec(input_shape=tuple(shapes[0]), num_classes=classes)
-        self._train = NpySource(arrays["train_x"], arrays["train_y"], scale, augment)
-        self._test = NpySource(arrays["test_x"], arrays["test_y"], scale, None)
+        self._train = NpySource(inputs["train_x"], arrays["train_y"], scale, augment)
+        self._test = NpySource(inputs["test_x"], arrays["test_y"], scale, None)
 

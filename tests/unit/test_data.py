@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import mmap
+import re
 import shutil
 from pathlib import Path
 
@@ -95,12 +97,28 @@ def test_an_empty_class_folder_or_mismatched_classes_fail_before_training(images
         ImageFolder(str(root))
 
 
+MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")  # an smaps entry's first line: its address range
+
+
+def resident_kb(path: Path) -> int:
+    """This process's resident kB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if MAPPING.match(line):
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
 def test_npy_is_memory_mapped_scaled_and_checks_shapes(images, tmp_path):
     root = npy_copy(images, tmp_path / "npy", 16)
     data = NpyDataset(str(root), scale=1 / 255)
-    assert isinstance(data.train().x, np.memmap)
+    assert isinstance(data.train().x.base, mmap.mmap)
     assert data.spec().input_shape == (3, 16, 16) and data.spec().num_classes == 10
     batch = data.train().load(np.array([9, 2, 30]))
+    # The rows read are copied out and their pages unmapped: the resident set does not keep them.
+    assert resident_kb(root / "train_x.npy") == 0
     assert batch.x.dtype == np.float32 and batch.x.max() <= 1.0
     assert np.allclose(batch.x[1], np.load(root / "train_x.npy")[2] / 255.0)
     np.save(root / "test_x.npy", np.zeros((20, 3, 8, 8), np.uint8))
