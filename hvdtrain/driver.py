@@ -115,9 +115,10 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
             summary = mode.run(stop, dog.beat)
     finally:
         session.close(summary)
-    placements = engine.collectives.allgather_object(placement())
-    summary = {**summary, "hosts": [host for host, _ in placements],
-               "net_namespaces": [netns for _, netns in placements]}
+    placements = engine.collectives.allgather_object((*placement(), session.startup_s))
+    summary = {**summary, "hosts": [host for host, _, _ in placements],
+               "net_namespaces": [netns for _, netns, _ in placements],
+               "startup_s": [startup for _, _, startup in placements]}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)

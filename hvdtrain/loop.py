@@ -25,6 +25,7 @@ from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged
 from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
 from hvdtrain.observe.records import MetricsLogger
+from hvdtrain.observe.system import process_age_s
 from hvdtrain.precision import SkippedSteps
 from hvdtrain.schedule import lr_at
 
@@ -148,6 +149,8 @@ class Loop:
         self.total_steps = total
         self.fingerprint = hashlib.sha256()
         self.train_seconds = 0.0
+        # This process's age at the end of the loop's first step: imports, set-up, first trace.
+        self.startup_s: float | None = None
         self.last_train: dict[str, float] = {}
         self.pending: tuple[dict[str, Any], int, Callable[[], dict[str, float]]] | None = None
         self.stop_agreed = False
@@ -184,6 +187,8 @@ class Loop:
             tick = time.perf_counter()
             sums = self.engine.train_step(indices, lr)
             seconds = time.perf_counter() - tick
+            if self.startup_s is None:
+                self.startup_s = process_age_s()
             stats = self.engine.step_stats()
             sums = self._skip_check(sums, bool(stats.get("skipped")))
             window.add(sums, indices.global_count, seconds, stats)

@@ -39,6 +39,7 @@ class Session:
         self.checkpoints = CheckpointManager(cfg.checkpoint, run_dir.checkpoints)
         self.logger: MetricsLogger | None = None
         self.loop: Loop | None = None
+        self.startup_s: float | None = None  # the first loop's: an elastic reset does not restart it
 
     def run(self, cfg: Config, position: Position, stop: Callable[[], bool],
             heartbeat: Callable[[], None], extra: Sequence[Callback] = ()) -> dict[str, Any]:
@@ -51,7 +52,11 @@ class Session:
         self.loop = Loop(cfg, self.engine, self.dataset, self.checkpoints, logger,
                          start=dataclasses.replace(position), total=total, stop_requested=stop,
                          heartbeat=heartbeat, callbacks=[*extra, *self.callbacks])
-        return self.loop.run()
+        try:
+            return self.loop.run()
+        finally:
+            if self.startup_s is None:
+                self.startup_s = self.loop.startup_s
 
     def write_metrics(self) -> None:
         """Logs the pending record and writes out what the logger holds (before an elastic commit)."""

@@ -12,6 +12,23 @@ import weakref
 from typing import Any
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (``None`` where there is no ``/proc``).
+
+    From ``/proc/self/stat``'s start time, in clock ticks since boot, against the boot-time clock:
+    so it covers the interpreter's start and every import before hvdtrain's own code ran.
+    """
+    try:
+        with open("/proc/self/stat", "rb") as fileobj:
+            stat = fileobj.read()
+    except OSError:
+        return None
+    # Fields after the command name, which is in parentheses and may hold spaces: the 22nd field
+    # (start time) is the 20th after it.
+    start_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 class SystemSampler:
     """CPU utilisation and resident memory of this process, and its GPU through NVML if any.
 

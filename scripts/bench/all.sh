@@ -10,6 +10,8 @@ PY=.venv/bin/python
 BENCHES=(
   "scripts/bench/overhead.py --framework torch --rounds 20"
   "scripts/bench/overhead.py --framework tensorflow --rounds 10"
+  "scripts/bench/startup.py --framework torch --rounds 8"
+  "scripts/bench/startup.py --framework tensorflow --rounds 8"
   "scripts/bench/frameworks.py --rounds 10"
   "scripts/bench/monitoring.py --framework torch --rounds 8 --epochs 20"
   "scripts/bench/allreduce.py --rounds 2"

@@ -89,10 +89,13 @@ class Clock:
     def __init__(self) -> None:
         self.step_starts: list[float] = []
         self.eval_start: float | None = None
+        self.startup_s: float | None = None  # the process's age at the end of the first step
 
     def step(self) -> None:
         """Call at the start of every optimizer step."""
         self.step_starts.append(time.perf_counter())
+        if len(self.step_starts) == 2:
+            self.startup_s = process_age_s()
 
     def evaluation(self) -> None:
         """Call at the start of the final evaluation (later calls are ignored)."""
@@ -105,6 +108,15 @@ class Clock:
         if epochs < 2 or self.eval_start is None or skip >= len(self.step_starts):
             return None
         return self.eval_start - self.step_starts[skip]
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, as ``hvdtrain.observe.system.process_age_s`` reads them
+    (written again here: the hand-written loops must not load hvdtrain's code)."""
+    with open("/proc/self/stat", "rb") as fileobj:
+        stat = fileobj.read()
+    start_ticks = int(stat[stat.rindex(b")") + 2:].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def measurement(rank: int, steps: int, samples: int, wall_time_s: float, eval_accuracy: float,
@@ -121,7 +133,7 @@ def measurement(rank: int, steps: int, samples: int, wall_time_s: float, eval_ac
             "step_time_s": wall_time_s / steps, "samples_per_s": samples / wall_time_s,
             "steady_step_time_s": None if steady is None else steady / (steps * share),
             "steady_samples_per_s": None if steady is None else samples * share / steady,
-            "eval_accuracy": eval_accuracy}
+            "eval_accuracy": eval_accuracy, "startup_s": clock.startup_s}
 
 
 def report(record: Mapping[str, Any]) -> None:

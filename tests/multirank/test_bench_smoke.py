@@ -30,6 +30,7 @@ import harness  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import scaling  # noqa: E402
+import startup  # noqa: E402
 
 
 def run_driver(doc: Path, script: str, *args: str) -> None:
@@ -89,6 +90,15 @@ def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
         check_rows(tables[0], names)
         check_rows(tables[1], names)
         assert tables[0][2][5] == f"{runs[1][key] / runs[0][key]:.3f}"  # B over A, whole run
+
+
+@pytest.mark.timeout(900)
+def test_startup_launches_each_side_whole_and_reads_its_first_step(tmp_path):
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "startup.py", "--framework", "torch")
+    (tables,) = sections(doc).values()
+    check_rows(tables[0], [startup.BASELINE, startup.CANDIDATE, startup.CONTROL])
+    assert all(float(row[3]) > 0 for row in tables[0][1:])
 
 
 @pytest.mark.timeout(900)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,9 @@ def test_frameworks_agree(two_ranks):
 
 @setups
 def test_cli_under_horovodrun(framework, controller, tmp_path):
-    """The documented command line: only rank 0 prints and writes; the summary says 2 ranks."""
+    """The documented command line: only rank 0 prints and writes; the summary says 2 ranks and
+    how long the ranks took to start (inside the launch, as whole processes)."""
+    launched = time.monotonic()
     proc = horovodrun(2, controller, [str(Path(PYTHON).with_name("hvdtrain")), "train",
                                       str(CONFIGS[framework]), "train.epochs=3",
                                       f"log.dir={tmp_path}", "log.wandb=disabled"])
@@ -104,3 +107,5 @@ def test_cli_under_horovodrun(framework, controller, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 69
     assert summary["framework"] == framework
+    assert len(summary["startup_s"]) == 2
+    assert all(0 < startup < time.monotonic() - launched for startup in summary["startup_s"])

@@ -91,6 +91,15 @@ def test_the_system_sample_reads_this_process_cpu_and_resident_memory():
     assert sampler.sample()["cpu"] < 25
 
 
+def test_the_process_age_counts_from_the_process_start_not_from_the_import():
+    code = ("import time; time.sleep(0.5); from hvdtrain.observe.system import process_age_s; "
+            "print(process_age_s())")
+    started = time.monotonic()
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True).stdout)
+    assert 0.5 <= age < time.monotonic() - started
+
+
 def test_a_straggler_is_reported_once_per_streak_against_the_others_median():
     detector = StragglerDetector(factor=1.5, logs=3)
     # Two ranks: rank 1 at 2x rank 0 (the median of all would be 1.5, hiding it).
