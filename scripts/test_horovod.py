@@ -62,7 +62,7 @@ def known_artifacts(path: Path = ARTIFACTS) -> dict[str, str]:
 def command(suite: str, controller: str, select: str | None = None) -> list[str]:
     """The horovodrun command line for one suite under one controller (`select`: pytest's -k)."""
     bin_dir = Path(sys.executable).parent
-    pytest = [str(bin_dir / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+    pytest = [str(bin_dir / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
               "--color=no", "-p", "deselect_artifacts", suite]
     if select:
         pytest += ["-k", select]
