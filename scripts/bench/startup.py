@@ -93,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Figure: rank 0's seconds from its process's start to the end of its first "
         "training step (hvdtrain: `summary.json`'s `startup_s`; hand-written: the same reading "
         "in `workload.Clock`). The launcher's start is outside both.",
+        "Both sides load the bytecode that `make setup` compiles; without it every process "
+        "compiles the sources it imports ([step-overhead.md](investigations/step-overhead.md#start-up)).",
         f"Result, hvdtrain / hand-written: {verdict}.",
     ]
     harness.publish(harness.section_text(
