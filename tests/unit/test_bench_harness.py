@@ -173,6 +173,7 @@ def test_parse_fills_sizes_and_the_command_repeats_the_run():
 def test_clock_and_measurement(monkeypatch):
     now = iter([0.0, 1.0, 3.0, 6.0, 10.0, 15.0, 16.0, 17.0])
     monkeypatch.setattr(workload.time, "perf_counter", lambda: next(now))
+    monkeypatch.setattr(workload, "process_age_s", lambda: 5.0)
     clock = workload.Clock()
     for _ in range(4):  # two epochs of two steps
         clock.step()
@@ -184,7 +185,7 @@ def test_clock_and_measurement(monkeypatch):
     assert record == {"rank": 0, "steps": 4, "samples": 400, "wall_time_s": 14.0,
                       "step_time_s": 3.5, "samples_per_s": 400 / 14.0,
                       "steady_step_time_s": 3.5, "steady_samples_per_s": 200 / 7.0,
-                      "eval_accuracy": 0.9}
+                      "eval_accuracy": 0.9, "startup_s": 5.0}
     unevaluated = workload.Clock()
     unevaluated.step()
     unevaluated.step()
