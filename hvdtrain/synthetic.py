@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdtrain.data.contracts import Dataset, DatasetSpec, Split
+from hvdtrain.data.contracts import BuiltDataset, DatasetSpec, Split
 from hvdtrain.errors import HvdtrainError
 
 
@@ -22,7 +22,7 @@ def _positive(name: str, value: object) -> int:
     return value
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(BuiltDataset):
     """Class templates plus noise, in NCHW float32 (options below are ``data.options`` keys).
 
     ``train_samples`` and ``test_samples`` set the split sizes, ``channels``, ``height`` and
@@ -52,12 +52,3 @@ class SyntheticImages(Dataset):
         x *= np.float32(noise)
         x += templates[labels]
         return Split(x, labels)
-
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    def train(self) -> Split:
-        return self._train
-
-    def test(self) -> Split:
-        return self._test
