@@ -18,29 +18,42 @@ def module_name(path: Path, package: Path = PACKAGE) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported(path: Path, modules: set[str]) -> set[str]:
-    """The hvdtrain modules ``path`` imports anywhere in its body (lazy imports count too)."""
+def absolute(node: ast.ImportFrom, module: str, path: Path) -> str:
+    """The absolute name ``from <node.module> import ...`` names in ``module`` (at ``path``):
+    ``from . import x`` in ``a/b.py`` is ``a``, ``from ..c import x`` in ``a/b/d.py`` is ``a.c``."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[:len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imported(path: Path, modules: set[str], module: str) -> set[str]:
+    """The package's modules that ``module`` (at ``path``) imports anywhere in its body (lazy
+    and relative imports count too)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = absolute(node, module, path)
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
         for name in names:
             while name and name not in modules:
                 name = name.rpartition(".")[0]
-            if name and name != "hvdtrain":
+            if name:
                 found.add(name)
     return found
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of ``package`` (a directory) and the package's modules it imports."""
     paths = {module_name(p, package): p for p in package.rglob("*.py")}
     modules = set(paths)
     # A package's modules may import the package's __init__ (it runs first anyway): not an edge.
-    return {m: {t for t in imported(p, modules) if t != m and not m.startswith(t + ".")}
+    return {m: {t for t in imported(p, modules, m) if t != m and not m.startswith(t + ".")}
             for m, p in paths.items()}
 
 
@@ -71,6 +84,18 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_find_cycle_finds_a_planted_cycle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c", "a"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_cycle_through_relative_imports_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "a.py": "from . import b\n",
+                       "b.py": "from .sub.c import f\n", "sub/__init__.py": "",
+                       "sub/c.py": "def f():\n    from ..a import g\n"}.items():
+        (package / name).write_text(text)
+    graph = import_graph(package)
+    assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.sub.c"}
+    assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
 
 
 def test_no_import_cycle_in_hvdtrain():
