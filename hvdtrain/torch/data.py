@@ -21,6 +21,7 @@ from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, chec
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import import_object
+from hvdtrain.torch.device import pinned, pins_memory
 
 Item = tuple[np.ndarray, Any, Any, tuple[str, ...], str]
 """What a worker hands back: indices, x and y tensors (None on error), skipped files, error."""
@@ -67,15 +68,19 @@ class TorchLoader:
     """Loads the batches of the sampler's steps and of evaluations as tensors.
 
     Sources on disk go through a ``DataLoader`` with ``workers`` persistent processes (none when
-    ``workers`` is 0, or for sources in memory: those are gathered on the training thread). Memory
-    is pinned only for a CUDA ``device``. The loader has its own generator, so opening a stream
-    draws nothing from torch's global one, which a resumed run restores.
+    ``workers`` is 0, or for sources in memory: those are gathered on the training thread). For a
+    CUDA ``device`` every batch is handed over in pinned memory (the ``DataLoader``'s pinning
+    thread, or a pin on the training thread for batches gathered there), so that the engine's
+    non-blocking copy to the GPU really is one; on CPU nothing is pinned. The loader has its own
+    generator, so opening a stream draws nothing from torch's global one, which a resumed run
+    restores.
     """
 
     def __init__(self, train: Source, test: Source, *, seed: int, rank: int, workers: int,
                  prefetch: int, device: torch.device = torch.device("cpu")) -> None:
         self.sources = {"train": train, "test": test}
         self.seed = seed
+        self.device = device
         self.cursor = PlanCursor()
         self.skips = SkipReport(rank)
         self._requests = _Requests()
@@ -84,7 +89,7 @@ class TorchLoader:
         if workers > 0 and not (train.in_memory and test.in_memory):
             self._loader = torch.utils.data.DataLoader(
                 _SourcesDataset(self.sources), batch_sampler=self._requests, num_workers=workers,
-                collate_fn=_collate, pin_memory=device.type == "cuda", prefetch_factor=prefetch,
+                collate_fn=_collate, pin_memory=pins_memory(device), prefetch_factor=prefetch,
                 persistent_workers=True, generator=torch.Generator().manual_seed(seed))
             # Fork the workers now, before the run opens its pipes: a worker forked later would
             # hold the metrics writer's stdin open, and the writer would never see its end.
@@ -98,7 +103,7 @@ class TorchLoader:
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
-                yield self._tensors(_collate(fetch(self.sources, Request("train", idx, draw))), idx)
+                yield self._tensors(self._gather(Request("train", idx, draw)), idx)
             return
         if not self.cursor.follows(step):
             self._requests.requests = self.cursor.open(step, self.seed)
@@ -112,13 +117,20 @@ class TorchLoader:
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
-                yield self._tensors(_collate(fetch(self.sources, request)), request.indices)
+                yield self._tensors(self._gather(request), request.indices)
             return
         self.cursor.close()
         self._requests.requests = requests
         stream = iter(self._loader)
         for request in requests:
             yield self._tensors(next(stream), request.indices)
+
+    def _gather(self, request: Request) -> Item:
+        """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would."""
+        indices, x, y, skipped, error = _collate(fetch(self.sources, request))
+        if x is not None:
+            x, y = pinned(self.device, x, y)
+        return indices, x, y, skipped, error
 
     def _tensors(self, item: Item, expected: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         indices, x, y, skipped, error = item

@@ -32,6 +32,21 @@ def place(kind: str, local_rank: int, local_size: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def pins_memory(device: torch.device) -> bool:
+    """Whether batches bound for ``device`` are staged in pinned (page-locked) host memory: for a
+    GPU only, where it lets the copy to the device run without the host waiting for it. Pinning
+    needs a CUDA runtime, so a CPU rank must never ask for it."""
+    return device.type == "cuda"
+
+
+def pinned(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in pinned host memory when ``device`` wants it (see :func:`pins_memory`),
+    else unchanged."""
+    if not pins_memory(device):
+        return tensors
+    return tuple(t.pin_memory() for t in tensors)
+
+
 def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[Any, ...]:
     """The tensors on ``device``; copies from pinned host memory do not wait for the GPU."""
     if device.type == "cpu":

@@ -73,7 +73,7 @@ class TorchEngine(Engine):
         self.adapter = PlacedAdapter(self.adapter, self.device, self.precision)
         self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                 workers=loader_workers(cfg.data.workers, self.local_size),
-                                prefetch=cfg.data.prefetch)
+                                prefetch=cfg.data.prefetch, device=self.device)
         self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
         self.lr = float("nan")  # the loop sets the real one before the first step

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.torch.data import TorchDatasetSource, TorchLoader
+from hvdtrain.torch.device import pinned, pins_memory
 from hvdtrain.torch.engine import TorchEngine
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.syncbn import CpuSyncBatchNorm, convert
@@ -108,6 +110,23 @@ def test_fp16_checkpoint_carries_the_scaler_and_loads_elsewhere(tmp_path):
     assert fresh.precision.scaler.get_scale() == 1024.0
     for key, value in result.engine.parameters().items():
         assert np.array_equal(fresh.parameters()[key], value)
+
+
+def test_memory_is_pinned_for_a_gpu_and_never_on_cpu(tmp_path):
+    """Pinning needs a CUDA runtime (on this CPU torch it raises), so the choice is made by device."""
+    assert pins_memory(torch.device("cuda", 0)) and pins_memory(torch.device("cuda"))
+    assert not pins_memory(torch.device("cpu"))
+    x = torch.zeros(2)
+    assert pinned(torch.device("cpu"), x)[0] is x
+    cfg = quiet_config(CONFIG, tmp_path)
+    engine = TorchEngine(cfg, make_dataset(cfg))
+    assert engine.data.device == engine.device == torch.device("cpu")  # the engine hands it over
+    batch_x, _ = next(engine.data.eval_batches([np.arange(4)]))  # in memory: the direct path
+    assert not batch_x.is_pinned()
+    on_disk = TorchDatasetSource([(np.zeros(3, np.float32), 0)] * 8, "train")
+    loader = TorchLoader(on_disk, on_disk, seed=0, rank=0, workers=1, prefetch=1,
+                         device=torch.device("cpu"))
+    assert loader._loader is not None and loader._loader.pin_memory is False
 
 
 def test_cuda_without_a_gpu_is_one_line_before_anything_starts(tmp_path):
