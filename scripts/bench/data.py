@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -93,11 +94,24 @@ def wait_table(shares: dict[str, list[float]]) -> str:
     return harness.markdown_grid(["name", "runs", "min (%)", "median (%)", "max (%)"], cells)
 
 
-def wait_verdict(shares: dict[str, list[float]]) -> str:
+@dataclass(frozen=True)
+class WaitVerdict:
+    """A median share of step time spent waiting for data, judged against a ceiling."""
+
+    status: str
+    """``met`` (the share is under the target) or ``missed``."""
+    share: float
+    target: float
+
+    def __str__(self) -> str:
+        return (f"{100 * self.share:.2f}% of step time: {self.status} "
+                f"(target < {100 * self.target:.0f}%)")
+
+
+def wait_verdict(shares: dict[str, list[float]]) -> WaitVerdict:
     """B's median wait share against :data:`WAIT_TARGET`."""
     median = statistics.median(shares[DISK])
-    status = "met" if median < WAIT_TARGET else "missed"
-    return f"{100 * median:.2f}% of step time: {status} (target < {100 * WAIT_TARGET:.0f}%)"
+    return WaitVerdict("met" if median < WAIT_TARGET else "missed", median, WAIT_TARGET)
 
 
 def memory_verdicts(tables: dict[str, list[harness.Row]]) -> dict[str, harness.Verdict]:

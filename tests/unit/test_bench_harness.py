@@ -376,8 +376,10 @@ def test_data_bench_verdicts_and_tables_from_canned_runs():
     assert shares[data_bench.DISK] == [0.04]
     assert cells(data_bench.wait_table(shares))[3] == [data_bench.DISK, "1", "4.00", "4.00",
                                                        "4.00"]
-    assert data_bench.wait_verdict(shares).endswith("met (target < 5%)")
-    assert data_bench.wait_verdict({data_bench.DISK: [0.06]}).startswith("6.00%")
+    wait = data_bench.wait_verdict(shares)
+    assert (wait.status, wait.share, wait.target) == ("met", 0.04, data_bench.WAIT_TARGET)
+    wait = data_bench.wait_verdict({data_bench.DISK: [0.06, 0.04, 0.07]})
+    assert (wait.status, wait.share) == ("missed", 0.06)
     memory = {data_bench.SMALL: [300.0, 310.0], data_bench.LARGE: [320.0, 330.0],
               data_bench.SMALL_CONTROL: [305.0, 305.0]}
     tables = {key: harness.summarize(memory, data_bench.SMALL) for key, _ in data_bench.MEMORY_KEYS}
