@@ -64,6 +64,11 @@ class RunDir:
         return self.root / "wandb_id"
 
     @property
+    def report(self) -> Path:
+        """``hvdtrain report``'s default output: its plots and ``report.md``."""
+        return self.root / "report"
+
+    @property
     def stall_report(self) -> Path:
         """The stall watchdog's verdict over all ranks."""
         return self.root / "stall.txt"

@@ -206,7 +206,7 @@ def report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
     directory's ``report/``) and returns the path of ``report.md``."""
     runs = [load_run(Path(path)) for path in run_dirs]
     _unique_labels(runs)
-    out = Path(out) if out else runs[0].path / "report"
+    out = Path(out) if out else RunDir(runs[0].path).report
     out.mkdir(parents=True, exist_ok=True)
     figures = [name for name, (title, panels) in FIGURES.items()
                if draw_figure(runs, title, panels, out / name)]
