@@ -68,9 +68,12 @@ def time_to(metrics: Path, target: float) -> float | None:
 
 def measure(result: Any, method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """One run's record from its summary, its metrics file and the engine's exchange."""
+    from hvdtrain.rundir import RunDir
+
     s = result.summary
     steps, ranks = s["steps"], s["world_size"]
-    # The exchange's own compression time has no public seam yet (engine.step_stats lacks it).
+    # The exchange's compression time has no public seam: both engines' step_stats() leave out
+    # the exchange's compress_s, so neither metrics.jsonl nor summary.json carries it.
     compress = getattr(getattr(result.engine, "exchange", None), "compress_s_total", None)
     return {KEY: 1, "framework": args.framework, "dataset": args.dataset, "method": method,
             "seed": args.seed, "accuracy": s["final"]["eval_accuracy"],
@@ -78,7 +81,7 @@ def measure(result: Any, method: str, args: argparse.Namespace, run_dir: Path) -
             "ratio": s["dense_bytes_total"] / s["wire_bytes_total"],
             "compress_ms": None if compress is None else 1e3 * compress / steps,
             "step_ms": 1e3 * s["train_time_s"] / steps,
-            "to_target_s": time_to(run_dir / "metrics.jsonl", args.target) if args.target else None}
+            "to_target_s": time_to(RunDir(run_dir).metrics, args.target) if args.target else None}
 
 
 def worker(argv: Sequence[str]) -> int:
