@@ -27,6 +27,10 @@ from typing import Sequence
 
 import harness
 
+sys.path.insert(0, str(harness.ROOT))  # the run directory's names: this checkout's hvdtrain
+
+from hvdtrain.rundir import RunDir  # noqa: E402
+
 ROOT = harness.ROOT
 BIN = harness.python().parent
 CONFIGS = {"torch": "configs/digits_torch.yaml", "tensorflow": "configs/digits_tf.yaml"}
@@ -54,6 +58,7 @@ def lines(path: Path) -> list[dict]:
 
 def trial(framework: str, run: Path) -> dict:
     """One kill; returns the recovery time, the steps lost and the job's outcome."""
+    files = RunDir(run)
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "1", "--max-np", "2",
            "--host-discovery-script", str(ROOT / "scripts" / "discover_hosts_static.sh"),
            str(BIN / "hvdtrain"), "train", CONFIGS[framework], "elastic.enabled=true",
@@ -64,7 +69,7 @@ def trial(framework: str, run: Path) -> dict:
                                 stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
-        while len(lines(run / "metrics.jsonl")) < 7 and time.monotonic() < deadline:
+        while len(lines(files.metrics)) < 7 and time.monotonic() < deadline:
             time.sleep(0.1)
         pid = pid_of_rank(1, str(run))
         if pid is None:
@@ -75,8 +80,8 @@ def trial(framework: str, run: Path) -> dict:
     finally:
         if proc.poll() is None:
             proc.kill()
-    resets = [e for e in lines(run / "elastic.jsonl") if e["event"] == "reset"]
-    summary = json.loads((run / "summary.json").read_text()) if code == 0 else {}
+    resets = [e for e in lines(files.events) if e["event"] == "reset"]
+    summary = json.loads(files.summary.read_text()) if code == 0 else {}
     return {"framework": framework, "exit": code, "recovery_s": resets[0]["time"] - killed,
             "lost_steps": resets[0]["lost_steps"],
             "eval_accuracy": summary.get("final", {}).get("eval_accuracy")}

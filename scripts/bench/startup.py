@@ -56,12 +56,13 @@ def jobs(args: argparse.Namespace, work: Path) -> list[harness.Job]:
 def hvdtrain_job(args: argparse.Namespace) -> int:
     """One launch of ``hvdtrain train``; prints the summary's start-up as a measurement record."""
     import hvdtrain_worker  # imports hvdtrain: only here, in the process that measures nothing
+    from hvdtrain.rundir import RunDir
 
     cfg = hvdtrain_worker.CONFIGS[args.hvdtrain_job]
     command = [*launcher(args), str(harness.python().with_name("hvdtrain")), "train", str(cfg),
                *hvdtrain_worker.overrides(args.hvdtrain_job, 1, args.job_dir)]
     subprocess.run(command, check=True, stdout=sys.stderr)
-    summary = json.loads((args.job_dir / "summary.json").read_text())
+    summary = json.loads(RunDir(args.job_dir).summary.read_text())
     print(json.dumps({"rank": 0, KEY: summary[KEY][0]}), flush=True)
     return 0
 
