@@ -18,7 +18,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from hvdtrain.checkpoint import CheckpointManager, checked_position, verify
 from hvdtrain.config import Config
@@ -128,15 +128,29 @@ def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
 
 
 def placement() -> tuple[str, str]:
-    """This rank's host, named as its launcher knows it (horovodrun's ``-H`` name, Slurm's node name,
-    else the host name), and its network namespace: what tells where the ranks of a run ran."""
-    host = (os.environ.get("HOROVOD_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
-            or socket.gethostname())
+    """This rank's host, named as its launcher knows it (:func:`launcher_host`), and its network
+    namespace: what tells where the ranks of a run ran."""
     try:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:  # no /proc (not Linux)
         netns = ""
-    return host, netns
+    return launcher_host(os.environ), netns
+
+
+def launcher_host(environ: Mapping[str, str]) -> str:
+    """The host a rank runs on, by the variables its launcher set for it.
+
+    horovodrun's Gloo launcher sets ``HOROVOD_HOSTNAME`` (its ``-H`` name) for each rank. A rank
+    that Open MPI's daemon started (``OMPI_COMM_WORLD_RANK``) takes its own host name: horovodrun
+    ``--mpi`` forwards the launching shell's whole environment with ``-x``, so inside a Slurm job
+    every rank carries the batch node's ``SLURMD_NODENAME``. Otherwise ``SLURMD_NODENAME`` is the
+    rank's own node (``srun`` sets it per task), else the host name.
+    """
+    if environ.get("HOROVOD_HOSTNAME"):
+        return environ["HOROVOD_HOSTNAME"]
+    if "OMPI_COMM_WORLD_RANK" not in environ and environ.get("SLURMD_NODENAME"):
+        return environ["SLURMD_NODENAME"]
+    return socket.gethostname()
 
 
 def _mode(cfg: Config, session: Session, start: Start) -> FixedMode | Any:

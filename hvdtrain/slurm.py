@@ -70,7 +70,9 @@ class JobOptions:
     min_nodes: int = 1
     """Elastic only: the job goes on while at least this many nodes are usable."""
     network_interface: str = ""
-    """Elastic only: the interface Horovod's Gloo rendezvous binds to (empty: Horovod's choice)."""
+    """The interface the ranks talk over (empty: Horovod's and Open MPI's choice): horovodrun's
+    ``--network-interfaces`` (Gloo, and Open MPI's ``btl_tcp_if_include`` under ``--mpi``), or under
+    ``srun`` Open MPI's ``btl_tcp_if_include`` and NCCL's ``NCCL_SOCKET_IFNAME``."""
 
     def validate(self) -> None:
         """Raises :class:`HvdtrainError` for an option that sbatch or horovodrun cannot take."""

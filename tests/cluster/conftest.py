@@ -43,6 +43,15 @@ def cluster_script(*args: str, check: bool = True) -> subprocess.CompletedProces
     return proc
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The life-cycle tests stop and restart the cluster: they run after every other test here."""
+    here = Path(__file__).parent
+    lifecycle = [item for item in items if item.path == here / "test_lifecycle.py"]
+    rest = [item for item in items if item.path != here / "test_lifecycle.py"]
+    end = max((n + 1 for n, item in enumerate(rest) if here in item.path.parents), default=len(rest))
+    items[:] = rest[:end] + lifecycle + rest[end:]
+
+
 @pytest.fixture(scope="session")
 def cluster() -> dict[str, str]:
     """The two nodes, unshaped, with Slurm idle on both; yields the launcher's environment."""
@@ -73,11 +82,18 @@ def summary(run: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
+def node_namespace(node: str) -> str:
+    """The network namespace of ``node`` as a process inside it reads it (``net:[inode]``)."""
+    proc = subprocess.run(["ip", "netns", "exec", node, "readlink", "/proc/self/ns/net"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
 def check_on_two_nodes(result: dict) -> None:
-    """Rank r ran on node r+1, each rank in a network namespace of its own, not the launcher's."""
+    """Rank r ran on node r+1, by its host name and by its network namespace, which is node r+1's."""
     assert result["hosts"] == NODES, result["hosts"]
-    spaces = result["net_namespaces"]
-    assert len(set(spaces)) == 2 and os.readlink("/proc/self/ns/net") not in spaces, spaces
+    assert result["net_namespaces"] == [node_namespace(node) for node in NODES], result["net_namespaces"]
 
 
 # --- Slurm over the nodes ----------------------------------------------------------------------

@@ -94,7 +94,9 @@ def test_node_lost_then_rejoins(cluster, tmp_path):
     assert result["elastic"]["resets"] == 2 and result["world_size"] == 2
     check_on_two_nodes(result)
     assert result["samples"] == EPOCHS * TRAIN_SAMPLES
-    for path in sorted((run / "indices").glob("epoch-*.npy")):  # every sample once per epoch
+    paths = sorted((run / "indices").glob("epoch-*.npy"))
+    assert len(paths) == EPOCHS
+    for path in paths:  # every sample once per epoch
         assert np.array_equal(np.sort(np.load(path)), np.arange(TRAIN_SAMPLES)), path.name
     steps = [r["step"] for r in read_jsonl(metrics)]
     assert steps == sorted(set(steps))

@@ -1,7 +1,8 @@
 """``hvdtrain slurm submit --nodes 2 --tasks-per-node 1`` on Slurm over the two namespace nodes: one
-rank per node with srun (PMIx) and with the default launcher (horovodrun over ssh inside the job),
-a 2-node job preempted by USR1 that checkpoints on both nodes, is requeued and resumes, and an
-elastic job (``elastic.sbatch``) that goes on alone when Slurm drains one of its nodes."""
+rank per node with the default launcher (horovodrun over ssh inside the job), with horovodrun over
+Open MPI and with srun (PMIx); a 2-node job preempted by USR1 that checkpoints on both nodes, is
+requeued and resumes; and an elastic job (``elastic.sbatch``) that goes on alone when Slurm drains
+one of its nodes."""
 
 from __future__ import annotations
 
@@ -11,15 +12,23 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 
 from tests.cluster.conftest import (TRAIN_SAMPLES, check_on_two_nodes, job_field, job_log, slurm, submit,
                                     summary, wait_state)
 from tests.conftest import read_jsonl
 
 
-def test_srun_job_trains_one_rank_per_node(cluster, tmp_path):
+@pytest.mark.parametrize("options", [
+    (),
+    # the batch node's SLURMD_NODENAME reaches every rank through horovodrun --mpi's -x: each rank
+    # must still be named after its own node
+    ("--controller", "mpi", "--network-interface", "br-hvd"),
+    ("--launcher", "srun", "--network-interface", "br-hvd"),
+], ids=["horovodrun-gloo", "horovodrun-mpi", "srun"])
+def test_job_trains_one_rank_per_node(cluster, tmp_path, options):
     run = tmp_path / "run"
-    job_id = submit(cluster, run, "train.epochs=5", "log.console=false", "--launcher", "srun")
+    job_id = submit(cluster, run, "train.epochs=3", "log.console=false", *options)
     state = wait_state(cluster, job_id, timeout=300)
     assert state == "COMPLETED", job_log(run, job_id)
     result = summary(run)
@@ -47,6 +56,10 @@ def test_preempted_two_node_job_checkpoints_on_both_requeues_and_resumes(cluster
     # each rank (one per node) stopped after the same step's checkpoint
     stops = dict(re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", log))
     assert set(stops) == {"0", "1"} and stops["0"] == stops["1"], log
+    assert "checkpoint not written" not in log, log
+    written = set(re.findall(r"\]<stderr>:hvdtrain: stopped on request at step \d+; checkpoint (\S+);", log))
+    stop_checkpoint = run / "checkpoints" / f"step-{int(stops['0']):08d}.ckpt"
+    assert written == {str(stop_checkpoint)} and stop_checkpoint.exists(), (written, log)
     result = summary(run)
     check_on_two_nodes(result)
     assert result["world_size"] == 2

@@ -61,9 +61,10 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.mark.parametrize("name, options", [
-    ("train_cpu", JobOptions(nodes=2, tasks_per_node=4, time="02:00:00", partition="cpu", account="proj")),
+    ("train_cpu", JobOptions(nodes=2, tasks_per_node=4, time="02:00:00", partition="cpu", account="proj",
+                             network_interface="eth1")),
     ("train_gpu", JobOptions(nodes=2, tasks_per_node=4, gpus_per_node=4, launcher="srun",
-                             signal_lead=300)),
+                             signal_lead=300, network_interface="ib0")),
 ])
 def test_rendered_script_matches_golden_file(tmp_path, monkeypatch, name, options):
     """The whole rendered script, with this machine's paths replaced; regenerate after a deliberate
