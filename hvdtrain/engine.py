@@ -105,10 +105,11 @@ class Step(abc.ABC):
     def step_stats(self) -> dict[str, float]:
         """Measurements of this rank's last :meth:`train_step` (empty when an engine has none).
 
-        ``data_s``: waiting for the step's batches (what the loader's prefetching did not hide); ``compute_s``: forward, backward, update and compression
-        kernels; ``comm_s``: time spent waiting for the gradient exchange's Horovod collectives;
-        ``wire_bytes``: bytes of the tensors handed to Horovod for that exchange, counted from the
-        tensors sent; ``dense_bytes``: bytes of the dense gradients they stand for.
+        ``data_s``: waiting for the step's batches (what the loader's prefetching did not hide);
+        ``compute_s``: forward, backward, update and compression kernels; ``compress_s``: the part
+        of it in compression kernels (methods that compress only); ``comm_s``: time spent waiting
+        for the gradient exchange's Horovod collectives; ``wire_bytes``: bytes of the tensors handed
+        to Horovod for that exchange; ``dense_bytes``: bytes of the dense gradients they stand for.
         """
         return {}
 

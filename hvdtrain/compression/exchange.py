@@ -50,8 +50,6 @@ class Exchange(abc.ABC):
         """The last step's bytes handed to Horovod, the float32 bytes they stand for (both 0 when
         nothing was sent), the seconds waited for the collectives and the rest of the exchange's
         time (kernels, host draws)."""
-        self.compress_s_total = 0.0
-        """``compress_s`` summed over all steps (for benchmarks)."""
         self._wire, self._waited = 0, 0.0
         self._gathered: tuple[int, dict[str, np.ndarray]] | None = None
         self._pending: dict[str, np.ndarray] = {}  # restored per-rank rows, until broadcast
@@ -116,7 +114,6 @@ class Exchange(abc.ABC):
         dense = float(self.plan.dense_bytes()) if self._wire else 0.0
         self.stats = {"wire_bytes": float(self._wire), "dense_bytes": dense,
                       "comm_s": self._waited, "compress_s": compress_s}
-        self.compress_s_total += compress_s
         return out
 
     def _exchange(self, grads: list[Tensor]) -> list[Tensor]:

@@ -16,11 +16,13 @@ from typing import Any, Callable, Sequence
 
 from hvdtrain.observe.system import SystemSampler
 
-STAT_KEYS = ("data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes")
+STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional)."""
 
-TIME_NAMES = {"data_s": "data_wait_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s"}
-"""Record key of each per-step time: its mean over the window's steps and the ranks."""
+TIME_NAMES = {"data_s": "data_wait_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s",
+              "compress_s": "compress_time_s"}
+"""Record key of each per-step time: its mean over the window's steps and the ranks
+(``compress_time_s`` is the part of ``compute_time_s`` spent in compression kernels)."""
 
 PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "gpu_mem": "gpu_mem_mb"}
 """System samples sent per rank (:meth:`SystemSampler.sample`'s names), and the record key prefix
@@ -111,7 +113,7 @@ class Monitor:
         self.sampler = SystemSampler(local_rank) if system else None
         self.stragglers = StragglerDetector(straggler_factor, straggler_logs)
         self.warn = warn
-        self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0}
+        self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0, "compress_s": 0.0}
 
     def outgoing(self, costs: StepCosts, steps: int) -> dict[str, float]:
         """This rank's contribution to the window's allreduce (all keys under ``mon.``)."""
@@ -136,8 +138,8 @@ class Monitor:
                           dense_bytes=stats["dense_bytes"] / per_step)
             if stats["wire_bytes"] > 0:
                 record["compression_ratio"] = stats["dense_bytes"] / stats["wire_bytes"]
-            self.totals["wire_bytes"] += stats["wire_bytes"]
-            self.totals["dense_bytes"] += stats["dense_bytes"]
+            for key in self.totals:
+                self.totals[key] += stats[key]
         record.update(self._step_times(pop_ranks(sums, f"{PREFIX}step", self.size), step))
         if f"{PREFIX}gpus" in sums:
             record.update(self._system(sums))
@@ -168,11 +170,14 @@ class Monitor:
 
     def summary(self) -> dict[str, float]:
         """``wire_bytes_total`` and ``dense_bytes_total`` over all logged steps and ranks, and their
-        ratio; empty when the engine reported no bytes."""
+        ratio; ``compress_time_s_total`` where compression kernels ran; empty when the engine
+        reported no bytes."""
         wire, dense = self.totals["wire_bytes"], self.totals["dense_bytes"]
         if not wire and not dense:
             return {}
         out = {"wire_bytes_total": wire, "dense_bytes_total": dense}
         if wire > 0:
             out["compression_ratio"] = dense / wire
+        if self.totals["compress_s"] > 0:
+            out["compress_time_s_total"] = self.totals["compress_s"]
         return out

@@ -271,6 +271,7 @@ class TensorFlowEngine(Engine):
         exchange = self._fused_stats(comm) if self.fused else self._exchange(grads)
         self.stats = {"data_s": data_s, "comm_s": exchange["comm_s"],
                       "compute_s": time.perf_counter() - started - data_s - exchange["comm_s"],
+                      "compress_s": exchange.get("compress_s", 0.0),
                       "wire_bytes": exchange["wire_bytes"], "dense_bytes": exchange["dense_bytes"]}
         return sums
 

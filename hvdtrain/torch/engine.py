@@ -156,7 +156,8 @@ class TorchEngine(Engine):
                     p.grad = torch.zeros_like(p)
             if not self.precision.step_exchange(self.optimizer, params, self.exchange.run):
                 return {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "skipped": 1.0}
-            return {**{k: self.exchange.stats[k] for k in ("wire_bytes", "dense_bytes", "comm_s")},
+            return {**{k: self.exchange.stats[k]
+                       for k in ("wire_bytes", "dense_bytes", "comm_s", "compress_s")},
                     "skipped": float(self.precision.skipped)}
         comm_s = self.precision.step_horovod(self.optimizer)
         wire, dense = self.counting.take()

@@ -71,6 +71,10 @@ def test_byte_ratios_are_what_each_method_promises(compressed, two_ranks, framew
             assert record["wire_bytes"] < record["dense_bytes"]
             assert record["compression_ratio"] == pytest.approx(
                 record["dense_bytes"] / record["wire_bytes"])
+            assert 0 < record["compress_time_s"] < record["compute_time_s"]
+    # compression kernels' time is reported where they ran, and only there
+    assert all(runs.summary(run)["compress_time_s_total"] > 0 for run in ("topk", "qsgd"))
+    assert "compress_time_s_total" not in base.summary("base")
 
 
 @FRAMEWORKS

@@ -39,6 +39,7 @@ def test_the_window_sum_gives_every_rank_every_ranks_figures():
         for _ in range(4):  # 4 steps; rank 2 computes 3x as long, the others wait for it
             own = 0.03 if rank == 2 else 0.01
             cost.add(0.031, {"data_s": 0.001, "compute_s": own, "comm_s": 0.031 - own,
+                             "compress_s": 0.002 * rank,
                              "wire_bytes": 100.0 * (rank + 1), "dense_bytes": 400.0})
         costs.append(cost)
     records = []
@@ -50,6 +51,7 @@ def test_the_window_sum_gives_every_rank_every_ranks_figures():
     assert record["wire_bytes"] == pytest.approx(200.0)  # mean over ranks and steps
     assert record["compression_ratio"] == pytest.approx(2.0)
     assert record["comm_time_s"] == pytest.approx((0.021 * 2 + 0.001) / 3)
+    assert record["compress_time_s"] == pytest.approx(0.002)  # (0 + 0.002 + 0.004) / 3
     assert record["slowest_rank"] == 2 and record["step_time_max_s"] == pytest.approx(0.03)
     assert record["step_time_median_s"] == pytest.approx(0.01)
     assert record["straggler_rank"] == 2 and record["straggler_factor"] == pytest.approx(3.0)
@@ -58,7 +60,8 @@ def test_the_window_sum_gives_every_rank_every_ranks_figures():
     assert len(warnings) == 3 and "rank 2 is a straggler" in warnings[0] and "3.00x" in warnings[0]
     assert {f"rss_mb_rank{r}" for r in range(3)} <= set(record) and record["rss_mb_rank1"] > 10
     assert monitors[0].summary() == {"wire_bytes_total": 2 * 4 * 600.0,
-                                     "dense_bytes_total": 2 * 4 * 1200.0, "compression_ratio": 2.0}
+                                     "dense_bytes_total": 2 * 4 * 1200.0, "compression_ratio": 2.0,
+                                     "compress_time_s_total": pytest.approx(2 * 4 * 0.006)}
     assert "loss" in sums and not [k for k in record if k.startswith("mon.")]
 
 
