@@ -18,7 +18,7 @@ from hvdtrain.errors import HvdtrainError, os_failure
 
 
 class RunDir:
-    """The files of one run under ``root`` (``log.dir/name``)."""
+    """The files of one run under ``root`` (``Config.run_dir``: log.dir, else runs/<name>)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from hvdtrain.checkpoint import CheckpointManager, manifest_path, verify  # noqa: E402
 from hvdtrain.config import CheckpointConfig  # noqa: E402
+from hvdtrain.rundir import RunDir  # noqa: E402
 
 # About 2.4 M parameters (19 MB with SGD momentum): saving takes much of each step.
 OVERRIDES = ["model.options={hidden: [1024, 1024, 512]}", "checkpoint.every_steps=1",
@@ -100,7 +101,7 @@ def corrupt_and_check(manager: CheckpointManager) -> str | None:
 def trial(index: int, delay: float, workdir: Path) -> dict:
     """One kill-and-check trial; returns its record (``ok`` false with a ``problem`` on failure)."""
     run = workdir / f"trial-{index:03d}"
-    ckpts = run / "checkpoints"
+    ckpts = RunDir(run).checkpoints
     record: dict = {"trial": index, "delay_s": round(delay, 3), "ok": False}
     proc = multiprocessing.get_context("fork").Process(target=writer, args=(run,))
     proc.start()

@@ -56,12 +56,13 @@ def build_engine(hidden: str) -> tuple[Any, Any]:
 def measure(rounds: int, warmup: int, hidden: str) -> tuple[dict[str, list[float]], int]:
     """Seconds per save of each variant, and the checkpoint's size in bytes."""
     from hvdtrain.checkpoint import CheckpointManager, verify
+    from hvdtrain.rundir import RunDir
 
     cfg, engine = build_engine(hidden)
     meta = {"position": {"step": 1}, "framework": "torch", "config": cfg.to_dict()}
     samples: dict[str, list[float]] = {name: [] for name in NAMES}
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-ckpt-", dir=harness.ROOT) as tmp:
-        manager = CheckpointManager(cfg.checkpoint, Path(tmp) / "checkpoints")
+        manager = CheckpointManager(cfg.checkpoint, RunDir(tmp).checkpoints)
         plain = Path(tmp) / "plain.ckpt"
         step = 0
         for index in range(-warmup, rounds):
