@@ -40,6 +40,11 @@ stop_pidfile() {
     for _ in $(seq 50); do running "$file" || return 0; sleep 0.2; done
     kill -9 "$(cat "$file")" 2>/dev/null || true
 }
+# closes this shell's descriptors above 2 (run in the subshell that becomes a daemon)
+close_fds() {
+    local fd
+    for fd in $(ls /proc/$BASHPID/fd); do [ "$fd" -le 2 ] || eval "exec $fd>&-" 2>/dev/null || true; done
+}
 munge_answers() { munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; }
 
 install_packages() {
@@ -107,8 +112,9 @@ start_munge() {
     chmod 755 /run/munge
     stop_pidfile munged "$MUNGE_PID"  # alive but not answering
     say "starting munged"
-    # --force: a socket left by a munged that died would otherwise stop the new one
-    runuser -u munge -- /usr/sbin/munged --force
+    # --force: a socket left by a munged that died would otherwise stop the new one. munged keeps
+    # the descriptors it inherits: closed first, or a `flock` held by the caller would never end.
+    (close_fds; exec runuser -u munge -- /usr/sbin/munged --force)
     for _ in $(seq 50); do munge_answers && return 0; sleep 0.2; done
     die "munged does not answer (see /var/log/munge/munged.log)"
 }
