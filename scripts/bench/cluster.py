@@ -163,6 +163,10 @@ def rate_of(placement: str) -> float | None:
 BW_SIZES = {"one host": "16M,64M,256M", "unshaped": "16M,64M,256M", "10gbit": "16M,64M,256M",
             "1gbit": "16M,64M,256M", "100mbit": "16M,64M"}
 """Sizes per placement: 256 MB would take 21 s an operation at 100 Mbit/s."""
+SLOW_SIZES_NOTE = ("100mbit: 16 MB and 64 MB only (`BW_SIZES`): one 256 MB allreduce takes about "
+                   "21 s at 100 Mbit/s, so a round of raw, Horovod and raw again would take over a "
+                   "minute, and the rounds with their warm-up about 5 of the 15 minutes the part is "
+                   "to fit in; the target is judged at 64 MB there.")
 
 
 def sizes(text: str) -> str:
@@ -202,6 +206,8 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str]]:
              "`both` between; the target is judged on `link` rows only. A link's rate counts "
              "Ethernet, IP and TCP headers: at MTU 1500 payload is at most 0.95 of it.",
              *[f"Result, {v}." for v in verdicts]]
+    if "100mbit" in args.placements and not args.sizes:
+        notes.insert(2, SLOW_SIZES_NOTE)
     return [block], notes
 
 

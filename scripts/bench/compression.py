@@ -1,18 +1,22 @@
 """Gradient compression: accuracy, bytes and time of every method, per framework and dataset,
-plus time to a target accuracy over an emulated 100 Mbit/s link.
+and on request time to a target accuracy over an emulated 100 Mbit/s link on this one host.
 
 For each framework, dataset and seed one ``horovodrun -np 2 --gloo`` job trains every method back
 to back (the order rotates with the seed, so no method always runs in the same slot of a busy
-machine); rank 0 prints one JSON line per run. The slow-link job runs inside a network namespace
-whose loopback is shaped by ``tc tbf rate 100mbit`` (set up and torn down here; needs root), with
-a wide MLP so that the gradient exchange dominates the step. Targets: on digits, mean accuracy at
-most 0.5 point below ``none`` for ``fp16`` and ``qsgd``, 1 point for ``topk`` and ``powersgd``;
-over the slow link, the best method reaches the target accuracy at least 3x sooner than ``none``.
+machine); rank 0 prints one JSON line per run. Targets: on digits, mean accuracy at most 0.5
+point below ``none`` for ``fp16`` and ``qsgd``, 1 point for ``topk`` and ``powersgd``.
+
+The time to accuracy over a slow link is measured between two nodes by ``cluster.py --part
+compression`` (a real network between hosts, at 1 Gbit/s and 100 Mbit/s), which reuses this
+script's worker and :data:`SLOW` workload. ``--slow-link`` still runs the older single-host version:
+one job inside a network namespace whose loopback is shaped by ``tc tbf rate 100mbit`` (set up and
+torn down here; needs root); target: the best method reaches the target accuracy at least 3x
+sooner than ``none``.
 
 Usage (from the repository root)::
 
     .venv/bin/python scripts/bench/compression.py --seeds 5 --frameworks torch,tensorflow
-    .venv/bin/python scripts/bench/compression.py --seeds 2 --no-slow-link   # accuracy table only
+    .venv/bin/python scripts/bench/compression.py --seeds 1 --slow-link     # + the single-host slow link
     .venv/bin/python scripts/bench/compression.py --quick --no-write        # a tiny check
 """
 
@@ -231,6 +235,9 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
         parts = [f"{m} {100 * d:+.2f} points ({'met' if ok else 'missed'}, bar "
                  f"-{100 * BARS[m]:g})" for m, (d, ok) in drops.items()]
         out.append(f"Result, accuracy on digits against none, {fw}: {'; '.join(parts)}.")
+    if not slow:
+        out.append("Time to accuracy over a slow link: between two nodes, in the section \"Two nodes: "
+                   "time to accuracy per compression method\" (`cluster.py --part compression`).")
     for fw, by_method in speedups(slow).items():
         best = max(((x, m) for m, x in by_method.items() if m != "none" and x), default=None)
         if best:
@@ -241,12 +248,13 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The driver's options; ``--quick``: digits, none/topk/powersgd, 1 epoch, no slow link."""
+    """The driver's options; ``--quick``: digits, none/topk/powersgd, 1 epoch."""
     p = harness.parser("compression.py", __doc__.splitlines()[0], SIZES, timeout=7200.0)
     p.add_argument("--frameworks", default="torch", help="comma-separated: torch,tensorflow")
     p.add_argument("--datasets", default="digits,mnist1d")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the single-host slow link (superseded by cluster.py --part compression)")
     p.add_argument("--slow-target", type=float, default=0.93)
     p.add_argument("--slow-extra", action="append", default=[],
                    help="config override added to the slow-link workload (repeatable)")
@@ -255,8 +263,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-extra", action="append", default=[],
                    help="config override added to the accuracy runs (repeatable)")
     if argv is not None and "--quick" in argv:
-        p.set_defaults(datasets="digits", methods="none,topk,powersgd", slow_link=False,
-                       train_extra=["train.epochs=1"])
+        p.set_defaults(datasets="digits", methods="none,topk,powersgd", train_extra=["train.epochs=1"])
     return harness.parse(p, argv)
 
 
@@ -269,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods, out, frameworks = args.methods.split(","), Path(args.work), args.frameworks.split(",")
     machine = harness.machine_record()
     slow: list[dict] = []
-    if args.slow_link:  # first: it is the shortest part and the headline figure
+    if args.slow_link:  # first: it is the shortest part
         with SlowLink(args.netns) as netns:
             for fw in frameworks:
                 slow += job(fw, "digits", 0, [m for m in methods if m != "topk-noEF"],
@@ -281,8 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "and seed; bytes are what each rank hands to Horovod per step):\n\n"
               + accuracy_table(records, methods)]
     if slow:
-        blocks.append("Over an emulated 100 Mbit/s link (`tc tbf` on a network namespace's "
-                      "loopback), MLP 64-1024-1024-10 on digits, seed 0"
+        blocks.append("Over an emulated 100 Mbit/s link on one host (`tc tbf` on a network namespace's "
+                      "loopback; the two-node section measures it between hosts), MLP 64-1024-1024-10 "
+                      "on digits, seed 0"
                       + "".join(f", {e}" for e in args.slow_extra) + ":\n\n"
                       + slow_table(slow, args.slow_target))
     seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
