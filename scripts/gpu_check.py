@@ -100,6 +100,8 @@ def main() -> int:
     p.add_argument("--precisions", default="fp32,bf16,fp16")
     p.add_argument("--out", default="/tmp/hvdtrain-gpu-check")
     args = p.parse_args()
+    if not 0 <= args.skip < args.steps:
+        p.error(f"--skip {args.skip}: give a number of steps from 0 to --steps - 1 ({args.steps - 1})")
     print("| precision | trainer | samples/s | ratio to plain | final train loss | device | collectives |")
     print("|---|---|---|---|---|---|---|")
     for precision in args.precisions.split(","):

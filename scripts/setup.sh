@@ -6,7 +6,8 @@
 # Idempotent: each step checks first and does only what is missing, so a second run takes seconds.
 #
 # Environment:
-#   HVDTRAIN_CACHE   where built Horovod wheels are kept (default ~/.cache/hvdtrain)
+#   HVDTRAIN_CACHE   where the Horovod sdist and the wheels built from it are kept
+#                    (default ~/.cache/hvdtrain; scripts/gpu_check.sh finds the sdist there)
 #   HVDTRAIN_CUDA=1  GPU clusters: take PyPI's CUDA build of torch 2.13.0 and build Horovod with
 #                    HOROVOD_GPU_OPERATIONS=NCCL, using the CUDA toolkit and NCCL of the machine or
 #                    of pip's nvidia-* wheels, whichever is found (scripts/cuda_env.sh; says which).
@@ -19,7 +20,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 PY="$VENV/bin/python"
-HOROVOD_VERSION=0.28.1
+# shellcheck source=scripts/horovod_source.sh
+source "$ROOT/scripts/horovod_source.sh"  # HOROVOD_VERSION, HOROVOD_SDIST_NAME, patch_horovod_source
 TORCH_VERSION=2.13.0
 TF_VERSION=2.21.0
 UV_VERSION=0.13.9
@@ -117,19 +119,16 @@ wheel_dir() {
 # Written after the cached wheel is installed; its name carries the wheel's key.
 horovod_stamp() { echo "$VENV/.hvdtrain-$(basename "$(wheel_dir)")"; }
 
-# Applies patches/*.patch in order to an unpacked Horovod sdist (each patch says why at its top).
-patch_horovod_source() {
-  local src="$1" p
-  for p in "$ROOT"/patches/*.patch; do
-    patch -p1 --forward --silent -d "$src" <"$p" || { echo "patch failed: $p" >&2; return 1; }
-  done
-}
-
 build_horovod_wheel() {
-  local out="$1" work; work="$(mktemp -d)"
-  run_step "horovod: download sdist $HOROVOD_VERSION" "check that PyPI is reachable" \
-    pip_run download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
-  tar -xzf "$work"/horovod-*.tar.gz -C "$work"
+  local out="$1" work sdist="$CACHE/$HOROVOD_SDIST_NAME"; work="$(mktemp -d)"
+  # The sdist is kept beside the wheels: a rebuild needs no network, and a GPU check copies it.
+  if [ ! -f "$sdist" ]; then
+    run_step "horovod: download sdist $HOROVOD_VERSION (kept as $sdist)" "check that PyPI is reachable" \
+      pip_run download -q --no-deps --no-binary :all: -d "$work" "horovod==$HOROVOD_VERSION"
+    { mkdir -p "$CACHE" && mv "$work/$HOROVOD_SDIST_NAME" "$sdist.tmp" && mv "$sdist.tmp" "$sdist"; } \
+      || fail "horovod: keep the sdist" "make $CACHE writable, or set HVDTRAIN_CACHE"
+  fi
+  tar -xzf "$sdist" -C "$work"
   run_step "horovod: apply patches/ ($(ls "$ROOT"/patches/*.patch | wc -l) patches: C++17, no XLA op file, Keras 3)" \
     "a patch no longer applies to the sdist; see the patch named above" patch_horovod_source "$work/horovod-$HOROVOD_VERSION"
   local gpu_env=(HOROVOD_GPU_OPERATIONS=)

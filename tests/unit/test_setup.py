@@ -35,7 +35,7 @@ def test_a_second_setup_only_checks():
 
 
 def test_a_failed_step_names_itself_and_the_remedy(tmp_path):
-    for name in ("scripts/setup.sh", "requirements.in", "constraints.txt"):
+    for name in ("scripts/setup.sh", "scripts/horovod_source.sh", "requirements.in", "constraints.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     proc = subprocess.run(["bash", str(tmp_path / "scripts" / "setup.sh")], capture_output=True,
