@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import random
 from contextlib import contextmanager
 
 import numpy as np
@@ -127,6 +129,23 @@ def test_memory_is_pinned_for_a_gpu_and_never_on_cpu(tmp_path):
     loader = TorchLoader(on_disk, on_disk, seed=0, rank=0, workers=1, prefetch=1,
                          device=torch.device("cpu"))
     assert loader._loader is not None and loader._loader.pin_memory is False
+
+
+def test_a_checkpoint_with_cuda_random_states_resumes_on_cpu(tmp_path):
+    """A GPU rank's checkpoint holds one CUDA generator state per GPU (16 bytes: Philox's seed and
+    offset). On a CPU they are ignored and the CPU generators restored, without touching CUDA."""
+    cfg = quiet_config(CONFIG, tmp_path)
+    engine = TorchEngine(cfg, make_dataset(cfg))
+    state = torch.load(io.BytesIO(engine.state_bytes({"step": 7})), weights_only=True)
+    drawn = (torch.rand(3), np.random.rand(3), random.random())  # from the states just saved
+    assert state["rng"]["cuda"] == []  # written on this CPU: none
+    state["rng"]["cuda"] = [torch.arange(16, dtype=torch.uint8), torch.arange(16, 32, dtype=torch.uint8)]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert engine.load_state(buffer.getvalue(), "gpu checkpoint") == {"step": 7}
+    assert torch.equal(torch.rand(3), drawn[0]) and np.array_equal(np.random.rand(3), drawn[1])
+    assert random.random() == drawn[2]
+    assert not torch.cuda.is_initialized()
 
 
 def test_cuda_without_a_gpu_is_one_line_before_anything_starts(tmp_path):
