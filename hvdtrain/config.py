@@ -80,9 +80,10 @@ class TrainConfig:
     most the cores the rank may run on, see ``hvdtrain.engine.compute_threads``)."""
     eval_every_epochs: int = _opt(1, min=1)
     """Evaluate on the test split every this many epochs (and always after the last)."""
-    stall_timeout_s: float = _opt(300.0, min=0.0)
+    stall_timeout_s: float = _opt(300.0, min=0.0, max=1e6)
     """When a rank finishes no step or evaluation for this long, it writes its stacks to
-    ``stacks-rank<r>.txt`` in the run directory and exits, so a hung job fails (0: never)."""
+    ``stacks-rank<r>.txt`` in the run directory and exits, so a hung job fails (0: never; at most
+    1e6, about 11 days: Python's timers refuse much more)."""
     device: str = _opt("auto", choices=DEVICES)
     """Where each rank computes: ``auto`` (a GPU when one is visible, else the CPU), ``cpu``, or
     ``cuda`` (an error before anything starts when no GPU is visible). One rank per GPU, picked
@@ -132,11 +133,12 @@ class CommConfig:
     """Tensors with fewer elements (biases, small layers) travel uncompressed, as fp32."""
     bucket: int = _opt(512, min=0)
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
-    cycle_time_ms: float = _opt(0.0, min=0.0)
+    cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
     0: chosen from the model, Horovod's 1 ms for gradients under 4 MiB and 5 ms from there (see
     :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME`` or ``horovodrun
-    --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process."""
+    --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process. At most
+    1000 (a second between looks: every allreduce would wait that long)."""
 
     def __post_init__(self) -> None:
         # Checked here, before the choices, so that bf16 gets the reason rather than a list.
@@ -226,7 +228,8 @@ class Config:
     framework: str = _opt("torch", choices=("torch", "tensorflow"))
     """Which engine trains the model."""
     seed: int = _opt(0, min=0)
-    """Base seed: rank r seeds its generators with ``seed + r``; shuffling uses ``seed`` alone."""
+    """Base seed: rank r seeds its generators with ``seed + r``; shuffling uses ``seed`` alone. At
+    most 2**31 - 1, as every integer key (:data:`hvdtrain.configcheck.INT_MAX`)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -236,6 +239,11 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __post_init__(self) -> None:
+        problem = _tf_fp16_state(self)
+        if problem:
+            raise ConfigError(problem)
+
     @property
     def run_dir(self) -> Path:
         """Where this run writes its outputs."""
@@ -244,6 +252,33 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
+
+
+def _tf_fp16_state(cfg: Config) -> str:
+    """Why TensorFlow cannot train ``cfg`` in fp16 with its compression, or "" if it can.
+
+    The TensorFlow engine hands the exchange its gradients still multiplied by the loss scale
+    (PyTorch unscales them first, :mod:`hvdtrain.torch.precision`). A method that carries gradients
+    over to the next step would keep them in scaled units, and one overflow step would leave
+    infinities there for good: error-feedback residuals (``topk``, ``randomk``, ``powersgd`` with
+    ``comm.error_feedback``) and PowerSGD's warm-started ``Q`` (always)."""
+    comm = cfg.comm
+    if cfg.framework != "tensorflow" or cfg.train.precision != "fp16" or comm.compression == "none":
+        return ""
+    from hvdtrain.compression import PLANS  # loads NumPy: only for this combination
+
+    residuals = PLANS.get(comm.compression).feedback and comm.error_feedback
+    if comm.compression == "powersgd":
+        keys, fix = "comm.compression=powersgd", "train.precision=bf16 or framework=torch"
+        state = "PowerSGD's warm-start state"
+    elif residuals:
+        keys = f"comm.compression={comm.compression} and comm.error_feedback=true"
+        fix, state = "train.precision=bf16, comm.error_feedback=false or framework=torch", \
+            "the error-feedback residuals"
+    else:
+        return ""
+    return (f"train.precision=fp16 with {keys}: the TensorFlow engine would keep loss-scaled "
+            f"gradients in {state}, where one overflow stays for good; use {fix}")
 
 
 ENV_PREFIX = "HVDTRAIN_"

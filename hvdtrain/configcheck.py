@@ -9,6 +9,11 @@ from typing import Any, Iterable
 
 from hvdtrain.errors import ConfigError
 
+INT_MAX = 2**31 - 1
+"""The largest value of an integer key that sets no bound of its own. Counts and sizes reach C
+ints (thread counts) and NumPy's int64, and a seed plus a rank must stay below 2**32 (NumPy's
+seeds); a larger value would pass here and fail after the run started."""
+
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                dict: "a mapping", list: "a list"}
 
@@ -63,11 +68,14 @@ def shown(value: Any, limit: int = 80) -> str:
 
 
 def check_section(obj: Any, prefix: str = "") -> None:
-    """Checks every field of dataclass ``obj`` against its ``min``, ``max`` and ``choices``."""
+    """Checks every field of dataclass ``obj`` against its ``min``, ``max`` (for an integer
+    without one, :data:`INT_MAX`) and ``choices``."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         path = f"{prefix}{f.name}"
         lo, hi, choices = (f.metadata.get(k) for k in ("min", "max", "choices"))
+        if hi is None and isinstance(value, int) and not isinstance(value, bool):
+            hi = INT_MAX
         if choices and value not in choices:
             raise ConfigError(f"{path}={shown(value)}: must be one of {', '.join(choices)}")
         if lo is not None and value < lo:

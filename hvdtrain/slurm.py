@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hvdtrain.config import Config, load_config
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import HvdtrainError, os_failure
 from hvdtrain.rundir import RunDir
 
 TEMPLATES = resources.files("hvdtrain") / "templates"
@@ -223,12 +223,16 @@ def _sbatch_test_only(text: str) -> list[str]:
 def submit(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
     """Writes ``job.sbatch`` into the run directory, submits it and returns the job id."""
     text = render(config_path, overrides, options)
+    run_dir = run_dir_of(load_config(config_path, overrides))
+    run_dir.create()  # a log.dir that cannot hold the run: the one-line error `train` gives
     if shutil.which("sbatch") is None:
         raise HvdtrainError("sbatch not found: submit on a Slurm login node (or render the script)")
-    run_dir = run_dir_of(load_config(config_path, overrides))
-    run_dir.root.mkdir(parents=True, exist_ok=True)
     path = run_dir.job_script
-    path.write_text(text)
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise os_failure(exc, "cannot write the job script", path,
+                         "free space (or fix the directory), then submit again") from None
     proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if proc.returncode != 0:
         raise HvdtrainError(f"sbatch failed: {(proc.stderr or proc.stdout).strip()}")

@@ -6,12 +6,14 @@ its type promises) or raises one ``ConfigError`` of one line; the CLI turns that
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import math
 import subprocess
 import sys
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from hvdtrain.cli import EXIT_ENVIRONMENT, EXIT_USAGE, parse_args
 from hvdtrain.config import Config, load_config
+from hvdtrain.configcheck import INT_MAX
 from hvdtrain.errors import ConfigError
 from tests.conftest import CONFIG, ROOT, run_env
 
@@ -38,19 +41,23 @@ def keys(cls: type = Config, prefix: str = "") -> dict[str, type]:
 
 
 KEYS = keys()
-EDGE_VALUES = [None, True, False, 0, -1, 1, 2**63, -(2**63), 10**400, 0.0, -0.0, 1e-320, 1e308,
+EDGE_VALUES = [None, True, False, 0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63, -(2**63), 10**30, 10**400,
+               0.0, -0.0, 1e-320, 1e6, 1e6 + 1, 9.3e9, 1e300, 1e308,
                float("nan"), float("inf"), float("-inf"), "", " ", "nan", "inf", "-Infinity",
                "1e999", "0x10", "a\0b", "\u00e9t\u00e9", "x" * 5000, [], [1, [2]], {}, {"a": {"b": {}}},
                {"nested": [None, 1.5]}]
 YAML_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.integers(min_value=10**300)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=30),
+    | st.integers(min_value=2**31 - 8, max_value=2**64)  # huge but finite: past C ints and seeds
+    | st.floats(allow_nan=True, allow_infinity=True) | st.floats(min_value=1e5, max_value=1e308)
+    | st.text(max_size=30),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
     max_leaves=6)
 
 
 def check_loaded_or_one_line_error(load: typing.Callable[[], Config]) -> None:
-    """The loader either returns a config whose numbers are finite or raises one line."""
+    """The loader either returns a config whose numbers are finite and usable where the run
+    hands them over (:func:`check_usable`) or raises one line."""
     try:
         cfg = load()
     except ConfigError as exc:
@@ -61,6 +68,22 @@ def check_loaded_or_one_line_error(load: typing.Callable[[], Config]) -> None:
         if ftype is float:
             value = _get(cfg, key)
             assert isinstance(value, float) and math.isfinite(value), (key, value)
+        if ftype is int:
+            value = _get(cfg, key)
+            assert np.int32(value) == value, (key, value)  # fits a C int, and so NumPy's int64
+    check_usable(cfg)
+
+
+def check_usable(cfg: Config) -> None:
+    """The consumers of the values that once crashed a started run accept what the loader let
+    through (those that need no framework: seeds reach NumPy, the stall timeout Python's timer)."""
+    np.random.seed(cfg.seed + 1023)  # rank r seeds with seed + r
+    timeout = cfg.train.stall_timeout_s
+    if timeout > 0:  # what the watchdog arms (hvdtrain.observe.watchdog: timeout + 2 grace + 5 s)
+        faulthandler.dump_traceback_later(timeout + 2 * 15.0 + 5, exit=False)
+        faulthandler.cancel_dump_traceback_later()
+    assert math.isfinite(float(f"{cfg.comm.cycle_time_ms:g}"))  # HOROVOD_CYCLE_TIME, as Horovod reads it
+    assert cfg.comm.cycle_time_ms <= 1000.0
 
 
 def _get(cfg: Config, dotted: str) -> typing.Any:
@@ -144,13 +167,51 @@ def hvdtrain(*args: str) -> subprocess.CompletedProcess:
     ("train.stall_timeout_s=-.inf", "train.stall_timeout_s=-inf: expected a finite number"),
     ("comm.ratio=1e999", "comm.ratio='1e999': expected a finite number"),
     ("data.batch_size=[1]", "data.batch_size=[1]: expected an integer"),
+    # Huge but finite: each once passed, then failed after the run had started.
+    ("seed=4294967296", "seed=4294967296: must be <= 2147483647"),
+    ("train.threads=1000000000000000000000000000000", "train.threads=1000000000000000000000000000000: "
+     "must be <= 2147483647"),
+    ("train.stall_timeout_s=1e10", "train.stall_timeout_s=10000000000.0: must be <= 1000000.0"),
+    ("comm.cycle_time_ms=1e300", "comm.cycle_time_ms=1e+300: must be <= 1000.0"),
+    (("framework=tensorflow", "train.precision=fp16", "comm.compression=topk"),
+     "train.precision=fp16 with comm.compression=topk and comm.error_feedback=true: the TensorFlow "
+     "engine would keep loss-scaled gradients in the error-feedback residuals, where one overflow "
+     "stays for good; use train.precision=bf16, comm.error_feedback=false or framework=torch"),
+    (("framework=tensorflow", "train.precision=fp16", "comm.compression=powersgd",
+      "comm.error_feedback=false"),
+     "train.precision=fp16 with comm.compression=powersgd: the TensorFlow engine would keep "
+     "loss-scaled gradients in PowerSGD's warm-start state, where one overflow stays for good; use "
+     "train.precision=bf16 or framework=torch"),
     ("log.dir={a: {b: 1}}", "log.dir={'a': {'b': 1}}: expected a string"),
 ])
 def test_the_cli_turns_bad_values_into_one_line_and_exit_2(override, message, tmp_path):
-    proc = hvdtrain("train", str(CONFIG), f"log.dir={tmp_path / 'run'}", override)
+    overrides = (override,) if isinstance(override, str) else override
+    proc = hvdtrain("train", str(CONFIG), f"log.dir={tmp_path / 'run'}", *overrides)
     assert proc.returncode == EXIT_USAGE, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hvdtrain: error: {message}"), proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    ["framework=tensorflow", "train.precision=fp16", "comm.compression=topk", "comm.error_feedback=false"],
+    ["framework=tensorflow", "train.precision=fp16", "comm.compression=qsgd"],
+    ["framework=tensorflow", "train.precision=bf16", "comm.compression=powersgd"],
+    ["framework=torch", "train.precision=fp16", "comm.compression=powersgd"],  # unscales first
+])
+def test_fp16_with_compression_that_keeps_no_gradients_between_steps_loads(overrides):
+    cfg = load_config(None, overrides, environ={})
+    assert cfg.comm.compression == overrides[2].split("=")[1]
+
+
+def test_slurm_submit_with_log_dir_naming_a_file_is_the_user_error_train_gives(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("mine\n")
+    expected = (f"hvdtrain: error: log.dir: cannot write the run directory {str(target)!r}: File "
+                "exists (EEXIST); log.dir must name a directory (or where one can be made)")
+    for args in (["slurm", "submit", str(CONFIG), "--nodes", "1", "--tasks-per-node", "2"], ["train", str(CONFIG)]):
+        proc = hvdtrain(*args, f"log.dir={target}")  # submit stops before sbatch: nothing is queued
+        assert proc.returncode == EXIT_USAGE and proc.stderr.strip() == expected, proc.stderr
+    assert target.read_text() == "mine\n"
 
 
 def test_a_config_file_that_is_not_text_gives_one_line_and_exit_2(tmp_path):
