@@ -9,7 +9,8 @@ truncated or corrupted later (a full disk, a bad copy) is detected and skipped o
 A write that fails (a full disk) removes what it had written and stops the run on every rank, at
 the loop's next log interval or next checkpoint, whichever comes first (or at its end), with an
 :class:`~hvdtrain.errors.EnvironmentFailure` naming the file; the checkpoints written before stay
-valid.
+valid. Rank 0's other writes that a resume relies on (``metrics.jsonl``) hand their failures to
+:meth:`CheckpointManager.hold_failure`, to be shared the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import IO, Any, Callable
 
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.engine import Collectives, Engine
-from hvdtrain.errors import HvdtrainError, os_failure
+from hvdtrain.errors import RESUME_ADVICE, HvdtrainError, os_failure
 
 SUFFIX = ".ckpt"
 POSITION_KEYS = ("step", "epoch", "in_epoch", "samples")
@@ -76,7 +77,8 @@ class CheckpointManager:
         self.cfg = cfg
         self.directory = directory
         self._pending: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self._failure: BaseException | None = None  # of the write in flight; set by its thread
+        self._held: BaseException | None = None  # of rank 0's other writes (hold_failure)
 
     def due(self, step: int) -> bool:
         """Whether the periodic policy asks for a checkpoint after optimizer step ``step``."""
@@ -105,23 +107,34 @@ class CheckpointManager:
         return self.path_for(step)
 
     def failed(self) -> bool:
-        """Whether rank 0's write in flight has already failed (without waiting for it). The loop
-        sums it over ranks with its metrics, so that every rank then calls :meth:`share_failure`
-        at the same step."""
-        return self._failure is not None
+        """Whether rank 0's write in flight has already failed (without waiting for it), or a
+        failure is held (:meth:`hold_failure`). The loop sums it over ranks with its metrics, so
+        that every rank then calls :meth:`share_failure` at the same step."""
+        return self._failure is not None or self._held is not None
+
+    def hold_failure(self, failure: BaseException) -> None:
+        """Keeps the failure of another write of rank 0 (``metrics.jsonl``, the dashboards), to be
+        raised on every rank by the next :meth:`share_failure`, as a checkpoint's failure is; the
+        first one held wins."""
+        if self._held is None:
+            self._held = failure
 
     def share_failure(self, collectives: Collectives, rank: int) -> None:
         """Called by every rank at the same point: rank 0 waits for its write in flight (one at a
-        time, in step order) and tells every rank whether it failed; then every rank raises it."""
+        time, in step order) and tells every rank whether it, or else a write whose failure it
+        holds, failed; then every rank raises that failure."""
         failure: BaseException | None = None
         if rank == 0:
             try:
                 self.wait()
             except BaseException as exc:  # raised below on every rank at once
                 failure = exc
+            failure, self._held = failure or self._held, None
         shared = failure if isinstance(failure, HvdtrainError) or failure is None else \
-            HvdtrainError(f"rank 0 failed to write a checkpoint: {failure!r}")
-        shared = collectives.broadcast_object(shared)
+            HvdtrainError(f"rank 0 failed to write: {failure!r}")
+        # In a list: Horovod names the broadcast after the object's type, which must be the same
+        # on every rank (an error on rank 0 and None on the others would never meet).
+        shared = collectives.broadcast_object([shared])[0]
         if shared is not None:
             raise failure if failure is not None else shared
 
@@ -138,7 +151,7 @@ class CheckpointManager:
         """What to do after checkpoint ``step`` failed: where the run can continue from."""
         kept = [p for p in self.checkpoints() if p != self.path_for(step) and verify(p) is None]
         last = f"the last valid checkpoint is {kept[-1].name}" if kept else "no valid checkpoint is left"
-        return f"{last}; free space (or fix the directory), then resubmit with checkpoint.resume=auto"
+        return f"{last}; {RESUME_ADVICE}"
 
     def wait(self) -> None:
         """Waits until the checkpoint being written is on disk; raises the error if it failed."""

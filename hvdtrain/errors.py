@@ -28,6 +28,9 @@ class EnvironmentFailure(HvdtrainError):
     error. What the run saved before stays valid; after the cause is fixed, resume it."""
 
 
+RESUME_ADVICE = "free space (or fix the directory), then resubmit with checkpoint.resume=auto"
+"""What an :class:`EnvironmentFailure` of a run's own writes (checkpoints, metrics) tells the user."""
+
 # Errors that say the path itself is of the wrong kind (the user named a file where a directory
 # belongs, or the reverse): a mistake in the command, not a failing machine.
 _WRONG_KIND = (errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT, errno.ENAMETOOLONG)

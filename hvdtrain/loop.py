@@ -22,7 +22,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.sampler import ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
-from hvdtrain.errors import Diverged
+from hvdtrain.errors import Diverged, HvdtrainError
 from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
 from hvdtrain.observe.records import MetricsLogger
 from hvdtrain.observe.system import process_age_s
@@ -175,6 +175,9 @@ class Loop:
             self._train_epoch(self.pos.epoch)
         if not self.last_eval:  # resumed at the very end: report the restored model's scores
             self._evaluate()
+        # The last records and checkpoint are on disk, or their failure stops every rank here.
+        self.write_metrics()
+        self.checkpoints.share_failure(self.collectives, self.engine.rank)
         return self._summary(time.perf_counter() - started)
 
     def _train_epoch(self, epoch: int) -> None:
@@ -250,8 +253,8 @@ class Loop:
 
         Three controls ride along, so that every rank learns them from the same sum and acts after
         the same step: a stop request from any rank, which ranks saw a non-finite loss, and whether
-        rank 0's checkpoint write failed. So do the monitor's per-rank step costs and system
-        samples (:mod:`hvdtrain.observe.ranks`).
+        a write of rank 0 failed (a checkpoint, ``metrics.jsonl``). So do the monitor's per-rank
+        step costs and system samples (:mod:`hvdtrain.observe.ranks`).
         """
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
@@ -260,7 +263,7 @@ class Loop:
                   "step_time_s": seconds / max(window.steps, 1)}
         controls = rank_keys("nonfinite", self.engine.rank, self.engine.size, self.first_nonfinite)
         sums = {**window.sums, **controls, "stop": float(self.stop_requested()),
-                "checkpoint_failed": float(self.checkpoints.failed()),
+                "write_failed": float(self.checkpoints.failed()),
                 **self.monitor.outgoing(window.costs, window.steps)}
         self.pending = (record, window.steps, self.collectives.start_allreduce_sums(sums))
 
@@ -272,12 +275,12 @@ class Loop:
         self.pending = None
         sums = result()
         self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
-        checkpoint_failed = sums.pop("checkpoint_failed") > 0
+        write_failed = sums.pop("write_failed") > 0
         first_bad = dict(enumerate(map(int, pop_ranks(sums, "nonfinite", self.engine.size))))
         health = self.monitor.incoming(sums, steps, record["step"])
         self.last_train = means(sums)
-        self.logger.log({**record, **self.last_train, **health})
-        if checkpoint_failed:  # every rank raises rank 0's error here, together
+        self._logged(lambda: self.logger.log({**record, **self.last_train, **health}))
+        if write_failed:  # every rank raises rank 0's error here, together
             self.checkpoints.share_failure(self.collectives, self.engine.rank)
         self._check_finite(first_bad)
 
@@ -285,7 +288,16 @@ class Loop:
         """Logs the pending record (waiting for its sum) and writes out every record the logger
         holds back: before a checkpoint, and an elastic commit."""
         self._flush()
-        self.logger.flush()
+        self._logged(self.logger.flush)
+
+    def _logged(self, write: Callable[[], None]) -> None:
+        """Runs a write of the logger (rank 0's sinks); its failure (a full disk under
+        ``metrics.jsonl``, the dashboards' writer) is held to stop every rank together at the next
+        metrics sum or checkpoint, rather than rank 0 alone now."""
+        try:
+            write()
+        except HvdtrainError as exc:
+            self.checkpoints.hold_failure(exc)
 
     @staticmethod
     def _check_finite(first_bad: dict[int, int]) -> None:

@@ -157,9 +157,9 @@ class RunDir:
         the run logs again, so that ``metrics.jsonl`` holds each step once."""
         if not self.metrics.exists():
             return
-        kept = [line for line in self.metrics.read_text().splitlines(keepends=True)
-                if json.loads(line).get("step", 0) <= step]
-        self.metrics.write_text("".join(kept))
+        kept = "".join(json.dumps(record) + "\n" for record in read_records(self.metrics)
+                       if record.get("step", 0) <= step)
+        atomic_write(self.metrics, lambda f: f.write(kept.encode()))  # a full disk loses nothing
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Writes ``summary.json`` atomically."""
@@ -170,3 +170,27 @@ class RunDir:
         """Appends one elastic event, with the time, to :attr:`events`."""
         with self.events.open("a") as fileobj:
             fileobj.write(json.dumps({"time": time.time(), **event}) + "\n")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file that hvdtrain appends to (``metrics.jsonl``).
+
+    A last line that lacks its newline and does not parse is a write cut short (a full disk, rank
+    0 killed mid-write): it is left out. Any other line that is not a JSON object is a damaged
+    file: a one-line :class:`~hvdtrain.errors.HvdtrainError` naming the file and line.
+    """
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            record = None
+        if not isinstance(record, dict):
+            raise HvdtrainError(f"{path}:{number}: not a JSON object; the file is damaged (move it "
+                                "away to start afresh, or repair the line)")
+        records.append(record)
+    return records

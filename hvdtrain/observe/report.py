@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.rundir import RunDir
+from hvdtrain.rundir import RunDir, read_records
 
 
 @dataclass(frozen=True)
@@ -79,12 +79,7 @@ def load_run(path: Path) -> Run:
     metrics = run_dir.metrics
     if not metrics.is_file():
         raise HvdtrainError(f"{str(path)!r} holds no {metrics.name} (is it a hvdtrain run directory?)")
-    records = []
-    for number, line in enumerate(metrics.read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise HvdtrainError(f"{metrics}:{number}: not a JSON object") from None
+    records = read_records(metrics)
     summary = _read_optional(run_dir.summary, json.loads)
     config = _read_optional(run_dir.config, yaml.safe_load)
     label = summary.get("name") or config.get("name") or path.name

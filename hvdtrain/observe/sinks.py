@@ -9,6 +9,7 @@ loads neither (nor any framework). They get the numbers as scalars tagged ``trai
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -18,9 +19,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import RESUME_ADVICE, HvdtrainError, os_failure
 from hvdtrain.observe.records import Sink, has_eval
 from hvdtrain.rundir import RunDir
 
@@ -35,14 +36,24 @@ class JsonlSink(Sink):
     the encoder and the file cold after every step, a record encoded and written alone costs rank 0
     more than its share of a batch, and every other rank waits for rank 0 at the next allreduce.
     ``flush`` may come from another thread (the watchdog's) while the training thread is stuck.
+
+    A write that fails (a full disk) is cut back to the last whole record and raised once, as an
+    :class:`~hvdtrain.errors.EnvironmentFailure` naming the file; the loop shares it with every rank
+    (:meth:`hvdtrain.checkpoint.CheckpointManager.hold_failure`). The sink writes nothing after it.
     """
 
     def __init__(self, path: Path, every_s: float = 0.0) -> None:
-        self._file = path.open("a")
+        self._path = path
+        try:
+            # Unbuffered: a failed write leaves nothing in a buffer that closing would try again.
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as exc:
+            raise os_failure(exc, "cannot write metrics", path, RESUME_ADVICE) from None
         self._every_s = every_s
         self._held: list[dict[str, Any]] = []
         self._written_at = time.monotonic()
         self._lock = threading.Lock()
+        self._failed = False
 
     def log(self, record: dict[str, Any]) -> None:
         self._held.append(record)
@@ -52,18 +63,42 @@ class JsonlSink(Sink):
     def flush(self) -> None:
         with self._lock:
             held, self._held = self._held, []
-            if held:
-                self._file.write("".join(json.dumps(record) + "\n" for record in held))
-                self._file.flush()
             self._written_at = time.monotonic()
+            if not held or self._failed:
+                return
+            data = "".join(json.dumps(record) + "\n" for record in held).encode()
+            try:
+                append_whole(self._fd, data)
+            except OSError as exc:
+                self._failed = True
+                raise os_failure(exc, "cannot write metrics", self._path, RESUME_ADVICE) from None
 
     def restart(self, step: int, total_steps: int) -> None:
         with self._lock:
             self._held = [record for record in self._held if record["step"] <= step]
 
     def close(self) -> None:
-        self.flush()
-        self._file.close()
+        try:
+            self.flush()
+        finally:
+            os.close(self._fd)
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Appends ``data`` to the file open on ``fd`` (``O_APPEND``) or, when a write fails part way
+    (a full disk), cuts the file back to its length before and raises: readers never meet half a
+    record written by this process."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        try:
+            os.ftruncate(fd, start)  # shrinking a file needs no free space
+        except OSError:
+            pass  # the reader drops a last line cut short (hvdtrain.rundir.read_records)
+        raise
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -188,13 +223,15 @@ class TensorBoardSink(Sink):
 
         self._event, self._summary = Event, Summary
         logdir = Path(logdir)
-        logdir.mkdir(parents=True, exist_ok=True)
-        if fresh:
-            for old in logdir.glob("events.out.tfevents.*"):
-                old.unlink()
         # time_ns keeps the name unique when one process writes two runs into the same directory.
         stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
-        self._writer = RecordWriter((logdir / f"events.out.tfevents.{stamp}").open("wb"))
+        self._path = logdir / f"events.out.tfevents.{stamp}"
+        with self._naming_path():
+            logdir.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                for old in logdir.glob("events.out.tfevents.*"):
+                    old.unlink()
+            self._writer = RecordWriter(self._path.open("wb"))
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def log(self, record: dict[str, Any]) -> None:
@@ -204,11 +241,21 @@ class TensorBoardSink(Sink):
                                 summary=self._summary(value=values)))
 
     def _write(self, event: Any) -> None:
-        self._writer.write(event.SerializeToString())
-        self._writer.flush()  # like metrics.jsonl: a crashed run keeps everything it logged
+        with self._naming_path():
+            self._writer.write(event.SerializeToString())
+            self._writer.flush()  # like metrics.jsonl: a crashed run keeps everything it logged
 
     def close(self) -> None:
-        self._writer.close()
+        with self._naming_path():
+            self._writer.close()
+
+    @contextlib.contextmanager
+    def _naming_path(self) -> Iterator[None]:
+        """Turns an ``OSError`` (a full disk) into the one-line error naming the event file."""
+        try:
+            yield
+        except OSError as exc:
+            raise os_failure(exc, "cannot write TensorBoard events", self._path, RESUME_ADVICE) from None
 
 
 def wandb_run_id(run_dir: Path, resumed: bool) -> str:

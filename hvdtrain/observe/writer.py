@@ -12,7 +12,9 @@ interpreter does, installed or not. The protocol, one JSON object per line on th
 first ``{"sinks": [[name, kwargs], ...]}`` (``name`` is a :data:`hvdtrain.registry.SINKS` name or
 the ``"module:Class"`` of a :class:`hvdtrain.observe.records.Sink`), then ``{"log": record}`` or
 ``{"summary": summary}`` per call. The child answers on its stdout with ``ready`` once its sinks
-are built, and ``error <message as JSON>`` when one fails. At the end of its stdin (``close``, or
+are built, and ``error <message as JSON>`` when one fails (``failure <message as JSON>`` when
+the file system failed it: a full disk; the parent raises that as an
+:class:`~hvdtrain.errors.EnvironmentFailure`). At the end of its stdin (``close``, or
 the death of the parent) it closes its sinks and exits, so a parent killed by a signal still
 leaves complete TensorBoard and W&B files behind. Framework-free.
 """
@@ -28,7 +30,7 @@ import subprocess
 import sys
 from typing import IO, Any, Sequence
 
-from hvdtrain.errors import HvdtrainError
+from hvdtrain.errors import RESUME_ADVICE, EnvironmentFailure, HvdtrainError, os_failure
 from hvdtrain.registry import SINKS
 
 NICE = 10
@@ -121,12 +123,17 @@ class SinkProcess:
 
     def _failure(self, lines: list[str]) -> HvdtrainError:
         self._raised = True
-        errors = [json.loads(line[len("error "):]) for line in lines if line.startswith("error ")]
-        if errors:
-            return HvdtrainError(f"metrics writer: {errors[0]}")
+        for line in lines:
+            kind, _, message = line.partition(" ")
+            if kind in _KINDS:
+                return _KINDS[kind](f"metrics writer: {json.loads(message)}")
         code = self._proc.poll()
         return HvdtrainError(f"the metrics writer process (TensorBoard, W&B) ended early "
                              f"(exit status {code}); see its messages above")
+
+
+_KINDS: dict[str, type[HvdtrainError]] = {"error": HvdtrainError, "failure": EnvironmentFailure}
+"""The child's answer for a failed sink -> the error the parent raises."""
 
 
 def _grow_pipe(pipe: IO[str]) -> None:
@@ -150,8 +157,11 @@ def serve(stdin: IO[str], stdout: IO[str]) -> int:
     input; returns the exit status (1 after any error)."""
 
     def report(exc: BaseException) -> None:
+        if isinstance(exc, OSError) and exc.filename is not None:  # the file system's failure
+            exc = os_failure(exc, "cannot write", exc.filename, RESUME_ADVICE)
         message = str(exc) if isinstance(exc, HvdtrainError) else f"{type(exc).__name__}: {exc}"
-        stdout.write("error " + json.dumps(message) + "\n")
+        kind = "failure" if isinstance(exc, EnvironmentFailure) else "error"
+        stdout.write(f"{kind} {json.dumps(message)}\n")
         stdout.flush()
 
     try:

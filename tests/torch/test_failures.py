@@ -12,6 +12,8 @@ import io
 import json
 import os
 import pickle
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -24,9 +26,10 @@ from hypothesis import strategies as st
 from hvdtrain.checkpoint import manifest_path, verify
 from hvdtrain.cli import EXIT_ENVIRONMENT, EXIT_USAGE
 from hvdtrain.driver import find_checkpoint, restore, train
-from hvdtrain.errors import HvdtrainError
-from hvdtrain.rundir import RunDir
-from tests.conftest import CONFIG, hvdtrain_cli, quiet_config, read_jsonl
+from hvdtrain.errors import EnvironmentFailure, HvdtrainError
+from hvdtrain.observe.writer import SinkProcess
+from hvdtrain.rundir import RunDir, read_records
+from tests.conftest import BIN, CONFIG, horovodrun, hvdtrain_cli, quiet_config, read_jsonl
 
 QUIET = ("log.console=false", "log.wandb=disabled", "log.tensorboard=false")
 # The model is pinned so that a checkpoint's size (about 96 kB) fits the tmpfs below once, not twice.
@@ -116,6 +119,57 @@ def test_a_disk_that_fills_stops_the_run_and_resume_continues_after_space_is_fre
         steps = [r["step"] for r in read_jsonl(RunDir(run).metrics)]
         # Each step once (records after step 10 were trimmed and logged again), to the end.
         assert steps == sorted(set(steps)) and steps[-1] == 50 and {10, 12, 30} <= set(steps)
+
+
+def test_a_disk_that_fills_under_metrics_stops_every_rank_and_resume_finishes(tmp_path):
+    # The run directory on a disk of four pages (the config, the two ranks' watchdog files and one
+    # page of records), its checkpoints on a disk of their own: metrics.jsonl is what fails.
+    args = ["train", str(CONFIG), *QUIET, "train.max_steps=60", "checkpoint.every_steps=3",
+            "log.every_steps=1", "log.jsonl_every_s=0"]
+    with mounted(tmp_path / "disk", "size=16k") as disk, \
+            mounted(RunDir(disk / "run").checkpoints, "size=4m"):
+        run = RunDir(disk / "run")
+        args.append(f"log.dir={run.root}")
+        # Each rank's own exit status, as the shell that horovodrun starts sees it. horovodrun sends
+        # SIGTERM to the other ranks once the first has exited (README, "Exit codes"), which would
+        # hide the status of a rank still on its way out; the shell has it ignored.
+        script = " ".join(map(shlex.quote, [str(BIN / "hvdtrain"), *args]))
+        proc = horovodrun(2, "gloo", ["sh", "-c", f"trap '' TERM; {script}; s=$?; "
+                                      'echo "rank $HOROVOD_RANK exit $s" >&2; exit $s'])
+        out = proc.stdout + proc.stderr
+        assert dict(re.findall(r"^\[\d\]<stderr>:rank (\d) exit (\d+)$", out, re.M)) == \
+            {"0": str(EXIT_ENVIRONMENT), "1": str(EXIT_ENVIRONMENT)}, out[-3000:]
+        errors = re.findall(r"^\[(\d)\]<stderr>:hvdtrain: error: (.*)$", out, re.M)
+        assert sorted(rank for rank, _ in errors) == ["0", "1"], out[-3000:]  # one line each
+        assert {line for _, line in errors} == {
+            f"cannot write metrics {str(run.metrics)!r}: No space left on device (ENOSPC); free space "
+            "(or fix the directory), then resubmit with checkpoint.resume=auto"}
+        # The records written stay whole (the failed write was cut back), a checkpoint is valid.
+        assert run.metrics.read_text().endswith("\n")
+        steps = [r["step"] for r in read_records(run.metrics)]
+        assert steps == list(range(1, len(steps) + 1)) and 3 <= len(steps) < 60
+        assert verify(run.checkpoints / "step-00000003.ckpt") is None
+
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)  # space freed
+        # Seed and stall timeout at their largest: accepted by the loader, and by what uses them.
+        resumed = hvdtrain_cli(*args, "checkpoint.resume=auto", "seed=2147483647",
+                               "train.stall_timeout_s=1e6")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert json.loads(run.summary.read_text())["steps"] == 60
+        assert [r["step"] for r in read_records(run.metrics)] == list(range(1, 61))
+
+
+def test_a_full_disk_under_tensorboard_is_an_environment_failure_naming_its_file(tmp_path):
+    with mounted(tmp_path / "tb", "size=4k") as logdir:
+        sink = SinkProcess([("tensorboard", {"logdir": str(logdir)})])
+        with pytest.raises(EnvironmentFailure) as caught:
+            for step in range(100_000):  # the child reports its failure; a later call raises it
+                sink.log({"step": step, "loss": 0.5})
+        sink.close()  # raised once; the child has closed its file, so the disk can be unmounted
+    assert re.fullmatch(rf"metrics writer: cannot write TensorBoard events '{re.escape(str(logdir))}/"
+                        r"events\.out\.tfevents\.[^']+': No space left on device \(ENOSPC\); free "
+                        r"space \(or fix the directory\), then resubmit with checkpoint\.resume=auto",
+                        str(caught.value)), str(caught.value)
 
 
 @pytest.fixture(scope="module")

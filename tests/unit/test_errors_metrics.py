@@ -1,0 +1,60 @@
+"""``metrics.jsonl`` when the disk fails under it: the write becomes one line naming the file (exit
+74), and a last record cut short is left out by every reader (a resume's trim, ``hvdtrain report``)
+rather than failing it. The run that fills a real disk is in tests/torch/test_failures.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.cli import main
+from hvdtrain.errors import EnvironmentFailure, HvdtrainError
+from hvdtrain.observe.sinks import JsonlSink
+from hvdtrain.rundir import RunDir, read_records
+
+WHOLE = "".join(json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in (1, 2, 3))
+CUT = '{"step": 4, "lo'  # what a write stopped by a full disk, or a killed rank 0, leaves
+
+
+def test_a_full_disk_under_metrics_is_one_environment_failure_naming_the_file():
+    # Every write to /dev/full fails with ENOSPC, as one to a full disk does.
+    sink = JsonlSink(Path("/dev/full"), every_s=3600)
+    sink.log({"step": 1, "loss": 0.5})
+    with pytest.raises(EnvironmentFailure) as caught:
+        sink.flush()
+    assert str(caught.value) == ("cannot write metrics '/dev/full': No space left on device (ENOSPC); "
+                                 "free space (or fix the directory), then resubmit with "
+                                 "checkpoint.resume=auto")
+    sink.log({"step": 2, "loss": 0.4})
+    sink.close()  # raised once: the loop has it and stops every rank with it; nothing more written
+
+
+def test_a_last_line_cut_short_is_left_out_and_a_damaged_one_before_it_is_an_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(WHOLE + CUT)
+    assert [r["step"] for r in read_records(path)] == [1, 2, 3]
+    path.write_text(WHOLE + "[1, 2]")  # parses, but is no record: not a write cut short
+    with pytest.raises(HvdtrainError, match=r"metrics.jsonl:4: not a JSON object"):
+        read_records(path)
+    path.write_text(CUT + "\n" + WHOLE)
+    with pytest.raises(HvdtrainError, match=r"metrics.jsonl:1: not a JSON object; the file is damaged"):
+        read_records(path)
+
+
+def test_resume_trims_a_file_that_ends_in_half_a_record(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.metrics.write_text(WHOLE + CUT)
+    run.trim_metrics(2)
+    assert run.metrics.read_text() == "".join(WHOLE.splitlines(keepends=True)[:2])
+
+
+def test_report_plots_a_run_whose_last_record_was_cut_short(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(WHOLE + CUT)
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "loss.png").exists()
+
