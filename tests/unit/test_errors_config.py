@@ -208,7 +208,8 @@ def test_slurm_submit_with_log_dir_naming_a_file_is_the_user_error_train_gives(t
     target.write_text("mine\n")
     expected = (f"hvdtrain: error: log.dir: cannot write the run directory {str(target)!r}: File "
                 "exists (EEXIST); log.dir must name a directory (or where one can be made)")
-    for args in (["slurm", "submit", str(CONFIG), "--nodes", "1", "--tasks-per-node", "2"], ["train", str(CONFIG)]):
+    submit = ["slurm", "submit", str(CONFIG), "--nodes", "1", "--tasks-per-node", "2"]
+    for args in (submit, ["train", str(CONFIG)]):
         proc = hvdtrain(*args, f"log.dir={target}")  # submit stops before sbatch: nothing is queued
         assert proc.returncode == EXIT_USAGE and proc.stderr.strip() == expected, proc.stderr
     assert target.read_text() == "mine\n"
