@@ -13,7 +13,6 @@ read through :mod:`importlib.resources`, so an installed hvdtrain renders its jo
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import shutil
@@ -27,7 +26,7 @@ from typing import Sequence
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError, os_failure
-from hvdtrain.rundir import RunDir
+from hvdtrain.rundir import RunDir, read_records
 
 TEMPLATES = resources.files("hvdtrain") / "templates"
 """The sbatch templates (Jinja2) and the host discovery script, shipped inside the package."""
@@ -165,10 +164,8 @@ def stop_time_estimate(cfg: Config) -> float:
     so up to ``log.every_steps`` steps (at the slowest step time measured in an earlier run of the
     same run directory, if there is one) plus :data:`BASE_STOP_S`."""
     metrics = run_dir_of(cfg).metrics
-    step_time = 0.0
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            step_time = max(step_time, float(json.loads(line).get("step_time_s", 0.0)))
+    records = read_records(metrics) if metrics.exists() else []
+    step_time = max((float(r.get("step_time_s", 0.0)) for r in records), default=0.0)
     return BASE_STOP_S + cfg.log.every_steps * step_time
 
 

@@ -58,3 +58,13 @@ def test_report_plots_a_run_whose_last_record_was_cut_short(tmp_path, capsys):
     assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "loss.png").exists()
 
+
+
+def test_the_slurm_stop_estimate_reads_past_a_last_record_cut_short(tmp_path):
+    from hvdtrain.config import load_config
+    from hvdtrain.slurm import BASE_STOP_S, stop_time_estimate
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "digits_torch.yaml",
+                      [f"log.dir={tmp_path}", "log.every_steps=10"])
+    RunDir(tmp_path).metrics.write_text(json.dumps({"step": 1, "step_time_s": 0.5}) + "\n" + CUT)
+    assert stop_time_estimate(cfg) == pytest.approx(BASE_STOP_S + 10 * 0.5)
