@@ -20,6 +20,13 @@ from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 
 
+FIXED = tf.data.Options()
+FIXED.autotune.enabled = False
+"""The pipeline runs with the parallelism and buffer the config gives (``data.workers``,
+``data.prefetch``), without tf.data's autotuning: its optimisation thread held up the release of a
+finished epoch's iterator for seconds at the next epoch's first step."""
+
+
 class TensorFlowLoader:
     """Loads the batches of the sampler's steps and of evaluations as tensors.
 
@@ -69,8 +76,7 @@ class TensorFlowLoader:
         """A ``tf.data`` stream of ``requests`` (one split and draw, as a plan's are)."""
         split = requests[0].split if requests else "train"
         draw = requests[0].draw if requests else None
-        indices = tf.data.Dataset.from_generator(
-            lambda: (r.indices for r in requests), output_signature=tf.TensorSpec([None], tf.int64))
+        indices = tf.data.Dataset.from_tensor_slices(padded_indices(requests))
 
         def load(idx: tf.Tensor) -> tuple[np.ndarray, np.ndarray]:
             loaded = fetch(self.sources, Request(split, idx.numpy(), draw))
@@ -80,14 +86,15 @@ class TensorFlowLoader:
             self.skips.note(loaded.skipped)
             return loaded.x, loaded.y
 
-        def mapped(idx: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        def mapped(row: tf.Tensor, length: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+            idx = row[:length]
             x, y = tf.py_function(load, [idx], [tf.float32, tf.int64])
             x.set_shape([None, *self.input_shape])
             y.set_shape([None])
             return idx, x, y
 
         pipeline = indices.map(mapped, num_parallel_calls=self.workers, deterministic=True)
-        return iter(pipeline.prefetch(self.workers * self.prefetch))
+        return iter(pipeline.prefetch(self.workers * self.prefetch).with_options(FIXED))
 
     def _next(self, stream: Iterator[tuple[tf.Tensor, tf.Tensor, tf.Tensor]],
               expected: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
@@ -104,3 +111,17 @@ class TensorFlowLoader:
         check_loaded(loaded, expected)
         self.skips.note(loaded.skipped)
         return tf.convert_to_tensor(loaded.x), tf.convert_to_tensor(loaded.y)
+
+
+def padded_indices(requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """The requests' index arrays as one zero-padded matrix and their lengths, the form
+    ``tf.data.Dataset.from_tensor_slices`` takes.
+
+    Not ``from_generator``: its Python generator, called from a ``tf.data`` thread for every
+    element, slowed the training step that runs beside it (docs/investigations/input-pipeline.md).
+    """
+    lengths = np.array([len(r.indices) for r in requests], dtype=np.int64)
+    padded = np.zeros((len(requests), int(lengths.max(initial=0))), dtype=np.int64)
+    for row, request in enumerate(requests):
+        padded[row, :len(request.indices)] = request.indices
+    return padded, lengths

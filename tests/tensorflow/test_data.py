@@ -48,3 +48,14 @@ def test_a_truncated_image_stops_the_run_naming_the_file(images, tmp_path):
     victim.write_bytes(victim.read_bytes()[:200])
     with pytest.raises(HvdtrainError, match=rf"^cannot read image {victim}: [^\n]+$"):
         run(root, tmp_path / "stop", "data.workers=2")
+
+
+def test_a_streams_index_batches_go_to_tf_data_as_one_padded_matrix_and_lengths():
+    from hvdtrain.data.loading import Request
+    from hvdtrain.tensorflow.data import padded_indices
+
+    requests = [Request("train", np.array([5, 3, 9])), Request("train", np.array([7]))]
+    padded, lengths = padded_indices(requests)
+    assert padded.tolist() == [[5, 3, 9], [7, 0, 0]] and lengths.tolist() == [3, 1]
+    padded, lengths = padded_indices([])
+    assert padded.shape == (0, 0) and lengths.shape == (0,)
