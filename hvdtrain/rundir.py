@@ -6,7 +6,9 @@ A run directory holds everything a run produced. Only rank 0 writes to it; every
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -154,12 +156,18 @@ class RunDir:
 
     def trim_metrics(self, step: int) -> None:
         """Drops records logged after ``step`` (between a checkpoint or commit and a failure), which
-        the run logs again, so that ``metrics.jsonl`` holds each step once."""
+        the run logs again, so that ``metrics.jsonl`` holds each step once.
+
+        Records are appended in step order, so those kept are the file's first lines: the file is
+        cut back in place. That needs no free space, and it keeps the file that rank 0's sink has
+        open for appending across an elastic reset (a new file put in its place would not be it).
+        """
         if not self.metrics.exists():
             return
-        kept = "".join(json.dumps(record) + "\n" for record in read_records(self.metrics)
-                       if record.get("step", 0) <= step)
-        atomic_write(self.metrics, lambda f: f.write(kept.encode()))  # a full disk loses nothing
+        lines = self.metrics.read_text().splitlines(keepends=True)
+        kept = itertools.takewhile(lambda record: record.get("step", 0) <= step,
+                                   read_records(self.metrics))
+        os.truncate(self.metrics, sum(len(line.encode()) for line, _ in zip(lines, kept)))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Writes ``summary.json`` atomically."""

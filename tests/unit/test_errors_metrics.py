@@ -68,3 +68,17 @@ def test_the_slurm_stop_estimate_reads_past_a_last_record_cut_short(tmp_path):
                       [f"log.dir={tmp_path}", "log.every_steps=10"])
     RunDir(tmp_path).metrics.write_text(json.dumps({"step": 1, "step_time_s": 0.5}) + "\n" + CUT)
     assert stop_time_estimate(cfg) == pytest.approx(BASE_STOP_S + 10 * 0.5)
+
+
+def test_a_trim_keeps_the_file_the_sink_appends_to(tmp_path):
+    # An elastic reset trims metrics.jsonl while rank 0's sink keeps it open: the records logged
+    # after the reset must land in the trimmed file, after the kept ones.
+    run = RunDir(tmp_path)
+    sink = JsonlSink(run.metrics)
+    for step in (1, 2, 3):
+        sink.log({"step": step})
+    run.trim_metrics(2)
+    sink.restart(2, 10)
+    sink.log({"step": 3, "again": True})
+    sink.close()
+    assert read_records(run.metrics) == [{"step": 1}, {"step": 2}, {"step": 3, "again": True}]
