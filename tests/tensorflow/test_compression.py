@@ -319,7 +319,9 @@ def test_resume_with_compression_state_is_bit_identical(tmp_path, method):
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     assert summary["compression"] == method and summary["final"]["eval_accuracy"] >= 0.5  # learns; chance is 0.1
     stats = straight.engine.step_stats()
-    assert set(stats) == {"data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes", "skipped"}
+    assert set(stats) == {"data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes",
+                          "skipped"}
+    assert 0 < stats["compress_s"] < stats["compute_s"]
     assert stats["dense_bytes"] == 4 * sum(v.size for v in straight.engine.parameters().values())
     assert 0 < stats["wire_bytes"] < stats["dense_bytes"] / 3 and stats["comm_s"] > 0
 
