@@ -164,9 +164,10 @@ class RunDir:
         """
         if not self.metrics.exists():
             return
-        lines = self.metrics.read_text().splitlines(keepends=True)
+        text = self.metrics.read_text(errors="replace")
         kept = itertools.takewhile(lambda record: record.get("step", 0) <= step,
-                                   read_records(self.metrics))
+                                   parse_records(text, self.metrics))
+        lines = text.splitlines(keepends=True)
         os.truncate(self.metrics, sum(len(line.encode()) for line, _ in zip(lines, kept)))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
@@ -187,7 +188,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     0 killed mid-write): it is left out. Any other line that is not a JSON object is a damaged
     file: a one-line :class:`~hvdtrain.errors.HvdtrainError` naming the file and line.
     """
-    text = path.read_text(errors="replace")
+    return parse_records(path.read_text(errors="replace"), path)
+
+
+def parse_records(text: str, path: Path) -> list[dict[str, Any]]:
+    """:func:`read_records` of a file's ``text`` already read (``path`` names it in errors)."""
     lines = text.splitlines()
     records = []
     for number, line in enumerate(lines, 1):
