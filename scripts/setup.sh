@@ -129,7 +129,7 @@ build_horovod_wheel() {
       || fail "horovod: keep the sdist" "make $CACHE writable, or set HVDTRAIN_CACHE"
   fi
   tar -xzf "$sdist" -C "$work"
-  run_step "horovod: apply patches/ ($(ls "$ROOT"/patches/*.patch | wc -l) patches: C++17, no XLA op file, Keras 3)" \
+  run_step "horovod: apply patches/ ($(ls "$ROOT"/patches/*.patch | wc -l) patches, each says why at its top)" \
     "a patch no longer applies to the sdist; see the patch named above" patch_horovod_source "$work/horovod-$HOROVOD_VERSION"
   local gpu_env=(HOROVOD_GPU_OPERATIONS=)
   [ "$CUDA" = 1 ] && gpu_env=(HOROVOD_GPU_OPERATIONS=NCCL)

@@ -12,15 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[2]
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-
-def horovodrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Runs `horovodrun -np 2 --gloo ARGS` from the project root and returns its output."""
-    return subprocess.run([str(BIN / "horovodrun"), "-np", "2", "--gloo", *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+from tests.horovod import BIN, ROOT, horovodrun
 
 
 def test_keras3_model_fit_example_trains_at_two_ranks():
@@ -66,3 +58,4 @@ def test_horovods_own_keras_and_sync_batch_norm_cases_pass():
     for row in rows:
         passed = int(row.split("|")[3])
         assert passed >= 1, row
+

@@ -18,6 +18,7 @@ import harness  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import scaling  # noqa: E402
+import timeline  # noqa: E402
 import workload  # noqa: E402
 
 DRIVERS = ("allreduce", "checkpoint", "compression", "data", "ddp", "elastic_recovery",
@@ -443,3 +444,24 @@ def test_data_bench_peak_memory_counts_child_processes():
     finally:
         child.kill()
         child.wait()
+
+
+def test_timeline_counts_a_fused_response_once_and_the_unnested_rest(tmp_path, capsys):
+    # Two tensors fused into one response (the same spans on two "processes"), then one alone.
+    def span(pid, name, start, end):
+        return [{"ph": "B", "name": name, "ts": start, "pid": pid}, {"ph": "E", "ts": end, "pid": pid}]
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "a"}}]
+    for pid in (1, 2):
+        events += span(pid, "ALLREDUCE", 0, 10_000)[:1] + span(pid, "MEMCPY_IN_FUSION_BUFFER", 0, 2_000)
+        events += span(pid, "GLOO_ALLREDUCE", 2_000, 9_000) + span(pid, "ALLREDUCE", 0, 10_000)[1:]
+    events += span(1, "ALLREDUCE", 20_000, 24_000)[:1] + span(1, "GLOO_ALLREDUCE", 20_000, 24_000)
+    events += span(1, "ALLREDUCE", 20_000, 24_000)[1:]
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps(events))
+    assert timeline.main([str(path), "--steps", "2"]) == 0
+    rows = {line[:32].strip(): [float(x) for x in line.split()[-2:]]
+            for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["ALLREDUCE"] == [14.0, 7.0]  # ms, and per step
+    assert rows["GLOO_ALLREDUCE"] == [11.0, 5.5]
+    assert rows["MEMCPY_IN_FUSION_BUFFER"] == [2.0, 1.0]
+    assert rows["ALLREDUCE not nested"] == [1.0, 0.5]
