@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -55,7 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("path", type=Path, help="the file HOROVOD_TIMELINE named")
     p.add_argument("--steps", type=int, default=1, help="optimizer steps of the job (per-step column)")
     args = p.parse_args(argv)
-    found = spans(json.loads(args.path.read_text()))
+    try:
+        found = spans(json.loads(args.path.read_text()))
+    except (OSError, ValueError) as e:
+        print(f"timeline.py: {args.path}: not a readable Horovod timeline ({e})", file=sys.stderr)
+        return 2
     times = {name: covered(s) / 1e3 for name, s in found.items()}
     nested = covered([s for name in ALLREDUCE_PARTS for s in found.get(name, [])]) / 1e3
     if "ALLREDUCE" in times:
