@@ -4,7 +4,6 @@
 Every test starts `horovodrun -np 2`, so this pytest process imports neither framework.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -12,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.horovod import BIN, ROOT, horovodrun
+from tests.horovod import BIN, ROOT, horovodrun, rank_records
 
 
 def test_keras3_model_fit_example_trains_at_two_ranks():
     proc = horovodrun(str(BIN / "python"), "examples/keras3_fit.py", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads(line.split(":", 1)[1]) for line in proc.stdout.splitlines()
-               if line.split(":", 1)[-1].startswith('{"rank"')]
+    records = rank_records(proc.stdout)
     assert sorted(r["rank"] for r in records) == [0, 1] and {r["size"] for r in records} == {2}
     first, second = records
     assert first["checksum"] == second["checksum"]  # same weights on both ranks
@@ -58,4 +56,3 @@ def test_horovods_own_keras_and_sync_batch_norm_cases_pass():
     for row in rows:
         passed = int(row.split("|")[3])
         assert passed >= 1, row
-

@@ -1,10 +1,9 @@
 """The patched Horovod's torch wait (patches/0008) at 2 ranks."""
 
-import json
 import subprocess
 import sys
 
-from tests.horovod import BIN, ROOT, horovodrun
+from tests.horovod import BIN, ROOT, horovodrun, rank_records
 
 
 def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
@@ -15,8 +14,7 @@ def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
     proc = horovodrun(str(BIN / "python"), "tests/horovod/torch_wait_worker.py", timeout=300,
                       env={"HOROVOD_TIMELINE": str(timeline)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = {r["rank"]: r for r in (json.loads(line.split(":", 1)[1]) for line in proc.stdout.splitlines()
-                                      if line.split(":", 1)[-1].startswith('{"rank"'))}
+    records = {r["rank"]: r for r in rank_records(proc.stdout)}
     assert records[0]["result"] == records[1]["result"] == [3.0] * 4
     assert records[0]["quick_ok"] and records[1]["quick_ok"]
     waited = records[0]
