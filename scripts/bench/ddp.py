@@ -14,6 +14,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from typing import Sequence
 
@@ -45,6 +46,18 @@ def verdicts(rows: Sequence[harness.Row]) -> dict[str, harness.Verdict]:
                                 higher_is_better=True) for name in (GLOO, MPI)}
 
 
+def phases_note(results: harness.Results) -> str:
+    """The median of each part of a step (rank 0's per-job medians) for the hand-written loops."""
+    parts = []
+    for name in (BASELINE, HANDWRITTEN, CONTROL):
+        medians = {phase: statistics.median(r["phases_ms"][phase] for r in results[name])
+                   for phase in rw.PHASES}
+        parts.append(f"{name.split(' (')[0]} {' / '.join(f'{v:.1f}' for v in medians.values())}"
+                     + (" (A/A)" if name == CONTROL else ""))
+    return (f"Parts of a step, median ms ({' / '.join(rw.PHASES)}; DDP waits for its last buckets "
+            f"inside its backward pass): {'; '.join(parts)}.")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the jobs, prints the section and, unless ``--no-write``, writes it."""
     p = harness.parser("ddp.py", __doc__.splitlines()[0], rw.SIZES, timeout=600.0)
@@ -63,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *[f"Result, {name.split(' (')[0]} / DDP: {v}." for name, v in verdicts(rows).items()],
         f"Hand-written Horovod / DDP = {named[HANDWRITTEN].ratio:.3f}; hvdtrain gloo / "
         f"hand-written Horovod = {named[GLOO].median / named[HANDWRITTEN].median:.3f}.",
+        phases_note(results),
     ]
     fmt = {"unit": "samples/s", "scale": 1.0, "digits": 1}
     harness.publish(harness.section_text(

@@ -7,7 +7,8 @@ Every trainer trains the same thing: hvdtrain's ``resnet18`` (11.2 M parameters 
 optimizer steps. Throughput is taken over the steps after the first ``--skip`` (which touch cold
 memory and, for DDP, build its buckets): from the start of step ``skip`` to the start of the last
 step, on rank 0, ``samples_per_s`` = global samples in those steps / seconds. Rank 0 prints one
-JSON line with it.
+JSON line with it and, for the hand-written loops, ``phases_ms``: the median of each part of a step
+over the same steps (:data:`PHASES`).
 
 ::
 
@@ -27,6 +28,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -86,6 +88,21 @@ def span(clock: workload.Clock, skip: int, global_batch: int) -> float:
     if len(starts) - 1 <= skip:
         raise SystemExit(f"--steps must exceed --skip + 1 (got {len(starts)} steps, skip {skip})")
     return (len(starts) - 1 - skip) * global_batch / (starts[-1] - starts[skip])
+
+
+PHASES = ("forward", "backward", "wait", "update")
+"""The parts of a hand-written step, timed apart on every rank: forward pass and loss, backward
+pass (DDP's includes its wait for the last buckets), Horovod's wait for the allreduce
+(``optimizer.synchronize()``; zero for DDP), optimizer update."""
+
+
+def phases_ms(marks: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Each phase's median milliseconds over the steps whose clock readings are ``marks`` (one
+    reading before the step and one after each of :data:`PHASES`)."""
+    import numpy as np
+
+    spans = np.diff(np.asarray(marks, dtype=float), axis=1) * 1000.0
+    return dict(zip(PHASES, (round(float(v), 2) for v in np.median(spans, axis=0))))
 
 
 def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,18 +174,29 @@ def run_plain(args: argparse.Namespace) -> dict[str, Any]:
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     order = np.random.default_rng([workload.SEED, 0]).permutation(len(data))
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    clock = workload.Clock()
+    clock, marks = workload.Clock(), []
     for step in range(args.steps):
         clock.step()
         idx = torch.from_numpy(order[step * args.batch * size:(step + 1) * args.batch * size]
                                [rank::size])
+        marks.append([time.perf_counter()])
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x[idx]), y[idx])
+        marks[-1].append(time.perf_counter())
         loss.backward()
-        optimizer.step()
+        marks[-1].append(time.perf_counter())
+        if args.trainer == "horovod":  # what `step()` does, with the wait for the allreduce apart
+            optimizer.synchronize()
+            marks[-1].append(time.perf_counter())
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            marks[-1].append(marks[-1][-1])
+            optimizer.step()
+        marks[-1].append(time.perf_counter())
     result = {"rank": rank, "ranks": size, "threads": torch.get_num_threads(),
               "samples_per_s": span(clock, args.skip, args.batch * size),
-              "train_loss": float(loss.detach())}
+              "phases_ms": phases_ms(marks[args.skip:]), "train_loss": float(loss.detach())}
     if args.trainer == "ddp":
         # Both ranks done with every collective before either tears Gloo down: a peer that closes
         # its pairs while the other still reads them aborts that one (SIGABRT in Gloo's pair).

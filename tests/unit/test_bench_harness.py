@@ -17,6 +17,7 @@ import ddp  # noqa: E402
 import harness  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
+import resnet_worker  # noqa: E402
 import scaling  # noqa: E402
 import timeline  # noqa: E402
 import workload  # noqa: E402
@@ -294,6 +295,18 @@ def test_ddp_and_scaling_verdicts_from_their_ratios():
                               scaling.CONTROL: [10.0]}, scaling.ONE)
     efficiency = scaling.efficiency(rows)
     assert (efficiency.status, efficiency.ratio) == ("met", pytest.approx(0.95))
+
+
+def test_resnet_worker_phases_are_each_parts_median_and_ddp_notes_them():
+    marks = [[0.0, 0.010, 0.030, 0.030, 0.031], [1.0, 1.020, 1.050, 1.052, 1.055],
+             [2.0, 2.030, 2.070, 2.071, 2.073]]
+    phases = {"forward": 20.0, "backward": 30.0, "wait": 1.0, "update": 2.0}
+    assert resnet_worker.phases_ms(marks) == phases
+    other = {phase: 2 * ms for phase, ms in phases.items()}
+    results = {ddp.BASELINE: [{"phases_ms": phases}] * 2 + [{"phases_ms": other}],
+               ddp.HANDWRITTEN: [{"phases_ms": other}], ddp.CONTROL: [{"phases_ms": phases}]}
+    note = ddp.phases_note(results)
+    assert note.count("20.0 / 30.0 / 1.0 / 2.0") == 2 and "40.0 / 60.0 / 2.0 / 4.0" in note
 
 
 def test_compression_accuracy_drops_and_slow_link_speedups():
