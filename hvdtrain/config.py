@@ -135,9 +135,8 @@ class CommConfig:
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
-    0: chosen from the model, Horovod's 1 ms for gradients under 4 MiB and 5 ms from there (see
-    :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME`` or ``horovodrun
-    --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process. At most
+    0: Horovod's own 1 ms (see :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME``
+    or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process. At most
     1000 (a second between looks: every allreduce would wait that long)."""
 
     def __post_init__(self) -> None:

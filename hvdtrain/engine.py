@@ -180,40 +180,31 @@ class Engine(Step, StateIO):
         return {"device": "cpu", "collectives": "unknown"}
 
 
-AUTO_CYCLE_MIN_BYTES = 4 << 20
-"""Gradients of at least this many bytes get :data:`AUTO_CYCLE_MS` under ``comm.cycle_time_ms: 0``."""
-AUTO_CYCLE_MS = 5.0
-
-
-def set_cycle_time(configured_ms: float, gradient_bytes: int,
-                   environ: MutableMapping[str, str] = os.environ) -> str:
+def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
     """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
     ``hvd.init()`` that follows; returns the cycle time in force.
 
     A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
-    else models with :data:`AUTO_CYCLE_MIN_BYTES` of gradients or more get :data:`AUTO_CYCLE_MS`.
-    Why: Horovod's thread wakes and negotiates every cycle, 1 ms by default; on a CPU host whose
-    cores all run compute threads, those wake-ups slow a large model's steps markedly. A small
-    model's step lasts a few ms, so there the extra wait for the next cycle would dominate, which is
-    why the default depends on the size (docs/benchmarks.md has the measurements).
+    else Horovod's own 1 ms holds, whatever the model's size. (A longer cycle for large models
+    used to be the default here: on a host whose cores all run compute threads, Horovod's thread
+    negotiated every cycle even with nothing to send, and those wake-ups slowed every step. The
+    patched build's idle wait, patches/0010, removed that cost, and the shorter cycle starts the
+    last allreduce of a step sooner: docs/investigations/step-overhead.md.)
     """
     # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
     # instead of spinning on it, which matters where compute threads already take every core.
     environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
     if configured_ms > 0:
         environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
-    elif "HOROVOD_CYCLE_TIME" not in environ and gradient_bytes >= AUTO_CYCLE_MIN_BYTES:
-        environ["HOROVOD_CYCLE_TIME"] = f"{AUTO_CYCLE_MS:g}"
     return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
-def start_horovod(hvd: Any, configured_ms: float, gradient_bytes: Callable[[], int]) -> str:
+def start_horovod(hvd: Any, configured_ms: float) -> str:
     """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
-    of :func:`set_cycle_time`, asking for the model's ``gradient_bytes()`` only then; returns the
-    cycle time in force. Horovod starts once per process and reads its settings then: where it
+    of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process and reads its settings then: where it
     already runs (a second training in one process), nothing is changed."""
     if not hvd.is_initialized():
-        set_cycle_time(configured_ms, gradient_bytes())
+        set_cycle_time(configured_ms)
         hvd.init()
     return os.environ.get("HOROVOD_CYCLE_TIME", "1")
 

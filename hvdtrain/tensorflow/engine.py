@@ -89,16 +89,8 @@ class TensorFlowEngine(Engine):
         self.collectives = TensorFlowCollectives()
         self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
-        def gradient_bytes() -> int:
-            # Horovod reads its cycle time once, at init, and the automatic one needs the model's
-            # size. Built into a throwaway graph, the model does not start TensorFlow's runtime,
-            # whose thread pools are fixed when it starts and depend on local_size, known after init.
-            with tf.Graph().as_default():
-                return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize
-                           for v in self._build(cfg, dataset).trainable_variables)
-
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         _set_threads(compute_threads(cfg.train.threads, self.local_size))

@@ -51,15 +51,8 @@ class TorchEngine(Engine):
         self.collectives = TorchCollectives()
         self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
                                                   cfg.model.options, cfg.model.name, ClassifierAdapter)
-        def gradient_bytes() -> int:
-            # Horovod reads its cycle time once, at init, and the automatic one needs the model's
-            # size: a build on the meta device allocates nothing and draws no random numbers.
-            with torch.device("meta"):
-                return sum(p.numel() * p.element_size()
-                           for p in self._build(cfg, dataset).parameters() if p.requires_grad)
-
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, gradient_bytes)
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))

@@ -1,9 +1,13 @@
-"""The patched Horovod's torch wait (patches/0008) at 2 ranks."""
+"""The patched Horovod's torch wait (patches/0008) and idle wait (patches/0010) at 2 ranks."""
 
+import json
 import subprocess
 import sys
 
 from tests.horovod import BIN, ROOT, horovodrun, rank_records
+
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+import timeline as timeline_script  # noqa: E402
 
 
 def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
@@ -12,7 +16,8 @@ def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
     # wait lasts; blocking uses next to none.
     timeline = tmp_path / "timeline.json"
     proc = horovodrun(str(BIN / "python"), "tests/horovod/torch_wait_worker.py", timeout=300,
-                      env={"HOROVOD_TIMELINE": str(timeline)})
+                      env={"HOROVOD_TIMELINE": str(timeline), "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+                           "HOROVOD_CYCLE_TIME": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = {r["rank"]: r for r in rank_records(proc.stdout)}
     assert records[0]["result"] == records[1]["result"] == [3.0] * 4
@@ -28,3 +33,12 @@ def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
     rows = {line[:32].strip(): line.split()[-2:] for line in table.stdout.splitlines()[1:]}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "GLOO_ALLREDUCE"} <= rows.keys(), table.stdout
     assert 0 < float(rows["GLOO_ALLREDUCE"][0]) <= float(rows["ALLREDUCE"][0])
+
+    # patches/0010: while rank 1 pauses it has nothing queued or pending, so its background thread
+    # waits for a submission (50 ms at most at a time) instead of negotiating every 1 ms cycle, and
+    # rank 0's cycles, each a negotiation with rank 1, follow. Unpatched: about one cycle per
+    # millisecond of the pause on rank 0 (the timeline's writer).
+    events = json.loads(timeline.read_text())
+    start, end = max(timeline_script.spans(events)["NEGOTIATE_ALLREDUCE"], key=lambda s: s[1] - s[0])
+    cycles = sum(1 for e in events if e.get("name") == "CYCLE_START" and start <= float(e["ts"]) <= end)
+    assert (end - start) / 1e6 > 1.0 and 0 < cycles < 200, (end - start, cycles)

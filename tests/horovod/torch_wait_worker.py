@@ -3,6 +3,8 @@ joins only after a pause, and prints how much CPU its waiting thread used meanwh
 
 Horovod's torch `synchronize` spun on `sched_yield` while waiting (patches/0008 makes it block);
 a spinning waiter uses about as much CPU as the wait lasts.
+The pause is also an idle spell for rank 1, with nothing queued (patches/0010: no negotiation
+every cycle meanwhile; the test counts rank 0's cycles in the timeline).
 """
 
 import json

@@ -146,16 +146,15 @@ def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_forgets_them_a
     eager.close()
 
 
-def test_cycle_time_follows_config_then_environment_then_model_size():
-    from hvdtrain.engine import AUTO_CYCLE_MIN_BYTES, set_cycle_time
+def test_cycle_time_follows_config_then_environment_then_horovods_own():
+    from hvdtrain.engine import set_cycle_time
 
     env: dict[str, str] = {}
-    assert set_cycle_time(0.0, 38_440, env) == "1"  # small model: Horovod's own
+    assert set_cycle_time(0.0, env) == "1"  # Horovod's own, left to Horovod
     assert env == {"OMPI_MCA_mpi_yield_when_idle": "1"}
-    assert set_cycle_time(0.0, AUTO_CYCLE_MIN_BYTES, env) == "5" and env["HOROVOD_CYCLE_TIME"] == "5"
     env = {"HOROVOD_CYCLE_TIME": "2.5"}  # e.g. horovodrun --cycle-time-ms 2.5
-    assert set_cycle_time(0.0, 45_000_000, env) == "2.5"
-    assert set_cycle_time(0.5, 45_000_000, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
+    assert set_cycle_time(0.0, env) == "2.5"
+    assert set_cycle_time(0.5, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
 
 
 def test_compute_threads_divides_the_host_and_respects_a_rank_pinned_to_one_core():
