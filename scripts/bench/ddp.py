@@ -70,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [
         rw.driver_note(args),
         "DDP: `DistributedDataParallel` defaults (25 MB buckets overlapping the backward pass). "
-        "hvdtrain: its own loop and engine (`hvd.DistributedOptimizer`, `comm.cycle_time_ms` "
-        "automatic), metrics allreduced every 10 steps, no checkpoint, no W&B or TensorBoard. "
+        "hvdtrain: its own loop and engine (`hvd.DistributedOptimizer`, `comm.cycle_time_ms: 0`: "
+        "Horovod's 1 ms), metrics allreduced every 10 steps, no checkpoint, no W&B or TensorBoard. "
         "Hand-written Horovod: the DDP loop with `hvd.DistributedOptimizer` at Horovod's defaults.",
         *[f"Result, {name.split(' (')[0]} / DDP: {v}." for name, v in verdicts(rows).items()],
         f"Hand-written Horovod / DDP = {named[HANDWRITTEN].ratio:.3f}; hvdtrain gloo / "
