@@ -136,8 +136,8 @@ class CommConfig:
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
     0: Horovod's own 1 ms (see :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME``
-    or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the process. At most
-    1000 (a second between looks: every allreduce would wait that long)."""
+    or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the
+    process. At most 1000 (a second between looks: every allreduce would wait that long)."""
 
     def __post_init__(self) -> None:
         # Checked here, before the choices, so that bf16 gets the reason rather than a list.

@@ -201,8 +201,9 @@ def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.
 
 def start_horovod(hvd: Any, configured_ms: float) -> str:
     """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
-    of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process and reads its settings then: where it
-    already runs (a second training in one process), nothing is changed."""
+    of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
+    and reads its settings then: where it already runs (a second training in one process),
+    nothing is changed."""
     if not hvd.is_initialized():
         set_cycle_time(configured_ms)
         hvd.init()
