@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
@@ -227,7 +229,7 @@ class Loop:
         self.pos.in_epoch += indices.global_count
         self.pos.samples += indices.global_count
         for micro in indices.micro:
-            self.fingerprint.update(micro.astype("<i8").tobytes())
+            self.fingerprint.update(np.ascontiguousarray(micro, dtype="<i8"))  # no copy for int64
         for callback in self.callbacks:
             callback.on_step_end(self.pos.epoch, indices)
 

@@ -53,7 +53,7 @@ class TensorFlowLoader:
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
-                yield self._tensors(fetch(self.sources, Request("train", idx, draw)), idx)
+                yield self._load("train", idx, draw)
             return
         if not self.cursor.follows(step):
             self._stream = self._open(self.cursor.open(step, self.seed))
@@ -66,7 +66,7 @@ class TensorFlowLoader:
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
-                yield self._tensors(fetch(self.sources, request), request.indices)
+                yield self._load(request.split, request.indices, request.draw)
             return
         stream = self._open(requests)
         for request in requests:
@@ -107,10 +107,13 @@ class TensorFlowLoader:
         check_loaded(Loaded(idx.numpy(), None, None), expected)
         return x, y
 
-    def _tensors(self, loaded: Loaded, expected: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
-        check_loaded(loaded, expected)
-        self.skips.note(loaded.skipped)
-        return tf.convert_to_tensor(loaded.x), tf.convert_to_tensor(loaded.y)
+    def _load(self, split: str, indices: np.ndarray,
+              draw: Draw | None) -> tuple[tf.Tensor, tf.Tensor]:
+        """A batch loaded on the training thread: the requested one by construction, so the
+        stream's check of the indices (``check_loaded``) has nothing to guard here."""
+        batch = self.sources[split].load(indices, draw)
+        self.skips.note(batch.skipped)
+        return tf.convert_to_tensor(batch.x), tf.convert_to_tensor(batch.y)
 
 
 def padded_indices(requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:

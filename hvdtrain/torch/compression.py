@@ -2,14 +2,14 @@
 and Horovod's torch collectives, which run the shared plans (:mod:`hvdtrain.compression.exchange`).
 
 ``none`` and ``fp16`` keep Horovod's DistributedOptimizer (allreduce overlapped with backward) with
-a :class:`CountingCompression` that records the bytes it hands to Horovod
-(:func:`horovod_compression`). The other methods run :class:`GradientExchange` once per optimizer
+Horovod's own compressor (:func:`horovod_compression`), whose bytes a step are fixed
+(:func:`bytes_per_step`). The other methods run :class:`GradientExchange` once per optimizer
 step, after all micro-batches' gradients have accumulated locally.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import horovod.torch as hvd
 import numpy as np
@@ -200,35 +200,22 @@ def to_torch(entry: dict[str, np.ndarray]) -> dict[str, Any]:
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
 
-class CountingCompression:
-    """A Horovod compressor that delegates to ``base`` and counts the bytes of what it compressed."""
-
-    def __init__(self, base: Any) -> None:
-        self.base = base
-        self.wire_bytes = 0
-        self.dense_bytes = 0
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Compresses as ``base`` does; the result is exactly what Horovod allreduces."""
-        out, ctx = self.base.compress(tensor)
-        self.wire_bytes += out.numel() * out.element_size()
-        self.dense_bytes += tensor.numel() * tensor.element_size()
-        return out, ctx
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """Undoes :meth:`compress`."""
-        return self.base.decompress(tensor, ctx)
-
-    def take(self) -> tuple[int, int]:
-        """The (wire, dense) bytes counted since the last call, and a fresh count."""
-        counts = self.wire_bytes, self.dense_bytes
-        self.wire_bytes = self.dense_bytes = 0
-        return counts
-
-
-def horovod_compression(method: str) -> CountingCompression | None:
-    """A counting Horovod compressor for a method whose plan sends every tensor dense (``none``,
-    ``fp16``), which Horovod's DistributedOptimizer then carries; None for the others, which run
+def horovod_compression(method: str) -> Any | None:
+    """Horovod's compressor for a method whose plan sends every tensor dense (``none``, ``fp16``),
+    which Horovod's DistributedOptimizer then carries; None for the others, which run
     :class:`GradientExchange`."""
     plan = PLANS.get(method)
-    return CountingCompression(_HOROVOD[plan.dense_dtype]) if plan.dense else None
+    return _HOROVOD[plan.dense_dtype] if plan.dense else None
+
+
+def bytes_per_step(compression: Any, params: Iterable[torch.nn.Parameter]) -> tuple[int, int]:
+    """The (wire, dense) bytes Horovod's DistributedOptimizer allreduces in every step with
+    ``compression``. It sends each parameter that requires a gradient once a step (zeros for one
+    the step did not reach), so the count is fixed: made once here, not by the step."""
+    wire = dense = 0
+    for p in params:
+        if p.requires_grad:
+            sent, _ = compression.compress(p.detach())
+            wire += sent.numel() * sent.element_size()
+            dense += p.numel() * p.element_size()
+    return wire, dense

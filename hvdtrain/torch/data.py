@@ -56,12 +56,16 @@ class _SourcesDataset(torch.utils.data.Dataset):
         return fetch(self.sources, request)
 
 
+def _as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's arrays as tensors sharing their memory."""
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
+
+
 def _collate(loaded: Loaded) -> Item:
     """Tensors made in the worker travel to the training process through shared memory."""
     if loaded.error:
         return loaded.indices, None, None, (), loaded.error
-    return (loaded.indices, torch.from_numpy(np.ascontiguousarray(loaded.x)),
-            torch.from_numpy(np.ascontiguousarray(loaded.y)), loaded.skipped, "")
+    return (loaded.indices, *_as_tensors(loaded.x, loaded.y), loaded.skipped, "")
 
 
 class TorchLoader:
@@ -103,7 +107,7 @@ class TorchLoader:
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
-                yield self._tensors(self._gather(Request("train", idx, draw)), idx)
+                yield self._load("train", idx, draw)
             return
         if not self.cursor.follows(step):
             self._requests.requests = self.cursor.open(step, self.seed)
@@ -117,7 +121,7 @@ class TorchLoader:
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
-                yield self._tensors(self._gather(request), request.indices)
+                yield self._load(request.split, request.indices, request.draw)
             return
         self.cursor.close()
         self._requests.requests = requests
@@ -125,12 +129,15 @@ class TorchLoader:
         for request in requests:
             yield self._tensors(next(stream), request.indices)
 
-    def _gather(self, request: Request) -> Item:
-        """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would."""
-        indices, x, y, skipped, error = _collate(fetch(self.sources, request))
-        if x is not None:
-            x, y = pinned(self.device, x, y)
-        return indices, x, y, skipped, error
+    def _load(self, split: str, indices: np.ndarray,
+              draw: Draw | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would.
+
+        It is the requested one by construction, so the stream's check of the indices
+        (``check_loaded``) has nothing to guard here; a data error is raised where it happens."""
+        batch = self.sources[split].load(indices, draw)
+        self.skips.note(batch.skipped)
+        return pinned(self.device, *_as_tensors(batch.x, batch.y))
 
     def _tensors(self, item: Item, expected: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         indices, x, y, skipped, error = item

@@ -24,7 +24,8 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
-from hvdtrain.torch.compression import GradientExchange, horovod_compression, make_exchange, to_torch
+from hvdtrain.torch.compression import (GradientExchange, bytes_per_step, horovod_compression,
+                                        make_exchange, to_torch)
 from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.models import ClassifierAdapter
@@ -81,12 +82,13 @@ class TorchEngine(Engine):
         optimizer = make_optimizer(cfg, self.model)
         self.exchange: GradientExchange | None = None
         self._stats: dict[str, float] = {}
-        self.counting = horovod_compression(cfg.comm.compression)
-        if self.counting is not None:
+        compression = horovod_compression(cfg.comm.compression)
+        if compression is not None:
             # Horovod's own path: allreduce starts in backward hooks, overlapping computation.
+            self.step_bytes = bytes_per_step(compression, self.model.parameters())
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=self.model.named_parameters(),
-                compression=self.counting,
+                compression=compression,
                 backward_passes_per_step=cfg.train.backward_passes_per_step)
         else:
             # hvdtrain's exchange runs once per step after the micro-batches' gradients accumulated.
@@ -153,7 +155,7 @@ class TorchEngine(Engine):
                        for k in ("wire_bytes", "dense_bytes", "comm_s", "compress_s")},
                     "skipped": float(self.precision.skipped)}
         comm_s = self.precision.step_horovod(self.optimizer)
-        wire, dense = self.counting.take()
+        wire, dense = self.step_bytes
         return {"wire_bytes": float(wire), "dense_bytes": float(dense), "comm_s": comm_s,
                 "skipped": float(self.precision.skipped)}
 

@@ -143,9 +143,10 @@ def test_wire_bytes_are_those_of_the_tensors_sent():
     k0, k2 = ref.num_selected(1920, 0.01), ref.num_selected(210, 0.01)
     assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40 == topk.plan.wire_bytes()
     assert topk.stats["dense_bytes"] == 4 * (1920 + 40 + 210)
-    fp16 = tc.horovod_compression("fp16")
-    fp16.compress(torch.zeros(10))
-    assert fp16.take() == (20, 40) and fp16.take() == (0, 0)
+    frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    params = [torch.nn.Parameter(torch.zeros(10)), frozen]
+    assert tc.bytes_per_step(tc.horovod_compression("fp16"), params) == (20, 40)
+    assert tc.bytes_per_step(tc.horovod_compression("none"), params) == (40, 40)
     assert tc.horovod_compression("none") is not None and tc.horovod_compression("topk") is None
 
 
