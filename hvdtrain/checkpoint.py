@@ -130,13 +130,16 @@ class CheckpointManager:
             except BaseException as exc:  # raised below on every rank at once
                 failure = exc
             failure, self._held = failure or self._held, None
-        shared = failure if isinstance(failure, HvdtrainError) or failure is None else \
+        # One small allreduce says whether rank 0 failed (only rank 0 adds to it); the error itself
+        # is pickled and broadcast only then, which costs two more collectives.
+        if not collectives.allreduce_sums({"write_failed": float(failure is not None)})["write_failed"]:
+            return
+        shared = failure if isinstance(failure, HvdtrainError) else \
             HvdtrainError(f"rank 0 failed to write: {failure!r}")
         # In a list: Horovod names the broadcast after the object's type, which must be the same
-        # on every rank (an error on rank 0 and None on the others would never meet).
+        # on every rank (rank 0's error may be a subclass of the others' placeholder).
         shared = collectives.broadcast_object([shared])[0]
-        if shared is not None:
-            raise failure if failure is not None else shared
+        raise failure if failure is not None else shared
 
     def _write_behind(self, step: int, data: bytes) -> None:
         try:

@@ -16,16 +16,25 @@ from hvdtrain.rundir import RunDir
 
 
 class Rank:
-    """One rank's engine as the manager sees it; ``sent`` is rank 0's broadcast, shared by all."""
+    """One rank's engine as the manager sees it, rank 0 called first: ``sent`` holds rank 0's
+    collectives, shared by all (the sums of the others are 0 where the manager uses them)."""
 
     def __init__(self, rank: int, sent: list, fail_after: int | None = None) -> None:
         self.rank, self.sent, self.fail_after = rank, sent, fail_after
         self.collectives = self
+        self.calls = 0
+
+    def _collective(self, value):
+        self.calls += 1
+        if self.rank == 0:
+            self.sent.append(value)
+        return self.sent[self.calls - 1]
 
     def broadcast_object(self, obj, root_rank=0):
-        if self.rank == 0:
-            self.sent.append(obj)
-        return self.sent[-1]
+        return self._collective(obj)
+
+    def allreduce_sums(self, sums):
+        return self._collective(sums)
 
     def gather_state(self):
         pass
