@@ -85,11 +85,13 @@ class TorchEngine(Engine):
         compression = horovod_compression(cfg.comm.compression)
         if compression is not None:
             # Horovod's own path: allreduce starts in backward hooks, overlapping computation.
-            self.step_bytes = bytes_per_step(compression, self.model.parameters())
             self.optimizer = hvd.DistributedOptimizer(
                 optimizer, named_parameters=self.model.named_parameters(),
                 compression=compression,
                 backward_passes_per_step=cfg.train.backward_passes_per_step)
+            # The parameters it allreduces every step: none at one rank outside elastic mode, where
+            # Horovod registers no hooks.
+            self.step_bytes = bytes_per_step(compression, self.optimizer._requires_update)
         else:
             # hvdtrain's exchange runs once per step after the micro-batches' gradients accumulated.
             self.optimizer = optimizer
