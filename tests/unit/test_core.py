@@ -93,10 +93,13 @@ class _FakeWriter:
     """Stands in for the engine's serialiser only: the manager's own logic is what is tested."""
 
     def __init__(self):
-        self.collectives = self  # one process: a broadcast returns what it was given
+        self.collectives = self  # one process: a collective returns what it was given
 
     def broadcast_object(self, obj, root_rank=0):
         return obj
+
+    def allreduce_sums(self, sums):
+        return sums  # one process: the sum is its own
 
     def gather_state(self):
         pass  # one process: nothing to collect from other ranks
