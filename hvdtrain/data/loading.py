@@ -17,7 +17,7 @@ from typing import Iterable
 
 import numpy as np
 
-from hvdtrain.data.contracts import Draw, Source
+from hvdtrain.data.contracts import Batch, Draw, Source
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import compute_threads
 from hvdtrain.errors import HvdtrainError
@@ -132,3 +132,12 @@ class SkipReport:
                 count = len(self.seen)
             warnings.warn(f"rank {self.rank}: skipped {message} (data.options.skip_corrupt; "
                           f"{count} so far)", stacklevel=2)
+
+
+def load_direct(sources: dict[str, Source], request: Request, skips: SkipReport) -> Batch:
+    """Loads ``request`` on the training thread (sources in memory, or no workers). A data error is
+    raised where it happens; the batch is the requested one by construction, so the streams'
+    :func:`check_loaded` has nothing to guard here."""
+    batch = sources[request.split].load(request.indices, request.draw)
+    skips.note(batch.skipped)
+    return batch

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from hvdtrain.data.contracts import Draw, Source
 from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
-                                   eval_requests, fetch)
+                                   eval_requests, fetch, load_direct)
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 
@@ -53,7 +53,7 @@ class TensorFlowLoader:
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
-                yield self._load("train", idx, draw)
+                yield self._load(Request("train", idx, draw))
             return
         if not self.cursor.follows(step):
             self._stream = self._open(self.cursor.open(step, self.seed))
@@ -66,7 +66,7 @@ class TensorFlowLoader:
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
-                yield self._load(request.split, request.indices, request.draw)
+                yield self._load(request)
             return
         stream = self._open(requests)
         for request in requests:
@@ -107,12 +107,9 @@ class TensorFlowLoader:
         check_loaded(Loaded(idx.numpy(), None, None), expected)
         return x, y
 
-    def _load(self, split: str, indices: np.ndarray,
-              draw: Draw | None) -> tuple[tf.Tensor, tf.Tensor]:
-        """A batch loaded on the training thread: the requested one by construction, so the
-        stream's check of the indices (``check_loaded``) has nothing to guard here."""
-        batch = self.sources[split].load(indices, draw)
-        self.skips.note(batch.skipped)
+    def _load(self, request: Request) -> tuple[tf.Tensor, tf.Tensor]:
+        """A batch loaded on the training thread."""
+        batch = load_direct(self.sources, request, self.skips)
         return tf.convert_to_tensor(batch.x), tf.convert_to_tensor(batch.y)
 
 

@@ -17,7 +17,7 @@ import torch.utils.data
 
 from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source
 from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
-                                   eval_requests, fetch)
+                                   eval_requests, fetch, load_direct)
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import import_object
@@ -107,7 +107,7 @@ class TorchLoader:
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
-                yield self._load("train", idx, draw)
+                yield self._load(Request("train", idx, draw))
             return
         if not self.cursor.follows(step):
             self._requests.requests = self.cursor.open(step, self.seed)
@@ -121,7 +121,7 @@ class TorchLoader:
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
-                yield self._load(request.split, request.indices, request.draw)
+                yield self._load(request)
             return
         self.cursor.close()
         self._requests.requests = requests
@@ -129,14 +129,9 @@ class TorchLoader:
         for request in requests:
             yield self._tensors(next(stream), request.indices)
 
-    def _load(self, split: str, indices: np.ndarray,
-              draw: Draw | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would.
-
-        It is the requested one by construction, so the stream's check of the indices
-        (``check_loaded``) has nothing to guard here; a data error is raised where it happens."""
-        batch = self.sources[split].load(indices, draw)
-        self.skips.note(batch.skipped)
+    def _load(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would."""
+        batch = load_direct(self.sources, request, self.skips)
         return pinned(self.device, *_as_tensors(batch.x, batch.y))
 
     def _tensors(self, item: Item, expected: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
