@@ -23,12 +23,15 @@ demo: setup
 # for torch and for TensorFlow both started in one process crash it at exit (after the tests passed).
 # tests/slurm needs the one-node Slurm cluster, tests/cluster the two-node namespace cluster with
 # Slurm over it: all started here and stopped whatever the tests do (the trap), so that the machine is
-# left as it was. The slowest tests are listed at the end of the first run (--durations).
+# left as it was. The unit tier runs on its own, where its conftest checks that it loaded no
+# framework. The slowest tests are listed at the end of the longest run (--durations).
 test: setup
 	trap 'bash scripts/cluster_local.sh stop; bash scripts/slurm_local.sh stop' EXIT; \
 	bash scripts/slurm_local.sh start && \
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
-	$(BIN)/python -m pytest --durations=15 tests --ignore=tests/tensorflow --ignore=tests/horovod && \
+	$(BIN)/python -m pytest tests/unit && \
+	$(BIN)/python -m pytest --durations=15 tests --ignore=tests/unit --ignore=tests/tensorflow \
+		--ignore=tests/horovod && \
 	$(BIN)/python -m pytest tests/tensorflow && \
 	$(BIN)/python -m pytest -rs tests/horovod
 

@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -15,28 +14,16 @@ from hvdtrain.observe.records import MetricsLogger
 from hvdtrain.observe.sinks import JsonlSink
 from hvdtrain.registry import DATASETS, MODELS, Registry, import_object
 from hvdtrain.schedule import lr_at, peak_lr
-
-
-FRAMEWORKS = "('torch', 'tensorflow', 'horovod', 'keras')"
+from tests.unit.conftest import FRAMEWORKS
 
 
 def test_import_hvdtrain_loads_no_framework():
     code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.driver, hvdtrain.elastic, "
             "hvdtrain.data.contracts, hvdtrain.data.sampler, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, "
             "hvdtrain.observe.report, hvdtrain.observe.sinks, hvdtrain.observe.writer\n"
-            f"bad = [m for m in {FRAMEWORKS} if m in sys.modules]\n"
+            f"bad = [m for m in {FRAMEWORKS!r} if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_the_unit_tests_load_no_framework():
-    # In a process of their own: the full suite's process holds the frameworks for the other tiers.
-    code = ("import sys, pytest\n"
-            "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '-k', 'not load_no_framework', "
-            f"'{Path(__file__).parent}'])\n"
-            f"bad = [m for m in {FRAMEWORKS} if m in sys.modules]\n"
-            "assert rc == 0 and not bad, (rc, bad)")
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
 def test_registry_rejects_duplicates_and_lists_known_names():
