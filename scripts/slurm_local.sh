@@ -67,7 +67,8 @@ write_config() {
     host=$(hostname -s)
     cpus=$(nproc)
     mkdir -p /etc/slurm "$SPOOL/ctld" "$SPOOL/d" "$SPOOL/log"
-    # cred_expire also sets how long a requeued job waits before it may start again (default 120 s).
+    # cred_expire also sets how long a requeued job waits before it may start again (default 120 s;
+    # 10 s is still far longer than a credential takes to reach slurmd here).
     cat >"$CONF.new" <<EOF
 # Written by hvdtrain's scripts/slurm_local.sh: a one-node cluster for tests.
 ClusterName=hvdtrain-local
@@ -75,7 +76,7 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=30
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -86,6 +87,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MinJobAge=3600
 KillWait=10
+SchedulerParameters=sched_interval=5,bf_interval=5
 StateSaveLocation=$SPOOL/ctld
 SlurmdSpoolDir=$SPOOL/d
 SlurmctldPidFile=$SPOOL/slurmctld.pid
@@ -183,7 +185,7 @@ SlurmdPort=6828
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=30
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -194,6 +196,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 MinJobAge=3600
 KillWait=10
+SchedulerParameters=sched_interval=5,bf_interval=5
 StateSaveLocation=$NODES_SPOOL/ctld
 SlurmdSpoolDir=$NODES_SPOOL/%n/spool
 TmpFS=$NODES_SPOOL/%n/tmp
