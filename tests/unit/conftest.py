@@ -14,11 +14,6 @@ FRAMEWORKS = ("torch", "tensorflow", "horovod", "keras")
 UNIT = Path(__file__).parent
 
 
-def loaded_frameworks() -> list[str]:
-    """Which of :data:`FRAMEWORKS` this process has imported."""
-    return [name for name in FRAMEWORKS if name in sys.modules]
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fails a session that ran only unit tests if, by its end, a framework was loaded.
 
@@ -29,7 +24,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     items = getattr(session, "items", [])
     if not items or not all(UNIT in Path(str(item.path)).parents for item in items):
         return
-    loaded = loaded_frameworks()
+    loaded = [name for name in FRAMEWORKS if name in sys.modules]
     if loaded:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         message = f"the unit tests loaded {', '.join(loaded)}: the core must import no framework"
