@@ -77,7 +77,7 @@ class TrainConfig:
     """Micro-batches accumulated locally before each allreduce and optimizer step."""
     threads: int = _opt(0, min=0)
     """Compute threads per rank (0: the machine's cores divided by the ranks on this host, at
-    most the cores the rank may run on, see ``hvdtrain.engine.compute_threads``)."""
+    most the cores the rank may run on, see ``hvdtrain.horovod_start.compute_threads``)."""
     eval_every_epochs: int = _opt(1, min=1)
     """Evaluate on the test split every this many epochs (and always after the last)."""
     stall_timeout_s: float = _opt(300.0, min=0.0, max=1e6)
@@ -135,7 +135,7 @@ class CommConfig:
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
-    0: Horovod's own 1 ms (see :func:`hvdtrain.engine.set_cycle_time`); a ``HOROVOD_CYCLE_TIME``
+    0: Horovod's own 1 ms (see :func:`hvdtrain.horovod_start.set_cycle_time`); a ``HOROVOD_CYCLE_TIME``
     or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the
     process. At most 1000 (a second between looks: every allreduce would wait that long)."""
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-import os
-from typing import Any, Callable, Iterable, MutableMapping
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -159,7 +158,7 @@ class Engine(Step, StateIO):
     local_rank: int
     local_size: int
     cycle_time_ms: str
-    """Horovod's cycle time in force, as :func:`set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
+    """Horovod's cycle time in force, as :func:`hvdtrain.horovod_start.set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
 
     @abc.abstractmethod
     def resize(self, rank: int, size: int, accumulation: int) -> None:
@@ -178,60 +177,6 @@ class Engine(Step, StateIO):
         """For the run summary: ``device`` (``cpu`` or ``cuda:<i>``) and ``collectives`` (``nccl``
         for GPU tensors where Horovod was built with it, else ``gloo`` or ``mpi``)."""
         return {"device": "cpu", "collectives": "unknown"}
-
-
-def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
-    """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
-    ``hvd.init()`` that follows; returns the cycle time in force.
-
-    A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
-    else Horovod's own 1 ms holds, whatever the model's size. (A longer cycle for large models
-    used to be the default here: on a host whose cores all run compute threads, Horovod's thread
-    negotiated every cycle even with nothing to send, and those wake-ups slowed every step. The
-    patched build's idle wait, patches/0010, removed that cost, and the shorter cycle starts the
-    last allreduce of a step sooner: docs/investigations/step-overhead.md.)
-    """
-    # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
-    # instead of spinning on it, which matters where compute threads already take every core.
-    environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    if configured_ms > 0:
-        environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
-    return environ.get("HOROVOD_CYCLE_TIME", "1")
-
-
-def start_horovod(hvd: Any, configured_ms: float) -> str:
-    """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
-    of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
-    and reads its settings then: where it already runs (a second training in one process),
-    nothing is changed."""
-    if not hvd.is_initialized():
-        set_cycle_time(configured_ms)
-        hvd.init()
-    return os.environ.get("HOROVOD_CYCLE_TIME", "1")
-
-
-def compute_threads(configured: int, local_size: int) -> int:
-    """Compute threads for one rank: ``configured`` when above 0, else the machine's cores divided
-    by the ranks on this host, and never more than the cores this process may run on.
-
-    Ranks sharing a host would otherwise each start one thread per core and fight over them. A
-    launcher that pins each rank to its cores (``srun --cpu-bind=cores``, ``mpirun --bind-to``)
-    has already divided the host: a rank pinned to one core of sixteen that started eight threads
-    would run them all on that core.
-    """
-    if configured > 0:
-        return configured
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = (os.cpu_count() or 1) // max(1, local_size)
-    return max(1, min(allowed or 1, share))
-
-
-def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any], count: int) -> None:
-    """Adds one batch's summed loss and metrics (framework scalars) and its size to ``sums``."""
-    sums["loss"] += float(loss_sum)
-    sums["count"] += count
-    for key, value in metrics.items():
-        sums[key] = sums.get(key, 0.0) + float(value)
 
 
 def make_engine(cfg: Config, dataset: Dataset) -> Engine:

@@ -1,6 +1,7 @@
-"""The gradient exchange: runs a method's plan once per optimizer step, framework-free.
+"""The compressing gradient exchange: runs a method's plan once per optimizer step, framework-free.
 
-A framework subclass (``GradientExchange`` in :mod:`hvdtrain.torch.compression` and
+It is the ``compressing`` kind of :class:`hvdtrain.exchange.GradientExchange`. A framework subclass
+(``CompressingExchange`` in :mod:`hvdtrain.torch.compression` and
 :mod:`hvdtrain.tensorflow.compression`) supplies the kernels, the state storage, the collectives
 and, for TensorFlow, the tracing of the stages; everything else is here, once:
 
@@ -27,20 +28,25 @@ from hvdtrain.compression import state
 from hvdtrain.compression.kernels import Context, Kernels, Store, Tensor
 from hvdtrain.compression.plans import Message, Plan, Stage, TensorPlan
 from hvdtrain.compression.state import RESIDUAL, slot_key
+from hvdtrain.exchange import GradientExchange
 
 Carry = tuple[Any, tuple, Any]
 """Per tensor between stages: (``acc`` under error feedback, the plan's carry, the average once
 known); ``()`` stands for "none"."""
 
 
-class Exchange(abc.ABC):
-    """Averages gradients over the ranks with one method's plan; see the module docstring."""
+class Exchange(GradientExchange):
+    """Averages gradients over the ranks with one method's plan; see the module docstring.
+
+    Gradients arrive unscaled (:attr:`unscaled_first`) where the plan compresses: residuals and
+    ``Q`` stay in the gradients' units whatever the loss scale does."""
 
     kernels: Kernels
     """The framework's kernels (a class attribute of the subclass)."""
 
     def __init__(self, plan: Plan, rank: int, size: int) -> None:
         self.plan, self.method = plan, plan.method
+        self.unscaled_first = not plan.dense
         self.rank, self.size = rank, size
         self.step = 0
         """Optimizer steps exchanged so far; seeds random-k's indices and qsgd's noise."""
@@ -97,9 +103,10 @@ class Exchange(abc.ABC):
     def _round_function(self, round_: int) -> Callable[..., Any]:
         return lambda got, carries: self._advance(round_, got, carries)
 
-    def resize(self, rank: int, size: int) -> None:
-        """Continues as ``rank`` of ``size`` ranks; this rank keeps its residuals until a
-        :meth:`broadcast` of restored state re-shards them."""
+    def resize(self, rank: int, size: int, accumulation: int = 1) -> None:
+        """Continues as ``rank`` of ``size`` ranks (accumulation does not matter: the exchange
+        runs once per step); this rank keeps its residuals until a :meth:`broadcast` of restored
+        state re-shards them."""
         if (rank, size) != (self.rank, self.size):
             self.rank, self.size = rank, size
             self._build()
@@ -115,6 +122,17 @@ class Exchange(abc.ABC):
         self.stats = {"wire_bytes": float(self._wire), "dense_bytes": dense,
                       "comm_s": self._waited, "compress_s": compress_s}
         return out
+
+    def note_fused(self, comm_s: float) -> None:
+        """A dense plan's step that the framework traced into its step function: counted (the
+        checkpoint carries the step count, whichever path ran) and measured as :meth:`run` would."""
+        if not self.plan.dense:
+            raise NotImplementedError(f"{self.method} sends compressed tensors: it cannot be fused")
+        self.step += 1
+        sent = self.size > 1
+        self.stats = {"wire_bytes": float(self.plan.wire_bytes()) if sent else 0.0,
+                      "dense_bytes": float(self.plan.dense_bytes()) if sent else 0.0,
+                      "comm_s": comm_s, "compress_s": 0.0}
 
     def _exchange(self, grads: list[Tensor]) -> list[Tensor]:
         if self.plan.dense and self.size == 1:

@@ -19,7 +19,7 @@ import numpy as np
 
 from hvdtrain.data.contracts import Batch, Draw, Source
 from hvdtrain.data.sampler import StepIndices
-from hvdtrain.engine import compute_threads
+from hvdtrain.horovod_start import compute_threads
 from hvdtrain.errors import HvdtrainError
 
 MAX_AUTO_WORKERS = 8
@@ -28,7 +28,7 @@ MAX_AUTO_WORKERS = 8
 
 def loader_workers(configured: int, local_size: int) -> int:
     """Loader workers for one rank: ``configured`` when 0 or more, else half the cores the rank
-    has (:func:`hvdtrain.engine.compute_threads`), at least 1 and at most :data:`MAX_AUTO_WORKERS`.
+    has (:func:`hvdtrain.horovod_start.compute_threads`), at least 1 and at most :data:`MAX_AUTO_WORKERS`.
 
     Half: the workers decode while the rank's compute threads train on the same cores, and a
     worker per core would take them from the compute. At least one, so that loading overlaps the

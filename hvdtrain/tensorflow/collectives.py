@@ -44,6 +44,12 @@ class TensorFlowCollectives(HorovodCollectives):
         return run_fn(wrapper, _reset)
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one small allreduce)."""
+    total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum, name="hvdtrain.any_rank")
+    return float(total[0]) > 0
+
+
 def _reset() -> None:
     hvd.shutdown()
     hvd.init()

@@ -2,14 +2,12 @@
 TensorFlow and Horovod's TensorFlow collectives, which run the shared plans
 (:mod:`hvdtrain.compression.exchange`).
 
-A training step runs as: local gradients (the engine's ``tf.function``), then
-:meth:`GradientExchange.run`, then the update. The exchange runs each plan stage in a ``tf.function``
-(compute) and each round's Horovod collectives in a ``tf.function`` of their own, whose calls it
-times: an eager call returns only when the collectives inside have finished, so that time is the
-time this rank waited for the exchange. The dense methods (``none``, ``fp16``) also have
-:func:`dense_mean`, which the engine traces into one step function with the gradients and the
-update, as a hand-written ``DistributedGradientTape`` loop does; the exchange then serves them only
-for their state (the step count in checkpoints).
+A training step runs as: local gradients (a ``tf.function`` of :mod:`hvdtrain.tensorflow.step`),
+then :meth:`CompressingExchange.run`, then the update. The exchange runs each plan stage in a
+``tf.function`` (compute) and each round's Horovod collectives in a ``tf.function`` of their own,
+whose calls it times: an eager call returns only when the collectives inside have finished, so that
+time is the time this rank waited for the exchange. The dense methods (``none``, ``fp16``) are
+:class:`hvdtrain.tensorflow.exchange.DenseAllreduce`, which the step can also trace whole.
 """
 
 from __future__ import annotations
@@ -26,9 +24,10 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
 from hvdtrain.compression.state import Slot
+from hvdtrain.tensorflow.collectives import any_rank
 
 Tensors = list[tf.Tensor]
-_DTYPES = {"float32": tf.float32, "float16": tf.float16}
+DTYPES = {"float32": tf.float32, "float16": tf.float16}
 
 
 # kernels: each mirrors the reference function of the same name ----------------------------------
@@ -131,7 +130,7 @@ class Kernels:
 
     @staticmethod
     def cast(x: tf.Tensor, dtype: str) -> tf.Tensor:
-        return tf.cast(x, _DTYPES[dtype])
+        return tf.cast(x, DTYPES[dtype])
 
     @staticmethod
     def matmul(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -196,7 +195,7 @@ def _collective(tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, T
             grouped(hvd.grouped_allreduce, average, "mean", op=hvd.Average))
 
 
-class GradientExchange(Exchange):
+class CompressingExchange(Exchange):
     """A plan run with TensorFlow kernels, its stages traced once each, and Horovod's grouped
     TensorFlow collectives."""
 
@@ -227,19 +226,11 @@ class GradientExchange(Exchange):
     def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
         return hvd.broadcast(tf.constant(array), root_rank, name=name).numpy()
 
-
-def dense_mean(grads: Sequence[tf.Tensor], dtype: str, size: int) -> Tensors:
-    """The dense methods' average, traced inside the engine's fused step: ``grads`` sent as
-    ``dtype`` in one grouped Horovod allreduce and back as float32. The same numbers as
-    :class:`GradientExchange` gives a dense plan (nothing is sent at ``size`` 1, as there)."""
-    if size == 1:
-        return list(grads)
-    sent = [tf.cast(g, _DTYPES[dtype]) for g in grads]
-    averaged = hvd.grouped_allreduce(sent, op=hvd.Average, name=f"hvdtrain.fused.mean.{dtype}")
-    return [tf.cast(g, tf.float32) for g in averaged]
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
 
 
-def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                  shapes: Sequence[Sequence[int]]) -> GradientExchange:
+def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
+                     shapes: Sequence[Sequence[int]]) -> CompressingExchange:
     """The exchange for ``comm.compression`` over gradients of these shapes (the model's order)."""
-    return GradientExchange(make_plan(comm, seed, shapes), rank, size)
+    return CompressingExchange(make_plan(comm, seed, shapes), rank, size)

@@ -1,36 +1,51 @@
 """Mixed precision for the TensorFlow engine: the Keras ``mixed_bfloat16`` or ``mixed_float16``
-policy while the model is built, and for fp16 a ``LossScaleOptimizer`` (policy in
-:mod:`hvdtrain.precision`).
+policy while the model is built, and for fp16 a ``LossScaleOptimizer``, as the precision kernels of
+:mod:`hvdtrain.step` (policy in :mod:`hvdtrain.precision`).
 
 Variables stay float32, so gradients and the exchange are float32. Under fp16 the loss is scaled
-before the gradients are taken; the exchange averages the scaled gradients, so an overflow on any
-rank reaches every rank, and the ``LossScaleOptimizer`` then unscales, or skips the step and
-lowers the scale, the same way on all of them. Its scale is one of the optimizer's variables, so
-checkpoints and broadcasts carry it.
+before the gradients are taken. The dense exchange averages the scaled gradients, so an overflow
+on any rank reaches every rank, and the ``LossScaleOptimizer`` then unscales, or skips the step
+and lowers the scale, the same way on all of them. Exchanges that keep state in the gradients'
+units get them unscaled (:meth:`Precision.unscale`, after the ranks agreed on overflows), and the
+averages are scaled back before the ``LossScaleOptimizer`` sees them: the scale is a power of two,
+so both are exact. Its scale is one of the optimizer's variables, so checkpoints and broadcasts
+carry it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import keras
 import tensorflow as tf
 
 from hvdtrain.precision import scales_loss
+from hvdtrain.step import PrecisionKernels
 
 POLICIES = {"fp32": "float32", "bf16": "mixed_bfloat16", "fp16": "mixed_float16"}
 
 
-class Precision:
-    """One rank's precision: the build-time policy, the loss scale, and whether a step was skipped."""
+class Precision(PrecisionKernels):
+    """One rank's precision: the build-time policy, the loss scale, and whether a step was skipped.
+
+    :meth:`attach` gives it the optimizer and the traced update, once those exist."""
 
     def __init__(self, precision: str) -> None:
         self.policy_name = POLICIES[precision]
         self.scaling = scales_loss(precision)
         # Written inside the traced update: whether its gradients overflowed (the step was skipped).
         self.overflow = tf.Variable(0.0, trainable=False) if self.scaling else None
+        self.optimizer: Any = None
+        self.apply: Callable[[list[tf.Tensor]], Any] = lambda grads: None
+        self.shapes: list[tuple[int, ...]] = []
+
+    def attach(self, optimizer: keras.optimizers.Optimizer,
+               apply: Callable[[list[tf.Tensor]], Any], shapes: Sequence[tuple[int, ...]]) -> None:
+        """The optimizer whose loss scale this is, the update that :meth:`update` runs, and the
+        shapes of the gradients it takes."""
+        self.optimizer, self.apply, self.shapes = optimizer, apply, list(shapes)
 
     @contextlib.contextmanager
     def policy(self) -> Iterator[None]:
@@ -60,7 +75,28 @@ class Precision:
             finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
             self.overflow.assign(tf.where(finite, 0.0, 1.0))
 
+    def finite(self, grads: Sequence[tf.Tensor]) -> bool:
+        return bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+
+    def _loss_scale(self) -> tf.Tensor:
+        return self.scale(self.optimizer, tf.constant(1.0))
+
+    def unscale(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        if not self.scaling:
+            return list(grads)
+        scale = self._loss_scale()
+        return [g / scale for g in grads]
+
+    def update(self, grads: Sequence[tf.Tensor], unscaled: bool) -> None:
+        if unscaled and self.scaling:  # the LossScaleOptimizer unscales, and skips on overflow
+            scale = self._loss_scale()
+            grads = [g * scale for g in grads]
+        self.apply(list(grads))
+
+    def skip(self) -> None:
+        # The LossScaleOptimizer sees an overflow on this rank too, and skips with the others.
+        self.apply([tf.fill(shape, float("inf")) for shape in self.shapes])
+
     @property
-    def skipped(self) -> float:
-        """1.0 when the last step was skipped by the loss scaler, else 0.0."""
-        return float(self.overflow.numpy()) if self.overflow is not None else 0.0
+    def skipped(self) -> bool:
+        return bool(self.overflow.numpy()) if self.overflow is not None else False

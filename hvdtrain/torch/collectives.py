@@ -24,3 +24,9 @@ class TorchCollectives(HorovodCollectives):
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
         return hvd.elastic.run(func)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one small allreduce)."""
+    total = hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="hvdtrain.any_rank")
+    return float(total) > 0

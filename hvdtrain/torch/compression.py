@@ -1,25 +1,25 @@
 """Gradient compression for PyTorch: the kernels of :mod:`hvdtrain.compression.reference` in torch
 and Horovod's torch collectives, which run the shared plans (:mod:`hvdtrain.compression.exchange`).
 
-``none`` and ``fp16`` keep Horovod's DistributedOptimizer (allreduce overlapped with backward) with
-Horovod's own compressor (:func:`horovod_compression`), whose bytes a step are fixed
-(:func:`bytes_per_step`). The other methods run :class:`GradientExchange` once per optimizer
-step, after all micro-batches' gradients have accumulated locally.
+``none`` and ``fp16`` go through Horovod's DistributedOptimizer instead (:mod:`hvdtrain.torch.exchange`);
+the other methods run :class:`CompressingExchange` once per optimizer step, after all
+micro-batches' gradients have accumulated locally.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hvdtrain.compression import PLANS, make_plan
+from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
 from hvdtrain.compression.state import Slot
+from hvdtrain.torch.collectives import any_rank
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -152,7 +152,7 @@ class TensorStore:
         self.tensors[key] = torch.from_numpy(np.array(value, np.float32))
 
 
-class GradientExchange(Exchange):
+class CompressingExchange(Exchange):
     """A plan run with torch kernels and Horovod's asynchronous torch collectives."""
 
     kernels = Kernels()
@@ -178,44 +178,22 @@ class GradientExchange(Exchange):
     def _allgather_rows(self, array: np.ndarray, name: str) -> np.ndarray:
         return hvd.allgather(torch.from_numpy(array[None]), name=name).numpy()
 
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
     def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
         return hvd.broadcast(torch.from_numpy(np.ascontiguousarray(array)), root_rank,
                              name=name).numpy()
 
 
-def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                  shapes: Sequence[Sequence[int]]) -> GradientExchange:
+def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
+                     shapes: Sequence[Sequence[int]]) -> CompressingExchange:
     """The exchange for ``comm.compression`` over gradients of these shapes (the model's order)."""
-    return GradientExchange(make_plan(comm, seed, shapes), rank, size)
+    return CompressingExchange(make_plan(comm, seed, shapes), rank, size)
 
 
 def to_torch(entry: dict[str, np.ndarray]) -> dict[str, Any]:
-    """A :meth:`GradientExchange.state_dict` entry as ``torch.load(weights_only=True)`` reads it:
-    tensors, and the method name as a string. :meth:`GradientExchange.load_state_dict` takes it."""
+    """A :meth:`CompressingExchange.state_dict` entry as ``torch.load(weights_only=True)`` reads
+    it: tensors, and the method name as a string. :meth:`CompressingExchange.load_state_dict`
+    takes it."""
     return {k: str(v) if v.dtype.kind == "U" else torch.from_numpy(v) for k, v in entry.items()}
-
-
-# Horovod's own compressors (none, fp16) ---------------------------------------------------------
-
-_HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
-
-
-def horovod_compression(method: str) -> Any | None:
-    """Horovod's compressor for a method whose plan sends every tensor dense (``none``, ``fp16``),
-    which Horovod's DistributedOptimizer then carries; None for the others, which run
-    :class:`GradientExchange`."""
-    plan = PLANS.get(method)
-    return _HOROVOD[plan.dense_dtype] if plan.dense else None
-
-
-def bytes_per_step(compression: Any, params: Iterable[torch.nn.Parameter]) -> tuple[int, int]:
-    """The (wire, dense) bytes Horovod's DistributedOptimizer allreduces in every step with
-    ``compression``. It sends each parameter that requires a gradient once a step (zeros for one
-    the step did not reach), so the count is fixed: made once here, not by the step."""
-    wire = dense = 0
-    for p in params:
-        if p.requires_grad:
-            sent, _ = compression.compress(p.detach())
-            wire += sent.numel() * sent.element_size()
-            dense += p.numel() * p.element_size()
-    return wire, dense

@@ -1,10 +1,11 @@
-"""The PyTorch engine: Horovod's DistributedOptimizer driven by the framework-free loop."""
+"""The PyTorch engine: a model, its optimizer and loader on Horovod, driven by the framework-free
+loop; a step is :func:`hvdtrain.step.train_step` over :class:`hvdtrain.torch.step.TorchKernels`
+and the run's gradient exchange (:mod:`hvdtrain.torch.exchange`)."""
 
 from __future__ import annotations
 
 import io
 import pickle
-import time
 import warnings
 from typing import Any, Iterable
 
@@ -15,26 +16,28 @@ import torch
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
-from hvdtrain.config import Config
+from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
-from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
+from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.horovod_start import compute_threads, start_horovod
 from hvdtrain.registry import MODELS
+from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
-from hvdtrain.torch.compression import (GradientExchange, bytes_per_step, horovod_compression,
-                                        make_exchange, to_torch)
+from hvdtrain.torch.compression import to_torch
 from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.data import TorchLoader
+from hvdtrain.torch.exchange import make_exchange
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.precision import PlacedAdapter, Precision
+from hvdtrain.torch.step import TorchKernels
 
 
-def make_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The configured optimizer; its learning rate is set by the loop before every step."""
-    o = cfg.optim
     if o.name == "sgd":
         return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                                weight_decay=o.weight_decay)
@@ -68,9 +71,9 @@ class TorchEngine(Engine):
         self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                 workers=loader_workers(cfg.data.workers, self.local_size),
                                 prefetch=cfg.data.prefetch, device=self.device)
+        self.accumulation = cfg.train.backward_passes_per_step
         self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
-        self.lr = float("nan")  # the loop sets the real one before the first step
 
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
         model = self.adapter.build(dataset.spec())
@@ -79,87 +82,35 @@ class TorchEngine(Engine):
         return model
 
     def _make_optimizer(self, cfg: Config) -> None:
-        optimizer = make_optimizer(cfg, self.model)
-        self.exchange: GradientExchange | None = None
+        self.exchange, self.optimizer = make_exchange(
+            cfg.comm, cfg.seed, self.rank, self.size, self.model, make_optimizer(cfg.optim, self.model),
+            cfg.train.backward_passes_per_step)
+        self.precision.attach(self.optimizer)
+        self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data, self.precision)
         self._stats: dict[str, float] = {}
-        compression = horovod_compression(cfg.comm.compression)
-        if compression is not None:
-            # Horovod's own path: allreduce starts in backward hooks, overlapping computation.
-            self.optimizer = hvd.DistributedOptimizer(
-                optimizer, named_parameters=self.model.named_parameters(),
-                compression=compression,
-                backward_passes_per_step=cfg.train.backward_passes_per_step)
-            # The parameters it allreduces every step: none at one rank outside elastic mode, where
-            # Horovod registers no hooks.
-            self.step_bytes = bytes_per_step(compression, self.optimizer._requires_update)
-        else:
-            # hvdtrain's exchange runs once per step after the micro-batches' gradients accumulated.
-            self.optimizer = optimizer
-            self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
-                                          [p.shape for p in self.model.parameters()])
 
     def broadcast_state(self) -> None:
         # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
         # which weight decay would turn into a change of the weights that the broadcast then undoes.
         hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.exchange is not None:  # each rank's own residuals, re-sharded if the size changed
-            self.exchange.resize(self.rank, self.size)
-            self.exchange.broadcast(root_rank=0)
+        # Each rank's own residuals, re-sharded if the size changed.
+        self.exchange.resize(self.rank, self.size, self.accumulation)
+        self.exchange.broadcast(root_rank=0)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        if self.exchange is not None:
-            self.exchange.resize(rank, size)
-        elif self.optimizer.backward_passes_per_step != accumulation:
-            self.optimizer.set_backward_passes_per_step(accumulation)
+        self.accumulation = accumulation
+        self.exchange.resize(rank, size, accumulation)
 
     def fork_rng(self, seed: int, step: int) -> None:
         rng.fork(seed, self.rank, step)
 
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
-        if lr != self.lr:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.lr = lr
-        start = time.perf_counter()
-        self.optimizer.zero_grad()
-        # Horovod averages over ranks; weighting each rank's summed loss by size / global_count makes
-        # the result the mean over the step's samples, even when ranks hold unequal shares.
-        scale = self.size / step.global_count
-        sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        data_s = 0.0  # the wait for each micro-batch: what prefetching did not hide
-        batches = self.data.batches(step)
-        for idx in step.micro:
-            waited = time.perf_counter()
-            x, y = next(batches)
-            data_s += time.perf_counter() - waited
-            loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y)
-            self.precision.backward(loss_sum, scale)
-            add_batch_sums(sums, loss_sum.detach(), metrics, len(idx))
-        stats = self._exchange_and_step()
-        stats["data_s"] = data_s
-        stats["compute_s"] = time.perf_counter() - start - data_s - stats["comm_s"]
-        self._stats = stats
-        return sums
-
-    def _exchange_and_step(self) -> dict[str, float]:
-        """Averages the gradients over ranks, steps the optimizer, and returns what it measured."""
-        if self.exchange is not None:
-            params = list(self.model.parameters())
-            for p in params:
-                if p.grad is None:  # a parameter this step did not reach still takes part
-                    p.grad = torch.zeros_like(p)
-            if not self.precision.step_exchange(self.optimizer, params, self.exchange.run):
-                return {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "skipped": 1.0}
-            return {**{k: self.exchange.stats[k]
-                       for k in ("wire_bytes", "dense_bytes", "comm_s", "compress_s")},
-                    "skipped": float(self.precision.skipped)}
-        comm_s = self.precision.step_horovod(self.optimizer)
-        wire, dense = self.step_bytes
-        return {"wire_bytes": float(wire), "dense_bytes": float(dense), "comm_s": comm_s,
-                "skipped": float(self.precision.skipped)}
+        result = train_step(self.kernels, self.exchange, step, lr, self.size)
+        self._stats = result.stats
+        return result.sums
 
     def step_stats(self) -> dict[str, float]:
         return dict(self._stats)
@@ -178,14 +129,13 @@ class TorchEngine(Engine):
         buffer = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "rng": rng.capture(), "precision": self.precision.state_dict(),
-                    "compression": to_torch(self.exchange.state_dict()) if self.exchange else None,
+                    "compression": to_torch(entry) if (entry := self.exchange.state_dict()) else None,
                     "meta": meta}, buffer)
         return buffer.getvalue()
 
     def gather_state(self) -> None:
         # Residuals differ per rank: rank 0 collects them all so that resuming restores each one.
-        if self.exchange is not None:
-            self.exchange.gather()
+        self.exchange.gather()
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # weights_only: loading a checkpoint must never execute code from the file.
@@ -204,8 +154,7 @@ class TorchEngine(Engine):
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.precision.load_state_dict(state.get("precision"))
-            if self.exchange is not None:
-                self.exchange.load_state_dict(state.get("compression"), where)
+            self.exchange.load_state_dict(state.get("compression"), where)
             if "rng" in state:  # absent in checkpoints written before random states were saved
                 rng.restore(state["rng"])
         except HvdtrainError:

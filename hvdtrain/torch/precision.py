@@ -1,42 +1,45 @@
 """Mixed precision for the PyTorch engine: ``torch.autocast`` for bf16 and fp16, and for fp16 a
-``GradScaler`` combined with either gradient exchange (policy in :mod:`hvdtrain.precision`).
+``GradScaler``, as the precision kernels of :mod:`hvdtrain.step` (policy in :mod:`hvdtrain.precision`).
 
-With Horovod's ``DistributedOptimizer`` the order is Horovod's documented one: ``synchronize()``
-(the allreduce of the scaled gradients), ``unscale_``, then ``step`` inside ``skip_synchronize()``
-so that gradients are reduced once. An overflow on any rank reaches every rank through that
-average, so all ranks skip the same steps.
-
-With hvdtrain's own exchange (top-k, QSGD, ...) the gradients are unscaled *before* the exchange,
-so that error-feedback residuals stay in the gradients' own units whatever the scale does; the
-ranks first agree by one allreduce whether any of them overflowed, and then all skip the step
-(and leave the residuals alone) or all take it.
+The order around the exchange is the step skeleton's. With Horovod's ``DistributedOptimizer``
+(the dense exchange) it is Horovod's documented one: the exchange reduces the scaled gradients
+(``synchronize()``), :meth:`Precision.update` unscales them and steps inside the exchange's
+``skip_synchronize()``, so that gradients are reduced once; an overflow on any rank reaches every
+rank through that average. Exchanges that keep state in the gradients' units get the gradients
+unscaled first (:meth:`Precision.unscale`), after the ranks agreed whether any overflowed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-from typing import Any, Callable, ContextManager, Sequence
+from typing import Any, ContextManager, Sequence
 
-import horovod.torch as hvd
 import torch
 
 from hvdtrain.adapters import ModelAdapter
 from hvdtrain.data.contracts import DatasetSpec
+from hvdtrain.step import PrecisionKernels
 from hvdtrain.torch.device import to_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Precision:
-    """One rank's precision: the autocast context, the loss scaler and the optimizer step."""
+class Precision(PrecisionKernels):
+    """One rank's precision: the autocast context, the loss scaler and the optimizer step.
+
+    :meth:`attach` gives it the optimizer it steps, once that exists."""
 
     def __init__(self, precision: str, device: torch.device) -> None:
         self.device_type = device.type
         self.dtype = DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-        self.skipped = False
-        """Whether the last step was skipped by the loss scaler (an fp16 overflow)."""
+        self.scaling = self.scaler is not None
+        self.optimizer: Any = None
+        self._skipped = False
+
+    def attach(self, optimizer: Any) -> None:
+        """The optimizer that :meth:`update` steps (Horovod's ``DistributedOptimizer`` or a plain one)."""
+        self.optimizer = optimizer
 
     def autocast(self) -> ContextManager[Any]:
         """The forward pass's context: autocast to bf16 or fp16, or nothing for fp32."""
@@ -54,50 +57,46 @@ class Precision:
         else:
             loss.backward(torch.full_like(loss, weight))
 
-    def step_horovod(self, optimizer: Any) -> float:
-        """Horovod's ``DistributedOptimizer`` step: reduce once, unscale, step; returns the seconds
-        spent waiting for the allreduce."""
-        waited = time.perf_counter()
-        optimizer.synchronize()
-        comm_s = time.perf_counter() - waited
+    def finite(self, grads: Sequence[torch.Tensor]) -> bool:
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+
+    def unscale(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # In place on the optimizer's gradients (``grads`` are those): the scaler then knows they
+        # were unscaled and does not unscale them again in its step.
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        with optimizer.skip_synchronize():
-            self._step(optimizer)
-        return comm_s
+            self.scaler.unscale_(self.optimizer)
+        return list(grads)
 
-    def step_exchange(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
-                      exchange: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> bool:
-        """hvdtrain's exchange and the step: unscale (fp16), exchange, step. Returns whether the
-        exchange ran (it does not when any rank overflowed: every rank then skips the step)."""
-        if self.scaler is not None and self._overflow_anywhere(params):
-            for p in params:  # the scaler sees the overflow on this rank too, and skips with the others
-                p.grad.fill_(float("inf"))
-            self._step(optimizer)
-            return False
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-        for p, averaged in zip(params, exchange([p.grad for p in params])):
-            p.grad = averaged
-        self._step(optimizer)
-        return True
+    def update(self, grads: Sequence[torch.Tensor], unscaled: bool) -> None:
+        for p, grad in zip(self._params(), grads):
+            p.grad = grad
+        if self.scaler is not None and not unscaled:
+            self.scaler.unscale_(self.optimizer)
+        self._step()
 
-    @staticmethod
-    def _overflow_anywhere(params: Sequence[torch.nn.Parameter]) -> bool:
-        local = torch.stack([torch.isfinite(p.grad).all() for p in params]).all()
-        flag = torch.tensor([0.0 if bool(local) else 1.0])
-        return float(hvd.allreduce(flag, op=hvd.Sum, name="hvdtrain.fp16_overflow")) > 0
+    def skip(self) -> None:
+        # The scaler sees an overflow on this rank too, and skips with the others.
+        for p in self._params():
+            p.grad.fill_(float("inf"))
+        self._step()
 
-    def _step(self, optimizer: Any) -> None:
+    @property
+    def skipped(self) -> bool:
+        return self._skipped
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+    def _step(self) -> None:
         if self.scaler is None:
-            optimizer.step()
-            self.skipped = False
+            self.optimizer.step()
+            self._skipped = False
             return
         before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
+        self.scaler.step(self.optimizer)
         self.scaler.update()
         # The scale falls only when the step was skipped (it rises after a run of good steps).
-        self.skipped = self.scaler.get_scale() < before
+        self._skipped = self.scaler.get_scale() < before
 
     def state_dict(self) -> dict[str, Any] | None:
         """The loss scaler's state for checkpoints (None without one)."""

@@ -18,6 +18,7 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow import compression as tfc
+from hvdtrain.tensorflow import exchange as tfx
 from hvdtrain.driver import train
 from tests.conftest import TF_CONFIG, quiet_config
 
@@ -201,7 +202,7 @@ class Reference:
     (m, False) for m in ("topk", "randomk", "powersgd")])
 def test_exchange_matches_the_reference_and_conserves_with_error_feedback(method, feedback):
     c = comm(method, error_feedback=feedback)
-    exchange = tfc.make_exchange(c, seed=5, rank=0, size=1, shapes=SHAPES)
+    exchange = tfx.make_exchange(c, seed=5, rank=0, size=1, shapes=SHAPES)
     reference = Reference(c, seed=5)
     noise = lambda step, i, n: tfc.uniform(  # noqa: E731
         tf.constant(ref.noise_seed(5, 0, step, i), tf.int64), n).numpy()
@@ -222,7 +223,7 @@ def test_exchange_matches_the_reference_and_conserves_with_error_feedback(method
     assert sorted(residuals(exchange)) == (compressed if has_residuals else [])
 
 
-def residuals(exchange: tfc.GradientExchange) -> dict[int, np.ndarray]:
+def residuals(exchange: tfc.CompressingExchange) -> dict[int, np.ndarray]:
     """The exchange's error-feedback residuals by tensor index."""
     return {s.index: exchange.store.numpy(s.key) for s in exchange.slots if s.kind == "residual"}
 
@@ -256,7 +257,7 @@ def expected_wire_bytes(c: CommConfig) -> int:
 @pytest.mark.parametrize("method", METHODS)
 def test_stats_count_the_bytes_sent(method):
     c = comm(method, bucket=100)
-    exchange = tfc.make_exchange(c, seed=0, rank=0, size=1, shapes=SHAPES)
+    exchange = tfx.make_exchange(c, seed=0, rank=0, size=1, shapes=SHAPES)
     exchange.run([tf.constant(g) for g in grads_of(1)])
     if method in ("none", "fp16"):
         # One rank: nothing to average, so nothing is sent (as Horovod's optimizers do); the
@@ -272,13 +273,13 @@ def test_stats_count_the_bytes_sent(method):
 def test_state_round_trip_is_exact():
     """A PowerSGD exchange's checkpoint entry restores step, Q and residuals into a fresh one."""
     c = comm("powersgd")
-    first = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    first = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
     for step in range(1, 3):
         first.run([tf.constant(g) for g in grads_of(step)])
     first.gather()
     arrays = first.state_dict()
     assert str(arrays["method"]) == "powersgd" and int(arrays["step"]) == 2
-    second = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    second = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
     second.load_state_dict(arrays, "test")
     second.broadcast()
     assert second.step == 2 and sorted(residuals(second)) == sorted(residuals(first)) == [0, 2]
@@ -290,13 +291,13 @@ def test_state_round_trip_is_exact():
     # Written at 3 ranks, resumed at 1: the rank gets the mean, so the update owed is unchanged.
     at_three = {k: np.stack([v[0], 2 * v[0], 3 * v[0]]) if k.startswith("residual/") else v
                 for k, v in arrays.items()}
-    third = tfc.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    third = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
     third.load_state_dict(at_three, "test")
     third.broadcast()
     for i, residual in residuals(third).items():
         np.testing.assert_allclose(residual, 2 * arrays[f"residual/{i}"][0], rtol=1e-6)
     with pytest.raises(HvdtrainError, match="compression state is for 'powersgd'"):
-        tfc.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(
+        tfx.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(
             arrays, "x")
 
 

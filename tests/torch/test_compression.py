@@ -13,6 +13,7 @@ from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
 from hvdtrain.torch import compression as tc
+from hvdtrain.torch import exchange as tx
 from hvdtrain.driver import train
 from tests.conftest import CONFIG, quiet_config
 
@@ -96,8 +97,8 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
     return out
 
 
-def _exchange(comm: CommConfig, seed: int = SEED) -> tc.GradientExchange:
-    return tc.make_exchange(comm, seed, hvd.rank(), hvd.size(), SHAPES)
+def _exchange(comm: CommConfig, seed: int = SEED) -> tc.CompressingExchange:
+    return tc.make_compressing(comm, seed, hvd.rank(), hvd.size(), SHAPES)
 
 
 def test_qsgd_noise_is_a_function_of_its_seed():
@@ -138,16 +139,16 @@ def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
 
 def test_wire_bytes_are_those_of_the_tensors_sent():
     comm = CommConfig(compression="topk", ratio=0.01, min_size=100)
-    topk = tc.make_exchange(comm, 0, hvd.rank(), hvd.size(), SHAPES)
+    topk = tc.make_compressing(comm, 0, hvd.rank(), hvd.size(), SHAPES)
     topk.run([torch.from_numpy(g) for g in _grads(1)])
     k0, k2 = ref.num_selected(1920, 0.01), ref.num_selected(210, 0.01)
     assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40 == topk.plan.wire_bytes()
     assert topk.stats["dense_bytes"] == 4 * (1920 + 40 + 210)
     frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
     params = [torch.nn.Parameter(torch.zeros(10)), frozen]
-    assert tc.bytes_per_step(tc.horovod_compression("fp16"), params) == (20, 40)
-    assert tc.bytes_per_step(tc.horovod_compression("none"), params) == (40, 40)
-    assert tc.horovod_compression("none") is not None and tc.horovod_compression("topk") is None
+    assert tx.bytes_per_step(tx.horovod_compression("fp16"), params) == (20, 40)
+    assert tx.bytes_per_step(tx.horovod_compression("none"), params) == (40, 40)
+    assert tx.horovod_compression("none") is not None and tx.horovod_compression("topk") is None
 
 
 EXACT = ("train.epochs=1", "optim.schedule=constant", "checkpoint.every_steps=20", "comm.min_size=0",

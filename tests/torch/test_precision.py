@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.exchange import GradientExchange, empty_stats
+from hvdtrain.step import exchange_and_update
 from hvdtrain.torch.data import TorchDatasetSource, TorchLoader
 from hvdtrain.torch.device import pinned, pins_memory
 from hvdtrain.torch.engine import TorchEngine
@@ -38,8 +40,8 @@ def test_bf16_autocast_computes_in_bf16(tmp_path):
 
 
 class RecordingOptimizer(torch.optim.SGD):
-    """SGD with the calls of Horovod's DistributedOptimizer, recording their order and what the
-    gradient was at each (the loss was scaled by 2**16, so the scaled gradient is 2**16 x 3)."""
+    """SGD that records each step and what the gradient was then (the loss was scaled by 2**16,
+    so the scaled gradient is 2**16 x 3)."""
 
     def __init__(self, params, calls: list) -> None:
         super().__init__(params, lr=0.1)
@@ -48,58 +50,81 @@ class RecordingOptimizer(torch.optim.SGD):
     def grad(self) -> float:
         return float(self.param_groups[0]["params"][0].grad)
 
-    def synchronize(self) -> None:
-        self.calls.append(("synchronize", self.grad()))
-
-    @contextmanager
-    def skip_synchronize(self):
-        self.calls.append(("skip_synchronize", self.grad()))
-        yield
-        self.calls.append(("end_skip", None))
-
     def step(self, closure=None):
         self.calls.append(("step", self.grad()))
         return super().step(closure)
 
 
-def test_fp16_scaler_order_with_horovods_optimizer():
-    """Horovod's documented order: reduce the scaled gradients once, unscale, step without a
-    second reduction."""
+class RecordingExchange(GradientExchange):
+    """A one-process exchange that records its calls, in the order the step skeleton makes them."""
+
+    def __init__(self, calls: list, unscaled_first: bool) -> None:
+        self.calls, self.unscaled_first = calls, unscaled_first
+        self.rank, self.size, self.stats = 0, 1, empty_stats()
+
+    def run(self, grads):
+        self.calls.append(("exchange", float(grads[0])))
+        return list(grads)
+
+    def any_rank(self, flag: bool) -> bool:
+        self.calls.append(("any_rank", flag))
+        return flag
+
+    @contextmanager
+    def updating(self):
+        self.calls.append(("updating", None))
+        yield
+        self.calls.append(("end_update", None))
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        pass
+
+
+class OneWeight:
+    """The two kernels :func:`exchange_and_update` asks for: the precision and the gradients."""
+
+    def __init__(self, precision: Precision, weight: torch.nn.Parameter) -> None:
+        self.precision, self.weight = precision, weight
+
+    def gradients(self) -> list:
+        return [self.weight.grad]
+
+
+def fp16_step(factor: float, unscaled_first: bool) -> tuple[torch.nn.Parameter, Precision, list]:
+    """One fp16 step of the skeleton on the loss ``weight x factor``: weight, precision, calls."""
     weight = torch.nn.Parameter(torch.tensor([1.0]))
     calls: list = []
-    optimizer = RecordingOptimizer([weight], calls)
     precision = Precision("fp16", torch.device("cpu"))
-    precision.backward((weight * 3.0).sum())
-    precision.step_horovod(optimizer)
+    precision.attach(RecordingOptimizer([weight], calls))
+    precision.backward((weight * factor).sum())
+    exchange_and_update(OneWeight(precision, weight), RecordingExchange(calls, unscaled_first))
+    return weight, precision, calls
+
+
+def test_fp16_scaler_order_with_horovods_optimizer():
+    """Horovod's documented order: reduce the scaled gradients once, unscale, step without a
+    second reduction (inside the exchange's ``updating``, Horovod's ``skip_synchronize``)."""
+    weight, precision, calls = fp16_step(3.0, unscaled_first=False)
     scale = 2.0 ** 16
-    assert calls == [("synchronize", 3.0 * scale), ("skip_synchronize", 3.0), ("step", 3.0),
-                     ("end_skip", None)]
+    assert calls == [("exchange", 3.0 * scale), ("updating", None), ("step", 3.0), ("end_update", None)]
     assert not precision.skipped and abs(float(weight.detach()) - 0.7) < 1e-6
 
 
 def test_fp16_overflow_is_skipped_and_the_scale_lowered():
-    weight = torch.nn.Parameter(torch.tensor([1.0]))
-    optimizer = RecordingOptimizer([weight], [])
-    precision = Precision("fp16", torch.device("cpu"))
-    precision.backward((weight * float("inf")).sum())
-    precision.step_horovod(optimizer)
+    weight, precision, calls = fp16_step(float("inf"), unscaled_first=False)
     assert precision.skipped and float(weight.detach()) == 1.0
     assert precision.scaler.get_scale() == 2.0 ** 15
-    assert [name for name, _ in optimizer.calls] == ["synchronize", "skip_synchronize", "end_skip"]
+    assert [name for name, _ in calls] == ["exchange", "updating", "end_update"]
 
 
 def test_fp16_with_hvdtrains_exchange_unscales_before_exchanging():
-    weight = torch.nn.Parameter(torch.tensor([1.0]))
-    optimizer = torch.optim.SGD([weight], lr=0.1)
-    precision = Precision("fp16", torch.device("cpu"))
-    exchanged = []
-    precision.backward((weight * 3.0).sum())
-    assert precision.step_exchange(optimizer, [weight], lambda grads: exchanged.extend(grads) or grads)
-    assert [float(g) for g in exchanged] == [3.0]  # residuals and averages in the gradient's units
-    precision.backward((weight * float("inf")).sum())
-    exchanged.clear()
-    assert not precision.step_exchange(optimizer, [weight], lambda grads: exchanged.extend(grads) or grads)
-    assert exchanged == [] and precision.skipped
+    weight, precision, calls = fp16_step(3.0, unscaled_first=True)
+    # The ranks agree there was no overflow; residuals and averages are in the gradient's units.
+    assert calls == [("any_rank", False), ("exchange", 3.0), ("updating", None), ("step", 3.0),
+                     ("end_update", None)]
+    weight, precision, calls = fp16_step(float("inf"), unscaled_first=True)
+    assert calls == [("any_rank", True)] and precision.skipped  # no exchange: every rank skips
+    assert float(weight.detach()) == 1.0 and precision.scaler.get_scale() == 2.0 ** 15
 
 
 def test_fp16_checkpoint_carries_the_scaler_and_loads_elsewhere(tmp_path):

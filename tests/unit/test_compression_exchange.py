@@ -123,6 +123,9 @@ class NumpyExchange(Exchange):
     def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
         return self.hub.all(self.rank, array)[root_rank]
 
+    def any_rank(self, flag: bool) -> bool:
+        return any(self.hub.all(self.rank, flag))
+
 
 def on_ranks(size: int, fn: Callable[[int, Hub], Any]) -> list[Any]:
     hub = Hub(size)

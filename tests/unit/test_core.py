@@ -137,7 +137,7 @@ def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_forgets_them_a
 
 
 def test_cycle_time_follows_config_then_environment_then_horovods_own():
-    from hvdtrain.engine import set_cycle_time
+    from hvdtrain.horovod_start import set_cycle_time
 
     env: dict[str, str] = {}
     assert set_cycle_time(0.0, env) == "1"  # Horovod's own, left to Horovod
@@ -150,7 +150,7 @@ def test_cycle_time_follows_config_then_environment_then_horovods_own():
 def test_compute_threads_divides_the_host_and_respects_a_rank_pinned_to_one_core():
     # In a child process: pinning this one would slow every later test.
     code = ("import os\n"
-            "from hvdtrain.engine import compute_threads\n"
+            "from hvdtrain.horovod_start import compute_threads\n"
             "cores = os.cpu_count()\n"
             "assert compute_threads(3, 2) == 3  # configured wins\n"
             "assert compute_threads(0, 1) == cores\n"

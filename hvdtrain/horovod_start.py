@@ -1,0 +1,53 @@
+"""Starting Horovod in a rank: its cycle time, Open MPI's yielding, and the compute threads a rank
+takes on a host it shares. Framework-free: the engines pass their Horovod module."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, MutableMapping
+
+
+def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
+    """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
+    ``hvd.init()`` that follows; returns the cycle time in force.
+
+    A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
+    else Horovod's own 1 ms holds, whatever the model's size. (A longer cycle for large models
+    used to be the default here: on a host whose cores all run compute threads, Horovod's thread
+    negotiated every cycle even with nothing to send, and those wake-ups slowed every step. The
+    patched build's idle wait, patches/0010, removed that cost, and the shorter cycle starts the
+    last allreduce of a step sooner: docs/investigations/step-overhead.md.)
+    """
+    # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
+    # instead of spinning on it, which matters where compute threads already take every core.
+    environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if configured_ms > 0:
+        environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
+    return environ.get("HOROVOD_CYCLE_TIME", "1")
+
+
+def start_horovod(hvd: Any, configured_ms: float) -> str:
+    """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
+    of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
+    and reads its settings then: where it already runs (a second training in one process),
+    nothing is changed."""
+    if not hvd.is_initialized():
+        set_cycle_time(configured_ms)
+        hvd.init()
+    return os.environ.get("HOROVOD_CYCLE_TIME", "1")
+
+
+def compute_threads(configured: int, local_size: int) -> int:
+    """Compute threads for one rank: ``configured`` when above 0, else the machine's cores divided
+    by the ranks on this host, and never more than the cores this process may run on.
+
+    Ranks sharing a host would otherwise each start one thread per core and fight over them. A
+    launcher that pins each rank to its cores (``srun --cpu-bind=cores``, ``mpirun --bind-to``)
+    has already divided the host: a rank pinned to one core of sixteen that started eight threads
+    would run them all on that core.
+    """
+    if configured > 0:
+        return configured
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = (os.cpu_count() or 1) // max(1, local_size)
+    return max(1, min(allowed or 1, share))

@@ -1,0 +1,91 @@
+"""The gradient exchanges of :mod:`hvdtrain.exchange` for PyTorch, built by :func:`make_exchange`.
+
+``dense`` is Horovod's ``DistributedOptimizer``: its backward hooks start each gradient's
+allreduce as soon as the backward pass has produced it, overlapping communication with
+computation; :meth:`DenseAllreduce.run` waits for them. ``compressing`` is
+:class:`hvdtrain.torch.compression.CompressingExchange`, run once per step after the micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ContextManager, Iterable, Sequence
+
+import horovod.torch as hvd
+import torch
+
+from hvdtrain.compression import PLANS
+from hvdtrain.compression.plans import CommSettings
+from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
+from hvdtrain.torch.collectives import any_rank
+from hvdtrain.torch.compression import CompressingExchange, make_compressing
+
+_HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
+
+
+def horovod_compression(method: str) -> Any | None:
+    """Horovod's compressor for a method whose plan sends every tensor dense (``none``, ``fp16``),
+    which Horovod's DistributedOptimizer then carries; None for the others."""
+    plan = PLANS.get(method)
+    return _HOROVOD[plan.dense_dtype] if plan.dense else None
+
+
+def bytes_per_step(compression: Any, params: Iterable[torch.nn.Parameter]) -> tuple[int, int]:
+    """The (wire, dense) bytes Horovod's DistributedOptimizer allreduces in every step with
+    ``compression``. It sends each parameter that requires a gradient once a step (zeros for one
+    the step did not reach), so the count is fixed: made once here, not by the step."""
+    wire = dense = 0
+    for p in params:
+        if p.requires_grad:
+            sent, _ = compression.compress(p.detach())
+            wire += sent.numel() * sent.element_size()
+            dense += p.numel() * p.element_size()
+    return wire, dense
+
+
+class DenseAllreduce(GradientExchange):
+    """Horovod's ``DistributedOptimizer`` around the run's optimizer, as a gradient exchange."""
+
+    def __init__(self, method: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 rank: int, size: int, accumulation: int) -> None:
+        self.rank, self.size = rank, size
+        compression = horovod_compression(method)
+        self.optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            backward_passes_per_step=accumulation)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # None are allreduced at one rank outside elastic mode, where Horovod registers no hooks.
+        self._bytes = bytes_per_step(compression, self.optimizer._requires_update)
+        self.stats = empty_stats()
+
+    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        waited = time.perf_counter()
+        self.optimizer.synchronize()  # in place: the parameters' gradients are now the averages
+        wire, dense = self._bytes
+        self.stats = {"wire_bytes": float(wire), "dense_bytes": float(dense),
+                      "comm_s": time.perf_counter() - waited, "compress_s": 0.0}
+        return [p.grad for p in self.params]
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def updating(self) -> ContextManager[Any]:
+        return self.optimizer.skip_synchronize()
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        self.rank, self.size = rank, size
+        if self.optimizer.backward_passes_per_step != accumulation:
+            self.optimizer.set_backward_passes_per_step(accumulation)
+
+
+def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, accumulation: int
+                  ) -> tuple[GradientExchange, torch.optim.Optimizer]:
+    """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
+    optimizer the step drives with it (Horovod's wrapper for the dense kind)."""
+    if exchange_kind(comm.compression) == "dense":
+        dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
+        return dense, dense.optimizer
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    compressing: CompressingExchange = make_compressing(comm, seed, rank, size, shapes)
+    return compressing, optimizer
