@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
     report.add_argument("--out", help="output directory (default: RUN_DIR/report of the first)")
     slurm = sub.add_parser("slurm", help="render, check or submit a Slurm job script "
-                               "(template hvdtrain/templates/train.sbatch or elastic.sbatch)")
+                               "(template slurm/train.sbatch or elastic.sbatch)")
     slurm.add_argument("action", choices=("render", "check", "submit"))
     slurm.add_argument("config", help="YAML config file")
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")

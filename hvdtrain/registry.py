@@ -75,8 +75,8 @@ DATASETS = Registry("dataset", {"digits": "hvdtrain.data.digits:DigitsDataset",
                                 "npy": "hvdtrain.data.npy:NpyDataset",
                                 "image_folder": "hvdtrain.data.image_folder:ImageFolder",
                                 "torch_dataset": "hvdtrain.torch.data:TorchDatasets",
-                                "synthetic_images": "hvdtrain.synthetic:SyntheticImages",
-                                "mnist1d": "hvdtrain.datasets_mnist1d:Mnist1dDataset"})
+                                "synthetic_images": "hvdtrain.data.synthetic:SyntheticImages",
+                                "mnist1d": "hvdtrain.data.mnist1d:Mnist1dDataset"})
 """Framework-free datasets: each yields NumPy arrays."""
 
 MODELS = {

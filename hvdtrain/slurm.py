@@ -7,8 +7,9 @@ The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_N
 and then requeues itself; the requeued job resumes with
 ``checkpoint.resume=auto``. Framework-free: nothing here imports torch or tensorflow.
 
-The templates and the elastic job's host discovery script are package data in ``hvdtrain/templates/``,
-read through :mod:`importlib.resources`, so an installed hvdtrain renders its jobs without a checkout.
+The templates and the elastic job's host discovery script live in the top-level ``slurm/`` directory,
+which a wheel ships as the package data ``hvdtrain/_slurm/`` (see setup.py), read through
+:mod:`importlib.resources`, so an installed hvdtrain renders its jobs without a checkout.
 """
 
 from __future__ import annotations
@@ -22,14 +23,28 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError, os_failure
 from hvdtrain.rundir import RunDir, read_records
 
-TEMPLATES = resources.files("hvdtrain") / "templates"
-"""The sbatch templates (Jinja2) and the host discovery script, shipped inside the package."""
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+
+def _templates() -> Traversable:
+    """The directory of the templates: the wheel's copy inside the package when there is one, else
+    the checkout's ``slurm/`` (an editable install or PYTHONPATH runs hvdtrain from a checkout,
+    which has no ``hvdtrain/_slurm/``)."""
+    shipped = resources.files("hvdtrain") / "_slurm"
+    if shipped.is_dir():
+        return shipped
+    return Path(__file__).resolve().parent.parent / "slurm"
+
+
+TEMPLATES = _templates()
+"""The sbatch templates (Jinja2) and the host discovery script: ``slurm/``, shipped in the wheel."""
 DISCOVERY = "discover_hosts_slurm.sh"
 """The elastic job's host discovery script, a file of :data:`TEMPLATES`."""
 CONTROLLERS = ("gloo", "mpi")

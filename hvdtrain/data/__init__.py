@@ -8,7 +8,8 @@
   evaluation shards.
 - :mod:`hvdtrain.data.loading`: what both frameworks' parallel loaders share: the requests they
   fetch, where their stream stands in an epoch's plan, bad-data reports, worker defaults.
-- Formats by name: :mod:`~hvdtrain.data.digits`, :mod:`~hvdtrain.data.image_folder`,
+- Formats by name: :mod:`~hvdtrain.data.digits`, :mod:`~hvdtrain.data.mnist1d`,
+  :mod:`~hvdtrain.data.synthetic` (``synthetic_images``), :mod:`~hvdtrain.data.image_folder`,
   :mod:`~hvdtrain.data.npy`; :mod:`~hvdtrain.data.augment` draws augmentation from
   ``(seed, epoch, sample index)``; :mod:`~hvdtrain.data.make_images` writes a JPEG data set.
 

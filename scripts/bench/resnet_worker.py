@@ -76,7 +76,7 @@ def driver_note(args: argparse.Namespace) -> str:
 
 def dataset(args: argparse.Namespace, ranks: int) -> Any:
     """Enough training samples for every step at this world size, and a token test split."""
-    from hvdtrain.synthetic import SyntheticImages
+    from hvdtrain.data.synthetic import SyntheticImages
 
     return SyntheticImages(train_samples=args.steps * args.batch * ranks, test_samples=ranks,
                            seed=workload.SEED)

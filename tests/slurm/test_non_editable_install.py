@@ -123,9 +123,19 @@ def test_elastic_render_points_at_the_installed_discovery_script(venv):
     found = re.search(r"^DISCOVERY=(\S+)$", proc.stdout, re.M)
     assert found, proc.stdout
     script = Path(found.group(1))
-    assert script == venv.site / "hvdtrain" / "templates" / "discover_hosts_slurm.sh"
+    assert script == venv.site / "hvdtrain" / "_slurm" / "discover_hosts_slurm.sh"
     assert os.access(script, os.X_OK)
     subprocess.run(["bash", "-n", "-c", proc.stdout], check=True)
+
+
+def test_the_wheel_ships_the_top_level_slurm_directory_as_it_is(venv):
+    shipped = venv.site / "hvdtrain" / "_slurm"
+    files = sorted(path.name for path in (ROOT / "slurm").iterdir())
+    assert sorted(path.name for path in shipped.iterdir()) == files
+    for name in files:
+        assert (shipped / name).read_bytes() == (ROOT / "slurm" / name).read_bytes(), name
+    # slurm/ is data inside hvdtrain, not a top-level package of its own
+    assert not (venv.site / "slurm").exists()
 
 
 def test_one_rank_trains_with_tensorboard_and_wandb(venv):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.slurm import JobOptions, check, render
+from hvdtrain.slurm import DISCOVERY, TEMPLATES, JobOptions, check, discovery_script, render
 from tests.conftest import CONFIG, ROOT, hvdtrain_cli
 
 TRAIN_SAMPLES = 1437  # digits: 1,797 samples, 20% held out
@@ -77,6 +77,12 @@ def test_rendered_script_matches_golden_file(tmp_path, monkeypatch, name, option
     if os.environ.get("HVDTRAIN_REGEN_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text()
+
+
+def test_a_checkout_reads_the_templates_from_its_top_level_slurm_directory():
+    assert TEMPLATES == ROOT / "slurm"
+    assert discovery_script() == ROOT / "slurm" / DISCOVERY
+    assert os.access(discovery_script(), os.X_OK)
 
 
 def test_gpu_options_are_checked(tmp_path):

@@ -331,9 +331,9 @@ def test_compression_accuracy_drops_and_slow_link_speedups():
 def test_synthetic_images_are_deterministic_shaped_and_learnable():
     import numpy as np
 
+    from hvdtrain.data.synthetic import SyntheticImages
     from hvdtrain.errors import HvdtrainError
     from hvdtrain.registry import DATASETS
-    from hvdtrain.synthetic import SyntheticImages
 
     make = DATASETS.get("synthetic_images")
     data = make(train_samples=300, test_samples=100, channels=2, height=5, width=4,

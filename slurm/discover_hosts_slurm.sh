@@ -1,5 +1,5 @@
 #!/bin/bash
-# Host discovery for Horovod elastic mode inside a Slurm allocation: hvdtrain/templates/elastic.sbatch
+# Host discovery for Horovod elastic mode inside a Slurm allocation: slurm/elastic.sbatch
 # runs it from where the package is installed.
 # Prints `host:slots` for every node of the job that Slurm still considers usable: a node that is
 # down, drained, failing or not responding (a `*` after its state) drops out, and so does any host
