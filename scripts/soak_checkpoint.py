@@ -140,7 +140,7 @@ def trial(index: int, delay: float, workdir: Path) -> dict:
 
 def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]) -> None:
     """Appends the soak's result, with the command and the machine, to a Markdown file."""
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import harness
 
     machine = "; ".join(f"{k}: {v}" for k, v in harness.machine_record().items())

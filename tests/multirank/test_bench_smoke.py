@@ -1,4 +1,5 @@
-"""Each benchmark of ``scripts/bench`` in its smallest configuration (``--quick``), end to end.
+"""Each benchmark of ``benchmarks/``, and the investigations' drivers, in its smallest
+configuration (``--quick``), end to end.
 
 Real jobs (``horovodrun``, ``torchrun``), real measurements, nothing timed or compared: the tests
 check that every driver runs its variants, writes its section with the tables' columns and one run
@@ -21,8 +22,10 @@ import hvdtrain.tensorflow.models  # noqa: F401
 from hvdtrain.registry import DATASETS, MODELS
 from tests.conftest import ROOT, run_env
 
-BENCH = ROOT / "scripts" / "bench"
-sys.path.insert(0, str(BENCH))
+BENCH = ROOT / "benchmarks"
+ALLREDUCE = ROOT / "docs" / "investigations" / "allreduce-bandwidth" / "allreduce.py"
+FUSION = ROOT / "docs" / "investigations" / "tensor-fusion" / "fusion.py"
+sys.path[:0] = [str(BENCH), str(FUSION.parent)]
 import ddp  # noqa: E402
 import frameworks  # noqa: E402
 import fusion  # noqa: E402
@@ -33,8 +36,9 @@ import scaling  # noqa: E402
 import startup  # noqa: E402
 
 
-def run_driver(doc: Path, script: str, *args: str) -> None:
-    """Runs ``script --quick`` writing its section into ``doc``; fails with the output's tail."""
+def run_driver(doc: Path, script: str | Path, *args: str) -> None:
+    """Runs ``script --quick`` (a file name in ``benchmarks/`` or a path) writing its section
+    into ``doc``; fails with the output's tail."""
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--output", str(doc),
                            *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
                           timeout=840)
@@ -104,8 +108,8 @@ def test_startup_launches_each_side_whole_and_reads_its_first_step(tmp_path):
 @pytest.mark.timeout(900)
 def test_allreduce_and_fusion_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"
-    run_driver(doc, "allreduce.py")
-    run_driver(doc, "fusion.py")
+    run_driver(doc, ALLREDUCE)
+    run_driver(doc, FUSION)
     (allreduce_tables, fusion_tables) = sections(doc).values()
     assert len(allreduce_tables) == 2  # Gloo and MPI
     for table in allreduce_tables:

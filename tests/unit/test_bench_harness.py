@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "scripts" / "bench"
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).parents[2]
+BENCH = ROOT / "benchmarks"
+INVESTIGATIONS = ROOT / "docs" / "investigations"
+ALLREDUCE = INVESTIGATIONS / "allreduce-bandwidth"
+FUSION = INVESTIGATIONS / "tensor-fusion"
+TIMELINE = INVESTIGATIONS / "step-overhead"
+sys.path[:0] = [str(BENCH), str(ALLREDUCE), str(TIMELINE)]
 import allreduce  # noqa: E402
 import compression  # noqa: E402
 import data as data_bench  # noqa: E402
@@ -22,8 +27,9 @@ import scaling  # noqa: E402
 import timeline  # noqa: E402
 import workload  # noqa: E402
 
-DRIVERS = ("allreduce", "checkpoint", "compression", "data", "ddp", "elastic_recovery",
-           "frameworks", "fusion", "monitoring", "overhead", "scaling")
+DRIVERS = ("allreduce", "checkpoint", "cluster", "compression", "data", "ddp", "elastic_recovery",
+           "frameworks", "fusion", "monitoring", "overhead", "scaling", "startup")
+"""Every driver: those of ``benchmarks/`` and of the investigations."""
 
 
 def test_summarize_gives_min_median_max_ratio_and_interval():
@@ -164,7 +170,7 @@ def test_parse_fills_sizes_and_the_command_repeats_the_run():
     full = harness.parse(parser(), ["--epochs", "7"])
     assert (full.rounds, full.epochs) == (60, 7)
     argv = shlex.split(quick.command)
-    assert argv[1] == "scripts/bench/x.py" and "--quick" not in argv
+    assert argv[1] == "benchmarks/x.py" and "--quick" not in argv
     again = harness.parse(parser(), argv[2:])
     assert {k: v for k, v in vars(again).items() if k != "quick"} == \
         {k: v for k, v in vars(quick).items() if k != "quick"}
@@ -202,9 +208,10 @@ def test_report_prints_rank_zero_only(capsys):
 
 def test_drivers_import_no_framework():
     # In a process of its own: the suite's process may hold the frameworks for other tiers.
-    code = (f"import sys; sys.path.insert(0, sys.argv[1]); import {', '.join(DRIVERS)}\n"
+    code = (f"import sys; sys.path[:0] = sys.argv[1:]; import {', '.join(DRIVERS)}\n"
             "assert not {'torch', 'tensorflow', 'horovod', 'mpi4py'} & set(sys.modules)")
-    subprocess.run([sys.executable, "-c", code, str(BENCH)], check=True)
+    subprocess.run([sys.executable, "-c", code, str(BENCH), str(ALLREDUCE), str(FUSION)],
+                   check=True)
 
 
 def test_machine_record_names_cores_and_versions():

@@ -21,10 +21,10 @@ latency). One part a run, each its own section:
 
 Usage (from the repository root; each part fits 15 minutes on 2 cores)::
 
-    .venv/bin/python scripts/bench/cluster.py --part bandwidth
-    .venv/bin/python scripts/bench/cluster.py --part training
-    .venv/bin/python scripts/bench/cluster.py --part compression
-    .venv/bin/python scripts/bench/cluster.py --part bandwidth --quick --no-write   # a tiny check
+    .venv/bin/python benchmarks/cluster.py --part bandwidth
+    .venv/bin/python benchmarks/cluster.py --part training
+    .venv/bin/python benchmarks/cluster.py --part compression
+    .venv/bin/python benchmarks/cluster.py --part bandwidth --quick --no-write   # a tiny check
 """
 
 from __future__ import annotations

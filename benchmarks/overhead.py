@@ -9,8 +9,8 @@ where the A/A control is within 1% of 1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/overhead.py --framework tensorflow
-    .venv/bin/python scripts/bench/overhead.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/overhead.py --framework tensorflow
+    .venv/bin/python benchmarks/overhead.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ sooner than ``none``.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/compression.py --seeds 5 --frameworks torch,tensorflow
-    .venv/bin/python scripts/bench/compression.py --seeds 1 --slow-link     # + the single-host slow link
-    .venv/bin/python scripts/bench/compression.py --quick --no-write        # a tiny check
+    .venv/bin/python benchmarks/compression.py --seeds 5 --frameworks torch,tensorflow
+    .venv/bin/python benchmarks/compression.py --seeds 1 --slow-link     # + the single-host slow link
+    .venv/bin/python benchmarks/compression.py --quick --no-write        # a tiny check
 """
 
 from __future__ import annotations

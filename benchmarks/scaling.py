@@ -8,8 +8,8 @@ the batch per rank fixed (weak scaling). Efficiency = tput(2) / (2 x tput(1)) = 
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/scaling.py
-    .venv/bin/python scripts/bench/scaling.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/scaling.py
+    .venv/bin/python benchmarks/scaling.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations

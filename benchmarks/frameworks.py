@@ -8,8 +8,8 @@ means TensorFlow was faster.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/frameworks.py
-    .venv/bin/python scripts/bench/frameworks.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/frameworks.py
+    .venv/bin/python benchmarks/frameworks.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ B's background write is waited for, untimed, before the next save. Target: B/A a
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/checkpoint.py
-    .venv/bin/python scripts/bench/checkpoint.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/checkpoint.py
+    .venv/bin/python benchmarks/checkpoint.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ trained since that commit. Target: every recovery within 30 s.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/elastic_recovery.py
-    .venv/bin/python scripts/bench/elastic_recovery.py --quick --no-write --frameworks torch
+    .venv/bin/python benchmarks/elastic_recovery.py
+    .venv/bin/python benchmarks/elastic_recovery.py --quick --no-write --frameworks torch
 """
 
 from __future__ import annotations

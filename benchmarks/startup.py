@@ -11,8 +11,8 @@ launcher's own start is outside both. Target: B/A at most 1.1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/startup.py --framework torch
-    .venv/bin/python scripts/bench/startup.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/startup.py --framework torch
+    .venv/bin/python benchmarks/startup.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ Figure: samples/s on rank 0 over the steady steps. Target: hvdtrain >= 1.0x DDP.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/ddp.py
-    .venv/bin/python scripts/bench/ddp.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/ddp.py
+    .venv/bin/python benchmarks/ddp.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations

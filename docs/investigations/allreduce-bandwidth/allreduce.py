@@ -8,11 +8,16 @@ all in place on float32 buffers. Per size: algorithm and bus bandwidth (nccl-tes
 each variant against the copy, Horovod against its raw backend beside the A/A control. Target:
 Horovod >= 0.8x its raw backend at 64 MB and above.
 
+It measures Horovod itself, not hvdtrain, so it lives with its investigation
+(``docs/investigations/allreduce-bandwidth.md``, where it writes its section by default); the
+harness and ``allreduce_worker.py`` (which ``benchmarks/cluster.py`` shares) stay in
+``benchmarks/``.
+
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/allreduce.py
-    .venv/bin/python scripts/bench/allreduce.py --quick --no-write    # a tiny end-to-end check
-    .venv/bin/python scripts/bench/allreduce.py --env HOROVOD_CYCLE_TIME=0.1   # a Horovod knob
+    .venv/bin/python docs/investigations/allreduce-bandwidth/allreduce.py
+    .venv/bin/python docs/investigations/allreduce-bandwidth/allreduce.py --quick --no-write    # a tiny end-to-end check
+    .venv/bin/python docs/investigations/allreduce-bandwidth/allreduce.py --env HOROVOD_CYCLE_TIME=0.1   # a Horovod knob
 """
 
 from __future__ import annotations
@@ -20,9 +25,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
-import harness
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness and the worker
+import harness  # noqa: E402
+
+NOTE = ROOT / "docs" / "investigations" / "allreduce-bandwidth.md"
+"""Where a run writes its section (``--output`` by default)."""
 
 KEY = "algbw_GBps"
 TARGET, TARGET_FROM = 0.8, 64 << 20
@@ -39,7 +50,8 @@ Tables = dict[int, list[harness.Row]]
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` sets two small sizes, one round and a small budget."""
-    p = harness.parser("allreduce.py", __doc__.splitlines()[0], SIZES, timeout=900.0)
+    p = harness.parser(Path(__file__), __doc__.splitlines()[0], SIZES, timeout=900.0)
+    p.set_defaults(output=NOTE)
     p.add_argument("--sizes", help="comma-separated bytes (default 4 KB to 256 MB, x4 steps)")
     p.add_argument("--max-iters", type=int, default=100, help="most operations per timed run")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")

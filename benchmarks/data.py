@@ -18,8 +18,8 @@ workers, all memory and anonymous only, beside it.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/data.py
-    .venv/bin/python scripts/bench/data.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/data.py
+    .venv/bin/python benchmarks/data.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations

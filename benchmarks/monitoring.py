@@ -13,8 +13,8 @@ alone makes them faster on a virtual machine.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/monitoring.py --framework tensorflow
-    .venv/bin/python scripts/bench/monitoring.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/monitoring.py --framework tensorflow
+    .venv/bin/python benchmarks/monitoring.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations

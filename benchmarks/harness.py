@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n"
 PACKAGES = ("torch", "horovod", "tensorflow", "tensorflow-cpu", "numpy")
@@ -407,12 +407,15 @@ def measure(variants: Sequence[Variant], args: argparse.Namespace,
 _NOT_REPRODUCED = {"help", "quick", "no_write", "output", "timeout", "records"}
 
 
-def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
+def parser(script: str | Path, description: str, sizes: Mapping[str, tuple[int, int]],
            interleaved: bool = False, timeout: float = 1200.0) -> argparse.ArgumentParser:
     """A driver's parser: ``--NAME`` for each of ``sizes`` (``name: (full, quick)``, unset
     values taken from the pair by ``--quick``), ``--quick``, ``--no-write``, ``--output`` and
     ``--timeout``; with ``interleaved``, the job's ``--np``, ``--controller``, ``--bind``,
-    ``--spin`` and ``--records``. A driver adds its own options before :func:`parse`."""
+    ``--spin`` and ``--records``. A driver adds its own options before :func:`parse`.
+
+    ``script`` is the driver's file name in this directory, or the path of a driver elsewhere in
+    the checkout (an investigation's, under ``docs/investigations/``)."""
     p = argparse.ArgumentParser(description=description)
     for name, (full, quick) in sizes.items():
         p.add_argument(f"--{name}", type=int, help=f"default {full}, --quick: {quick}")
@@ -428,7 +431,8 @@ def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
         p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
                        help="an idle-class busy loop beside each rank (workload.idle_spinner)")
         p.add_argument("--records", type=Path, help="also write every run's record here (JSONL)")
-    p.set_defaults(script=script, size_defaults=dict(sizes))
+    script_path = (HERE / script).resolve().relative_to(ROOT)  # HERE / an absolute path: that path
+    p.set_defaults(script=script_path.as_posix(), size_defaults=dict(sizes))
     return p
 
 
@@ -451,7 +455,7 @@ def command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     interpreter = python()
     if interpreter.is_relative_to(ROOT):
         interpreter = interpreter.relative_to(ROOT)
-    argv = [str(interpreter), f"scripts/bench/{args.script}"]
+    argv = [str(interpreter), args.script]
     for action in p._actions:
         value = getattr(args, action.dest, None)
         if not action.option_strings or action.dest in _NOT_REPRODUCED or value is None:
