@@ -61,9 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{named[TWO].median / named[CEILING].median:.3f} of it (B/C).",
     ]
     fmt = {"unit": "samples/s", "scale": 1.0, "digits": 1}
+    entry = harness.Entry(label="Scaling", script="scaling.py",
+                          target=f"efficiency at 2 processes >= {TARGET}",
+                          verdict=harness.brief(efficiency(rows)))
     harness.publish(harness.section_text(
         "Scaling: hvdtrain at 1 vs 2 processes, ResNet-18, one thread each (samples/s)",
-        args.command, machine, [harness.table_block("", rows, **fmt)], notes), args)
+        args.command, machine, [harness.table_block("", rows, **fmt)], notes, entry=entry), args)
     return 0
 
 

@@ -20,6 +20,7 @@ import compression  # noqa: E402
 import data as data_bench  # noqa: E402
 import ddp  # noqa: E402
 import harness  # noqa: E402
+import index  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import resnet_worker  # noqa: E402
@@ -99,6 +100,26 @@ def test_sections_replace_their_own_copy_and_keep_the_others(tmp_path):
     assert "- n2" in before_u and "- n1" not in before_u and "- n1" in after_u
 
 
+def test_a_section_carries_its_index_lines_and_writing_it_refreshes_the_index(tmp_path):
+    rows = harness.summarize({"A": [1.0], "B": [1.1]}, baseline="A")
+    verdict = harness.judge(1.1, 1.0, 1.2)
+    entry = harness.Entry(label="L", script="x.py", target="B / A <= 1.2",
+                          verdict=harness.brief(verdict, rows[1]))
+    assert entry.verdict == "met: 1.100 (interval 1.100-1.100), A/A 1.000"
+    section = harness.section_text("T", "python x.py", {"cores": 2},
+                                   [harness.table_block("", rows)], ["n1"], entry=entry, date="d")
+    assert index.parse(section) == entry
+    assert section.splitlines()[:5] == ["## T", "", entry.lines().splitlines()[0],
+                                        "Verdict: " + entry.verdict, ""]
+    doc = tmp_path / "b.md"
+    doc.write_text(f"# Benchmarks\n\n{index.BEGIN}\n{index.END}\n")
+    harness.put_section(doc, section)
+    text = doc.read_text()
+    assert index.render(text) == text and "| [L](#t) | `x.py` |" in text
+    harness.put_section(doc, section.replace("met: 1.100", "met: 1.000"))
+    assert "| met: 1.000 (interval" in doc.read_text()
+
+
 def test_parse_measurements_reads_every_tagged_line_of_one_job_in_order():
     out = ("[1]<stdout>:noise\n"
            "[0]<stdout>:{\"round\": -1, \"t\": 0.5}\n"
@@ -176,6 +197,12 @@ def test_parse_fills_sizes_and_the_command_repeats_the_run():
         {k: v for k, v in vars(quick).items() if k != "quick"}
     with pytest.raises(SystemExit):
         harness.parse(parser(), ["--rounds", "0"])
+
+
+def test_an_investigations_driver_is_reproduced_from_its_own_path_into_its_note():
+    args = allreduce.parse_args(["--quick"])
+    assert shlex.split(args.command)[1] == "docs/investigations/allreduce-bandwidth/allreduce.py"
+    assert args.output == INVESTIGATIONS / "allreduce-bandwidth.md"
 
 
 def test_clock_and_measurement(monkeypatch):
