@@ -44,9 +44,9 @@ test-horovod: setup
 test-unit:
 	$(BIN)/python -m pytest tests/unit
 
-# Every benchmark of scripts/bench/, with round counts that keep the whole under 30 minutes on 2 cores.
+# Every benchmark of benchmarks/, with round counts that keep the whole under 30 minutes on 2 cores.
 bench: setup
-	bash scripts/bench/all.sh
+	bash benchmarks/all.sh
 
 clean:
 	rm -rf runs .pytest_cache

@@ -140,13 +140,19 @@ def trial(index: int, delay: float, workdir: Path) -> dict:
 
 def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]) -> None:
     """Appends the soak's result, with the command and the machine, to a Markdown file."""
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     import harness
 
     machine = "; ".join(f"{k}: {v}" for k, v in harness.machine_record().items())
     delays = sorted(r["delay_s"] for r in records)
+    met = summary["completed"] == summary["trials"] and summary["hangs"] == 0
+    entry = harness.Entry(  # the section's row of docs/benchmarks.md's index (benchmarks/index.py)
+        label="Checkpoint soak", script="scripts/soak_checkpoint.py",
+        target="every trial recovers, no hang",
+        verdict=f"{'met' if met else 'missed'}: {summary['completed']} of {summary['trials']} "
+                f"recovered, {summary['hangs']} hangs")
     section = "\n".join([
-        "## Checkpoint soak: SIGKILL while saving", "",
+        "## Checkpoint soak: SIGKILL while saving", "", entry.lines(),
         f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "", "Reproduce (from the repository root):", "",
         "```", f".venv/bin/python scripts/soak_checkpoint.py --trials {args.trials} --seed {args.seed} "
         f"--max-delay {args.max_delay}", "```", "", f"Machine: {machine}.", "",

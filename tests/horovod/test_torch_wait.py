@@ -6,7 +6,8 @@ import sys
 
 from tests.horovod import BIN, ROOT, horovodrun, rank_records
 
-sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+TIMELINE = ROOT / "docs" / "investigations" / "step-overhead" / "timeline.py"
+sys.path.insert(0, str(TIMELINE.parent))
 import timeline as timeline_script  # noqa: E402
 
 
@@ -26,10 +27,10 @@ def test_torch_synchronize_blocks_instead_of_spinning(tmp_path):
     assert waited["wait_s"] > 1.0, waited  # rank 0 did wait for rank 1
     assert waited["wait_cpu_s"] < 0.25 * waited["wait_s"], waited
 
-    # The same job's Horovod timeline, read by the profiling script of scripts/bench: the late
-    # allreduce and the 200 quick ones were executed by Gloo (each once per tensor name).
-    table = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "timeline.py"),
-                            str(timeline), "--steps", "201"], capture_output=True, text=True, check=True)
+    # The same job's Horovod timeline, read by the step-overhead investigation's profiling script:
+    # the late allreduce and the 200 quick ones were executed by Gloo (each once per tensor name).
+    table = subprocess.run([sys.executable, str(TIMELINE), str(timeline), "--steps", "201"],
+                           capture_output=True, text=True, check=True)
     rows = {line[:32].strip(): line.split()[-2:] for line in table.stdout.splitlines()[1:]}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "GLOO_ALLREDUCE"} <= rows.keys(), table.stdout
     assert 0 < float(rows["GLOO_ALLREDUCE"][0]) <= float(rows["ALLREDUCE"][0])

@@ -1,4 +1,5 @@
-"""Each benchmark of ``scripts/bench`` in its smallest configuration (``--quick``), end to end.
+"""Each benchmark of ``benchmarks/``, and the investigations' drivers, in its smallest
+configuration (``--quick``), end to end.
 
 Real jobs (``horovodrun``, ``torchrun``), real measurements, nothing timed or compared: the tests
 check that every driver runs its variants, writes its section with the tables' columns and one run
@@ -21,29 +22,36 @@ import hvdtrain.tensorflow.models  # noqa: F401
 from hvdtrain.registry import DATASETS, MODELS
 from tests.conftest import ROOT, run_env
 
-BENCH = ROOT / "scripts" / "bench"
-sys.path.insert(0, str(BENCH))
+BENCH = ROOT / "benchmarks"
+ALLREDUCE = ROOT / "docs" / "investigations" / "allreduce-bandwidth" / "allreduce.py"
+FUSION = ROOT / "docs" / "investigations" / "tensor-fusion" / "fusion.py"
+sys.path[:0] = [str(BENCH), str(FUSION.parent)]
 import ddp  # noqa: E402
 import frameworks  # noqa: E402
 import fusion  # noqa: E402
 import harness  # noqa: E402
+import index  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import scaling  # noqa: E402
 import startup  # noqa: E402
 
 
-def run_driver(doc: Path, script: str, *args: str) -> None:
-    """Runs ``script --quick`` writing its section into ``doc``; fails with the output's tail."""
+def run_driver(doc: Path, script: str | Path, *args: str) -> None:
+    """Runs ``script --quick`` (a file name in ``benchmarks/`` or a path) writing its section
+    into ``doc``; fails with the output's tail."""
     proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--output", str(doc),
                            *args], cwd=ROOT, env=run_env(), capture_output=True, text=True,
                           timeout=840)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-def sections(doc: Path) -> dict[str, list[list[list[str]]]]:
+def sections(doc: Path, indexed: bool = True) -> dict[str, list[list[list[str]]]]:
     """Each section's tables by its title; a table is its rows of cells, header first, the rule
-    line left out."""
+    line left out. With ``indexed`` (the drivers of ``benchmarks/``; an investigation's are not
+    indexed), every section carries its index lines (``index.py``)."""
+    for title, entry in index.sections(doc.read_text()) if indexed else ():
+        assert entry.verdict and entry.script.split()[0].endswith(".py"), title
     found: dict[str, list[list[list[str]]]] = {}
     title, previous = "", ""
     for line in doc.read_text().splitlines():
@@ -70,14 +78,14 @@ def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
     """overhead.py (both frameworks), frameworks.py and monitoring.py: one interleaved job each."""
     doc, measured = tmp_path / "bench.md", []
     steps = [overhead.BASELINE, overhead.CANDIDATE, overhead.CONTROL]
-    for index, (script, args, names, key) in enumerate((
+    for number, (script, args, names, key) in enumerate((
             ("overhead.py", ["--framework", "torch"], steps, "step_time_s"),
             ("overhead.py", ["--framework", "tensorflow"], steps, "step_time_s"),
             ("frameworks.py", [], [frameworks.BASELINE, frameworks.CANDIDATE, frameworks.CONTROL],
              "samples_per_s"),
             ("monitoring.py", [], [monitoring.OFF, monitoring.ON, monitoring.CONTROL],
              "step_time_s"))):
-        records = tmp_path / f"records{index}.jsonl"
+        records = tmp_path / f"records{number}.jsonl"
         run_driver(doc, script, *args, "--records", str(records))
         runs = [json.loads(line) for line in records.read_text().splitlines()]
         assert [run["slot"] for run in runs] == [0, 1, 2]
@@ -104,9 +112,9 @@ def test_startup_launches_each_side_whole_and_reads_its_first_step(tmp_path):
 @pytest.mark.timeout(900)
 def test_allreduce_and_fusion_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"
-    run_driver(doc, "allreduce.py")
-    run_driver(doc, "fusion.py")
-    (allreduce_tables, fusion_tables) = sections(doc).values()
+    run_driver(doc, ALLREDUCE)
+    run_driver(doc, FUSION)
+    (allreduce_tables, fusion_tables) = sections(doc, indexed=False).values()
     assert len(allreduce_tables) == 2  # Gloo and MPI
     for table in allreduce_tables:
         assert [row[0] for row in table[1:]] == ["4 KB", "64 KB"]

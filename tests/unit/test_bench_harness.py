@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).parents[2] / "scripts" / "bench"
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).parents[2]
+BENCH = ROOT / "benchmarks"
+INVESTIGATIONS = ROOT / "docs" / "investigations"
+ALLREDUCE = INVESTIGATIONS / "allreduce-bandwidth"
+FUSION = INVESTIGATIONS / "tensor-fusion"
+TIMELINE = INVESTIGATIONS / "step-overhead"
+sys.path[:0] = [str(BENCH), str(ALLREDUCE), str(TIMELINE)]
 import allreduce  # noqa: E402
 import compression  # noqa: E402
 import data as data_bench  # noqa: E402
 import ddp  # noqa: E402
 import harness  # noqa: E402
+import index  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import resnet_worker  # noqa: E402
@@ -22,8 +28,9 @@ import scaling  # noqa: E402
 import timeline  # noqa: E402
 import workload  # noqa: E402
 
-DRIVERS = ("allreduce", "checkpoint", "compression", "data", "ddp", "elastic_recovery",
-           "frameworks", "fusion", "monitoring", "overhead", "scaling")
+DRIVERS = ("allreduce", "checkpoint", "cluster", "compression", "data", "ddp", "elastic_recovery",
+           "frameworks", "fusion", "monitoring", "overhead", "scaling", "startup")
+"""Every driver: those of ``benchmarks/`` and of the investigations."""
 
 
 def test_summarize_gives_min_median_max_ratio_and_interval():
@@ -91,6 +98,26 @@ def test_sections_replace_their_own_copy_and_keep_the_others(tmp_path):
         "# Benchmarks", "## T", "## U"]
     before_u, after_u = text.split("## U")
     assert "- n2" in before_u and "- n1" not in before_u and "- n1" in after_u
+
+
+def test_a_section_carries_its_index_lines_and_writing_it_refreshes_the_index(tmp_path):
+    rows = harness.summarize({"A": [1.0], "B": [1.1]}, baseline="A")
+    verdict = harness.judge(1.1, 1.0, 1.2)
+    entry = harness.Entry(label="L", script="x.py", target="B / A <= 1.2",
+                          verdict=harness.brief(verdict, rows[1]))
+    assert entry.verdict == "met: 1.100 (interval 1.100-1.100), A/A 1.000"
+    section = harness.section_text("T", "python x.py", {"cores": 2},
+                                   [harness.table_block("", rows)], ["n1"], entry=entry, date="d")
+    assert index.parse(section) == entry
+    assert section.splitlines()[:5] == ["## T", "", entry.lines().splitlines()[0],
+                                        "Verdict: " + entry.verdict, ""]
+    doc = tmp_path / "b.md"
+    doc.write_text(f"# Benchmarks\n\n{index.BEGIN}\n{index.END}\n")
+    harness.put_section(doc, section)
+    text = doc.read_text()
+    assert index.render(text) == text and "| [L](#t) | `x.py` |" in text
+    harness.put_section(doc, section.replace("met: 1.100", "met: 1.000"))
+    assert "| met: 1.000 (interval" in doc.read_text()
 
 
 def test_parse_measurements_reads_every_tagged_line_of_one_job_in_order():
@@ -164,12 +191,18 @@ def test_parse_fills_sizes_and_the_command_repeats_the_run():
     full = harness.parse(parser(), ["--epochs", "7"])
     assert (full.rounds, full.epochs) == (60, 7)
     argv = shlex.split(quick.command)
-    assert argv[1] == "scripts/bench/x.py" and "--quick" not in argv
+    assert argv[1] == "benchmarks/x.py" and "--quick" not in argv
     again = harness.parse(parser(), argv[2:])
     assert {k: v for k, v in vars(again).items() if k != "quick"} == \
         {k: v for k, v in vars(quick).items() if k != "quick"}
     with pytest.raises(SystemExit):
         harness.parse(parser(), ["--rounds", "0"])
+
+
+def test_an_investigations_driver_is_reproduced_from_its_own_path_into_its_note():
+    args = allreduce.parse_args(["--quick"])
+    assert shlex.split(args.command)[1] == "docs/investigations/allreduce-bandwidth/allreduce.py"
+    assert args.output == INVESTIGATIONS / "allreduce-bandwidth.md"
 
 
 def test_clock_and_measurement(monkeypatch):
@@ -202,9 +235,10 @@ def test_report_prints_rank_zero_only(capsys):
 
 def test_drivers_import_no_framework():
     # In a process of its own: the suite's process may hold the frameworks for other tiers.
-    code = (f"import sys; sys.path.insert(0, sys.argv[1]); import {', '.join(DRIVERS)}\n"
+    code = (f"import sys; sys.path[:0] = sys.argv[1:]; import {', '.join(DRIVERS)}\n"
             "assert not {'torch', 'tensorflow', 'horovod', 'mpi4py'} & set(sys.modules)")
-    subprocess.run([sys.executable, "-c", code, str(BENCH)], check=True)
+    subprocess.run([sys.executable, "-c", code, str(BENCH), str(ALLREDUCE), str(FUSION)],
+                   check=True)
 
 
 def test_machine_record_names_cores_and_versions():

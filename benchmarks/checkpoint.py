@@ -13,8 +13,8 @@ B's background write is waited for, untimed, before the next save. Target: B/A a
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/checkpoint.py
-    .venv/bin/python scripts/bench/checkpoint.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/checkpoint.py
+    .venv/bin/python benchmarks/checkpoint.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -104,9 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Result, a step's wait / plain write: {verdict}; durable / plain write = "
         f"{named[NAMES[2]].ratio:.3f}.",
     ]
+    entry = harness.Entry(
+        label="Checkpoint save", script="checkpoint.py",
+        target=f"the step's wait / `torch.save` <= {TARGET}",
+        verdict=f"{harness.brief(verdict, named[NAMES[1]])}; durable / plain write "
+                f"{named[NAMES[2]].ratio:.3f}")
     harness.publish(harness.section_text(
         "Checkpoint save: hvdtrain vs plain torch.save (seconds per save)", args.command, machine,
-        [harness.table_block("", rows, digits=1)], notes), args)
+        [harness.table_block("", rows, digits=1)], notes, entry=entry), args)
     return 0
 
 

@@ -1,7 +1,7 @@
 """One Tensor Fusion job: many small allreduces submitted at once, as a backward pass does.
 
-Run under ``horovodrun -np 2 --gloo python scripts/bench/fusion_worker.py --tensors 100
---elements 10240``. Each batch submits ``--tensors`` asynchronous in-place float32 sums of
+Run under ``horovodrun -np 2 --gloo python docs/investigations/tensor-fusion/fusion_worker.py
+--tensors 100 --elements 10240``. Each batch submits ``--tensors`` asynchronous in-place float32 sums of
 ``--elements`` each (40 KB by default) and waits for all of them; rank 0 prints one JSON line with
 the median seconds per batch over ``--batches`` timed batches (after ``--warmup`` untimed ones)
 and the fusion threshold in force. Whether Horovod fuses them into one buffer is decided by
@@ -16,12 +16,14 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import horovod.torch as hvd
 import torch
 
-import workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # the shared workload
+import workload  # noqa: E402
 
 
 def batch(tensors: list[torch.Tensor]) -> None:

@@ -12,9 +12,9 @@ over the same steps (:data:`PHASES`).
 
 ::
 
-    horovodrun -np 2 --gloo python scripts/bench/resnet_worker.py --trainer hvdtrain
-    horovodrun -np 2 --gloo python scripts/bench/resnet_worker.py --trainer horovod
-    torchrun --standalone --nproc-per-node 2 scripts/bench/resnet_worker.py --trainer ddp
+    horovodrun -np 2 --gloo python benchmarks/resnet_worker.py --trainer hvdtrain
+    horovodrun -np 2 --gloo python benchmarks/resnet_worker.py --trainer horovod
+    torchrun --standalone --nproc-per-node 2 benchmarks/resnet_worker.py --trainer ddp
 
 The DDP side is what a PyTorch user writes: ``init_process_group("gloo")``,
 ``DistributedDataParallel`` with its defaults (25 MB buckets, buffers broadcast every forward),
@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import harness
 import workload
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
 
 SIZES = {"rounds": (3, 1), "warmup": (0, 0), "steps": (20, 6), "width": (64, 8)}

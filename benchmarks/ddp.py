@@ -7,8 +7,8 @@ Figure: samples/s on rank 0 over the steady steps. Target: hvdtrain >= 1.0x DDP.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/ddp.py
-    .venv/bin/python scripts/bench/ddp.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/ddp.py
+    .venv/bin/python benchmarks/ddp.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -79,9 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases_note(results),
     ]
     fmt = {"unit": "samples/s", "scale": 1.0, "digits": 1}
+    judged = "; ".join(f"over {'Gloo' if name == GLOO else 'MPI'} {harness.brief(v, named[name])}"
+                       for name, v in verdicts(rows).items())
+    entry = harness.Entry(
+        label="hvdtrain vs PyTorch DDP", script="ddp.py", target=f"hvdtrain / DDP >= {TARGET}",
+        verdict=f"{judged}; {args.rounds} rounds; hvdtrain / the hand-written Horovod loop "
+                f"{named[GLOO].median / named[HANDWRITTEN].median:.3f}")
     harness.publish(harness.section_text(
         "hvdtrain vs PyTorch DDP: ResNet-18 on synthetic images, 2 processes (samples/s)",
-        args.command, machine, [harness.table_block("", rows, **fmt)], notes), args)
+        args.command, machine, [harness.table_block("", rows, **fmt)], notes, entry=entry), args)
     return 0
 
 

@@ -11,8 +11,8 @@ launcher's own start is outside both. Target: B/A at most 1.1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/startup.py --framework torch
-    .venv/bin/python scripts/bench/startup.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/startup.py --framework torch
+    .venv/bin/python benchmarks/startup.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -98,10 +98,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compiles the sources it imports ([step-overhead.md](investigations/step-overhead.md#start-up)).",
         f"Result, hvdtrain / hand-written: {verdict}.",
     ]
+    entry = harness.Entry(
+        label=f"Start-up, {name}", script=f"startup.py --framework {args.framework}",
+        target=f"hvdtrain / hand-written seconds to the end of the first step <= {TARGET}",
+        verdict=f"{harness.brief(verdict, named[CANDIDATE])}; hvdtrain "
+                f"{named[CANDIDATE].median:.1f} s, hand-written {named[BASELINE].median:.1f} s")
     harness.publish(harness.section_text(
         f"Start-up, {name}: `hvdtrain train` vs a hand-written Horovod script (seconds to the end "
         "of the first step)", args.command, machine,
-        [harness.table_block("", rows, unit="s", scale=1.0, digits=2)], notes), args)
+        [harness.table_block("", rows, unit="s", scale=1.0, digits=2)], notes, entry=entry), args)
     return 0
 
 

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
 
 import numpy as np  # noqa: E402
@@ -50,7 +50,7 @@ def env_setting(name: str) -> str:
     """A setting the driver passes to the interleaved job through the environment."""
     value = os.environ.get(name)
     if not value:
-        raise SystemExit(f"{name} is not set: run scripts/bench/data.py")
+        raise SystemExit(f"{name} is not set: run benchmarks/data.py")
     return value
 
 
@@ -212,7 +212,7 @@ def memory_main(argv: Sequence[str] | None = None) -> int:
     """One memory run on every rank; rank 0 prints ``{"rank_rss_mb", "tree_pss_mb",
     "tree_anon_mb", ...}``, each the largest over the ranks."""
     p = argparse.ArgumentParser(
-        description="one memory run of scripts/bench/data.py (under horovodrun)")
+        description="one memory run of benchmarks/data.py (under horovodrun)")
     p.add_argument("--framework", choices=sorted(CONFIGS), default="torch")
     p.add_argument("--root", type=Path, required=True, help="the npy data set")
     p.add_argument("--out-dir", type=Path, required=True)

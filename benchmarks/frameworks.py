@@ -8,8 +8,8 @@ means TensorFlow was faster.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/frameworks.py
-    .venv/bin/python scripts/bench/frameworks.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/frameworks.py
+    .venv/bin/python benchmarks/frameworks.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -40,9 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     fmt = {"unit": "samples/s", "scale": 1.0, "digits": 0}
     blocks = [harness.table_block("Whole run (samples / wall time):", whole, **fmt),
               harness.table_block(f"Steady state ({workload.STEADY_SPAN}):", steady, **fmt)]
+    entry = harness.Entry(label="Frameworks", script="frameworks.py", target="none (a comparison)",
+                          verdict="TensorFlow / PyTorch samples/s: " + ", ".join(
+                              f"{harness.by_name(rows)[CANDIDATE].ratio:.3f} {label} (A/A "
+                              f"{harness.by_name(rows)[CONTROL].ratio:.3f})"
+                              for label, rows in (("whole run", whole), ("steady state", steady))))
     harness.publish(harness.section_text(
         "Frameworks: hvdtrain PyTorch trainer vs hvdtrain TensorFlow trainer (samples/s)",
-        args.command, machine, blocks, notes), args)
+        args.command, machine, blocks, notes, entry=entry), args)
     return 0
 
 

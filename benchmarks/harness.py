@@ -7,7 +7,8 @@ that a busy spell of a shared machine hits all alike. Variants that can share pr
 (:func:`run_jobs`). Rank 0 prints a JSON object a run; the driver groups them, summarises each
 variant (:class:`Row`: median, spread, ratio to the baseline with its bootstrap interval), judges
 the target beside the A/A control (:func:`judge`) and writes its section with the command that
-reproduces it (:func:`publish`). No framework is imported here: drivers load in milliseconds.
+reproduces it and its line of the index (:func:`publish`; ``index.py`` then regenerates the index
+table of docs/benchmarks.md). No framework is imported here: drivers load in milliseconds.
 """
 
 from __future__ import annotations
@@ -35,8 +36,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
+import index
+from index import Entry
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n"
 PACKAGES = ("torch", "horovod", "tensorflow", "tensorflow-cpu", "numpy")
@@ -148,6 +152,13 @@ def judge(ratio: float, control: float, target: float, tolerance: float = 0.10, 
     return Verdict(status, ratio, control, target, tolerance, higher_is_better)
 
 
+def brief(verdict: Verdict, row: Row | None = None) -> str:
+    """``verdict`` in a few words, for a section's index line: status, ratio (with ``row``'s 95%
+    interval when given) and the A/A control."""
+    interval = f" (interval {row.low:.3f}-{row.high:.3f})" if row else ""
+    return f"{verdict.status}: {verdict.ratio:.3f}{interval}, A/A {verdict.control:.3f}"
+
+
 def by_name(rows: Sequence[Row]) -> dict[str, Row]:
     """The rows keyed by variant name."""
     return {row.name: row for row in rows}
@@ -173,9 +184,9 @@ def markdown_table(rows: Sequence[Row], *, unit: str = "ms", scale: float = 1e3,
     header = [c if c in ("name", "runs") or c.startswith("ratio") else f"{c} ({unit})"
               for c in TABLE_COLUMNS]
     cells = []
-    for index, row in enumerate(rows):
+    for position, row in enumerate(rows):
         values = [f"{v * scale:.{digits}f}" for v in (row.min, row.median, row.max)]
-        interval = "" if index == 0 else f"{row.low:.3f}-{row.high:.3f}"
+        interval = "" if position == 0 else f"{row.low:.3f}-{row.high:.3f}"
         cells.append([row.name, str(row.runs), *values, f"{row.ratio:.3f}", interval])
     return markdown_grid(header, cells)
 
@@ -200,12 +211,17 @@ def machine_record() -> dict[str, Any]:
 
 
 def section_text(title: str, command: str, machine: Mapping[str, Any], blocks: Sequence[str],
-                 notes: Sequence[str] = (), *, date: str | None = None) -> str:
-    """A dated Markdown section: title, the command that reproduces it, the machine, ``blocks``
-    (finished pieces of Markdown, such as captioned tables), then the notes as a list."""
+                 notes: Sequence[str] = (), *, entry: Entry | None = None,
+                 date: str | None = None) -> str:
+    """A dated Markdown section: title, ``entry``'s index lines (the row of docs/benchmarks.md's
+    index: ``index.py``), the command that reproduces it, the machine, ``blocks`` (finished pieces
+    of Markdown, such as captioned tables), then the notes as a list."""
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
-    parts = [f"## {title}", "", f"Date: {date}", "", "Reproduce (from the repository root):", "",
+    parts = [f"## {title}", ""]
+    if entry:
+        parts += [entry.lines().rstrip("\n"), ""]
+    parts += [f"Date: {date}", "", "Reproduce (from the repository root):", "",
              "```", command, "```", "", f"Machine: {machine_text}.", ""]
     for block in blocks:
         parts += [block.rstrip("\n"), ""]
@@ -221,7 +237,13 @@ def table_block(caption: str, rows: Sequence[Row], **fmt: Any) -> str:
 
 def put_section(path: Path, section: str, header: str = HEADER) -> None:
     """Puts ``section`` into the Markdown file ``path`` in place of the section with the same
-    ``## `` heading (older copies go), else at the end; creates the file with ``header`` first."""
+    ``## `` heading (older copies go), else at the end; creates the file with ``header`` first.
+    Then regenerates the file's index, where it has one (:func:`index.refresh`)."""
+    _put(path, section, header)
+    index.refresh(path)
+
+
+def _put(path: Path, section: str, header: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     existing = path.read_text() if path.exists() else header.rstrip("\n") + "\n"
     heading = section.lstrip("\n").splitlines()[0]
@@ -407,12 +429,15 @@ def measure(variants: Sequence[Variant], args: argparse.Namespace,
 _NOT_REPRODUCED = {"help", "quick", "no_write", "output", "timeout", "records"}
 
 
-def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
+def parser(script: str | Path, description: str, sizes: Mapping[str, tuple[int, int]],
            interleaved: bool = False, timeout: float = 1200.0) -> argparse.ArgumentParser:
     """A driver's parser: ``--NAME`` for each of ``sizes`` (``name: (full, quick)``, unset
     values taken from the pair by ``--quick``), ``--quick``, ``--no-write``, ``--output`` and
     ``--timeout``; with ``interleaved``, the job's ``--np``, ``--controller``, ``--bind``,
-    ``--spin`` and ``--records``. A driver adds its own options before :func:`parse`."""
+    ``--spin`` and ``--records``. A driver adds its own options before :func:`parse`.
+
+    ``script`` is the driver's file name in this directory, or the path of a driver elsewhere in
+    the checkout (an investigation's, under ``docs/investigations/``)."""
     p = argparse.ArgumentParser(description=description)
     for name, (full, quick) in sizes.items():
         p.add_argument(f"--{name}", type=int, help=f"default {full}, --quick: {quick}")
@@ -428,7 +453,8 @@ def parser(script: str, description: str, sizes: Mapping[str, tuple[int, int]],
         p.add_argument("--spin", action=argparse.BooleanOptionalAction, default=False,
                        help="an idle-class busy loop beside each rank (workload.idle_spinner)")
         p.add_argument("--records", type=Path, help="also write every run's record here (JSONL)")
-    p.set_defaults(script=script, size_defaults=dict(sizes))
+    script_path = (HERE / script).resolve().relative_to(ROOT)  # HERE / an absolute path: that path
+    p.set_defaults(script=script_path.as_posix(), size_defaults=dict(sizes))
     return p
 
 
@@ -451,7 +477,7 @@ def command_line(p: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     interpreter = python()
     if interpreter.is_relative_to(ROOT):
         interpreter = interpreter.relative_to(ROOT)
-    argv = [str(interpreter), f"scripts/bench/{args.script}"]
+    argv = [str(interpreter), args.script]
     for action in p._actions:
         value = getattr(args, action.dest, None)
         if not action.option_strings or action.dest in _NOT_REPRODUCED or value is None:

@@ -21,10 +21,10 @@ latency). One part a run, each its own section:
 
 Usage (from the repository root; each part fits 15 minutes on 2 cores)::
 
-    .venv/bin/python scripts/bench/cluster.py --part bandwidth
-    .venv/bin/python scripts/bench/cluster.py --part training
-    .venv/bin/python scripts/bench/cluster.py --part compression
-    .venv/bin/python scripts/bench/cluster.py --part bandwidth --quick --no-write   # a tiny check
+    .venv/bin/python benchmarks/cluster.py --part bandwidth
+    .venv/bin/python benchmarks/cluster.py --part training
+    .venv/bin/python benchmarks/cluster.py --part compression
+    .venv/bin/python benchmarks/cluster.py --part bandwidth --quick --no-write   # a tiny check
 """
 
 from __future__ import annotations
@@ -175,9 +175,9 @@ def sizes(text: str) -> str:
                     for part in text.split(","))
 
 
-def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """Runs one allreduce job per placement; the section's blocks and notes."""
-    import allreduce as ar
+def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """Runs one allreduce job per placement; the section's blocks, notes and verdict."""
+    import allreduce_records as ar
 
     tables: dict[str, ar.Tables] = {}
     for placement in args.placements:
@@ -188,13 +188,15 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     header = ["placement", "size", "raw busbw median (min-max) Gbit/s",
               "Horovod busbw median (min-max) Gbit/s", "Horovod / link rate", "Horovod / raw",
               "A/A control", "limit"]
-    cells, verdicts = [], []
+    cells, verdicts, briefs = [], [], []
     for placement, by in tables.items():
         for size, rows in by.items():
             cell, verdict = bandwidth_row(placement, size, rows, tables)
             cells.append(cell)
             if verdict:
                 verdicts.append(f"{placement} {ar.human(size)}: {verdict}")
+                shown = harness.brief(verdict) if isinstance(verdict, harness.Verdict) else verdict
+                briefs.append(f"{placement} {ar.human(size)} {shown}")
     block = ("Bus bandwidth (nccl-tests: algbw x 2(n-1)/n, here x 1), 2 ranks over Gloo; raw = "
              "torch.distributed Gloo, A/A control = raw's second copy over its first:\n\n"
              + harness.markdown_grid(header, cells))
@@ -208,14 +210,14 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str]]:
              *[f"Result, {v}." for v in verdicts]]
     if "100mbit" in args.placements and not args.sizes:
         notes.insert(2, SLOW_SIZES_NOTE)
-    return [block], notes
+    return [block], notes, "; ".join(briefs) or "no size judged (no link-limited placement)"
 
 
 def bandwidth_row(placement: str, size: int, rows: list[harness.Row],
                   tables: dict[str, Any]) -> tuple[list[str], harness.Verdict | str | None]:
     """One placement's size: the cells and, on a row from 64 MB where the link limits, the verdict
     (only shown where the CPU limits too)."""
-    import allreduce as ar
+    import allreduce_records as ar
 
     raw, hvd, control = rows[ar.RAW], rows[ar.HOROVOD], rows[ar.CONTROL]
     gbit = lambda v: 8 * ar.bus(v, 2)  # noqa: E731  GB/s of algbw -> Gbit/s of busbw
@@ -238,8 +240,9 @@ def bandwidth_row(placement: str, size: int, rows: list[harness.Row],
 
 # Part 2: hvdtrain samples/s ----------------------------------------------------------------------
 
-def training(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """Interleaves one job per placement in rounds, one host first and last; blocks and notes."""
+def training(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """Interleaves one job per placement in rounds, one host first and last; blocks, notes and
+    the verdict (what each shaped link allowed)."""
     placements = ["one host", *[p for p in args.placements if p != "one host"], "one host "]
     records = []
     for round_index in range(args.rounds):
@@ -270,13 +273,17 @@ def training(args: argparse.Namespace) -> tuple[list[str], list[str]]:
              f"gradients through it (ring allreduce, 2 ranks): {', '.join(ceilings)} samples/s.",
              f"A/A control (one host again / one host): {named[names[-1]].ratio:.3f}; a "
              "difference within that is noise."]
-    return [block], notes
+    shares = [f"{p}: {named[p].median:,.0f} samples/s, "
+              f"{named[p].median / (2 * 32 / (GRADIENT_BYTES / rate_of(p))):.2f} of the link's "
+              "ceiling" for p in placements[1:-1] if rate_of(p)]
+    verdict = "; ".join([*shares, f"against one host A/A control {named[names[-1]].ratio:.3f}"])
+    return [block], notes, verdict
 
 
 # Part 3: time to accuracy per compression method -------------------------------------------------
 
-def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """One job per seed and rate, the rates' order alternating; blocks and notes."""
+def compression(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
+    """One job per seed and rate, the rates' order alternating; blocks, notes and verdict."""
     import compression as cp
 
     rates = [p for p in args.placements if p in ("1gbit", "100mbit")]
@@ -292,12 +299,13 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                         *[f"--extra={e}" for e in [*cp.SLOW, ONE_THREAD, *args.extra]]]
                 found = run_on(rate, argv, cp.KEY, args.timeout)
                 records += [{**r, "rate": rate} for r in found]
-    blocks, notes = [], []
+    blocks, notes, verdicts = [], [], []
     for rate in rates:
         table, verdict = compression_table([r for r in records if r["rate"] == rate], methods,
                                            rate == "100mbit")
         blocks.append(f"Over the {rate} link between the nodes:\n\n{table}")
         notes.append(f"Result, {rate}: {verdict}.")
+        verdicts.append(f"{rate}: {verdict}")
     notes.insert(0, f"Workload: `compression.SLOW` (MLP 64-1024-1024-10 on digits, 5 epochs, "
                     f"constant learning rate, one compute thread a rank), 2 ranks over Gloo, one "
                     f"rank per node, seeds 0 to {args.seeds - 1}; time to {args.target} test "
@@ -305,7 +313,7 @@ def compression(args: argparse.Namespace) -> tuple[list[str], list[str]]:
                     "Sooner = none's median / the method's; its interval pairs the runs by seed. "
                     "Replaces the single-host "
                     "network-namespace link of `compression.py`'s slow-link table.")
-    return blocks, notes
+    return blocks, notes, "; ".join(verdicts)
 
 
 def compression_table(records: list[dict], methods: Sequence[str], judged: bool) -> tuple[str, str]:
@@ -345,6 +353,18 @@ PARTS = {"bandwidth": (bandwidth, "Two nodes: allreduce bus bandwidth on shaped 
          "training": (training, "Two nodes: hvdtrain samples/s on shaped links against one host"),
          "compression": (compression, "Two nodes: time to accuracy per compression method over "
                                       "1 Gbit/s and 100 Mbit/s links")}
+LABELS = {"bandwidth": "Two nodes: allreduce bandwidth", "training": "Two nodes: samples/s",
+          "compression": "Two nodes: compression"}
+"""Each part's name in the index of docs/benchmarks.md."""
+
+
+def target(args: argparse.Namespace) -> str:
+    """The part's target in words, for the index."""
+    return {"bandwidth": f"Horovod bus bandwidth >= {LINK_TARGET} x link rate at "
+                         f"{LINK_FROM >> 20} MB and up, where the link limits",
+            "training": "none (what a link costs)",
+            "compression": f"best method reaches {args.target} accuracy >= {SPEEDUP_TARGET:g}x "
+                           "sooner than `none` at 100 Mbit/s"}[args.part]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -382,8 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     part, title = PARTS[args.part]
     machine = harness.machine_record()
     with two_nodes():
-        blocks, notes = part(args)
-    harness.publish(harness.section_text(title, args.command, machine, blocks, notes), args)
+        blocks, notes, verdict = part(args)
+    entry = harness.Entry(label=LABELS[args.part], script=f"cluster.py --part {args.part}",
+                          target=target(args), verdict=verdict)
+    harness.publish(harness.section_text(title, args.command, machine, blocks, notes,
+                                         entry=entry), args)
     return 0
 
 

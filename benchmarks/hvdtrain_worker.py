@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 # Run from a checkout, the worker must find this checkout's hvdtrain even if none is installed.
 sys.path.insert(0, str(ROOT))
 

@@ -9,8 +9,8 @@ where the A/A control is within 1% of 1.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/overhead.py --framework tensorflow
-    .venv/bin/python scripts/bench/overhead.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/overhead.py --framework tensorflow
+    .venv/bin/python benchmarks/overhead.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -56,11 +56,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [*workload.notes(args, results),
              f"Result, hvdtrain / hand-written, whole run: {whole_verdict}.",
              f"Result, hvdtrain / hand-written, steady state: {steady_verdict}."]
-    title = (f"Trainer overhead: hvdtrain {FRAMEWORKS[args.framework][0]} trainer vs a "
-             "hand-written Horovod loop (step time)")
+    name = FRAMEWORKS[args.framework][0]
+    title = f"Trainer overhead: hvdtrain {name} trainer vs a hand-written Horovod loop (step time)"
     blocks = [harness.table_block("Whole run (wall time / steps):", whole),
               harness.table_block(f"Steady state ({workload.STEADY_SPAN}):", steady)]
-    harness.publish(harness.section_text(title, args.command, machine, blocks, notes), args)
+    entry = harness.Entry(
+        label=f"Trainer overhead, {name}", script=f"overhead.py --framework {args.framework}",
+        target=f"hvdtrain / hand-written step time <= {TARGET}",
+        verdict=f"steady state {harness.brief(steady_verdict, harness.by_name(steady)[CANDIDATE])}"
+                f"; whole run {harness.brief(whole_verdict, harness.by_name(whole)[CANDIDATE])}")
+    harness.publish(harness.section_text(title, args.command, machine, blocks, notes,
+                                         entry=entry), args)
     return 0
 
 

@@ -13,8 +13,8 @@ alone makes them faster on a virtual machine.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/monitoring.py --framework tensorflow
-    .venv/bin/python scripts/bench/monitoring.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/monitoring.py --framework tensorflow
+    .venv/bin/python benchmarks/monitoring.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -64,11 +64,18 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{switches('off')}. Both allreduce the same metrics.",
              f"Result, on / off, whole run: {verdict(whole)}.",
              f"Result, on / off, steady state: {verdict(steady)}."]
-    title = (f"Monitoring cost: hvdtrain {FRAMEWORKS[args.framework][0]} trainer with every sink "
-             "on vs every sink off (step time)")
+    name = FRAMEWORKS[args.framework][0]
+    title = (f"Monitoring cost: hvdtrain {name} trainer with every sink on vs every sink off "
+             "(step time)")
     blocks = [harness.table_block("Whole run (wall time / steps):", whole),
               harness.table_block(f"Steady state ({workload.STEADY_SPAN}):", steady)]
-    harness.publish(harness.section_text(title, args.command, machine, blocks, notes), args)
+    entry = harness.Entry(
+        label=f"Monitoring cost, {name}", script=f"monitoring.py --framework {args.framework}",
+        target=f"every sink on / every sink off step time <= {TARGET} at steady state",
+        verdict=f"steady state {harness.brief(verdict(steady), harness.by_name(steady)[ON])}; "
+                f"whole run {harness.brief(verdict(whole), harness.by_name(whole)[ON])}")
+    harness.publish(harness.section_text(title, args.command, machine, blocks, notes,
+                                         entry=entry), args)
     return 0
 
 

@@ -8,11 +8,16 @@ all in place on float32 buffers. Per size: algorithm and bus bandwidth (nccl-tes
 each variant against the copy, Horovod against its raw backend beside the A/A control. Target:
 Horovod >= 0.8x its raw backend at 64 MB and above.
 
-Usage (from the repository root)::
+It measures Horovod itself, not hvdtrain, so it lives with its investigation
+(``docs/investigations/allreduce-bandwidth.md``, where it writes its section by default); the
+harness and ``allreduce_worker.py`` (which ``benchmarks/cluster.py`` shares) stay in
+``benchmarks/``.
 
-    .venv/bin/python scripts/bench/allreduce.py
-    .venv/bin/python scripts/bench/allreduce.py --quick --no-write    # a tiny end-to-end check
-    .venv/bin/python scripts/bench/allreduce.py --env HOROVOD_CYCLE_TIME=0.1   # a Horovod knob
+Usage (from the repository root; ``DRIVER=docs/investigations/allreduce-bandwidth/allreduce.py``)::
+
+    .venv/bin/python $DRIVER
+    .venv/bin/python $DRIVER --quick --no-write                 # a tiny end-to-end check
+    .venv/bin/python $DRIVER --env HOROVOD_CYCLE_TIME=0.1       # a Horovod knob
 """
 
 from __future__ import annotations
@@ -20,26 +25,31 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Sequence
 
-import harness
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness and the worker
+import harness  # noqa: E402
+from allreduce_records import (  # noqa: E402, F401  (the record format, with cluster.py)
+    CONTROL, COPY, HOROVOD, KEY, RAW, Tables, bus, by_size, human)
 
-KEY = "algbw_GBps"
+NOTE = ROOT / "docs" / "investigations" / "allreduce-bandwidth.md"
+"""Where a run writes its section (``--output`` by default)."""
+
 TARGET, TARGET_FROM = 0.8, 64 << 20
 FULL_SIZES = ",".join(str(4 << 10 << (2 * i)) for i in range(9))  # 4 KB, 16 KB, ..., 256 MB
 QUICK_SIZES = f"{4 << 10},{64 << 10}"
 SIZES = {"rounds": (5, 1), "warmup": (1, 0), "budget": (32 << 20, 256 << 10)}
-RAW, HOROVOD, CONTROL, COPY = 0, 1, 2, 3
-"""The worker's slots: raw backend (A), Horovod (B), raw again (A'), memory copy (C)."""
 HEADER = ["size", "raw algbw median (min-max) GB/s", "Horovod algbw median (min-max) GB/s",
           "raw busbw", "Horovod busbw", "memory copy GB/s", "raw / copy", "Horovod / copy",
           "Horovod / raw", "A/A control"]
-Tables = dict[int, list[harness.Row]]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options; ``--quick`` sets two small sizes, one round and a small budget."""
-    p = harness.parser("allreduce.py", __doc__.splitlines()[0], SIZES, timeout=900.0)
+    p = harness.parser(Path(__file__), __doc__.splitlines()[0], SIZES, timeout=900.0)
+    p.set_defaults(output=NOTE)
     p.add_argument("--sizes", help="comma-separated bytes (default 4 KB to 256 MB, x4 steps)")
     p.add_argument("--max-iters", type=int, default=100, help="most operations per timed run")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
@@ -53,31 +63,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not set(args.controllers.split(",")) <= {"gloo", "mpi"}:
         p.error("--controllers takes gloo and/or mpi")
     return args
-
-
-def by_size(records: Sequence[dict[str, Any]], rounds: int) -> Tables:
-    """Each size's rows (A, B, A', C in slot order), ratios to the raw backend A."""
-    tables: Tables = {}
-    for size in sorted({r["size"] for r in records}):
-        mine = [r for r in records if r["size"] == size]
-        names = [next(r["variant"] for r in mine if r["slot"] == slot)
-                 for slot in sorted({r["slot"] for r in mine})]
-        grouped = harness.group_runs(mine, names, rounds)
-        tables[size] = harness.summarize(harness.samples_of(grouped, KEY), baseline=names[RAW])
-    return tables
-
-
-def human(size: int) -> str:
-    """``4 KB``, ``1 MB``, ``256 MB``: binary units, as the sizes are powers of two."""
-    for unit, shift in (("GB", 30), ("MB", 20), ("KB", 10)):
-        if size >= 1 << shift:
-            return f"{size / (1 << shift):g} {unit}"
-    return f"{size} B"
-
-
-def bus(algbw: float, ranks: int) -> float:
-    """nccl-tests' bus bandwidth of an allreduce: what each link carried, comparable across n."""
-    return algbw * 2 * (ranks - 1) / ranks
 
 
 def table_row(size: int, rows: list[harness.Row], ranks: int) -> list[str]:

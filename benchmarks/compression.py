@@ -15,9 +15,9 @@ sooner than ``none``.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/compression.py --seeds 5 --frameworks torch,tensorflow
-    .venv/bin/python scripts/bench/compression.py --seeds 1 --slow-link     # + the single-host slow link
-    .venv/bin/python scripts/bench/compression.py --quick --no-write        # a tiny check
+    .venv/bin/python benchmarks/compression.py --seeds 5 --frameworks torch,tensorflow
+    .venv/bin/python benchmarks/compression.py --seeds 1 --slow-link     # + the single-host slow link
+    .venv/bin/python benchmarks/compression.py --quick --no-write        # a tiny check
 """
 
 from __future__ import annotations
@@ -247,6 +247,25 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
     return out
 
 
+TARGET_TEXT = ("mean accuracy on digits against `none`, at worst: "
+               + ", ".join(f"`{m}` -{100 * bar:g}" for m, bar in BARS.items())
+               + " points (the time to accuracy over a slow link: the two-node section)")
+"""The accuracy bars in words, for the index."""
+
+
+def accuracy_verdict(records: list[dict]) -> str:
+    """Each framework's accuracy bars, met or missed, with the worst method's drop."""
+    parts = []
+    for fw, drops in accuracy_drops(records).items():
+        if not drops:
+            continue
+        missed = [m for m, (_, ok) in drops.items() if not ok]
+        worst = min(drops, key=lambda m: drops[m][0])
+        parts.append(f"{fw} {'missed by ' + ', '.join(missed) if missed else 'met'} (lowest: "
+                     f"{worst} {100 * drops[worst][0]:+.2f} points)")
+    return "; ".join(parts) or "no method with an accuracy bar measured"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The driver's options; ``--quick``: digits, none/topk/powersgd, 1 epoch."""
     p = harness.parser("compression.py", __doc__.splitlines()[0], SIZES, timeout=7200.0)
@@ -295,8 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       + slow_table(slow, args.slow_target))
     seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
     title = f"Gradient compression: {seeds}, {args.frameworks}"
+    entry = harness.Entry(
+        label=f"Gradient compression, {seeds}, {args.frameworks.replace(',', ' and ')}",
+        script=f"compression.py --seeds {args.seeds} --frameworks {args.frameworks}",
+        target=TARGET_TEXT, verdict=accuracy_verdict(records))
     harness.publish(harness.section_text(title, args.command, machine, blocks,
-                                         notes(records, slow)), args)
+                                         notes(records, slow), entry=entry), args)
     return 0
 
 

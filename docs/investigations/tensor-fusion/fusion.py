@@ -5,19 +5,30 @@ Each variant is a ``horovodrun -np 2`` job of its own (``fusion_worker.py``), si
 off (``HOROVOD_FUSION_THRESHOLD=0``, B) and on again (A', the A/A control), interleaved by job.
 A job's figure is its median time per batch of 100 tensors. No target: a comparison.
 
+It measures Horovod itself, not hvdtrain, so it lives with its note
+(``docs/investigations/tensor-fusion.md``, where it writes its section by default); the harness
+stays in ``benchmarks/``.
+
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/fusion.py
-    .venv/bin/python scripts/bench/fusion.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python docs/investigations/tensor-fusion/fusion.py
+    .venv/bin/python docs/investigations/tensor-fusion/fusion.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Sequence
 
-import harness
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness
+import harness  # noqa: E402
+
+NOTE = ROOT / "docs" / "investigations" / "tensor-fusion.md"
+"""Where a run writes its section (``--output`` by default)."""
 
 KEY = "seconds_per_batch"
 BASELINE, CANDIDATE = "fusion on (A)", "fusion off, threshold 0 (B)"
@@ -28,7 +39,7 @@ SIZES = {"rounds": (5, 1), "warmup": (1, 0), "batches": (30, 3)}
 def jobs(args: argparse.Namespace) -> list[harness.Job]:
     """A, B and A': the same worker, B with fusion turned off."""
     argv = [harness.horovodrun(), "-np", str(args.np), f"--{args.controller}",
-            str(harness.python()), str(harness.HERE / "fusion_worker.py"), "--tensors",
+            str(harness.python()), str(HERE / "fusion_worker.py"), "--tensors",
             str(args.tensors), "--elements", str(args.elements), "--batches", str(args.batches)]
     return [harness.Job(BASELINE, argv, {}),
             harness.Job(CANDIDATE, argv, {"HOROVOD_FUSION_THRESHOLD": "0"}),
@@ -37,7 +48,8 @@ def jobs(args: argparse.Namespace) -> list[harness.Job]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the jobs, prints the section and, unless ``--no-write``, writes it."""
-    p = harness.parser("fusion.py", __doc__.splitlines()[0], SIZES, timeout=300.0)
+    p = harness.parser(Path(__file__), __doc__.splitlines()[0], SIZES, timeout=300.0)
+    p.set_defaults(output=NOTE)
     p.add_argument("--tensors", type=int, default=100)
     p.add_argument("--elements", type=int, default=10240, help="float32 per tensor (40 KB)")
     p.add_argument("--np", type=int, default=2)

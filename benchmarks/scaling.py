@@ -8,8 +8,8 @@ the batch per rank fixed (weak scaling). Efficiency = tput(2) / (2 x tput(1)) = 
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/scaling.py
-    .venv/bin/python scripts/bench/scaling.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/scaling.py
+    .venv/bin/python benchmarks/scaling.py --quick --no-write     # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{named[TWO].median / named[CEILING].median:.3f} of it (B/C).",
     ]
     fmt = {"unit": "samples/s", "scale": 1.0, "digits": 1}
+    entry = harness.Entry(label="Scaling", script="scaling.py",
+                          target=f"efficiency at 2 processes >= {TARGET}",
+                          verdict=harness.brief(efficiency(rows)))
     harness.publish(harness.section_text(
         "Scaling: hvdtrain at 1 vs 2 processes, ResNet-18, one thread each (samples/s)",
-        args.command, machine, [harness.table_block("", rows, **fmt)], notes), args)
+        args.command, machine, [harness.table_block("", rows, **fmt)], notes, entry=entry), args)
     return 0
 
 

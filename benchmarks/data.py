@@ -18,8 +18,8 @@ workers, all memory and anonymous only, beside it.
 
 Usage (from the repository root)::
 
-    .venv/bin/python scripts/bench/data.py
-    .venv/bin/python scripts/bench/data.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python benchmarks/data.py
+    .venv/bin/python benchmarks/data.py --quick --no-write   # a tiny end-to-end check
 """
 
 from __future__ import annotations
@@ -190,9 +190,20 @@ def loading_section(framework: str, args: argparse.Namespace, work: Path) -> str
                      "the cores that train, so parallel loading can hide the wait for data but "
                      "adds no CPU; disk against memory then weighs decoding's CPU cost against "
                      "the model's.")
-    title = (f"Input pipeline, {FRAMEWORKS[framework][0]}: ResNet-18 on 64x64 JPEGs from disk vs "
-             "preloaded in memory (samples/s)")
-    return harness.section_text(title, args.command, machine, blocks, notes)
+    name = FRAMEWORKS[framework][0]
+    title = (f"Input pipeline, {name}: ResNet-18 on 64x64 JPEGs from disk vs preloaded in memory "
+             "(samples/s)")
+    disk_whole, disk_steady = harness.by_name(whole)[DISK], harness.by_name(steady)[DISK]
+    wait = wait_verdict(shares)
+    entry = harness.Entry(
+        label=f"Input pipeline, {name}", script="data.py --parts loading",
+        target=f"disk with workers / in memory samples/s >= {SPEED_TARGET}; data wait < "
+               f"{100 * WAIT_TARGET:.0f}% of step time",
+        verdict=f"ResNet-18 width {args.width}, {args.train} images: whole run "
+                f"{harness.brief(speed_verdict(whole), disk_whole)}; steady state "
+                f"{harness.brief(speed_verdict(steady), disk_steady)}; data wait "
+                f"{wait.status}: {100 * wait.share:.2f}%")
+    return harness.section_text(title, args.command, machine, blocks, notes, entry=entry)
 
 
 def npy_test_count(args: argparse.Namespace) -> int:
@@ -247,8 +258,14 @@ def memory_section(framework: str, args: argparse.Namespace, work: Path) -> str:
         "reclaim); anonymous memory leaves them out.",
         *(f"Result, 10 N / N, {key}: {verdict}." for key, verdict in verdicts.items()),
     ]
-    title = f"Input pipeline memory, {FRAMEWORKS[framework][0]}: npy data set 10x larger (peak MB)"
-    return harness.section_text(title, args.command, machine, blocks, notes)
+    name = FRAMEWORKS[framework][0]
+    title = f"Input pipeline memory, {name}: npy data set 10x larger (peak MB)"
+    entry = harness.Entry(
+        label=f"Input pipeline memory, {name}", script="data.py --parts memory",
+        target=f"peak memory of a rank, {FACTOR}x larger npy set / smaller <= {MEMORY_TARGET:.2f}",
+        verdict="; ".join(f"{key} {harness.brief(v, harness.by_name(tables[key])[LARGE])}"
+                          for key, v in verdicts.items()))
+    return harness.section_text(title, args.command, machine, blocks, notes, entry=entry)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 
 Run a job with ``HOROVOD_TIMELINE=PATH`` (rank 0 writes it), then::
 
-    .venv/bin/python scripts/bench/timeline.py PATH --steps 20
+    .venv/bin/python docs/investigations/step-overhead/timeline.py PATH --steps 20
 
 prints, per activity (``NEGOTIATE_ALLREDUCE``, ``MEMCPY_IN_FUSION_BUFFER``, ``GLOO_ALLREDUCE``,
 ``MEMCPY_OUT_FUSION_BUFFER``, ...), the wall time it covered (the union of its spans over every
