@@ -105,13 +105,18 @@ def _dotted_keys(obj, prefix=""):
             yield f"{prefix}{f.name}", value
 
 
-def test_readme_config_reference_matches_the_code():
+def test_config_reference_matches_the_code():
+    import re
     from pathlib import Path
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    for key, default in _dotted_keys(Config()):
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    keys = dict(_dotted_keys(Config()))
+    for key, default in keys.items():
         shown = str(default).lower() if isinstance(default, bool) else (default or repr(default))
         row = f"| `{key}` | `{shown}` |".replace("`''`", '`""`')
-        assert row in readme, f"README config reference lacks or mis-states {row}"
+        assert row in page, f"docs/configuration.md lacks or mis-states {row}"
+    documented = re.findall(r"^\| `([\w.]+)` \| `", page, flags=re.MULTILINE)
+    assert sorted(set(documented) - set(keys)) == [], "docs/configuration.md documents keys the code lacks"
+    assert len(documented) == len(set(documented)), "docs/configuration.md documents a key twice"
 
 
 def test_the_two_framework_configs_differ_only_in_framework_and_name():
