@@ -32,6 +32,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
+from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine, add_batch_sums, compute_threads, start_horovod
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
@@ -39,7 +40,7 @@ from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.compression import dense_mean, make_exchange
 from hvdtrain.tensorflow.device import place, resolve, summary
-from hvdtrain.tensorflow.data import TensorFlowLoader
+from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.precision import Precision
 
@@ -101,10 +102,10 @@ class TensorFlowEngine(Engine):
             self.model = self._build(cfg, dataset)
         if cfg.model.sync_batchnorm:
             syncbn.convert(self.model)
-        self.input_shape = tuple(dataset.spec().input_shape)
+        self.spec = dataset.spec()
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
-                                     prefetch=cfg.data.prefetch, input_shape=self.input_shape)
+                                     prefetch=cfg.data.prefetch, spec=self.spec)
         self.optimizer = self.precision.wrap(make_optimizer(cfg))
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
@@ -165,8 +166,7 @@ class TensorFlowEngine(Engine):
 
     def _compile(self) -> None:
         # One trace per function: a None batch dimension covers short and empty micro-batches.
-        batch = (tf.TensorSpec([None, *self.input_shape], tf.float32),
-                 tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
+        batch = (*batch_signature(self.spec), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self._traced_size = self.size
         self._accumulate_fn = _concrete(tf.function(self._accumulate, input_signature=batch,
@@ -292,7 +292,7 @@ class TensorFlowEngine(Engine):
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         for x, y in self.data.eval_batches(batches):
             loss_sum, metrics = self._eval_fn(x, y)
-            add_batch_sums(sums, loss_sum, metrics, int(y.shape[0]))
+            add_batch_sums(sums, loss_sum, metrics, leading_size(x))
         return sums
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
