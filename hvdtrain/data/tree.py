@@ -8,7 +8,8 @@ frameworks. Nothing here imports a framework: a leaf is whatever is not a contai
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
