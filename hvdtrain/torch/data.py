@@ -174,7 +174,7 @@ class TorchDatasetSource(Source):
     An item that is a pair (a tuple or list of two) is ``(inputs, targets)``; any other item (a
     tensor, an array, a dict) is inputs alone, without targets. Inputs and targets are tensors,
     arrays or numbers, or tuples, lists and dicts of them, the same structure and shapes for
-    every item. Their dtypes stay, but for float64, which becomes float32; and for classification
+    every item. Their dtypes stay, except float64, which becomes float32; and for classification
     (one input array and one integer label an item) inputs are float32 and labels int64, as
     ``torchvision``'s datasets give them.
     """
