@@ -2,10 +2,16 @@
 
 An adapter builds the model for a dataset and computes, for one batch, the *summed* loss and the
 summed metrics (for example the number of correct predictions). Sums, not means, so that the loop can
-weight ranks by how many samples each saw and average exactly across ranks and batches.
+weight ranks by how many samples each saw and average exactly across ranks and batches: the loop
+divides them by the samples, so a loss summed over a sequence's tokens is logged per sequence.
+
+A batch reaches ``loss_and_metrics`` as the dataset's source made it, arrays turned into tensors:
+inputs ``x`` and targets ``y`` are tensors, or tuples, lists and dicts of them (the batch dimension
+first), and ``y`` is None for data without targets (see :mod:`hvdtrain.data.contracts`).
 
 ``hvdtrain.torch.models.ClassifierAdapter`` and ``hvdtrain.tensorflow.models.ClassifierAdapter``
-implement the loss and metrics for classification; a user's model usually overrides ``build`` only.
+implement the loss and metrics for classification; a user's classifier usually overrides ``build``
+only. For any other task, subclass :class:`ModelAdapter` and write both methods.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import abc
 import inspect
 from typing import Any
 
+from hvdtrain.data import tree
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -31,7 +38,9 @@ class ModelAdapter(abc.ABC):
     @abc.abstractmethod
     def loss_and_metrics(self, model: Any, x: Any, y: Any,
                          training: bool = True) -> tuple[Any, dict[str, Any]]:
-        """Returns ``(loss_sum, {metric_name: metric_sum})`` over the samples of one batch.
+        """Returns ``(loss_sum, {metric_name: metric_sum})`` over the samples of one batch of inputs
+        ``x`` and targets ``y`` (trees of tensors, ``y`` None without targets). The batch may be
+        empty (an epoch's short last step can leave a rank no samples): the sums are then zero.
 
         ``training`` is False during evaluation (Keras layers such as dropout need it; a torch model
         is also switched by ``model.train()``/``model.eval()``).
@@ -57,6 +66,18 @@ def make_adapter(obj: Any, options: dict[str, Any], name: str,
     except TypeError as exc:
         raise HvdtrainError(f"model.options for {name!r}: {exc}") from None
     raise HvdtrainError(f"model.name={name!r} is neither a ModelAdapter subclass nor a model factory")
+
+
+def classes_and_shape(spec: DatasetSpec, model: str) -> tuple[int, tuple[int, ...]]:
+    """The number of classes and the input shape of a classification dataset, for a built-in
+    classifier; raises for data that is not classification (several input arrays, no classes)."""
+    if spec.num_classes is None or spec.input_shape is None:
+        raise HvdtrainError(
+            f"model {model} is a classifier: it needs one input array and num_classes; the dataset "
+            f"gives inputs {tree.describe(spec.inputs)} and "
+            f"{'no num_classes' if spec.num_classes is None else f'{spec.num_classes} classes'} "
+            f"(write a ModelAdapter for this data)")
+    return spec.num_classes, tuple(int(d) for d in spec.input_shape)
 
 
 def mlp_hidden(hidden: Any, unknown: dict[str, Any]) -> list[int]:

@@ -6,6 +6,8 @@
 - :mod:`hvdtrain.data.sampler`: the global-batch sampler (every sample once per epoch, resumable
   mid-epoch, re-shardable across an elastic resize, the same order in both frameworks) and the
   evaluation shards.
+- :mod:`hvdtrain.data.tree`: nested structures (tuples, lists, dicts) of arrays, the form a
+  batch's inputs and targets take.
 - :mod:`hvdtrain.data.loading`: what both frameworks' parallel loaders share: the requests they
   fetch, where their stream stands in an epoch's plan, bad-data reports, worker defaults.
 - Formats by name: :mod:`~hvdtrain.data.digits`, :mod:`~hvdtrain.data.mnist1d`,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -51,12 +51,13 @@ class Request:
 
 @dataclass(frozen=True)
 class Loaded:
-    """A request's result as a worker hands it back: the batch, or the one-line error that stops
-    the run (raised by the training process, not inside the worker)."""
+    """A request's result as a worker hands it back: the batch's inputs and targets (trees of
+    arrays, as the source gave them), or the one-line error that stops the run (raised by the
+    training process, not inside the worker)."""
 
     indices: np.ndarray
-    x: np.ndarray | None
-    y: np.ndarray | None
+    x: Any
+    y: Any
     skipped: tuple[str, ...] = ()
     error: str = ""
 

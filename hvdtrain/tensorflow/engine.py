@@ -27,6 +27,7 @@ from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
+from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
@@ -35,7 +36,7 @@ from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.device import place, resolve, summary
-from hvdtrain.tensorflow.data import TensorFlowLoader
+from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.exchange import make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.precision import Precision
@@ -84,10 +85,10 @@ class TensorFlowEngine(Engine):
             self.model = self._build(cfg, dataset)
         if cfg.model.sync_batchnorm:
             syncbn.convert(self.model)
-        self.input_shape = tuple(dataset.spec().input_shape)
+        self.spec = dataset.spec()
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
-                                     prefetch=cfg.data.prefetch, input_shape=self.input_shape)
+                                     prefetch=cfg.data.prefetch, spec=self.spec)
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
@@ -97,13 +98,12 @@ class TensorFlowEngine(Engine):
         self.stats: dict[str, float] = {}
         self.accumulation = cfg.train.backward_passes_per_step
         self.kernels = TensorFlowKernels(
-            self.model, self.optimizer, self.adapter, self.data, self.precision, self.input_shape,
+            self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
             # L2 on the gradient, as torch's SGD and Adam do (AdamW decays the weights itself).
             l2=cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0)
         self.kernels.follow(self.exchange, self.accumulation)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=(
-            tf.TensorSpec([None, *self.input_shape], tf.float32), tf.TensorSpec([None], tf.int64)),
-            jit_compile=False)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
+                                    jit_compile=False)
 
     def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
         model = self.adapter.build(dataset.spec())
@@ -151,7 +151,7 @@ class TensorFlowEngine(Engine):
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         for x, y in self.data.eval_batches(batches):
             loss_sum, metrics = self._eval_fn(x, y)
-            add_batch_sums(sums, loss_sum, metrics, int(y.shape[0]))
+            add_batch_sums(sums, loss_sum, metrics, leading_size(x))
         return sums
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:

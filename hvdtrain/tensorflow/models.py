@@ -13,7 +13,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from hvdtrain.adapters import ModelAdapter, mlp_hidden
+from hvdtrain.adapters import ModelAdapter, classes_and_shape, mlp_hidden
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -28,7 +28,10 @@ class ClassifierAdapter(ModelAdapter):
                 return keras.Sequential([keras.Input(spec.input_shape),
                                          keras.layers.Dense(spec.num_classes)])
 
-    and name it in the config: ``model.name: mypackage.models:MyNet``.
+    and name it in the config: ``model.name: mypackage.models:MyNet``. It takes the
+    classification short path's batches (one input tensor, one int64 label a sample); for other
+    data (token ids, sequence targets, several inputs, no targets) subclass
+    :class:`~hvdtrain.adapters.ModelAdapter` and write ``loss_and_metrics`` too.
     """
 
     def loss_and_metrics(self, model: keras.Model, x: tf.Tensor, y: tf.Tensor,
@@ -57,12 +60,13 @@ class MLP(ClassifierAdapter):
         super().__init__(hidden=self.hidden)
 
     def build(self, spec: DatasetSpec) -> keras.Model:
-        width = math.prod(spec.input_shape)
-        layers: list[Any] = [keras.Input(shape=spec.input_shape), keras.layers.Flatten()]
+        classes, shape = classes_and_shape(spec, "mlp")
+        width = math.prod(shape)
+        layers: list[Any] = [keras.Input(shape=shape), keras.layers.Flatten()]
         for size in self.hidden:
             layers.append(_torch_like_dense(width, size, "relu"))
             width = size
-        layers.append(_torch_like_dense(width, spec.num_classes, None))
+        layers.append(_torch_like_dense(width, classes, None))
         return keras.Sequential(layers)
 
 
@@ -99,10 +103,11 @@ class ResNet18(ClassifierAdapter):
         self.width = width
 
     def build(self, spec: DatasetSpec) -> keras.Model:
-        if len(spec.input_shape) != 3:
+        classes, shape = classes_and_shape(spec, "resnet18")
+        if len(shape) != 3:
             raise HvdtrainError(f"resnet18 needs images (channels, height, width); the dataset "
-                                f"gives inputs of shape {spec.input_shape}")
-        inputs = keras.Input(shape=spec.input_shape)
+                                f"gives inputs of shape {shape}")
+        inputs = keras.Input(shape=shape)
         x = keras.layers.Permute((2, 3, 1))(inputs)
         x = _conv_bn(x, self.width, 7, 2, True)
         x = keras.layers.MaxPooling2D(3, 2, padding="same")(x)
@@ -111,4 +116,4 @@ class ResNet18(ClassifierAdapter):
             x = _basic_block(x, filters, 1 if stage == 0 else 2)
             x = _basic_block(x, filters, 1)
         x = keras.layers.GlobalAveragePooling2D()(x)
-        return keras.Model(inputs, keras.layers.Dense(spec.num_classes)(x))
+        return keras.Model(inputs, keras.layers.Dense(classes)(x))

@@ -22,10 +22,11 @@ import keras
 import tensorflow as tf
 
 from hvdtrain.adapters import ModelAdapter
+from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.step import StepKernels
-from hvdtrain.tensorflow.data import TensorFlowLoader
+from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.precision import Precision
 
 
@@ -55,10 +56,10 @@ class TensorFlowKernels(StepKernels):
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                  adapter: ModelAdapter, data: TensorFlowLoader, precision: Precision,
-                 input_shape: tuple[int, ...], l2: float) -> None:
+                 spec: DatasetSpec, l2: float) -> None:
         self.model, self.optimizer, self.adapter = model, optimizer, adapter
         self.data, self.precision = data, precision
-        self.input_shape, self.l2 = input_shape, l2
+        self.spec, self.l2 = spec, l2
         self.accumulators: list[tf.Variable] = []
         self.lr = float("nan")  # the loop sets the real one before the first step
         self._scale_cache: tuple[float, tf.Tensor | None] = (math.nan, None)
@@ -85,8 +86,7 @@ class TensorFlowKernels(StepKernels):
 
     def _compile(self) -> None:
         # One trace per function: a None batch dimension covers short and empty micro-batches.
-        batch = (tf.TensorSpec([None, *self.input_shape], tf.float32),
-                 tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32))
+        batch = (*batch_signature(self.spec), tf.TensorSpec([], tf.float32))
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self._accumulate_fn = _traced(self._accumulate, batch)
         self._gradients_fn = _traced(self._gradients, batch)

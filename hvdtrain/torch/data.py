@@ -4,7 +4,9 @@
 The ``DataLoader``'s batch sampler yields :class:`~hvdtrain.data.loading.Request` objects, one per
 micro-batch, in the order of the epoch's plan; its persistent worker processes load them
 (``__getitems__``) and keep ``prefetch`` each ready. See :mod:`hvdtrain.data.loading` for why
-this cannot change which samples a step trains on.
+this cannot change which samples a step trains on. Batches are ``(inputs, targets)``: every array
+of the source's trees (:mod:`hvdtrain.data.tree`) becomes a tensor on the rank's device, the
+structure stays.
 """
 
 from __future__ import annotations
@@ -15,16 +17,20 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source
+from hvdtrain.data import tree
+from hvdtrain.data.contracts import ArraySpec, Batch, BuiltDataset, DatasetSpec, Draw, Source
 from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
                                    eval_requests, fetch, load_direct)
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import import_object
-from hvdtrain.torch.device import pinned, pins_memory
+from hvdtrain.torch.device import pinned, pins_memory, to_device
 
 Item = tuple[np.ndarray, Any, Any, tuple[str, ...], str]
-"""What a worker hands back: indices, x and y tensors (None on error), skipped files, error."""
+"""What a worker hands back: indices, the inputs' and targets' trees of tensors (None on error),
+skipped files, error."""
+Pair = tuple[Any, Any]
+"""A batch as the engine takes it: ``(inputs, targets)``, trees of tensors (targets may be None)."""
 
 
 class _Requests:
@@ -56,9 +62,13 @@ class _SourcesDataset(torch.utils.data.Dataset):
         return fetch(self.sources, request)
 
 
-def _as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's arrays as tensors sharing their memory."""
-    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _as_tensors(x: Any, y: Any) -> Pair:
+    """A batch's trees of arrays as trees of tensors sharing their memory."""
+    return tree.map_tree(_tensor, x), tree.map_tree(_tensor, y)
 
 
 def _collate(loaded: Loaded) -> Item:
@@ -72,10 +82,11 @@ class TorchLoader:
     """Loads the batches of the sampler's steps and of evaluations as tensors.
 
     Sources on disk go through a ``DataLoader`` with ``workers`` persistent processes (none when
-    ``workers`` is 0, or for sources in memory: those are gathered on the training thread). For a
-    CUDA ``device`` every batch is handed over in pinned memory (the ``DataLoader``'s pinning
-    thread, or a pin on the training thread for batches gathered there), so that the engine's
-    non-blocking copy to the GPU really is one; on CPU nothing is pinned. The loader has its own
+    ``workers`` is 0, or for sources in memory: those are gathered on the training thread). Each
+    batch is yielded on ``device``, every tensor of its trees. For a CUDA ``device`` it is staged
+    in pinned memory first (the ``DataLoader``'s pinning thread, or a pin on the training thread
+    for batches gathered there), so that the non-blocking copy to the GPU really is one; on CPU
+    nothing is pinned or copied. The loader has its own
     generator, so opening a stream draws nothing from torch's global one, which a resumed run
     restores.
     """
@@ -102,8 +113,8 @@ class TorchLoader:
     def _direct(self, split: str) -> bool:
         return self._loader is None or self.sources[split].in_memory
 
-    def batches(self, step: StepIndices) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The step's micro-batches, in order, as ``(x, y)``."""
+    def batches(self, step: StepIndices) -> Iterator[Pair]:
+        """The step's micro-batches, in order, as ``(inputs, targets)`` on the device."""
         if self._direct("train"):
             draw = Draw(self.seed, step.plan.epoch if step.plan else 0)
             for idx in step.micro:
@@ -116,8 +127,8 @@ class TorchLoader:
         for idx in step.micro:
             yield self._tensors(next(self._stream), idx)
 
-    def eval_batches(self, batches: Iterable[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The test split's batches, in order, as ``(x, y)``."""
+    def eval_batches(self, batches: Iterable[np.ndarray]) -> Iterator[Pair]:
+        """The test split's batches, in order, as ``(inputs, targets)`` on the device."""
         requests = eval_requests(batches)
         if self._direct("test"):
             for request in requests:
@@ -129,42 +140,87 @@ class TorchLoader:
         for request in requests:
             yield self._tensors(next(stream), request.indices)
 
-    def _load(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
+    def _load(self, request: Request) -> Pair:
         """A batch loaded on the training thread, pinned for a GPU as the ``DataLoader`` would."""
         batch = load_direct(self.sources, request, self.skips)
-        return pinned(self.device, *_as_tensors(batch.x, batch.y))
+        pair = _as_tensors(batch.x, batch.y)
+        return self._placed(tree.unflatten(pair, pinned(self.device, *tree.leaves(pair))))
 
-    def _tensors(self, item: Item, expected: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tensors(self, item: Item, expected: np.ndarray) -> Pair:
         indices, x, y, skipped, error = item
         check_loaded(Loaded(indices, None, None, error=error), expected)
         self.skips.note(skipped)
-        return x, y
+        return self._placed((x, y))
+
+    def _placed(self, pair: Pair) -> Pair:
+        """The batch on the rank's device; from pinned memory the copy does not wait for the GPU."""
+        return tree.unflatten(pair, to_device(self.device, *tree.leaves(pair)))
+
+
+def _array(value: Any) -> np.ndarray:
+    """One leaf of a user's item as an array; float64 (NumPy's default) becomes float32 (torch's,
+    and the models' weights')."""
+    array = np.asarray(value)
+    return array.astype(np.float32) if array.dtype == np.float64 else array
+
+
+def _is_label(spec: Any) -> bool:
+    return isinstance(spec, ArraySpec) and spec.shape == () and np.dtype(spec.dtype).kind in "iu"
 
 
 class TorchDatasetSource(Source):
-    """A map-style ``torch.utils.data.Dataset`` whose items are ``(input, label)`` as a source."""
+    """A map-style ``torch.utils.data.Dataset`` as a source.
+
+    An item that is a pair (a tuple or list of two) is ``(inputs, targets)``; any other item (a
+    tensor, an array, a dict) is inputs alone, without targets. Inputs and targets are tensors,
+    arrays or numbers, or tuples, lists and dicts of them, the same structure and shapes for
+    every item. Their dtypes stay, except float64, which becomes float32; and for classification
+    (one input array and one integer label an item) inputs are float32 and labels int64, as
+    ``torchvision``'s datasets give them.
+    """
 
     def __init__(self, dataset: Any, name: str) -> None:
         self.dataset, self.name = dataset, name
-        self.shape = tuple(np.shape(self._sample(0)[0])) if len(self) else ()
+        self.classify = False
+        self.inputs: Any = None
+        self.targets: Any = None
+        if len(self):
+            inputs, targets = self._sample(0)
+            self.classify = (not tree.is_node(inputs) and not tree.is_node(targets)
+                             and _is_label(ArraySpec.of(targets, batched=False)))
+            self.inputs, self.targets = (tree.map_tree(lambda a: ArraySpec.of(a, False), part)
+                                         for part in self._typed(inputs, targets))
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _sample(self, index: int) -> tuple[np.ndarray, int]:
+    def _sample(self, index: int) -> tuple[Any, Any]:
         try:
-            x, y = self.dataset[index]
-            return np.asarray(x, dtype=np.float32), int(y)
+            item = self.dataset[index]
+            pair = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
+            return tree.map_tree(_array, pair[0]), tree.map_tree(_array, pair[1])
         except Exception as exc:  # a user's dataset may raise anything: name where, in one line
             first = str(exc).strip().splitlines()[:1]
             raise HvdtrainError(f"{self.name}[{index}]: {type(exc).__name__}: "
                                 f"{first[0] if first else ''}") from None
 
+    def _typed(self, inputs: Any, targets: Any) -> tuple[Any, Any]:
+        """The classification short path's dtypes: float32 inputs, int64 labels."""
+        if not self.classify:
+            return inputs, targets
+        return inputs.astype(np.float32, copy=False), targets.astype(np.int64, copy=False)
+
+    def spec(self, num_classes: int | None) -> DatasetSpec:
+        """The samples' spec (read off the first item)."""
+        return DatasetSpec(inputs=self.inputs, targets=self.targets, num_classes=num_classes)
+
     def load(self, indices: np.ndarray, draw: Draw | None = None) -> Batch:
-        samples = [self._sample(int(i)) for i in indices]
+        samples = [self._typed(*self._sample(int(i))) for i in indices]
         if not samples:
-            return Batch(np.zeros((0, *self.shape), np.float32), np.zeros(0, np.int64))
-        return Batch(np.stack([x for x, _ in samples]), np.array([y for _, y in samples], np.int64))
+            return self.spec(None).empty()
+        where = f"{self.name}[{int(indices[0])}...]"
+        return Batch(tree.stack([x for x, _ in samples], f"{where} inputs"),
+                     tree.stack([y for _, y in samples], f"{where} targets"))
 
 
 class TorchDatasets(BuiltDataset):
@@ -173,8 +229,11 @@ class TorchDatasets(BuiltDataset):
     ``train`` and ``test`` are import paths ``package.module:Name`` of a class or function that
     returns the split's dataset, called with ``train_options`` and ``test_options``; e.g.
     ``torchvision.datasets:ImageFolder`` with ``{root: ..., transform: ...}``. Items are
-    ``(input, label)`` with a fixed input shape. ``num_classes`` (0: the train split's
-    ``classes`` attribute, as ImageFolder has) sets the output size.
+    ``(inputs, targets)`` pairs or inputs alone, of any structure, dtypes and fixed shapes (see
+    :class:`TorchDatasetSource`): ``(image, label)``, ``(tokens, next_tokens)``,
+    ``({"tokens": ..., "mask": ...}, next_tokens)``. For classification (one integer label an
+    item) ``num_classes`` (0: the train split's ``classes`` attribute, as ImageFolder has) sets
+    the output size; for other targets it is optional.
     """
 
     def __init__(self, train: str, test: str, train_options: dict | None = None,
@@ -184,13 +243,22 @@ class TorchDatasets(BuiltDataset):
         for source in (self._train, self._test):
             if not len(source):
                 raise HvdtrainError(f"data.options: the {source.name} is empty")
-        if self._train.shape != self._test.shape:
-            raise HvdtrainError(f"data.options: the train samples have shape {self._train.shape}, "
-                                f"the test samples {self._test.shape}")
+        self._check_alike(self._train, self._test)
         classes = num_classes or len(getattr(self._train.dataset, "classes", ()))
-        if classes < 1:
+        if self._train.classify and classes < 1:
             raise HvdtrainError(f"data.options.num_classes: give it; {train} has no `classes`")
-        self._spec = DatasetSpec(input_shape=self._train.shape, num_classes=classes)
+        self._spec = self._train.spec(classes or None)
+
+    @staticmethod
+    def _check_alike(train: TorchDatasetSource, test: TorchDatasetSource) -> None:
+        if (train.inputs, train.targets) == (test.inputs, test.targets):
+            return
+        if train.classify and test.classify:
+            raise HvdtrainError(f"data.options: the train samples have shape {train.inputs.shape}, "
+                                f"the test samples {test.inputs.shape}")
+        raise HvdtrainError(
+            f"data.options: the train items are {tree.describe((train.inputs, train.targets))}, "
+            f"the test items {tree.describe((test.inputs, test.targets))}")
 
     @staticmethod
     def _make(path: str, options: dict | None) -> Any:
@@ -199,4 +267,3 @@ class TorchDatasets(BuiltDataset):
             return factory(**(options or {}))
         except TypeError as exc:
             raise HvdtrainError(f"data.options for {path!r}: {exc}") from None
-

@@ -20,6 +20,7 @@ from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
+from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
@@ -121,7 +122,7 @@ class TorchEngine(Engine):
         sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
         for x, y in self.data.eval_batches(batches):
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=False)
-            add_batch_sums(sums, loss_sum.detach(), metrics, len(y))
+            add_batch_sums(sums, loss_sum.detach(), metrics, leading_size(x))
         self.model.train()
         return sums
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain.adapters import ModelAdapter, mlp_hidden
+from hvdtrain.adapters import ModelAdapter, classes_and_shape, mlp_hidden
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -23,7 +23,10 @@ class ClassifierAdapter(ModelAdapter):
             def build(self, spec):
                 return nn.Sequential(nn.Flatten(), nn.Linear(64, spec.num_classes))
 
-    and name it in the config: ``model.name: mypackage.models:MyNet``.
+    and name it in the config: ``model.name: mypackage.models:MyNet``. It takes the
+    classification short path's batches (one input tensor, one int64 label a sample); for other
+    data (token ids, sequence targets, several inputs, no targets) subclass
+    :class:`~hvdtrain.adapters.ModelAdapter` and write ``loss_and_metrics`` too.
     """
 
     def loss_and_metrics(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -43,12 +46,13 @@ class MLP(ClassifierAdapter):
         super().__init__(hidden=self.hidden)
 
     def build(self, spec: DatasetSpec) -> nn.Module:
-        width = math.prod(spec.input_shape)
+        classes, shape = classes_and_shape(spec, "mlp")
+        width = math.prod(shape)
         layers: list[nn.Module] = [nn.Flatten()]
         for size in self.hidden:
             layers += [nn.Linear(width, size), nn.ReLU()]
             width = size
-        layers.append(nn.Linear(width, spec.num_classes))
+        layers.append(nn.Linear(width, classes))
         return nn.Sequential(*layers)
 
 
@@ -102,7 +106,8 @@ class ResNet18(ClassifierAdapter):
         self.width = width
 
     def build(self, spec: DatasetSpec) -> nn.Module:
-        if len(spec.input_shape) != 3:
+        classes, shape = classes_and_shape(spec, "resnet18")
+        if len(shape) != 3:
             raise HvdtrainError(f"resnet18 needs images (channels, height, width); the dataset "
-                                f"gives inputs of shape {spec.input_shape}")
-        return resnet18_module(spec.input_shape[0], spec.num_classes, self.width)
+                                f"gives inputs of shape {shape}")
+        return resnet18_module(shape[0], classes, self.width)

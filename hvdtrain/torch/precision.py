@@ -19,7 +19,6 @@ import torch
 from hvdtrain.adapters import ModelAdapter
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.step import PrecisionKernels
-from hvdtrain.torch.device import to_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,8 +108,9 @@ class Precision(PrecisionKernels):
 
 
 class PlacedAdapter(ModelAdapter):
-    """A model adapter whose batches go to the rank's device and whose forward pass runs under the
-    precision's autocast: the engine's training and evaluation use it unchanged on CPU and GPU."""
+    """A model adapter whose forward pass runs under the precision's autocast (the loader has
+    already placed its batches on the rank's device): the engine's training and evaluation use it
+    unchanged on CPU and GPU."""
 
     def __init__(self, inner: ModelAdapter, device: torch.device, precision: Precision) -> None:
         super().__init__(**inner.options)
@@ -121,6 +121,5 @@ class PlacedAdapter(ModelAdapter):
 
     def loss_and_metrics(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                          training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        x, y = to_device(self.device, x, y)
         with self.precision.autocast():
             return self.inner.loss_and_metrics(model, x, y, training=training)
