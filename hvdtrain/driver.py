@@ -31,6 +31,7 @@ from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
 from hvdtrain.signals import StopRequest
+from hvdtrain.world import World
 
 
 @dataclass
@@ -94,16 +95,19 @@ def start_on_rank0(cfg: Config, run_dir: RunDir, engine: Engine) -> Start:
     return Start(position or Position(), resumed=position is not None)
 
 
-def train(cfg: Config, callbacks: Sequence[Callback] = ()) -> TrainResult:
+def train(cfg: Config, callbacks: Sequence[Callback] = (),
+          engine_factory: Callable[[Config, Dataset], Engine] = make_engine) -> TrainResult:
     """Trains ``cfg`` on this rank and returns the result; rank 0 writes the run directory.
 
     ``callbacks`` observe the loop (:class:`hvdtrain.loop.Callback`) on every rank.
+    ``engine_factory`` builds the engine (the configured framework's; the unit tests pass a
+    framework-free one).
     """
     DATASETS.check(cfg.data.name)
     MODELS[cfg.framework].check(cfg.model.name)
     run_dir = RunDir(cfg.run_dir)
     dataset = make_dataset(cfg)
-    engine = make_engine(cfg, dataset)
+    engine = engine_factory(cfg, dataset)
     start = start_on_rank0(cfg, run_dir, engine) if engine.rank == 0 else Start()
     session = Session(cfg, run_dir, engine, dataset, callbacks, start.resumed)
     mode = _mode(cfg, session, start)
@@ -174,7 +178,8 @@ class FixedMode:
         if start.error:
             raise start.error
         engine.broadcast_state()
-        return self.session.run(self.session.cfg, start.position, stop, heartbeat)
+        return self.session.run(World.of(self.session.cfg, engine.size), start.position, stop,
+                                heartbeat)
 
     def finish(self, run_dir: RunDir) -> None:
         """Nothing more to write at a fixed size."""

@@ -20,7 +20,6 @@ which takes the engine's collectives as callables.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -30,26 +29,26 @@ import numpy as np
 from hvdtrain.config import Config
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.loop import Callback, Position
+from hvdtrain.world import World
 
 
-def loop_config(cfg: Config, reference_size: int, size: int) -> Config:
-    """The config the loop runs with at world size ``size`` of a run that started at ``reference_size``.
+def world_at(cfg: Config, reference_size: int, size: int) -> World:
+    """The world the loop trains in at ``size`` ranks, for a run that started at ``reference_size``.
 
-    ``scale_lr`` changes nothing: the learning rate already follows the world size. With
-    ``keep_global_batch`` the ranks accumulate ``reference_size x accumulation / size``
+    ``scale_lr`` changes nothing but the size: the learning rate already follows the world size.
+    With ``keep_global_batch`` the ranks accumulate ``reference_size x accumulation / size``
     micro-batches, and the one-rank rate is rescaled so that the scaled rate stays the starting one.
     """
+    world = World.of(cfg, size)
     if cfg.elastic.on_resize != "keep_global_batch" or size == reference_size:
-        return cfg
+        return world
     micro = reference_size * cfg.train.backward_passes_per_step
     accumulation = max(1, round(micro / size))
     if accumulation * size != micro:
         warnings.warn(f"elastic.on_resize=keep_global_batch: {micro} micro-batches per step cannot be "
                       f"split evenly over {size} ranks; using {accumulation} per rank", stacklevel=2)
     lr = cfg.optim.lr * reference_size / size if cfg.optim.scale_lr else cfg.optim.lr
-    return dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, backward_passes_per_step=accumulation),
-        optim=dataclasses.replace(cfg.optim, lr=lr))
+    return World(size, accumulation, lr)
 
 
 class IndexRecord:

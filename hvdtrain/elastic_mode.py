@@ -11,11 +11,12 @@ from typing import Any, Callable
 from horovod.common.elastic import State
 
 from hvdtrain.config import Config
-from hvdtrain.elastic import Committer, IndexRecord, entry_event, loop_config
+from hvdtrain.elastic import Committer, IndexRecord, entry_event, world_at
 from hvdtrain.engine import Engine
 from hvdtrain.loop import Position
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
+from hvdtrain.world import World
 
 
 class TrainingState(State):
@@ -31,8 +32,8 @@ class TrainingState(State):
         self.engine, self.cfg = engine, cfg
         self.position, self.error = start.position, start.error
         self.reference_size = engine.size
-        self.loop_cfg = cfg
-        """The config the loop runs with at the current world size (:func:`loop_config`)."""
+        self.world = World.of(cfg, engine.size)
+        """The world the loop trains in at the current world size (:func:`world_at`)."""
         self.record = IndexRecord(cfg.elastic.record_indices)
         self.commits = self.resets = 0
         self.failed_at: int | None = None
@@ -69,8 +70,8 @@ class TrainingState(State):
         reset after hosts were only removed skips the sync (the survivors' states agree)."""
         collectives = self.engine.collectives
         size = collectives.size()
-        self.loop_cfg = loop_config(self.cfg, self.reference_size, size)
-        self.engine.resize(collectives.rank(), size, self.loop_cfg.train.backward_passes_per_step)
+        self.world = world_at(self.cfg, self.reference_size, size)
+        self.engine.resize(collectives.rank(), size, self.world.accumulation)
 
     def reset(self) -> None:
         self.resets += 1
@@ -103,14 +104,14 @@ class ElasticMode:
         if state.error:
             raise state.error
         state.follow_world()
-        cfg = state.loop_cfg
+        world = state.world
         if engine.rank == 0:
-            session.run_dir.log_event(entry_event(state, cfg.train.backward_passes_per_step))
+            session.run_dir.log_event(entry_event(state, world.accumulation))
             # Steps after the commit are trained again: their records would appear twice.
             session.run_dir.trim_metrics(state.position.step)
-        committer = Committer(state, cfg.elastic.commit_every, session.write_metrics)
+        committer = Committer(state, self.cfg.elastic.commit_every, session.write_metrics)
         try:
-            summary = session.run(cfg, state.position, stop, heartbeat, extra=[committer])
+            summary = session.run(world, state.position, stop, heartbeat, extra=[committer])
             state.record.gather(engine.collectives.allgather_object)
         except Exception:
             if session.loop is not None:  # how far this rank got: the steps a reset loses

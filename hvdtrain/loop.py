@@ -20,16 +20,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hvdtrain.checkpoint import CheckpointManager
-from hvdtrain.config import Config
+from hvdtrain.config import Config, TrainConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.sampler import ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged, HvdtrainError
-from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
+from hvdtrain.controls import Controls
+from hvdtrain.observe.ranks import Monitor, StepCosts
 from hvdtrain.observe.records import MetricsLogger
 from hvdtrain.observe.system import process_age_s
 from hvdtrain.precision import SkippedSteps
 from hvdtrain.schedule import lr_at
+from hvdtrain.world import World
 
 
 def means(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
@@ -110,43 +112,44 @@ class Stopped(Exception):
         self.step, self.checkpoint = step, checkpoint
 
 
-def total_steps(cfg: Config, sampler: ShardedSampler, size: int, pos: Position) -> int:
+def total_steps(train: TrainConfig, sampler: ShardedSampler, size: int, pos: Position) -> int:
     """The step at which a run standing at ``pos`` ends at world size ``size``: its epochs from
     where it stands, capped by ``train.max_steps``."""
-    epochs, left = cfg.train.epochs, 0
+    epochs, left = train.epochs, 0
     if pos.epoch < epochs:
         left = (sampler.steps_in_epoch(size, pos.in_epoch)
                 + (epochs - pos.epoch - 1) * sampler.steps_in_epoch(size))
     total = pos.step + left
-    return min(total, cfg.train.max_steps) if cfg.train.max_steps else total
+    return min(total, train.max_steps) if train.max_steps else total
 
 
-def make_sampler(cfg: Config, num_train: int) -> ShardedSampler:
-    """The global-batch sampler of ``cfg`` over ``num_train`` samples."""
-    return ShardedSampler(num_train, cfg.data.batch_size,
-                          accumulation=cfg.train.backward_passes_per_step,
+def make_sampler(cfg: Config, num_train: int, accumulation: int) -> ShardedSampler:
+    """The global-batch sampler of ``cfg`` over ``num_train`` samples, each rank accumulating
+    ``accumulation`` micro-batches a step (:attr:`hvdtrain.world.World.accumulation`)."""
+    return ShardedSampler(num_train, cfg.data.batch_size, accumulation=accumulation,
                           seed=cfg.seed, shuffle=cfg.data.shuffle)
 
 
 class Loop:
-    """Runs training for one config on one engine; every rank constructs and runs it.
+    """Runs training for one config on one engine in one :class:`~hvdtrain.world.World`; every
+    rank constructs and runs it.
 
     ``total`` is :func:`total_steps` of ``start``, computed by the caller, who needs it to build
     ``logger`` first.
     """
 
-    def __init__(self, cfg: Config, engine: Engine, dataset: Dataset, checkpoints: CheckpointManager,
-                 logger: MetricsLogger, *, start: Position, total: int,
+    def __init__(self, cfg: Config, world: World, engine: Engine, dataset: Dataset,
+                 checkpoints: CheckpointManager, logger: MetricsLogger, *, start: Position, total: int,
                  stop_requested: Callable[[], bool] = lambda: False,
                  heartbeat: Callable[[], None] = lambda: None,
                  callbacks: Sequence[Callback] = ()) -> None:
-        self.cfg, self.engine, self.checkpoints, self.logger = cfg, engine, checkpoints, logger
+        self.cfg, self.world, self.engine = cfg, world, engine
+        self.checkpoints, self.logger = checkpoints, logger
         self.collectives = engine.collectives
         self.callbacks = list(callbacks)
         self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
-        self.sampler = make_sampler(cfg, self.num_train)
+        self.sampler = make_sampler(cfg, self.num_train, world.accumulation)
         self.pos = start
-        self.stop_requested = stop_requested
         self.heartbeat = heartbeat
         self.total_steps = total
         self.fingerprint = hashlib.sha256()
@@ -155,8 +158,6 @@ class Loop:
         self.startup_s: float | None = None
         self.last_train: dict[str, float] = {}
         self.pending: tuple[dict[str, Any], int, Callable[[], dict[str, float]]] | None = None
-        self.stop_agreed = False
-        self.first_nonfinite = 0  # the first step with a NaN or Inf loss on this rank (0: none)
         self.skipped = SkippedSteps()  # fp16 steps the loss scaler skipped: overflows, not divergence
         self.saved_step = -1
         self.started = time.perf_counter()  # reset by run(); records carry time since then
@@ -166,6 +167,8 @@ class Loop:
         self.monitor = Monitor(engine.rank, engine.size, engine.local_rank, system=log.system,
                                straggler_factor=log.straggler_factor,
                                straggler_logs=log.straggler_steps, warn=logger.warn)
+        self.controls = Controls(engine.rank, engine.size, self.monitor,
+                                 stop_requested=stop_requested, write_failed=checkpoints.failed)
 
     def run(self) -> dict[str, Any]:
         """Trains to the end and returns the summary (the same on every rank).
@@ -186,7 +189,8 @@ class Loop:
         window = Window()
         steps = self.sampler.steps(epoch, self.engine.rank, self.engine.size, self.pos.in_epoch)
         for indices in steps:
-            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size)
+            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size,
+                       base_lr=self.world.lr)
             for callback in self.callbacks:
                 callback.on_step_start(self.pos.step)
             tick = time.perf_counter()
@@ -199,8 +203,7 @@ class Loop:
             window.add(sums, indices.global_count, seconds, stats)
             self.train_seconds += seconds
             self.heartbeat()
-            if not self.first_nonfinite and not math.isfinite(sums["loss"]):
-                self.first_nonfinite = self.pos.step + 1  # noted here, acted on at the next flush
+            self.controls.note_loss(self.pos.step + 1, sums["loss"])
             self._flush()
             self._advance(indices)
             if self.pos.step == self.total_steps or self.pos.in_epoch >= self.num_train:
@@ -210,7 +213,7 @@ class Loop:
                 window = Window()
             if self.checkpoints.due(self.pos.step):
                 self._checkpoint()
-            if self.stop_agreed:
+            if self.controls.stop_agreed:
                 self._stop()
             for callback in self.callbacks:
                 callback.on_boundary(self.pos)
@@ -244,29 +247,21 @@ class Loop:
             self.pos.epoch, self.pos.in_epoch = epoch + 1, 0
         if finished or self.checkpoints.due(self.pos.step):
             self._checkpoint()
-        if self.stop_agreed and not finished:
+        if self.controls.stop_agreed and not finished:
             self._stop()
         for callback in self.callbacks:
             callback.on_boundary(self.pos)
             callback.on_epoch_end(epoch)
 
     def _log(self, window: Window, epoch: int, lr: float, extra: dict[str, float] | None = None) -> None:
-        """Starts the cross-rank sum of the window's metrics; :meth:`_flush` logs the record.
-
-        Three controls ride along, so that every rank learns them from the same sum and acts after
-        the same step: a stop request from any rank, which ranks saw a non-finite loss, and whether
-        a write of rank 0 failed (a checkpoint, ``metrics.jsonl``). So do the monitor's per-rank
-        step costs and system samples (:mod:`hvdtrain.observe.ranks`).
-        """
+        """Starts the cross-rank sum of the window's metrics, with the controls beside them
+        (:mod:`hvdtrain.controls`); :meth:`_flush` logs the record."""
         seconds = time.perf_counter() - window.started
         record = {"step": self.pos.step, "epoch": epoch, "lr": lr, **(extra or {}),
                   "samples_per_sec": window.samples / seconds,
                   "time_s": time.perf_counter() - self.started,
                   "step_time_s": seconds / max(window.steps, 1)}
-        controls = rank_keys("nonfinite", self.engine.rank, self.engine.size, self.first_nonfinite)
-        sums = {**window.sums, **controls, "stop": float(self.stop_requested()),
-                "write_failed": float(self.checkpoints.failed()),
-                **self.monitor.outgoing(window.costs, window.steps)}
+        sums = {**window.sums, **self.controls.outgoing(window.costs, window.steps)}
         self.pending = (record, window.steps, self.collectives.start_allreduce_sums(sums))
 
     def _flush(self) -> None:
@@ -275,16 +270,12 @@ class Loop:
             return
         record, steps, result = self.pending
         self.pending = None
-        sums = result()
-        self.stop_agreed = self.stop_agreed or sums.pop("stop") > 0
-        write_failed = sums.pop("write_failed") > 0
-        first_bad = dict(enumerate(map(int, pop_ranks(sums, "nonfinite", self.engine.size))))
-        health = self.monitor.incoming(sums, steps, record["step"])
-        self.last_train = means(sums)
-        self._logged(lambda: self.logger.log({**record, **self.last_train, **health}))
-        if write_failed:  # every rank raises rank 0's error here, together
+        agreed = self.controls.incoming(result(), steps, record["step"])
+        self.last_train = means(agreed.sums)
+        self._logged(lambda: self.logger.log({**record, **self.last_train, **agreed.health}))
+        if agreed.write_failed:  # every rank raises rank 0's error here, together
             self.checkpoints.share_failure(self.collectives, self.engine.rank)
-        self._check_finite(first_bad)
+        self._check_finite(agreed.first_nonfinite)
 
     def write_metrics(self) -> None:
         """Logs the pending record (waiting for its sum) and writes out every record the logger
@@ -327,10 +318,10 @@ class Loop:
         # The records up to this step go to disk first, so that a resume from this checkpoint,
         # which keeps the records up to its step, finds them all even if rank 0 is then killed.
         self.write_metrics()
-        if self.first_nonfinite:
+        if self.controls.first_nonfinite:
             # NaN weights must not become the newest checkpoint that a resume would pick.
             warnings.warn(f"not checkpointing step {self.pos.step}: the loss was not finite since "
-                          f"step {self.first_nonfinite}", stacklevel=2)
+                          f"step {self.controls.first_nonfinite}", stacklevel=2)
             return None
         meta = {"position": dataclasses.asdict(self.pos), "world_size": self.engine.size,
                 "framework": self.engine.framework, "config": self.cfg.to_dict()}

@@ -15,6 +15,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import Callback, Loop, Position, make_sampler, total_steps
 from hvdtrain.observe.records import MetricsLogger, make_logger
 from hvdtrain.rundir import RunDir
+from hvdtrain.world import World
 
 
 @dataclass
@@ -41,15 +42,15 @@ class Session:
         self.loop: Loop | None = None
         self.startup_s: float | None = None  # the first loop's: an elastic reset does not restart it
 
-    def run(self, cfg: Config, position: Position, stop: Callable[[], bool],
+    def run(self, world: World, position: Position, stop: Callable[[], bool],
             heartbeat: Callable[[], None], extra: Sequence[Callback] = ()) -> dict[str, Any]:
-        """Trains with ``cfg`` (the run's, or elastic mode's at this world size) from ``position``
-        to the end of the run; returns the summary."""
-        total = total_steps(cfg, make_sampler(cfg, len(self.dataset.train())), self.engine.size,
-                            position)
+        """Trains in ``world`` (the run's, or elastic mode's at this world size) from
+        ``position`` to the end of the run; returns the summary."""
+        sampler = make_sampler(self.cfg, len(self.dataset.train()), world.accumulation)
+        total = total_steps(self.cfg.train, sampler, world.size, position)
         logger = self._logger(total, position.step)
         logger.restart(position.step, total)  # a logger kept over an elastic reset: new total
-        self.loop = Loop(cfg, self.engine, self.dataset, self.checkpoints, logger,
+        self.loop = Loop(self.cfg, world, self.engine, self.dataset, self.checkpoints, logger,
                          start=dataclasses.replace(position), total=total, stop_requested=stop,
                          heartbeat=heartbeat, callbacks=[*extra, *self.callbacks])
         try:

@@ -81,7 +81,8 @@ def test_the_fused_step_trains_as_the_split_one(tmp_path, overrides):
     fused, split = (TensorFlowEngine(cfg, make_dataset(cfg)) for _ in range(2))
     split.exchange.fusable = False  # the step then runs the exchange eagerly, one call after another
     assert fused.exchange.fusable and fused.parameters().keys() == split.parameters().keys()
-    plan = make_sampler(cfg, len(make_dataset(cfg).train())).steps(0, 0, 1)
+    sampler = make_sampler(cfg, len(make_dataset(cfg).train()), cfg.train.backward_passes_per_step)
+    plan = sampler.steps(0, 0, 1)
     for number, indices in enumerate(list(plan)[:6]):
         lr = 0.05 * (number + 1)
         assert fused.train_step(indices, lr) == split.train_step(indices, lr)

@@ -61,19 +61,20 @@ def test_truncated_flipped_and_unfinished_checkpoints_are_skipped_with_warnings(
 
 
 def test_elastic_keep_global_batch_accumulates_what_the_missing_ranks_did():
-    from hvdtrain.elastic import loop_config
+    from hvdtrain.elastic import world_at
+    from hvdtrain.world import World
 
     cfg = load_config("configs/digits_torch.yaml", ["elastic.on_resize=keep_global_batch"], environ={})
-    assert loop_config(cfg, 2, 2) is cfg
-    one = loop_config(cfg, 2, 1)
-    assert one.train.backward_passes_per_step == 2
-    sampler = ShardedSampler(1437, one.data.batch_size, accumulation=2)
+    assert world_at(cfg, 2, 2) == World.of(cfg, 2) == World(2, 1, cfg.optim.lr)
+    one = world_at(cfg, 2, 1)
+    assert one.accumulation == 2
+    sampler = ShardedSampler(1437, cfg.data.batch_size, accumulation=one.accumulation)
     assert sampler.step_samples(1) == ShardedSampler(1437, 32).step_samples(2) == 64
-    assert one.optim.lr * 1 == pytest.approx(cfg.optim.lr * 2)  # the peak rate of 2 ranks
+    assert one.lr * 1 == pytest.approx(cfg.optim.lr * 2)  # the peak rate of 2 ranks
     with pytest.warns(UserWarning, match="cannot be split evenly over 4 ranks"):
-        assert loop_config(cfg, 2, 4).train.backward_passes_per_step == 1
+        assert world_at(cfg, 2, 4).accumulation == 1
     scaled = load_config("configs/digits_torch.yaml", [], environ={})
-    assert loop_config(scaled, 2, 1) is scaled  # scale_lr: the schedule follows the world size
+    assert world_at(scaled, 2, 1) == World.of(scaled, 1)  # scale_lr: the schedule follows the size
 
 
 def test_elastic_index_record_rolls_back_to_the_commit(tmp_path):

@@ -4,127 +4,19 @@ and the state's gather, restore and re-sharding, with no framework and no Horovo
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 
 from hvdtrain.compression import METHODS, make_plan
 from hvdtrain.compression import reference as ref
-from hvdtrain.compression.exchange import Exchange
-from hvdtrain.compression.state import Slot
 from hvdtrain.config import CommConfig
+from tests.unit.numpy_world import F32, Hub, NumpyExchange, noise
 
-F32 = np.float32
 SEED = 3
 SHAPES = [(24, 16), (16,), (16, 10), (1, 80)]
-
-
-class NumpyKernels:
-    """The kernels protocol with the reference functions."""
-
-    topk_compress = staticmethod(ref.topk_compress)
-    scatter = staticmethod(ref.scatter)
-    randomk_compress = staticmethod(ref.randomk_compress)
-    qsgd_compress = staticmethod(ref.qsgd_compress)
-    orthogonalize = staticmethod(ref.orthogonalize)
-
-    @staticmethod
-    def flat(x: np.ndarray) -> np.ndarray:
-        return x.reshape(-1)
-
-    @staticmethod
-    def reshape(x: np.ndarray, shape: Sequence[int]) -> np.ndarray:
-        return x.reshape(tuple(shape))
-
-    @staticmethod
-    def cast(x: np.ndarray, dtype: str) -> np.ndarray:
-        return x.astype(dtype)
-
-    @staticmethod
-    def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return a @ b
-
-    @staticmethod
-    def transpose(m: np.ndarray) -> np.ndarray:
-        return m.T
-
-    @staticmethod
-    def uniform(seed: np.ndarray, n: int) -> np.ndarray:
-        return noise(int(seed), n)
-
-    @staticmethod
-    def qsgd_mean(codes: np.ndarray, scales: np.ndarray, bucket: int, size: int) -> np.ndarray:
-        return ref.qsgd_mean(list(zip(np.split(codes, size), np.split(scales, size))), bucket)
-
-
-def noise(seed: int, n: int) -> np.ndarray:
-    return np.random.Generator(np.random.Philox(seed)).random(n, dtype=F32)
-
-
-class DictStore:
-    def __init__(self, slots: list[Slot]) -> None:
-        self.arrays = {s.key: s.initial.copy() for s in slots}
-
-    def read(self, key: str) -> np.ndarray:
-        return self.arrays[key]
-
-    def write(self, key: str, value: np.ndarray) -> None:
-        self.arrays[key] = value
-
-    def numpy(self, key: str) -> np.ndarray:
-        return self.arrays[key].copy()
-
-    def assign(self, key: str, value: np.ndarray) -> None:
-        self.arrays[key] = np.array(value, F32)
-
-
-class Hub:
-    """Collectives between threads: every rank posts, all read every post."""
-
-    def __init__(self, size: int) -> None:
-        self.barrier = threading.Barrier(size)
-        self.posts: list[Any] = [None] * size
-
-    def all(self, rank: int, value: Any) -> list[Any]:
-        self.posts[rank] = value
-        self.barrier.wait()
-        out = list(self.posts)
-        self.barrier.wait()
-        return out
-
-
-class NumpyExchange(Exchange):
-    kernels = NumpyKernels()
-
-    def __init__(self, plan: Any, rank: int, size: int, hub: Hub) -> None:
-        self.hub = hub
-        super().__init__(plan, rank, size)
-
-    def _make_store(self, slots: list[Slot]) -> DictStore:
-        return DictStore(slots)
-
-    def _tensor(self, array: np.ndarray) -> np.ndarray:
-        return np.asarray(array)
-
-    def _nbytes(self, tensors: Sequence[np.ndarray]) -> int:
-        return sum(t.nbytes for t in tensors)
-
-    def _collect(self, tag: str, gather: list, mean: list) -> tuple[list, list]:
-        posts = self.hub.all(self.rank, (gather, mean))
-        return ([np.concatenate([p[0][j] for p in posts]) for j in range(len(gather))],
-                [ref.dense_mean([p[1][j] for p in posts]) for j in range(len(mean))])
-
-    def _allgather_rows(self, array: np.ndarray, name: str) -> np.ndarray:
-        return np.stack(self.hub.all(self.rank, array))
-
-    def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-        return self.hub.all(self.rank, array)[root_rank]
-
-    def any_rank(self, flag: bool) -> bool:
-        return any(self.hub.all(self.rank, flag))
 
 
 def on_ranks(size: int, fn: Callable[[int, Hub], Any]) -> list[Any]:
