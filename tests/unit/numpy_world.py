@@ -232,7 +232,7 @@ class NumpyEngine(Engine, StepKernels):
         train = self.dataset.train()
         for micro in step.micro:
             batch = train.load(micro)
-            yield batch.x.reshape(len(micro), -1), batch.y
+            yield batch.x.reshape(len(micro), self.params[0].shape[0]), batch.y  # empty ones too
 
     def begin(self) -> None:
         self.grads = [np.zeros_like(p) for p in self.params]
@@ -279,7 +279,7 @@ class NumpyEngine(Engine, StepKernels):
         test = self.dataset.test()
         for idx in batches:
             batch = test.load(idx)
-            _, loss, correct = self._scores(batch.x.reshape(len(idx), -1), batch.y)
+            _, loss, correct = self._scores(batch.x.reshape(len(idx), self.params[0].shape[0]), batch.y)
             add_batch_sums(sums, loss, {"correct": correct}, len(idx))
         return sums
 

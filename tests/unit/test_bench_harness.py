@@ -473,7 +473,6 @@ def test_data_bench_sets_load_through_hvdtrain_and_preloaded_images_equal_the_fo
 
 def test_data_bench_peak_memory_counts_child_processes():
     import os
-    import time
 
     import data_worker
 

@@ -8,7 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.checkpoint import CheckpointManager, atomic_write, manifest_path, sha256_of, verify
+from hvdtrain.checkpoint import (
+    CheckpointManager,
+    atomic_write,
+    manifest_path,
+    sha256_of,
+    verify,
+)
 from hvdtrain.config import CheckpointConfig, load_config
 from hvdtrain.data.sampler import ShardedSampler
 

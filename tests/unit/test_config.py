@@ -2,7 +2,13 @@
 
 import pytest
 
-from hvdtrain.config import Config, apply_overrides, env_overrides, load_config, save_config
+from hvdtrain.config import (
+    Config,
+    apply_overrides,
+    env_overrides,
+    load_config,
+    save_config,
+)
 from hvdtrain.errors import ConfigError
 
 CONFIG = "configs/digits_torch.yaml"

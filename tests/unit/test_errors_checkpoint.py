@@ -9,7 +9,12 @@ import json
 
 import pytest
 
-from hvdtrain.checkpoint import CheckpointManager, checked_position, manifest_path, verify
+from hvdtrain.checkpoint import (
+    CheckpointManager,
+    checked_position,
+    manifest_path,
+    verify,
+)
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.rundir import RunDir

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from hvdtrain.cli import EXIT_ENVIRONMENT, EXIT_USAGE, parse_args
 from hvdtrain.config import Config, load_config
-from hvdtrain.configcheck import INT_MAX
 from hvdtrain.errors import ConfigError
 from tests.conftest import CONFIG, ROOT, run_env
 
