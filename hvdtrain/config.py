@@ -238,11 +238,6 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
-    def __post_init__(self) -> None:
-        problem = _tf_fp16_state(self)
-        if problem:
-            raise ConfigError(problem)
-
     @property
     def run_dir(self) -> Path:
         """Where this run writes its outputs."""
@@ -251,33 +246,6 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
-
-
-def _tf_fp16_state(cfg: Config) -> str:
-    """Why TensorFlow cannot train ``cfg`` in fp16 with its compression, or "" if it can.
-
-    The TensorFlow engine hands the exchange its gradients still multiplied by the loss scale
-    (PyTorch unscales them first, :mod:`hvdtrain.torch.precision`). A method that carries gradients
-    over to the next step would keep them in scaled units, and one overflow step would leave
-    infinities there for good: error-feedback residuals (``topk``, ``randomk``, ``powersgd`` with
-    ``comm.error_feedback``) and PowerSGD's warm-started ``Q`` (always)."""
-    comm = cfg.comm
-    if cfg.framework != "tensorflow" or cfg.train.precision != "fp16" or comm.compression == "none":
-        return ""
-    from hvdtrain.compression import PLANS  # loads NumPy: only for this combination
-
-    residuals = PLANS.get(comm.compression).feedback and comm.error_feedback
-    if comm.compression == "powersgd":
-        keys, fix = "comm.compression=powersgd", "train.precision=bf16 or framework=torch"
-        state = "PowerSGD's warm-start state"
-    elif residuals:
-        keys = f"comm.compression={comm.compression} and comm.error_feedback=true"
-        fix, state = "train.precision=bf16, comm.error_feedback=false or framework=torch", \
-            "the error-feedback residuals"
-    else:
-        return ""
-    return (f"train.precision=fp16 with {keys}: the TensorFlow engine would keep loss-scaled "
-            f"gradients in {state}, where one overflow stays for good; use {fix}")
 
 
 ENV_PREFIX = "HVDTRAIN_"

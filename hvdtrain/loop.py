@@ -191,19 +191,7 @@ class Loop:
         for indices in steps:
             lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size,
                        base_lr=self.world.lr)
-            for callback in self.callbacks:
-                callback.on_step_start(self.pos.step)
-            tick = time.perf_counter()
-            sums = self.engine.train_step(indices, lr)
-            seconds = time.perf_counter() - tick
-            if self.startup_s is None:
-                self.startup_s = process_age_s()
-            stats = self.engine.step_stats()
-            sums = self._skip_check(sums, bool(stats.get("skipped")))
-            window.add(sums, indices.global_count, seconds, stats)
-            self.train_seconds += seconds
-            self.heartbeat()
-            self.controls.note_loss(self.pos.step + 1, sums["loss"])
+            self._step(indices, lr, window)
             self._flush()
             self._advance(indices)
             if self.pos.step == self.total_steps or self.pos.in_epoch >= self.num_train:
@@ -218,6 +206,22 @@ class Loop:
             for callback in self.callbacks:
                 callback.on_boundary(self.pos)
         self._end_epoch(window, epoch, lr)
+
+    def _step(self, indices: StepIndices, lr: float, window: Window) -> None:
+        """One optimizer step, its sums and costs added to ``window``."""
+        for callback in self.callbacks:
+            callback.on_step_start(self.pos.step)
+        tick = time.perf_counter()
+        sums = self.engine.train_step(indices, lr)
+        seconds = time.perf_counter() - tick
+        if self.startup_s is None:
+            self.startup_s = process_age_s()
+        stats = self.engine.step_stats()
+        sums = self._skip_check(sums, bool(stats.get("skipped")))
+        window.add(sums, indices.global_count, seconds, stats)
+        self.train_seconds += seconds
+        self.heartbeat()
+        self.controls.note_loss(self.pos.step + 1, sums["loss"])
 
     def _skip_check(self, sums: dict[str, float], skipped: bool) -> dict[str, float]:
         """A step the fp16 loss scaler skipped trained nothing: a non-finite loss there is the

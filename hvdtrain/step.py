@@ -120,7 +120,22 @@ def train_step(kernels: StepKernels, exchange: GradientExchange, step: StepIndic
     kernels.set_lr(lr)
     started = time.perf_counter()
     kernels.begin()
-    weight = size / step.global_count
+    sums, data_s, fused_comm = run_micro_batches(kernels, exchange, step, size / step.global_count)
+    if fused_comm is None:
+        stats = exchange_and_update(kernels, exchange)
+    else:
+        exchange.note_fused(fused_comm)
+        stats = dict(exchange.stats)
+    stats["data_s"] = data_s
+    stats["compute_s"] = time.perf_counter() - started - data_s - stats["comm_s"]
+    stats["skipped"] = float(kernels.precision.skipped)
+    return StepResult(sums, stats)
+
+
+def run_micro_batches(kernels: StepKernels, exchange: GradientExchange, step: StepIndices,
+                      weight: float) -> tuple[dict[str, float], float, float | None]:
+    """Step 2 of the module docstring: this rank's sums, the seconds it waited for batches, and
+    the seconds waited for the exchange where the last micro-batch fused it (else None)."""
     sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
     data_s, fused_comm = 0.0, None
     batches = kernels.batches(step)
@@ -135,15 +150,7 @@ def train_step(kernels: StepKernels, exchange: GradientExchange, step: StepIndic
         else:
             loss_sum, metrics, fused_comm = fused
         add_batch_sums(sums, loss_sum, metrics, len(idx))
-    if fused_comm is None:
-        stats = exchange_and_update(kernels, exchange)
-    else:
-        exchange.note_fused(fused_comm)
-        stats = dict(exchange.stats)
-    stats["data_s"] = data_s
-    stats["compute_s"] = time.perf_counter() - started - data_s - stats["comm_s"]
-    stats["skipped"] = float(kernels.precision.skipped)
-    return StepResult(sums, stats)
+    return sums, data_s, fused_comm
 
 
 def exchange_and_update(kernels: StepKernels, exchange: GradientExchange) -> dict[str, float]:

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.step import exchange_and_update
 from hvdtrain.tensorflow.engine import TensorFlowEngine
 from hvdtrain.tensorflow.syncbn import SyncBatchNormalization, convert
 from tests.conftest import TF_CONFIG, hvdtrain_cli, quiet_config
@@ -60,3 +61,27 @@ def test_sync_batchnorm_conversion_keeps_the_layers():
     assert [layer.sync_name for layer in layers] == ["hvdtrain.syncbn.0", "hvdtrain.syncbn.1"]
     out = model(np.ones((2, 4), np.float32), training=True)  # one rank: Keras's own statistics
     assert out.shape == (2, 3)
+
+
+def test_fp16_with_error_feedback_keeps_residuals_in_gradient_units(tmp_path):
+    """The step unscales before an exchange that keeps state (hvdtrain.step), so top-k's residuals
+    hold gradients, not gradients times 2**15; an overflow skips the step and leaves them alone."""
+    cfg = quiet_config(TF_CONFIG, tmp_path, "train.precision=fp16", "comm.compression=topk",
+                       "comm.min_size=0", "comm.ratio=0.1", "train.max_steps=40")
+    engine = train(cfg).engine
+    exchange = engine.exchange
+
+    def residuals() -> list[np.ndarray]:
+        return [exchange.store.numpy(s.key) for s in exchange.slots if s.per_rank]
+
+    kept = residuals()
+    assert kept and all(np.isfinite(r).all() for r in kept)
+    assert 0 < max(float(np.abs(r).max()) for r in kept) < 10.0  # a scaled one would be ~1e4
+    engine.kernels._grads = [tf.fill(v.shape, np.inf) for v in engine.model.trainable_variables]
+    before = [v.numpy().copy() for v in engine.model.trainable_variables]
+    assert exchange_and_update(engine.kernels, exchange)["wire_bytes"] == 0.0  # nothing was sent
+    assert engine.precision.skipped
+    for old, new in zip(kept, residuals()):
+        np.testing.assert_array_equal(old, new)
+    for old, v in zip(before, engine.model.trainable_variables):
+        np.testing.assert_array_equal(old, v.numpy())
