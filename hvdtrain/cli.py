@@ -1,8 +1,9 @@
 """The ``hvdtrain`` command: ``train``, ``slurm``, ``report`` and ``doctor``.
 
-Errors become one line on stderr and an exit code a job script can act on (README, "Exit codes"):
-2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing environment
-(:class:`~hvdtrain.errors.EnvironmentFailure`, or any ``OSError``), 75 for a run stopped on request.
+Errors become one line on stderr and an exit code a job script can act on (docs/elastic.md,
+"Exit codes"): 2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing
+environment (:class:`~hvdtrain.errors.EnvironmentFailure`, or any ``OSError``), 75 for a run
+stopped on request.
 """
 
 from __future__ import annotations

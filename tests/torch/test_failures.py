@@ -131,8 +131,8 @@ def test_a_disk_that_fills_under_metrics_stops_every_rank_and_resume_finishes(tm
         run = RunDir(disk / "run")
         args.append(f"log.dir={run.root}")
         # Each rank's own exit status, as the shell that horovodrun starts sees it. horovodrun sends
-        # SIGTERM to the other ranks once the first has exited (README, "Exit codes"), which would
-        # hide the status of a rank still on its way out; the shell has it ignored.
+        # SIGTERM to the other ranks once the first has exited (docs/elastic.md, "Exit codes"),
+        # which would hide the status of a rank still on its way out; the shell has it ignored.
         script = " ".join(map(shlex.quote, [str(BIN / "hvdtrain"), *args]))
         proc = horovodrun(2, "gloo", ["sh", "-c", f"trap '' TERM; {script}; s=$?; "
                                       'echo "rank $HOROVOD_RANK exit $s" >&2; exit $s'])
