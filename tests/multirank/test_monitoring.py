@@ -170,8 +170,8 @@ def test_a_stalled_rank_is_named_and_the_job_fails_in_time_with_stacks(tmp_path)
                      r"10 s .*Rank 1 ", output, re.M), output[-3000:]
     notes = {r: json.loads((tmp_path / f"stall-rank{r}.json").read_text()) for r in (0, 1)}
     assert notes[0]["waiting"] and not notes[1]["waiting"]
-    # In the gradient exchange: Horovod's synchronize, called by the precision's step.
-    assert "hvdtrain/torch/precision.py" in notes[0]["location"]
+    # In the gradient exchange: Horovod's synchronize, called by the dense exchange's run.
+    assert "hvdtrain/torch/exchange.py" in notes[0]["location"]
     stacks = {r: (tmp_path / f"stacks-rank{r}.txt").read_text() for r in (0, 1)}
     assert stacks[1].startswith("hvdtrain: rank 1 (pid ") and "within 10 s" in stacks[1]
     assert "in loss_and_metrics" in stacks[1] and "in train_step" in stacks[1]
