@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export HOROVOD_TESTS
 
-.PHONY: setup demo test test-unit test-horovod bench clean
+.PHONY: setup demo lint test test-unit test-horovod bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -19,13 +19,20 @@ demo: setup
 		log.progress=$$progress
 	$(BIN)/hvdtrain report runs/digits_torch
 
+# Every tracked Python file (ruff honours .gitignore), and the types of the package; the rules of
+# both are in pyproject.toml, so the result does not depend on the machine's ruff or mypy set-up.
+# mypy runs even when ruff found something, so that one run shows every finding.
+lint: setup
+	status=0; $(BIN)/ruff check . || status=1; $(BIN)/mypy || status=1; exit $$status
+
+# The gates first (lint), in seconds, before the clusters start and the tiers run for minutes.
 # The TensorFlow tests that start Horovod in pytest's own process get a process of their own: Horovod
 # for torch and for TensorFlow both started in one process crash it at exit (after the tests passed).
 # tests/slurm needs the one-node Slurm cluster, tests/cluster the two-node namespace cluster with
 # Slurm over it: all started here and stopped whatever the tests do (the trap), so that the machine is
 # left as it was. The unit tier runs on its own, where its conftest checks that it loaded no
 # framework. The slowest tests are listed at the end of the longest run (--durations).
-test: setup
+test: setup lint
 	trap 'bash scripts/cluster_local.sh stop; bash scripts/slurm_local.sh stop' EXIT; \
 	bash scripts/slurm_local.sh start && \
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \

@@ -6,7 +6,8 @@ investigation's driver (``docs/investigations/allreduce-bandwidth/allreduce.py``
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import harness
 

@@ -22,8 +22,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Callable, Sequence
 
 import horovod.torch as hvd
 import numpy as np

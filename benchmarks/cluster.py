@@ -8,9 +8,9 @@ latency). One part a run, each its own section:
 
 - ``bandwidth``: one ``horovodrun -np 2 --gloo`` job per placement (one host; two nodes unshaped,
   the CPU's ceiling across nodes; two nodes at each rate) of ``allreduce_worker``'s measurement:
-  raw ``torch.distributed`` Gloo (A), Horovod (B), raw again (A', the A/A control) and a memory copy,
-  interleaved in rounds. Target: Horovod's bus bandwidth >= 0.9 x the link rate at 64 MB and up,
-  where the link, not the CPU, is the limit.
+  raw ``torch.distributed`` Gloo (A), Horovod (B), raw again (A', the A/A control) and a memory
+  copy, interleaved in rounds. Target: Horovod's bus bandwidth >= 0.9 x the link rate at 64 MB and
+  up, where the link, not the CPU, is the limit.
 - ``training``: hvdtrain's steady-state samples/s on a wide MLP whose gradients (4.5 MB a step)
   load the link, one job a placement, the placements interleaved in rounds with one host twice
   (A and A', the A/A control). No target: what a link costs.
@@ -36,9 +36,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import harness
 
@@ -64,8 +65,9 @@ SIZES = {"rounds": (3, 1), "warmup": (1, 0), "seeds": (3, 1), "epochs": (3, 2)}
 def allreduce_job(argv: Sequence[str]) -> int:
     """``allreduce_worker``'s measurement with raw Gloo's rendezvous at rank 0's own address (the
     worker's loopback rendezvous cannot reach across nodes)."""
-    import allreduce_worker as aw
     import torch
+
+    import allreduce_worker as aw
 
     args = aw.parse_args(argv)
     aw.hvd.init()
@@ -165,8 +167,8 @@ BW_SIZES = {"one host": "16M,64M,256M", "unshaped": "16M,64M,256M", "10gbit": "1
 """Sizes per placement: 256 MB would take 21 s an operation at 100 Mbit/s."""
 SLOW_SIZES_NOTE = ("100mbit: 16 MB and 64 MB only (`BW_SIZES`): one 256 MB allreduce takes about "
                    "21 s at 100 Mbit/s, so a round of raw, Horovod and raw again would take over a "
-                   "minute, and the rounds with their warm-up about 5 of the 15 minutes the part is "
-                   "to fit in; the target is judged at 64 MB there.")
+                   "minute, and the rounds with their warm-up about 5 of the 15 minutes the part "
+                   "is to fit in; the target is judged at 64 MB there.")
 
 
 def sizes(text: str) -> str:
@@ -181,8 +183,8 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
 
     tables: dict[str, ar.Tables] = {}
     for placement in args.placements:
-        argv = [str(harness.python()), str(harness.HERE / "cluster.py"), "--allreduce-worker", "--sizes",
-                sizes(args.sizes or BW_SIZES[placement]), "--rounds", str(args.rounds),
+        argv = [str(harness.python()), str(harness.HERE / "cluster.py"), "--allreduce-worker",
+                "--sizes", sizes(args.sizes or BW_SIZES[placement]), "--rounds", str(args.rounds),
                 "--warmup", str(args.warmup), "--budget", str(64 << 20), "--max-iters", "8"]
         tables[placement] = ar.by_size(run_on(placement, argv, ar.KEY, args.timeout), args.rounds)
     header = ["placement", "size", "raw busbw median (min-max) Gbit/s",
@@ -202,7 +204,8 @@ def bandwidth(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
              + harness.markdown_grid(header, cells))
     notes = [f"Per size: {args.rounds} rounds after {args.warmup} warm-up of raw, Horovod, raw "
              "again and a memory copy (order reversed on odd rounds; `allreduce_worker.py`), about "
-             "64 MB of back-to-back in-place float32 sums a run (1 to 8 operations), timed on rank 0.",
+             "64 MB of back-to-back in-place float32 sums a run (1 to 8 operations), timed on "
+             "rank 0.",
              "Limit: `link` where the two nodes unshaped moved at least twice the link rate (the "
              "CPU leaves the link the bottleneck), `CPU` where they moved less than the link rate, "
              "`both` between; the target is judged on `link` rows only. A link's rate counts "
@@ -226,7 +229,8 @@ def bandwidth_row(placement: str, size: int, rows: list[harness.Row],
     if rate:
         ceiling = tables.get("unshaped", {}).get(size)
         free = ar.bus(ceiling[ar.HOROVOD].median, 2) * 1e9 if ceiling else None
-        limit = "?" if free is None else "link" if free >= 2 * rate else "CPU" if free < rate else "both"
+        limit = ("?" if free is None else "link" if free >= 2 * rate
+                 else "CPU" if free < rate else "both")
         ratio = ar.bus(hvd.median, 2) * 1e9 / rate
         share = f"{ratio:.3f}"
         if limit in ("link", "both") and size >= LINK_FROM:
@@ -254,7 +258,7 @@ def training(args: argparse.Namespace) -> tuple[list[str], list[str], str]:
                 found = [r for r in run_on(placement.strip(), argv, "samples_per_s", args.timeout)
                          if r["round"] >= 0]
             records += [{**r, "round": round_index, "slot": slot} for r in found]
-    names = [*(["one host (A)"] + placements[1:-1]), "one host (A', A/A control)"]
+    names = ["one host (A)", *placements[1:-1], "one host (A', A/A control)"]
     results = harness.group_runs(records, names, args.rounds)
     rows = harness.summarize(harness.samples_of(results, "steady_samples_per_s"), names[0])
     block = harness.table_block(
@@ -342,14 +346,16 @@ def compression_table(records: list[dict], methods: Sequence[str], judged: bool)
     if best is None:
         return harness.markdown_grid(header, cells), "no method reached the target in every run"
     status = "met" if best[0] >= SPEEDUP_TARGET else "missed"
+    judgement = f": {status} (target >= {SPEEDUP_TARGET:g}x)" if judged else ""
     verdict = (f"{best[1]} reaches it {best[0]:.1f}x sooner than none (interval from "
-               f"{best[2]:.1f}x)" + (f": {status} (target >= {SPEEDUP_TARGET:g}x)" if judged else ""))
+               f"{best[2]:.1f}x)" + judgement)
     return harness.markdown_grid(header, cells), verdict
 
 
 # Driver ------------------------------------------------------------------------------------------
 
-PARTS = {"bandwidth": (bandwidth, "Two nodes: allreduce bus bandwidth on shaped links against one host"),
+PARTS = {"bandwidth": (bandwidth,
+                       "Two nodes: allreduce bus bandwidth on shaped links against one host"),
          "training": (training, "Two nodes: hvdtrain samples/s on shaped links against one host"),
          "compression": (compression, "Two nodes: time to accuracy per compression method over "
                                       "1 Gbit/s and 100 Mbit/s links")}

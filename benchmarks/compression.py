@@ -16,8 +16,8 @@ sooner than ``none``.
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/compression.py --seeds 5 --frameworks torch,tensorflow
-    .venv/bin/python benchmarks/compression.py --seeds 1 --slow-link     # + the single-host slow link
-    .venv/bin/python benchmarks/compression.py --quick --no-write        # a tiny check
+    .venv/bin/python benchmarks/compression.py --seeds 1 --slow-link  # + one host's slow link
+    .venv/bin/python benchmarks/compression.py --quick --no-write     # a tiny check
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import harness
 
@@ -236,8 +237,9 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
                  f"-{100 * BARS[m]:g})" for m, (d, ok) in drops.items()]
         out.append(f"Result, accuracy on digits against none, {fw}: {'; '.join(parts)}.")
     if not slow:
-        out.append("Time to accuracy over a slow link: between two nodes, in the section \"Two nodes: "
-                   "time to accuracy per compression method\" (`cluster.py --part compression`).")
+        out.append("Time to accuracy over a slow link: between two nodes, in the section "
+                   "\"Two nodes: time to accuracy per compression method\" "
+                   "(`cluster.py --part compression`).")
     for fw, by_method in speedups(slow).items():
         best = max(((x, m) for m, x in by_method.items() if m != "none" and x), default=None)
         if best:
@@ -273,7 +275,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--datasets", default="digits,mnist1d")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=False,
-                   help="also the single-host slow link (superseded by cluster.py --part compression)")
+                   help="also the single-host slow link "
+                        "(superseded by cluster.py --part compression)")
     p.add_argument("--slow-target", type=float, default=0.93)
     p.add_argument("--slow-extra", action="append", default=[],
                    help="config override added to the slow-link workload (repeatable)")
@@ -282,7 +285,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-extra", action="append", default=[],
                    help="config override added to the accuracy runs (repeatable)")
     if argv is not None and "--quick" in argv:
-        p.set_defaults(datasets="digits", methods="none,topk,powersgd", train_extra=["train.epochs=1"])
+        p.set_defaults(datasets="digits", methods="none,topk,powersgd",
+                       train_extra=["train.epochs=1"])
     return harness.parse(p, argv)
 
 
@@ -307,9 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "and seed; bytes are what each rank hands to Horovod per step):\n\n"
               + accuracy_table(records, methods)]
     if slow:
-        blocks.append("Over an emulated 100 Mbit/s link on one host (`tc tbf` on a network namespace's "
-                      "loopback; the two-node section measures it between hosts), MLP 64-1024-1024-10 "
-                      "on digits, seed 0"
+        blocks.append("Over an emulated 100 Mbit/s link on one host (`tc tbf` on a network "
+                      "namespace's loopback; the two-node section measures it between hosts), MLP "
+                      "64-1024-1024-10 on digits, seed 0"
                       + "".join(f", {e}" for e in args.slow_extra) + ":\n\n"
                       + slow_table(slow, args.slow_target))
     seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"

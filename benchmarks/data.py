@@ -29,9 +29,10 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import harness
 import workload

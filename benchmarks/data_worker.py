@@ -20,8 +20,9 @@ import os
 import resource
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
@@ -29,12 +30,12 @@ sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is in
 import numpy as np  # noqa: E402
 
 import workload  # noqa: E402
-from hvdtrain_worker import Clocked  # noqa: E402
 from hvdtrain.config import load_config  # noqa: E402
 from hvdtrain.data.contracts import BuiltDataset, DatasetSpec, Source, Split  # noqa: E402
 from hvdtrain.data.image_folder import ImageFolder  # noqa: E402
 from hvdtrain.driver import train  # noqa: E402
 from hvdtrain.rundir import RunDir  # noqa: E402
+from hvdtrain_worker import Clocked  # noqa: E402
 
 CONFIGS = {"torch": ROOT / "configs" / "images_torch.yaml",
            "tensorflow": ROOT / "configs" / "images_tf.yaml"}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import harness
 import resnet_worker as rw

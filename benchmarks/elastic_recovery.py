@@ -22,14 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import harness
 
 sys.path.insert(0, str(harness.ROOT))  # the run directory's names: this checkout's hvdtrain
 
-from hvdtrain.rundir import RunDir  # noqa: E402
+from hvdtrain.rundir import RunDir
 
 ROOT = harness.ROOT
 BIN = harness.python().parent

@@ -20,21 +20,23 @@ The interleaved job (``workload.job_main``) calls :func:`run` as variant
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 # TensorFlow's C++ start-up notices (CPU features, oneDNN) would bury the measurement line.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import horovod.tensorflow as hvd  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
 
-import workload  # noqa: E402
-from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED  # noqa: E402
+import workload
+from workload import BASE_LR, BATCH_SIZE, EVAL_BATCH_SIZE, HIDDEN, MOMENTUM, SEED
 
 NUM_FEATURES, NUM_CLASSES = 64, 10
 
@@ -67,7 +69,7 @@ def make_train_step(model: keras.Model, optimizer: keras.optimizers.Optimizer) -
             loss = loss_fn(y, model(x, training=True))
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, [v.value for v in model.trainable_variables])
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss
 
     return train_step
@@ -121,12 +123,10 @@ def save(model: keras.Model, optimizer: keras.optimizers.Optimizer, path: Path) 
 def init() -> None:
     """Starts Horovod and limits TensorFlow's threads, once per process (later calls do nothing)."""
     hvd.init()
-    try:
+    # TensorFlow fixes its pools when its runtime starts (RuntimeError after that): an earlier run
+    # in this process (this worker's or hvdtrain's, with the same count) has set them already.
+    with contextlib.suppress(RuntimeError):
         set_threads(workload.threads_per_rank(hvd.local_size()))
-    except RuntimeError:
-        # TensorFlow fixes its pools when its runtime starts: an earlier run in this process (this
-        # worker's or hvdtrain's, with the same count) has set them already.
-        pass
 
 
 def run(epochs: int, out_dir: Path) -> dict[str, Any]:

@@ -20,7 +20,7 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import harness
 import workload

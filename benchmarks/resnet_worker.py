@@ -29,8 +29,9 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import harness
 import workload
@@ -102,7 +103,7 @@ def phases_ms(marks: Sequence[Sequence[float]]) -> dict[str, float]:
     import numpy as np
 
     spans = np.diff(np.asarray(marks, dtype=float), axis=1) * 1000.0
-    return dict(zip(PHASES, (round(float(v), 2) for v in np.median(spans, axis=0))))
+    return dict(zip(PHASES, (round(float(v), 2) for v in np.median(spans, axis=0)), strict=True))
 
 
 def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:

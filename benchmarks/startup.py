@@ -22,15 +22,16 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import harness
 import workload
 
 KEY = "startup_s"
 TARGET = 1.1
-BASELINE, CANDIDATE, CONTROL = "handwritten (A)", "hvdtrain train (B)", "handwritten (A', A/A control)"
+BASELINE, CANDIDATE = "handwritten (A)", "hvdtrain train (B)"
+CONTROL = "handwritten (A', A/A control)"
 FRAMEWORKS = {"torch": ("PyTorch", "handwritten_torch:handwritten_torch"),
               "tensorflow": ("TensorFlow", "handwritten_tf:handwritten_tf")}
 SIZES = {"rounds": (8, 1), "warmup": (1, 0)}
@@ -95,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training step (hvdtrain: `summary.json`'s `startup_s`; hand-written: the same reading "
         "in `workload.Clock`). The launcher's start is outside both.",
         "Both sides load the bytecode that `make setup` compiles; without it every process "
-        "compiles the sources it imports ([step-overhead.md](investigations/step-overhead.md#start-up)).",
+        "compiles the sources it imports "
+        "([step-overhead.md](investigations/step-overhead.md#start-up)).",
         f"Result, hvdtrain / hand-written: {verdict}.",
     ]
     entry = harness.Entry(

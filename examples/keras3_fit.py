@@ -11,12 +11,11 @@ can check that the ranks agree.
 import json
 import sys
 
+import horovod.tensorflow.keras as hvd
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-
-import horovod.tensorflow.keras as hvd
 from horovod.tensorflow import SyncBatchNormalization
+from sklearn.datasets import load_digits
 
 
 def shard(rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -50,7 +49,8 @@ def main(epochs: int = 3) -> None:
     history = model.fit(x, y, batch_size=32, epochs=epochs, callbacks=callbacks,
                         verbose=2 if hvd.rank() == 0 else 0)
     checksum = float(sum(np.abs(w).sum() for w in model.get_weights()))
-    print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "loss": [float(v) for v in history.history["loss"]],
+    print(json.dumps({"rank": hvd.rank(), "size": hvd.size(),
+                      "loss": [float(v) for v in history.history["loss"]],
                       "accuracy": [float(v) for v in history.history["accuracy"]],
                       "checksum": checksum}), flush=True)
 

@@ -1,8 +1,8 @@
 """The framework-free contract of a model adapter.
 
 An adapter builds the model for a dataset and computes, for one batch, the *summed* loss and the
-summed metrics (for example the number of correct predictions). Sums, not means, so that the loop can
-weight ranks by how many samples each saw and average exactly across ranks and batches: the loop
+summed metrics (for example the number of correct predictions). Sums, not means, so that the loop
+can weight ranks by how many samples each saw and average exactly across ranks and batches: the loop
 divides them by the samples, so a loss summed over a sequence's tokens is logged per sequence.
 
 A batch reaches ``loss_and_metrics`` as the dataset's source made it, arrays turned into tensors:
@@ -26,14 +26,14 @@ from hvdtrain.errors import HvdtrainError
 
 
 class ModelAdapter(abc.ABC):
-    """Builds a model and scores batches. ``model.options`` from the config arrive as ``options``."""
+    """Builds a model and scores batches; the config's ``model.options`` arrive as ``options``."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options
 
     @abc.abstractmethod
     def build(self, spec: DatasetSpec) -> Any:
-        """Returns a new model (``torch.nn.Module`` or ``keras.Model``) for data described by ``spec``."""
+        """A new model (``torch.nn.Module`` or ``keras.Model``) for data described by ``spec``."""
 
     @abc.abstractmethod
     def loss_and_metrics(self, model: Any, x: Any, y: Any,
@@ -48,12 +48,14 @@ class ModelAdapter(abc.ABC):
 
 
 def make_adapter(obj: Any, options: dict[str, Any], name: str,
-                 default: type[ModelAdapter]) -> ModelAdapter:
+                 default: type) -> ModelAdapter:
     """An adapter from a registry entry or import path.
 
     ``obj`` is either a :class:`ModelAdapter` subclass, instantiated with ``options``, or a plain
     function ``build(spec, **options)`` returning a model, which gets the framework's ``default``
-    adapter (classification) around it.
+    adapter (classification) around it. ``default`` is a :class:`ModelAdapter` subclass whose
+    ``build`` is left abstract (hence ``type``: mypy takes ``type[ModelAdapter]`` for a concrete
+    class): the function becomes its ``build``.
     """
     try:
         if isinstance(obj, type) and issubclass(obj, ModelAdapter):
@@ -65,7 +67,8 @@ def make_adapter(obj: Any, options: dict[str, Any], name: str,
             return wrapped(**options)
     except TypeError as exc:
         raise HvdtrainError(f"model.options for {name!r}: {exc}") from None
-    raise HvdtrainError(f"model.name={name!r} is neither a ModelAdapter subclass nor a model factory")
+    raise HvdtrainError(f"model.name={name!r} is neither a ModelAdapter subclass nor a model "
+                        "factory")
 
 
 def classes_and_shape(spec: DatasetSpec, model: str) -> tuple[int, tuple[int, ...]]:
@@ -86,5 +89,6 @@ def mlp_hidden(hidden: Any, unknown: dict[str, Any]) -> list[int]:
         raise HvdtrainError(f"model.options: unknown option(s) for mlp: {', '.join(unknown)}")
     if (not isinstance(hidden, (list, tuple)) or not hidden
             or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in hidden)):
-        raise HvdtrainError(f"model.options.hidden={hidden!r}: expected a list of positive integers")
+        raise HvdtrainError(f"model.options.hidden={hidden!r}: "
+                            "expected a list of positive integers")
     return list(hidden)

@@ -12,7 +12,7 @@ import argparse
 import errno
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.loop import Stopped
@@ -31,7 +31,8 @@ _WITH_OVERRIDES = ("train", "slurm")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvdtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train from a YAML config (run it under horovodrun for many ranks)")
+    train = sub.add_parser("train",
+                           help="train from a YAML config (run it under horovodrun for many ranks)")
     train.add_argument("config", help="YAML config file, e.g. configs/digits_torch.yaml")
     train.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="dotted overrides, e.g. train.epochs=3 optim.lr=0.1")
@@ -43,18 +44,22 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("action", choices=("render", "check", "submit"))
     slurm.add_argument("config", help="YAML config file")
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
-    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1), ("--time", str, "01:00:00"),
-                                ("--partition", str, ""), ("--account", str, ""), ("--signal-lead", int, 120),
+    for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
+                                ("--time", str, "01:00:00"), ("--partition", str, ""),
+                                ("--account", str, ""), ("--signal-lead", int, 120),
                                 ("--controller", str, "gloo"), ("--launcher", str, "horovodrun"),
                                 ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
                                 ("--network-interface", str, "")):
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
-    slurm.add_argument("--elastic", action="store_true", help="render elastic.sbatch (elastic Horovod)")
+    slurm.add_argument("--elastic", action="store_true",
+                       help="render elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
-    data = sub.add_parser("data", help="data set tools: make-images writes a class-per-folder JPEG set")
+    data = sub.add_parser("data",
+                          help="data set tools: make-images writes a class-per-folder JPEG set")
     data.add_argument("action", choices=("make-images",))
-    data.add_argument("dir", help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
+    data.add_argument("dir",
+                      help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
     for flag, default in (("--train", 5000), ("--test", 1000), ("--size", 32), ("--seed", 0)):
         data.add_argument(flag, type=int, default=default, help=f"default: {default}")
     return parser
@@ -101,7 +106,7 @@ def _slurm(args: argparse.Namespace) -> int:
     problems = slurm.check(args.config, args.overrides, options)
     for problem in problems:
         print(f"hvdtrain: slurm check: {problem}", file=sys.stderr)
-    print("[hvdtrain] slurm check: ok" if not problems else f"[hvdtrain] {len(problems)} problem(s)")
+    print(f"[hvdtrain] {len(problems)} problem(s)" if problems else "[hvdtrain] slurm check: ok")
     return EXIT_USAGE if problems else 0
 
 
@@ -152,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(checkpoint.resume=auto continues a run)", file=sys.stderr)
         return EXIT_ENVIRONMENT
     except Stopped as stop:
-        print(f"hvdtrain: {stop}; resubmit with checkpoint.resume=auto to continue", file=sys.stderr)
+        print(f"hvdtrain: {stop}; resubmit with checkpoint.resume=auto to continue",
+              file=sys.stderr)
         return EXIT_RESUBMIT
 
 

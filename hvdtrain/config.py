@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -105,7 +106,7 @@ class OptimConfig:
     weight_decay: float = _opt(0.0, min=0.0)
     """L2 weight decay."""
     scale_lr: bool = True
-    """Multiply ``lr`` by the world size, since the global batch grows with it (Goyal et al., 2017)."""
+    """Multiply ``lr`` by the world size, as the global batch grows with it (Goyal et al., 2017)."""
     warmup_steps: int = _opt(0, min=0)
     """Steps of linear warm-up from ``lr`` to the scaled learning rate (0: none)."""
     schedule: str = _opt("constant", choices=("constant", "cosine"))
@@ -113,8 +114,8 @@ class OptimConfig:
 
 
 BF16_REFUSED = ("comm.compression='bf16': Horovod 0.28.1 cannot carry it: its PyTorch ops refuse "
-                "torch.bfloat16 ('Tensor type torch.BFloat16Tensor is not supported', Gloo and MPI, "
-                "checked on CPU); use fp16")
+                "torch.bfloat16 ('Tensor type torch.BFloat16Tensor is not supported', Gloo and "
+                "MPI, checked on CPU); use fp16")
 
 
 @dataclass(kw_only=True)
@@ -135,9 +136,10 @@ class CommConfig:
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
-    0: Horovod's own 1 ms (see :func:`hvdtrain.horovod_start.set_cycle_time`); a ``HOROVOD_CYCLE_TIME``
-    or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when Horovod starts in the
-    process. At most 1000 (a second between looks: every allreduce would wait that long)."""
+    0: Horovod's own 1 ms (see :func:`hvdtrain.horovod_start.set_cycle_time`); a
+    ``HOROVOD_CYCLE_TIME`` or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when
+    Horovod starts in the process. At most 1000 (a second between looks: every allreduce would wait
+    that long)."""
 
     def __post_init__(self) -> None:
         # Checked here, before the choices, so that bf16 gets the reason rather than a list.
@@ -290,7 +292,8 @@ def apply_overrides(tree: dict, overrides: Sequence[str]) -> dict:
 def build(cls: type, tree: Any, prefix: str = "") -> Any:
     """Builds dataclass ``cls`` from a raw tree, checking every key, type and range."""
     if not isinstance(tree, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={shown(tree)}: expected a mapping of keys")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}={shown(tree)}: "
+                          "expected a mapping of keys")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     types = typing.get_type_hints(cls)
     kwargs = {}
@@ -299,7 +302,7 @@ def build(cls: type, tree: Any, prefix: str = "") -> Any:
         if key not in fields:
             raise ConfigError(f"unknown key {shown(path)}{nearest_key(str(key), fields, prefix)}")
         ftype = types[key]
-        if dataclasses.is_dataclass(ftype):
+        if isinstance(ftype, type) and dataclasses.is_dataclass(ftype):
             kwargs[key] = build(ftype, {} if value is None else value, f"{path}.")
         else:
             kwargs[key] = coerce_value(path, value, ftype)
@@ -318,7 +321,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
             raise ConfigError(f"config file {str(path)!r} not found")
         tree = _read_yaml(path)
         if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: expected a mapping of keys at the top, got {type(tree).__name__}")
+            raise ConfigError(f"{path}: expected a mapping of keys at the top, "
+                              f"got {type(tree).__name__}")
     environ = os.environ if environ is None else environ
     apply_overrides(tree, [*env_overrides(environ), *overrides])
     return build(Config, tree)
@@ -332,7 +336,8 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
                           f"{exc.start})") from None
     except OSError as exc:
-        raise os_failure(exc, "cannot read the config file", path, "check its permissions") from None
+        raise os_failure(exc, "cannot read the config file", path,
+                         "check its permissions") from None
     try:
         return yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:

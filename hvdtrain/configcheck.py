@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from hvdtrain.errors import ConfigError
 
@@ -32,13 +34,15 @@ def coerce_value(path: str, value: Any, ftype: type) -> Any:
 
     Only lossless conversions happen: an int, or a string such as ``1e-3``, where a float is wanted.
     ``1.5`` for an int, ``"abc"`` for a number and ``1`` for a bool are all rejected, and so are
-    NaN and the infinities (``.nan``, ``.inf``, ``1e999``) for a number: no key means anything by them.
+    NaN and the infinities (``.nan``, ``.inf``, ``1e999``) for a number: no key means anything by
+    them.
     """
     if ftype is float:
         return _finite_float(path, value)
     ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
     if not ok:
-        raise ConfigError(f"{path}={shown(value)}: expected {_TYPE_NAMES.get(ftype, ftype.__name__)}")
+        wanted = _TYPE_NAMES.get(ftype, ftype.__name__)
+        raise ConfigError(f"{path}={shown(value)}: expected {wanted}")
     if isinstance(value, str) and "\0" in value:  # no path or name can hold one
         raise ConfigError(f"{path}={shown(value)}: contains a NUL character")
     return value
@@ -50,10 +54,8 @@ def _finite_float(path: str, value: Any) -> float:
         number = float(value) if abs(value) < 1e308 else math.inf  # a huge int would overflow
     elif isinstance(value, str):
         # YAML 1.1 reads 1e-3 (no dot) as a string; a number written that way is still a number.
-        try:
+        with contextlib.suppress(ValueError):
             number = float(value)
-        except ValueError:
-            pass
     if number is None:
         raise ConfigError(f"{path}={shown(value)}: expected a number")
     if not math.isfinite(number):

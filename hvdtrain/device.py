@@ -25,9 +25,9 @@ def choose_device(requested: str, visible_gpus: int) -> str:
     if visible_gpus > 0:
         return "cuda"
     if requested == "cuda":
-        raise HvdtrainError("train.device='cuda': no GPU is visible to this process (CUDA_VISIBLE_DEVICES, "
-                            "driver, or a framework built without CUDA); use train.device=auto or cpu, "
-                            "or run `hvdtrain doctor`")
+        raise HvdtrainError("train.device='cuda': no GPU is visible to this process "
+                            "(CUDA_VISIBLE_DEVICES, driver, or a framework built without CUDA); "
+                            "use train.device=auto or cpu, or run `hvdtrain doctor`")
     return "cpu"
 
 
@@ -38,8 +38,9 @@ def gpu_index(local_rank: int, local_size: int, visible_gpus: int) -> int:
     if visible_gpus == 1:
         return 0
     if not 0 <= local_rank < visible_gpus:
-        raise HvdtrainError(f"{local_size} ranks on this host but {visible_gpus} GPUs visible: hvdtrain "
-                            "runs one rank per GPU; start at most as many ranks per host as GPUs")
+        raise HvdtrainError(f"{local_size} ranks on this host but {visible_gpus} GPUs visible: "
+                            "hvdtrain runs one rank per GPU; start at most as many ranks per host "
+                            "as GPUs")
     return local_rank
 
 

@@ -1,4 +1,4 @@
-"""``hvdtrain doctor``: versions, Horovod build facts, GPUs and NCCL, and whether the trainers can run.
+"""``hvdtrain doctor``: versions, Horovod build facts, GPUs and NCCL, whether the trainers can run.
 
 The frameworks are imported here by name only when the doctor runs, never when hvdtrain is imported.
 """
@@ -28,7 +28,7 @@ class Check:
 def _version(module: str) -> Check:
     try:
         mod = importlib.import_module(module)
-    except Exception as exc:  # any import failure is what the doctor reports
+    except Exception as exc:  # noqa: BLE001  (any import failure is what the doctor reports)
         return Check(module, False, f"cannot import: {exc}")
     return Check(module, True, getattr(mod, "__version__", "?"))
 
@@ -38,7 +38,7 @@ def _horovod_framework(framework: str) -> list[Check]:
     name = f"horovod.{framework}"
     try:
         hvd = importlib.import_module(name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (a broken build raises anything: it is the finding)
         return [Check(name, False, f"cannot import ({exc}); rerun scripts/setup.sh")]
     built = {what: getattr(hvd, f"{what}_built")() for what in ("gloo", "mpi", "nccl")}
     detail = ", ".join(f"{what}={'yes' if ok else 'no'}" for what, ok in built.items())
@@ -52,7 +52,7 @@ def _gpus() -> list[Check]:
     trains on the CPU."""
     try:
         torch = importlib.import_module("torch")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (as for _version: the failure is the finding)
         return [Check("gpus", False, f"cannot ask torch: {exc}")]
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
@@ -63,15 +63,16 @@ def _gpus() -> list[Check]:
     try:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         checks.append(Check("nccl", True, f"{nccl} (PyTorch's)"))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (a build without NCCL raises what it raises)
         checks.append(Check("nccl", False, f"PyTorch has none: {exc}"))
     try:
         hvd_nccl = importlib.import_module("horovod.torch").nccl_built()
-    except Exception:
+    except Exception:  # noqa: BLE001  (the import's own failure is reported by _horovod_framework)
         hvd_nccl = False
     checks.append(Check("horovod nccl", bool(hvd_nccl),
                         "built with NCCL: GPU tensors are reduced on the GPUs" if hvd_nccl else
-                        "Horovod was built without NCCL; rebuild with HVDTRAIN_CUDA=1 scripts/setup.sh"))
+                        "Horovod was built without NCCL; rebuild with HVDTRAIN_CUDA=1 "
+                        "scripts/setup.sh"))
     return checks
 
 
@@ -83,7 +84,8 @@ def _executable(name: str) -> Check:
 
 def run_checks() -> list[Check]:
     """Every check, in report order."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter is not a finding
+    # TensorFlow's start-up chatter is not a finding.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     checks = [Check("python", sys.version_info >= (3, 10), platform.python_version()),
               Check("hvdtrain", True, hvdtrain.__version__)]
     checks += [_version(m) for m in ("numpy", "yaml", "sklearn", "torch", "tensorflow", "horovod")]
@@ -94,7 +96,7 @@ def run_checks() -> list[Check]:
 
 
 def doctor(quiet: bool = False) -> int:
-    """Prints the report (only problems when ``quiet``); returns 0 when everything is there, else 1."""
+    """Prints the report (only problems when ``quiet``); returns 0 when all is there, else 1."""
     checks = run_checks()
     for check in checks:
         if not (quiet and check.ok):

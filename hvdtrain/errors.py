@@ -29,7 +29,7 @@ class EnvironmentFailure(HvdtrainError):
 
 
 RESUME_ADVICE = "free space (or fix the directory), then resubmit with checkpoint.resume=auto"
-"""What an :class:`EnvironmentFailure` of a run's own writes (checkpoints, metrics) tells the user."""
+"""What an :class:`EnvironmentFailure` of the run's writes (checkpoints, metrics) tells the user."""
 
 # Errors that say the path itself is of the wrong kind (the user named a file where a directory
 # belongs, or the reverse): a mistake in the command, not a failing machine.
@@ -48,5 +48,6 @@ def os_failure(exc: OSError | ValueError, what: str, path: os.PathLike | str, ad
     code = errno.errorcode.get(exc.errno or 0)
     detail = f"{reason} ({code})" if code else reason
     if exc.errno in _WRONG_KIND:
-        return HvdtrainError(f"{what} {str(path)!r}: {detail}" + (f"; {wrong_kind}" if wrong_kind else ""))
+        hint = f"; {wrong_kind}" if wrong_kind else ""
+        return HvdtrainError(f"{what} {str(path)!r}: {detail}{hint}")
     return EnvironmentFailure(f"{what} {str(path)!r}: {detail}; {advice}")

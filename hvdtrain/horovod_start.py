@@ -4,7 +4,8 @@ takes on a host it shares. Framework-free: the engines pass their Horovod module
 from __future__ import annotations
 
 import os
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 
 def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:

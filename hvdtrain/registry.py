@@ -8,7 +8,8 @@ contains ``:`` is taken as an import path, which is how a user's own model or da
 from __future__ import annotations
 
 import importlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hvdtrain.errors import HvdtrainError
 
@@ -21,7 +22,8 @@ def import_object(path: str) -> Any:
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise HvdtrainError(f"import path {path!r}: cannot import {module_name!r} ({exc})") from None
+        raise HvdtrainError(f"import path {path!r}: cannot import {module_name!r} "
+                            f"({exc})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise HvdtrainError(f"import path {path!r}: {module_name!r} has no attribute {part!r}")
@@ -60,7 +62,7 @@ class Registry:
         return import_object(entry) if isinstance(entry, str) else entry
 
     def check(self, name: str) -> None:
-        """Raises for an unknown name without importing anything (import paths are checked later)."""
+        """Raises for an unknown name, importing nothing (import paths are checked later)."""
         if ":" not in name and name not in self._entries:
             self.get(name)
 

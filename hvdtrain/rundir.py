@@ -11,8 +11,9 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hvdtrain.checkpoint import atomic_write
 from hvdtrain.config import Config, save_config
@@ -106,8 +107,9 @@ class RunDir:
         """Refuses to mix two runs in one directory unless asked to overwrite."""
         existing = [p.name for p in (self.metrics, self.summary, self.config) if p.exists()]
         if existing and not overwrite:
-            raise HvdtrainError(f"run directory {str(self.root)!r} already holds a run ({existing[0]}); "
-                                "set log.overwrite=true or choose another log.dir")
+            raise HvdtrainError(f"run directory {str(self.root)!r} already holds a run "
+                                f"({existing[0]}); set log.overwrite=true or choose another "
+                                "log.dir")
 
     def create(self) -> None:
         """Creates the directory and checks that files can be written in it (every rank that
@@ -124,9 +126,9 @@ class RunDir:
     def prepare(self, cfg: Config, resumed_step: int | None) -> None:
         """Creates the directory and saves the config (rank 0).
 
-        A fresh run (``resumed_step`` None) removes an earlier run's files and checkpoints; a resumed
-        one keeps them and drops only the metrics records logged after its checkpoint. A directory
-        that cannot be created or written raises a one-line error naming it (an
+        A fresh run (``resumed_step`` None) removes an earlier run's files and checkpoints; a
+        resumed one keeps them and drops only the metrics records logged after its checkpoint. A
+        directory that cannot be created or written raises a one-line error naming it (an
         :class:`~hvdtrain.errors.EnvironmentFailure` when the file system is at fault), before any
         training.
         """
@@ -168,7 +170,9 @@ class RunDir:
         kept = itertools.takewhile(lambda record: record.get("step", 0) <= step,
                                    parse_records(text, self.metrics))
         lines = text.splitlines(keepends=True)
-        os.truncate(self.metrics, sum(len(line.encode()) for line, _ in zip(lines, kept)))
+        # kept is a prefix of lines: zip stops at its end.
+        kept_lines = zip(lines, kept, strict=False)
+        os.truncate(self.metrics, sum(len(line.encode()) for line, _ in kept_lines))
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Writes ``summary.json`` atomically."""

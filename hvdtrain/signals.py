@@ -17,7 +17,7 @@ from typing import Any
 
 EXIT_RESUBMIT = 75
 """Exit code of a run that stopped on request after a checkpoint: resubmit it to continue
-(``checkpoint.resume=auto``). 75 is ``EX_TEMPFAIL`` of sysexits.h: a temporary failure, try again."""
+(``checkpoint.resume=auto``). 75 is sysexits.h's ``EX_TEMPFAIL``: a temporary failure, try again."""
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -38,7 +38,7 @@ class StopRequest:
             os._exit(128 + signum)  # the second signal: no checkpoint, no clean-up, now
         self.signum = signum
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         # Python delivers signals to the main thread only; elsewhere (a test runner's worker thread)
         # the run simply cannot be stopped by signal.
         if threading.current_thread() is threading.main_thread():

@@ -1,14 +1,14 @@
 """Slurm job scripts: render the ``train.sbatch`` template from a config and job options, check it,
 submit it.
 
-The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_NODELIST``, slots from
-``--ntasks-per-node``), or one ``srun --mpi=pmix`` whose tasks initialise Horovod from MPI, asks for
-``USR1`` ahead of preemption or the time limit, forwards it to the ranks (which checkpoint and exit 75)
-and then requeues itself; the requeued job resumes with
+The script runs one ``horovodrun`` over the allocation (hosts from ``SLURM_JOB_NODELIST``, slots
+from ``--ntasks-per-node``), or one ``srun --mpi=pmix`` whose tasks initialise Horovod from MPI,
+asks for ``USR1`` ahead of preemption or the time limit, forwards it to the ranks (which checkpoint
+and exit 75) and then requeues itself; the requeued job resumes with
 ``checkpoint.resume=auto``. Framework-free: nothing here imports torch or tensorflow.
 
-The templates and the elastic job's host discovery script live in the top-level ``slurm/`` directory,
-which a wheel ships as the package data ``hvdtrain/_slurm/`` (see setup.py), read through
+The templates and the elastic job's host discovery script live in the top-level ``slurm/``
+directory, which a wheel ships as the package data ``hvdtrain/_slurm/`` (see setup.py), read through
 :mod:`importlib.resources`, so an installed hvdtrain renders its jobs without a checkout.
 """
 
@@ -20,17 +20,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError, os_failure
 from hvdtrain.rundir import RunDir, read_records
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    if sys.version_info >= (3, 11):
+        from importlib.resources.abc import Traversable
+    else:
+        from importlib.abc import Traversable
 
 
 def _templates() -> Traversable:
@@ -76,7 +80,7 @@ class JobOptions:
     controller: str = "gloo"
     """Horovod's controller under ``horovodrun``: ``gloo`` or ``mpi`` (``srun`` always uses MPI)."""
     launcher: str = "horovodrun"
-    """``horovodrun`` (ssh-free on one node, Gloo or MPI) or ``srun`` (Slurm starts the ranks, MPI)."""
+    """``horovodrun`` (ssh-free on one node; Gloo or MPI) or ``srun`` (Slurm starts ranks; MPI)."""
     gpus_per_node: int = 0
     """GPUs per node (``--gres=gpu:N``); with GPUs, one rank per GPU, pinned by local rank."""
     elastic: bool = False
@@ -91,7 +95,8 @@ class JobOptions:
     def validate(self) -> None:
         """Raises :class:`HvdtrainError` for an option that sbatch or horovodrun cannot take."""
         if self.nodes < 1 or self.tasks_per_node < 1:
-            raise HvdtrainError(f"--nodes={self.nodes} --tasks-per-node={self.tasks_per_node}: both must be >= 1")
+            raise HvdtrainError(f"--nodes={self.nodes} --tasks-per-node={self.tasks_per_node}: "
+                                "both must be >= 1")
         if not _TIME.match(self.time):
             raise HvdtrainError(f"--time={self.time!r}: expected MM, HH:MM:SS or D-HH:MM:SS")
         for flag, value in (("--partition", self.partition), ("--account", self.account)):
@@ -100,30 +105,36 @@ class JobOptions:
         if self.signal_lead < 0:
             raise HvdtrainError(f"--signal-lead={self.signal_lead}: must be >= 0 seconds")
         if self.controller not in CONTROLLERS:
-            raise HvdtrainError(f"--controller={self.controller!r}: expected one of {', '.join(CONTROLLERS)}")
+            raise HvdtrainError(f"--controller={self.controller!r}: "
+                                f"expected one of {', '.join(CONTROLLERS)}")
         if self.launcher not in LAUNCHERS:
-            raise HvdtrainError(f"--launcher={self.launcher!r}: expected one of {', '.join(LAUNCHERS)}")
+            raise HvdtrainError(f"--launcher={self.launcher!r}: "
+                                f"expected one of {', '.join(LAUNCHERS)}")
         if self.gpus_per_node < 0:
             raise HvdtrainError(f"--gpus-per-node={self.gpus_per_node}: must be >= 0")
         if self.elastic and (self.launcher != "horovodrun" or self.controller != "gloo"):
             raise HvdtrainError("--elastic: elastic Horovod runs under horovodrun with Gloo only")
         if not 1 <= self.min_nodes <= self.nodes:
-            raise HvdtrainError(f"--min-nodes={self.min_nodes}: must be between 1 and --nodes={self.nodes}")
+            raise HvdtrainError(f"--min-nodes={self.min_nodes}: "
+                                f"must be between 1 and --nodes={self.nodes}")
         if self.network_interface and not _NAME.match(self.network_interface):
-            raise HvdtrainError(f"--network-interface={self.network_interface!r}: not an interface name")
+            raise HvdtrainError(f"--network-interface={self.network_interface!r}: "
+                                "not an interface name")
 
 
 def _sbatch_path(path: Path, what: str, suffix: str = "") -> str:
     """A path for an ``#SBATCH`` line, which sbatch parses itself (double quotes, no shell)."""
     text = str(path)
     if any(ch in text for ch in '"\n%\\'):
-        raise HvdtrainError(f"{what} {text!r}: a path for #SBATCH lines may not hold '\"', '%', '\\' or newlines")
+        raise HvdtrainError(f"{what} {text!r}: a path for #SBATCH lines may not hold "
+                            "'\"', '%', '\\' or newlines")
     text += suffix
     return f'"{text}"' if re.search(r"\s", text) else text
 
 
 def _job_overrides(overrides: Sequence[str], options: JobOptions) -> list[str]:
-    return [*overrides, "checkpoint.resume=auto", *(["elastic.enabled=true"] if options.elastic else [])]
+    elastic = ["elastic.enabled=true"] if options.elastic else []
+    return [*overrides, "checkpoint.resume=auto", *elastic]
 
 
 def discovery_script() -> Path:
@@ -141,11 +152,12 @@ def _template_source(name: str) -> str:
 
 
 def run_dir_of(cfg: Config) -> RunDir:
-    """The run directory at an absolute path (relative ones are taken from the current directory)."""
+    """The run directory at an absolute path (a relative one is from the current directory)."""
     return RunDir((Path.cwd() / cfg.run_dir).resolve())
 
 
-def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
+def render(config_path: str | Path, overrides: Sequence[str] = (),
+       options: JobOptions = JobOptions()) -> str:
     """The text of ``train.sbatch`` (``elastic.sbatch`` for an elastic job) for this config,
     overrides and job options."""
     import jinja2
@@ -161,8 +173,9 @@ def render(config_path: str | Path, overrides: Sequence[str] = (), options: JobO
         nodes=options.nodes, tasks_per_node=options.tasks_per_node,
         ntasks=options.nodes * options.tasks_per_node, time=options.time,
         partition=options.partition, account=options.account, signal_lead=options.signal_lead,
-        controller=options.controller, launcher=options.launcher, gpus_per_node=options.gpus_per_node,
-        min_np=options.min_nodes * options.tasks_per_node, network_interface=options.network_interface,
+        controller=options.controller, launcher=options.launcher,
+        gpus_per_node=options.gpus_per_node, min_np=options.min_nodes * options.tasks_per_node,
+        network_interface=options.network_interface,
         discovery_q=shlex.quote(str(discovery_script())) if options.elastic else "",
         output=_sbatch_path(run_dir.root, "log.dir", "/" + run_dir.slurm_output().name),
         workdir=_sbatch_path(Path.cwd(), "working directory"),
@@ -184,8 +197,8 @@ def stop_time_estimate(cfg: Config) -> float:
     return BASE_STOP_S + cfg.log.every_steps * step_time
 
 
-def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions(),
-          script: str | None = None) -> list[str]:
+def check(config_path: str | Path, overrides: Sequence[str] = (),
+          options: JobOptions = JobOptions(), script: str | None = None) -> list[str]:
     """Problems with the job script (rendered unless ``script`` is given); an empty list if none."""
     text = render(config_path, overrides, options) if script is None else script
     cfg = load_config(config_path, overrides)
@@ -195,7 +208,8 @@ def check(config_path: str | Path, overrides: Sequence[str] = (), options: JobOp
     ntasks = options.nodes * options.tasks_per_node
     if launched != ntasks:
         problems.append(f"process count: the script starts {launched if found else '?'} ranks but "
-                        f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node} = {ntasks}")
+                        f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node} = "
+                        f"{ntasks}")
     if options.gpus_per_node and options.gpus_per_node != options.tasks_per_node:
         problems.append(f"--gpus-per-node={options.gpus_per_node} but --tasks-per-node="
                         f"{options.tasks_per_node}: hvdtrain runs one rank per GPU")
@@ -218,7 +232,8 @@ def _device_problems(device: str, gpus_per_node: int) -> list[str]:
     if device == "cuda" and not gpus_per_node:
         return ["train.device=cuda but no --gpus-per-node: the ranks would see no GPU and stop"]
     if device == "cpu" and gpus_per_node:
-        return [f"train.device=cpu but --gpus-per-node={gpus_per_node}: the allocated GPUs would sit idle"]
+        return [f"train.device=cpu but --gpus-per-node={gpus_per_node}: "
+                "the allocated GPUs would sit idle"]
     return []
 
 
@@ -226,13 +241,15 @@ def _sbatch_test_only(text: str) -> list[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".sbatch") as handle:
         handle.write(text)
         handle.flush()
-        proc = subprocess.run(["sbatch", "--test-only", handle.name], capture_output=True, text=True)
+        proc = subprocess.run(["sbatch", "--test-only", handle.name], capture_output=True,
+                              text=True)
     if proc.returncode != 0:
         return [f"sbatch --test-only rejects it: {(proc.stderr or proc.stdout).strip()}"]
     return []
 
 
-def submit(config_path: str | Path, overrides: Sequence[str] = (), options: JobOptions = JobOptions()) -> str:
+def submit(config_path: str | Path, overrides: Sequence[str] = (),
+       options: JobOptions = JobOptions()) -> str:
     """Writes ``job.sbatch`` into the run directory, submits it and returns the job id."""
     text = render(config_path, overrides, options)
     run_dir = run_dir_of(load_config(config_path, overrides))

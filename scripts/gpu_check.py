@@ -46,7 +46,8 @@ def run_hvdtrain(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         "model.name=resnet18", f"model.options.width={args.width}", "data.name=synthetic_images",
         f"data.batch_size={args.batch}", f"train.max_steps={args.steps}", "train.epochs=1000",
         f"train.device={args.device}", f"train.precision={precision}", "optim.warmup_steps=0",
-        "checkpoint.enabled=false", "log.console=false", "log.tensorboard=false", "log.wandb=disabled",
+        "checkpoint.enabled=false", "log.console=false", "log.tensorboard=false",
+        "log.wandb=disabled",
         "log.system=false", f"log.dir={args.out}/hvdtrain-{precision}", "log.overwrite=true",
         f"log.every_steps={args.steps}", "train.eval_every_epochs=1000"], environ={})
     clock = StepClock()
@@ -101,16 +102,18 @@ def main() -> int:
     p.add_argument("--out", default="/tmp/hvdtrain-gpu-check")
     args = p.parse_args()
     if not 0 <= args.skip < args.steps:
-        p.error(f"--skip {args.skip}: give a number of steps from 0 to --steps - 1 ({args.steps - 1})")
-    print("| precision | trainer | samples/s | ratio to plain | final train loss | device | collectives |")
+        p.error(f"--skip {args.skip}: give a number of steps from 0 to --steps - 1 "
+                f"({args.steps - 1})")
+    print("| precision | trainer | samples/s | ratio to plain | final train loss | device "
+          "| collectives |")
     print("|---|---|---|---|---|---|---|")
     for precision in args.precisions.split(","):
         plain = run_plain(args, precision)
         ours = run_hvdtrain(args, precision)
         for name, row in (("plain PyTorch", plain), ("hvdtrain", ours)):
             ratio = row["samples_per_s"] / plain["samples_per_s"]
-            print(f"| {precision} | {name} | {row['samples_per_s']:.0f} | {ratio:.3f} | {row['loss']:.4f} "
-                  f"| {row['device']} | {row['collectives']} |", flush=True)
+            print(f"| {precision} | {name} | {row['samples_per_s']:.0f} | {ratio:.3f} "
+                  f"| {row['loss']:.4f} | {row['device']} | {row['collectives']} |", flush=True)
     return 0
 
 

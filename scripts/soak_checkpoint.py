@@ -49,9 +49,10 @@ def writer(run: Path) -> None:
     from hvdtrain.config import load_config
     from hvdtrain.driver import train
 
-    sys.stdout = sys.stderr = open(os.devnull, "w")
-    train(load_config(ROOT / "configs" / "digits_torch.yaml", [*OVERRIDES, f"log.dir={run}"],
-                      environ={}))
+    with open(os.devnull, "w") as devnull:
+        sys.stdout = sys.stderr = devnull
+        train(load_config(ROOT / "configs" / "digits_torch.yaml", [*OVERRIDES, f"log.dir={run}"],
+                          environ={}))
 
 
 def wait_for_checkpoints(directory: Path, count: int, proc: multiprocessing.Process,
@@ -77,7 +78,7 @@ def loads(path: Path) -> int:
 
 
 def corrupt_and_check(manager: CheckpointManager) -> str | None:
-    """Truncates the newest valid checkpoint and flips a bit of the one before; both must be skipped."""
+    """Truncates the newest valid checkpoint, flips a bit of the previous: both must be skipped."""
     valid = [p for p in manager.checkpoints() if verify(p) is None]
     if len(valid) < 3:
         return f"only {len(valid)} valid checkpoints after the kill; 3 were complete before it"
@@ -153,8 +154,9 @@ def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]
                 f"recovered, {summary['hangs']} hangs")
     section = "\n".join([
         "## Checkpoint soak: SIGKILL while saving", "", entry.lines(),
-        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "", "Reproduce (from the repository root):", "",
-        "```", f".venv/bin/python scripts/soak_checkpoint.py --trials {args.trials} --seed {args.seed} "
+        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "",
+        "Reproduce (from the repository root):", "", "```",
+        f".venv/bin/python scripts/soak_checkpoint.py --trials {args.trials} --seed {args.seed} "
         f"--max-delay {args.max_delay}", "```", "", f"Machine: {machine}.", "",
         "| trials | completed | hangs | killed mid-save | fallback past 2 corrupted checked |",
         "|---:|---:|---:|---:|---:|",
@@ -163,9 +165,9 @@ def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]
         "- Each trial: a run checkpointing every step (digits MLP 64-1024-1024-512-10, 19 MB "
         "checkpoints) is SIGKILLed a random delay after its third checkpoint "
         f"(uniform in 0-{args.max_delay:g} s; drawn {delays[0]:.2f}-{delays[-1]:.2f} s).",
-        "- Completed: the newest valid checkpoint loaded with `torch.load(weights_only=True)` and held "
-        "the step its manifest names; after truncating it and flipping one bit of the one before, "
-        "`latest_valid` warned about both and chose the third newest, which loaded.",
+        "- Completed: the newest valid checkpoint loaded with `torch.load(weights_only=True)` and "
+        "held the step its manifest names; after truncating it and flipping one bit of the one "
+        "before, `latest_valid` warned about both and chose the third newest, which loaded.",
         "- Killed mid-save: trials whose kill left a temporary file or a checkpoint without its "
         "manifest (the kill landed inside a save); neither was ever taken for valid.",
     ])
@@ -176,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-delay", type=float, default=3.0, help="longest wait before the kill (s)")
+    parser.add_argument("--max-delay", type=float, default=3.0,
+                        help="longest wait before the kill (s)")
     parser.add_argument("--record", type=Path, help="append the result to this Markdown file")
     args = parser.parse_args(argv)
     random.seed(args.seed)
     import hvdtrain.torch.engine  # noqa: F401  (once, before the writers are forked)
-    from hvdtrain.driver import make_dataset
     from hvdtrain.config import load_config
+    from hvdtrain.driver import make_dataset
 
     make_dataset(load_config(None, [], environ={}))  # scikit-learn's loader, imported once too
     records = []

@@ -1,12 +1,12 @@
 """Runs Horovod's own parallel test suites against the Horovod that `make setup` installed.
 
 Each suite runs at 2 ranks under Gloo and under MPI (`horovodrun -np 2 --gloo|--mpi python -m pytest
-SUITE`); the tests listed in tests/horovod/known_artifacts.txt, and only those, are deselected. A table
-of passed, failed and skipped per suite and controller ends the output; the full logs are kept in
-runs/test-horovod/. Exit status 1 when any suite fails or gives no result.
+SUITE`); the tests listed in tests/horovod/known_artifacts.txt, and only those, are deselected. A
+table of passed, failed and skipped per suite and controller ends the output; the full logs are kept
+in runs/test-horovod/. Exit status 1 when any suite fails or gives no result.
 
-Horovod's sdist does not ship its tests: they are read from HOROVOD_TESTS (a folder holding v0.28.1's
-test/parallel and test/utils), by default ../shared/horovod-tests beside the checkout.
+Horovod's sdist does not ship its tests: they are read from HOROVOD_TESTS (a folder holding
+v0.28.1's test/parallel and test/utils), by default ../shared/horovod-tests beside the checkout.
 
 Usage: python scripts/test_horovod.py [--suite test_torch.py ...] [--controller gloo|mpi ...]
                                       [--select PYTEST_K_EXPRESSION]
@@ -40,7 +40,7 @@ and point HOROVOD_TESTS at it:  make test-horovod HOROVOD_TESTS=/some/dir"""
 
 
 def tests_dir() -> Path:
-    """The folder with test/parallel: HOROVOD_TESTS, else ../shared/horovod-tests; exits if neither."""
+    """The folder with test/parallel: HOROVOD_TESTS, else ../shared/horovod-tests; exits if none."""
     given = os.environ.get("HOROVOD_TESTS")
     folder = Path(given) if given else ROOT.parent / "shared" / "horovod-tests"
     if not (folder / "test" / "parallel").is_dir():
@@ -85,19 +85,21 @@ def run(suite: str, controller: str, folder: Path, artifacts: dict[str, str],
         select: str | None = None) -> dict[str, int]:
     """Runs one suite, keeps its log, returns its counts (empty when pytest gave no summary)."""
     deselect = [test_id for test_id in artifacts if test_id.split("::")[0] == suite]
-    # The plugin tests/horovod/deselect_artifacts.py drops exactly these ids (--deselect matches prefixes).
+    # The plugin tests/horovod/deselect_artifacts.py drops exactly these ids (--deselect takes
+    # prefixes).
     plugin_path = os.pathsep.join(filter(None, [str(PLUGIN_DIR), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "PYTHONUNBUFFERED": "1", "PYTHONPATH": plugin_path, "HVDTRAIN_DESELECT": "\n".join(deselect)}
-    print(f"==> [test-horovod] {suite} under {controller} ({len(deselect)} known artifacts deselected)",
-          flush=True)
+           "PYTHONUNBUFFERED": "1", "PYTHONPATH": plugin_path,
+           "HVDTRAIN_DESELECT": "\n".join(deselect)}
+    print(f"==> [test-horovod] {suite} under {controller} "
+          f"({len(deselect)} known artifacts deselected)", flush=True)
     try:
         proc = subprocess.run(command(suite, controller, select), cwd=folder, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
         output, returncode = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as stopped:  # keep what it printed; count it as an error
-        output = (stopped.stdout or b"").decode(errors="replace") if isinstance(stopped.stdout, bytes) \
-            else (stopped.stdout or "")
+        printed = stopped.stdout or ""
+        output = printed.decode(errors="replace") if isinstance(printed, bytes) else printed
         output, returncode = output + f"\n!!! stopped after {TIMEOUT_S} s\n", -1
     log = LOGS / f"{Path(suite).stem}-{controller}.log"
     log.write_text(output)

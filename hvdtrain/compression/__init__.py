@@ -10,7 +10,8 @@ This module imports neither a framework nor :mod:`hvdtrain.config` (which valida
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hvdtrain.registry import Registry
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -155,13 +156,14 @@ class Exchange(GradientExchange):
         k, ctx = self.kernels, self._context()
         sends: list[Message] = []
         carries: list[Carry] = []
-        for t, grad, draw in zip(self.plan.tensors, grads, host):
+        for t, grad, draw in zip(self.plan.tensors, grads, host, strict=True):
             flat = k.flat(grad)
             if not t.compressed:
                 sends.append(Message(mean=(k.cast(flat, self.plan.dense_dtype),)))
                 carries.append(((), (), ()))
                 continue
-            residual = self.store.read(slot_key(RESIDUAL, t.index)) if self.plan.uses_feedback else None
+            feedback = self.plan.uses_feedback
+            residual = self.store.read(slot_key(RESIDUAL, t.index)) if feedback else None
             acc = ref.error_feedback(flat, residual)
             stage = self.plan.start(ctx, t, acc, draw)
             self._keep(t, acc, stage)
@@ -175,7 +177,7 @@ class Exchange(GradientExchange):
         k, ctx = self.kernels, self._context()
         sends: list[Message] = []
         out: list[Carry] = []
-        for t, message, (acc, carry, average) in zip(self.plan.tensors, got, carries):
+        for t, message, (acc, carry, average) in zip(self.plan.tensors, got, carries, strict=True):
             if not isinstance(average, tuple):  # finished in an earlier round
                 stage = Stage(out=average)
             elif not t.compressed:
@@ -213,7 +215,8 @@ class Exchange(GradientExchange):
     def gather(self) -> None:
         """Collects every rank's residuals on every rank for :meth:`state_dict` (a collective: every
         rank calls it before rank 0 writes a checkpoint)."""
-        rows = {s.key: self._allgather_rows(self.store.numpy(s.key), f"hvdtrain.exchange.gather.{s.key}")
+        rows = {s.key: self._allgather_rows(self.store.numpy(s.key),
+                                            f"hvdtrain.exchange.gather.{s.key}")
                 for s in self.slots if s.per_rank}
         self._gathered = (self.step, rows)
 

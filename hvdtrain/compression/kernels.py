@@ -9,7 +9,8 @@ for arithmetic and these methods for the rest.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 

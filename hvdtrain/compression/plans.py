@@ -13,14 +13,15 @@ method does not compress are averaged in round 1 as ``dense_dtype``. The math is
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Protocol, Sequence
+from typing import ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.kernels import Context, Tensor
-from hvdtrain.compression.state import Q, RESIDUAL, Slot, slot_key
+from hvdtrain.compression.state import RESIDUAL, Q, Slot, slot_key
 
 
 class CommSettings(Protocol):
@@ -61,7 +62,7 @@ class Stage(NamedTuple):
     carry: tuple = ()
     """Tensors the next stage needs."""
     sent: Tensor = None
-    """This rank's own decompressed contribution, once known: error feedback keeps ``acc - sent``."""
+    """This rank's decompressed contribution, once known: error feedback keeps ``acc - sent``."""
     out: Tensor = None
     """The flat average over the ranks, from the last stage."""
 
@@ -103,8 +104,9 @@ class Plan:
         """Stage 0 of a compressed tensor."""
         raise NotImplementedError
 
-    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
-        """Stage ``round_`` (1-based) of a compressed tensor, from what round ``round_`` returned."""
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
+                carry: tuple) -> Stage:
+        """Stage ``round_`` (from 1) of a compressed tensor, from what that round returned."""
         raise NotImplementedError
 
     def tensor_wire_bytes(self, t: TensorPlan) -> int:
@@ -143,14 +145,15 @@ class _Sparse(Plan):
 
 
 class TopK(_Sparse):
-    """``topk``, round 1: allgather values (float32) and indices (int32); each rank scatter-adds all."""
+    """``topk``, round 1: allgather float32 values and int32 indices; each rank scatter-adds all."""
 
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         values, indices = ctx.kernels.topk_compress(acc, self.k(t))
         return Stage(Message(gather=(values, indices)),
                      sent=ctx.kernels.scatter(values, indices, t.size))
 
-    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
+                carry: tuple) -> Stage:
         values, indices = got.gather
         return Stage(out=ctx.kernels.scatter(values, indices, t.size) / ctx.size)
 
@@ -170,7 +173,8 @@ class RandomK(_Sparse):
         return Stage(Message(mean=(values,)), carry=(host,),
                      sent=ctx.kernels.scatter(values, host, t.size))
 
-    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
+                carry: tuple) -> Stage:
         return Stage(out=ctx.kernels.scatter(got.mean[0], carry[0], t.size))
 
     def tensor_wire_bytes(self, t: TensorPlan) -> int:
@@ -178,7 +182,7 @@ class RandomK(_Sparse):
 
 
 class QSGD(Plan):
-    """``qsgd``, round 1: allgather int8 codes and float32 scales; each rank decodes and averages all."""
+    """``qsgd``, round 1: allgather int8 codes and float32 scales; every rank decodes, averages."""
 
     dense = False
 
@@ -193,7 +197,8 @@ class QSGD(Plan):
         codes, scales = ctx.kernels.qsgd_compress(acc, self.comm.bucket, noise)
         return Stage(Message(gather=(codes, scales)))
 
-    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
+                carry: tuple) -> Stage:
         codes, scales = got.gather
         return Stage(out=ctx.kernels.qsgd_mean(codes, scales, self.comm.bucket, ctx.size))
 
@@ -210,7 +215,8 @@ class PowerSGD(Plan):
     rounds = 2
 
     def compressible(self, shape: tuple[int, ...]) -> bool:
-        return ref.large_enough(shape, self.comm.min_size) and ref.low_rank_pays(shape, self.comm.rank)
+        return (ref.large_enough(shape, self.comm.min_size)
+                and ref.low_rank_pays(shape, self.comm.rank))
 
     def slots(self) -> list[Slot]:
         q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed, t.index))
@@ -222,7 +228,8 @@ class PowerSGD(Plan):
         p = ctx.kernels.matmul(m, ctx.store.read(slot_key(Q, t.index)))
         return Stage(Message(mean=(p,)), carry=(m,))
 
-    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message, carry: tuple) -> Stage:
+    def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
+                carry: tuple) -> Stage:
         k = ctx.kernels
         if round_ == 1:
             (m,) = carry

@@ -6,15 +6,16 @@ select exactly the same entries.
 Conventions, shared by both frameworks:
 
 - A gradient is a float32 tensor of ``n`` elements, taken flat (row-major) except by PowerSGD, which
-  takes it as the matrix ``(shape[0], n // shape[0])``. Tensors are numbered ``index = 0, 1, ...`` in
-  the model's parameter order; the exchange of step ``step`` (1 for the first optimizer step) uses
-  ``seed`` = the config's ``seed``, never ``seed + rank``, so all ranks agree.
+  takes it as the matrix ``(shape[0], n // shape[0])``. Tensors are numbered ``index = 0, 1, ...``
+  in the model's parameter order; the exchange of step ``step`` (1 for the first optimizer step)
+  uses ``seed`` = the config's ``seed``, never ``seed + rank``, so all ranks agree.
 - :func:`philox` is the one random stream both frameworks reproduce:
   ``numpy.random.Generator(numpy.random.Philox(key=[seed, (step << 32) | index]))``.
 - ``k = max(1, floor(ratio * n))`` entries are kept by top-k and random-k (:func:`num_selected`).
 - **Error feedback** (top-k, random-k, PowerSGD): ``acc = grad + residual`` is compressed; this
   rank's own contribution ``sent`` (its compressed ``acc``, decompressed locally) leaves
-  ``residual' = acc - sent``, so ``sent + residual' == residual + grad`` (nothing is lost, only late).
+  ``residual' = acc - sent``, so ``sent + residual' == residual + grad`` (nothing is lost, only
+  late).
 - Aggregation is the mean over ranks of the ranks' decompressed contributions.
 
 Methods:
@@ -23,27 +24,28 @@ Methods:
   int32 indices in ascending index order. Ranks pick different indices, so the values cannot be
   allreduced: every rank allgathers all ``(values, indices)`` pairs and scatter-adds them.
   Wire: ``8k`` bytes per rank.
-- **randomk**: ``k`` distinct indices ``sorted(philox(seed, step, index).choice(n, k, replace=False))``,
-  the same on every rank, so the selected values are allreduced densely. Without error feedback the
-  values are scaled by ``n / k``, which makes the estimate unbiased; with it they are not (the
-  residual carries the rest). Wire: ``4k`` bytes per rank.
+- **randomk**: ``k`` distinct indices ``sorted(philox(seed, step, index).choice(n, k,
+  replace=False))``, the same on every rank, so the selected values are allreduced densely. Without
+  error feedback the values are scaled by ``n / k``, which makes the estimate unbiased; with it they
+  are not (the residual carries the rest). Wire: ``4k`` bytes per rank.
 - **qsgd**: 8-bit stochastic quantization with ``s = 127`` levels. Per bucket of ``bucket``
   consecutive elements (the last may be shorter; 0 = the whole tensor), ``scale = max|x|`` (float32)
-  and ``code = sign(x) * floor(|x| / scale * 127 + u)`` as int8, ``u ~ U[0, 1)`` float32, one draw per
-  element (0 codes where ``scale == 0``). Decoding is ``code * (scale / 127)``. ``E[floor(y + u)] =
-  y``, so the decoded tensor is unbiased. The noise ``u`` is an argument: tests pass the same array
-  to the reference and the kernel. In training it is stateless: each framework draws it from its
-  own generator seeded with :func:`noise_seed` of ``(seed, rank, step, index)``, so a resumed run
-  draws what an uninterrupted one would, and ranks draw independently (less variance in the mean).
-  Codes with different scales are not summable (and int8 sums overflow), so ranks allgather codes
-  and scales and each decodes and averages them all. Wire: ``n + 4 * ceil(n / bucket)`` bytes per rank.
+  and ``code = sign(x) * floor(|x| / scale * 127 + u)`` as int8, ``u ~ U[0, 1)`` float32, one draw
+  per element (0 codes where ``scale == 0``). Decoding is ``code * (scale / 127)``. ``E[floor(y +
+  u)] = y``, so the decoded tensor is unbiased. The noise ``u`` is an argument: tests pass the same
+  array to the reference and the kernel. In training it is stateless: each framework draws it from
+  its own generator seeded with :func:`noise_seed` of ``(seed, rank, step, index)``, so a resumed
+  run draws what an uninterrupted one would, and ranks draw independently (less variance in the
+  mean). Codes with different scales are not summable (and int8 sums overflow), so ranks allgather
+  codes and scales and each decodes and averages them all. Wire: ``n + 4 * ceil(n / bucket)`` bytes
+  per rank.
 - **powersgd** (Vogels et al., 2019): for the matrix ``M`` (rows x cols) and rank
   ``r = min(rank, rows, cols)``, with ``Q`` (cols x r) kept across steps (warm start; initially
   ``philox(seed, 0, index).standard_normal((cols, r), float32)``): ``P = mean_ranks(M Q)``;
-  ``P = orthogonalize(P)`` (modified Gram-Schmidt, :func:`orthogonalize`); ``Q = mean_ranks(M^T P)``;
-  the result is ``P Q^T``. A rank's own contribution is ``P (M^T P)^T``, which feeds error feedback.
-  At full rank ``P P^T`` projects onto the column space of ``M``, so the result is the exact mean.
-  Wire: ``4 r (rows + cols)`` bytes per rank.
+  ``P = orthogonalize(P)`` (modified Gram-Schmidt, :func:`orthogonalize`); ``Q = mean_ranks(M^T
+  P)``; the result is ``P Q^T``. A rank's own contribution is ``P (M^T P)^T``, which feeds error
+  feedback. At full rank ``P P^T`` projects onto the column space of ``M``, so the result is the
+  exact mean. Wire: ``4 r (rows + cols)`` bytes per rank.
 - Tensors that a method does not compress (:func:`large_enough`, and for PowerSGD also
   :func:`low_rank_pays`) are averaged densely as float32.
 """
@@ -51,7 +53,7 @@ Methods:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -130,7 +132,7 @@ def dense_mean(tensors: Sequence[np.ndarray]) -> np.ndarray:
 # top-k ------------------------------------------------------------------------------------------
 
 def topk_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``k`` largest-magnitude entries of flat ``x``: (float32 values, int32 indices ascending)."""
+    """The ``k`` largest-magnitude entries of flat ``x``: float32 values, int32 indices in order."""
     flat = x.reshape(-1)
     order = np.argsort(-np.abs(flat), kind="stable")[:k]
     idx = np.sort(order).astype(np.int32)
@@ -145,7 +147,7 @@ def sparse_mean(per_rank: Sequence[tuple[np.ndarray, np.ndarray]], n: int) -> np
 # random-k ---------------------------------------------------------------------------------------
 
 def randomk_indices(n: int, k: int, seed: int, step: int, index: int) -> np.ndarray:
-    """The ``k`` distinct indices every rank selects for tensor ``index`` at ``step`` (int32, sorted)."""
+    """The ``k`` distinct indices all ranks take for tensor ``index`` at ``step``: int32, sorted."""
     chosen = philox(seed, step, index).choice(n, size=k, replace=False)
     return np.sort(chosen).astype(np.int32)
 
@@ -191,7 +193,8 @@ def qsgd_compress(x: np.ndarray, bucket: int, noise: np.ndarray) -> tuple[np.nda
     u = _bucketed(noise.reshape(-1).astype(np.float32), bucket)
     # float32 can round 127 + u up to 128 when |x| is the scale and u is within 4e-6 of 1; 128
     # does not fit int8 and would wrap to -128, so the level is capped (the bias is negligible).
-    level = np.minimum(np.floor(np.abs(rows) / safe * np.float32(QSGD_LEVELS) + u), np.float32(QSGD_LEVELS))
+    levels = np.float32(QSGD_LEVELS)
+    level = np.minimum(np.floor(np.abs(rows) / safe * levels + u), levels)
     codes = (np.sign(rows) * level).reshape(-1)[:flat.size].astype(np.int8)
     return codes, scales.astype(np.float32)
 

@@ -29,7 +29,8 @@ class Augment:
         """The augmentation of the ``random_crop`` and ``flip`` options for samples of ``shape``,
         or None when both are off."""
         if not isinstance(random_crop, int) or isinstance(random_crop, bool) or random_crop < 0:
-            raise HvdtrainError(f"data.options.random_crop={random_crop!r}: expected an integer >= 0")
+            raise HvdtrainError(f"data.options.random_crop={random_crop!r}: "
+                                "expected an integer >= 0")
         if not isinstance(flip, bool):
             raise HvdtrainError(f"data.options.flip={flip!r}: expected true or false")
         if not random_crop and not flip:
@@ -56,4 +57,4 @@ class Augment:
         """Every sample of a batch augmented; ``indices`` are the samples' indices in the split."""
         if not len(x):
             return x
-        return np.stack([self.sample(row, i, draw) for row, i in zip(x, indices)])
+        return np.stack([self.sample(row, i, draw) for row, i in zip(x, indices, strict=True)])

@@ -37,7 +37,8 @@ class ArraySpec:
             shape = tuple(None if d is None else int(d) for d in self.shape)
             dtype = np.dtype(self.dtype).name
         except TypeError as exc:
-            raise HvdtrainError(f"ArraySpec(shape={self.shape!r}, dtype={self.dtype!r}): {exc}") from None
+            raise HvdtrainError(f"ArraySpec(shape={self.shape!r}, dtype={self.dtype!r}): "
+                                f"{exc}") from None
         if any(d is not None and d < 0 for d in shape):
             raise HvdtrainError(f"ArraySpec: negative size in shape {shape}")
         object.__setattr__(self, "shape", shape)
@@ -45,7 +46,7 @@ class ArraySpec:
 
     @classmethod
     def of(cls, array: Any, batched: bool = True) -> ArraySpec:
-        """The spec of ``array``'s samples: of each row when ``batched``, else of ``array`` itself."""
+        """The spec of ``array``'s samples: of each row when ``batched``, else of the whole."""
         shape = np.shape(array)
         return cls(shape[1:] if batched else shape, tree.dtype_name(array.dtype))
 
@@ -57,7 +58,7 @@ class ArraySpec:
         """How a batch's ``array`` differs from this spec, or an empty string when it fits."""
         shape, dtype = tuple(np.shape(array)), tree.dtype_name(array.dtype)
         fits = len(shape) == len(self.shape) + 1 and all(
-            want is None or want == got for want, got in zip(self.shape, shape[1:]))
+            want is None or want == got for want, got in zip(self.shape, shape[1:], strict=True))
         if dtype == self.dtype and fits:
             return ""
         return f"{dtype}{list(shape[1:])} a sample, the dataset's spec says {self}"
@@ -80,7 +81,8 @@ class DatasetSpec:
     Classification is the short path: ``DatasetSpec(input_shape=(64,), num_classes=10)`` means
     float32 inputs of that shape and one int64 label a sample. For a language model::
 
-        DatasetSpec(inputs={"tokens": ArraySpec((128,), "int64"), "mask": ArraySpec((128,), "bool")},
+        DatasetSpec(inputs={"tokens": ArraySpec((128,), "int64"),
+                            "mask": ArraySpec((128,), "bool")},
                     targets=ArraySpec((128,), "int64"))
 
     and ``targets=None`` for data without targets (the adapter's loss uses the inputs alone).
@@ -135,12 +137,15 @@ class DatasetSpec:
 
     def check(self, batch: Batch, size: int, where: str) -> None:
         """Raises :class:`~hvdtrain.errors.HvdtrainError` naming the first array of ``batch`` that
-        is not of this spec's structure, dtype and shape, or whose batch dimension is not ``size``."""
-        for name, specs, arrays in (("inputs", self.inputs, batch.x), ("targets", self.targets, batch.y)):
+        is not of this spec's structure, dtype and shape, or whose batch size is not ``size``."""
+        for name, specs, arrays in (("inputs", self.inputs, batch.x),
+                                    ("targets", self.targets, batch.y)):
             tree.map_tree(lambda *_: None, specs, arrays, where=f"{where}: {name}")  # the structure
-            for (path, spec), array in zip(tree.leaves_with_paths(specs), tree.leaves(arrays)):
+            leaves = zip(tree.leaves_with_paths(specs), tree.leaves(arrays), strict=True)
+            for (path, spec), array in leaves:
                 rows = np.shape(array)[0] if np.ndim(array) else None
-                problem = spec.mismatch(array) or ("" if rows == size else f"{rows} samples, not {size}")
+                problem = (spec.mismatch(array)
+                           or ("" if rows == size else f"{rows} samples, not {size}"))
                 if problem:
                     raise HvdtrainError(f"{where}: {name}{tree.path_name(path)} has {problem}")
 
@@ -156,9 +161,10 @@ def _check_specs(specs: Any, field: str, may_be_none: bool) -> None:
             raise HvdtrainError(f"DatasetSpec.{field}{tree.path_name(path)}: expected an "
                                 f"ArraySpec(shape, dtype), got {leaf!r}")
     if not found or any(node is None for node in _nodes(specs)):
-        what = "None only as the whole targets (no targets)" if may_be_none else "give inputs or input_shape"
-        raise HvdtrainError(f"DatasetSpec.{field}={tree.describe(specs)}: expected an ArraySpec, or a "
-                            f"tuple, list or dict of them; {what}")
+        what = ("None only as the whole targets (no targets)" if may_be_none
+                else "give inputs or input_shape")
+        raise HvdtrainError(f"DatasetSpec.{field}={tree.describe(specs)}: expected an ArraySpec, "
+                            f"or a tuple, list or dict of them; {what}")
 
 
 def _nodes(specs: Any) -> list[Any]:
@@ -231,7 +237,8 @@ class Split(Source):
             raise HvdtrainError("dataset split has no input arrays")
         if len(set(lengths.values())) > 1:
             if set(lengths) == {"x", "y"}:
-                raise HvdtrainError(f"dataset split has {lengths['x']} inputs but {lengths['y']} labels")
+                raise HvdtrainError(f"dataset split has {lengths['x']} inputs but "
+                                    f"{lengths['y']} labels")
             raise HvdtrainError("dataset split's arrays differ in length: "
                                 + ", ".join(f"{name} {n}" for name, n in lengths.items()))
 

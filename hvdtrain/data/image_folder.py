@@ -75,7 +75,8 @@ class ImageFiles(Source):
         return Batch(x, y, tuple(skipped))
 
 
-def list_images(split_dir: Path, classes: list[str] | None) -> tuple[list[str], np.ndarray, list[str]]:
+def list_images(split_dir: Path, classes: list[str] | None
+                ) -> tuple[list[str], np.ndarray, list[str]]:
     """The image files of one split, sorted, their labels and the class names (``classes`` for the
     test split: the train split's). An empty class folder is an error."""
     if not split_dir.is_dir():
@@ -103,8 +104,9 @@ class ImageFolder(BuiltDataset):
     """Class-per-folder images under ``root`` (``train`` and ``test`` sub-folders).
 
     Options: ``root``; ``size`` (pixels of the square images the model sees, default 32);
-    ``random_crop`` and ``flip`` augment the training split (:class:`~hvdtrain.data.augment.Augment`);
-    ``skip_corrupt`` replaces unreadable images instead of stopping (see :class:`ImageFiles`).
+    ``random_crop`` and ``flip`` augment the training split
+    (:class:`~hvdtrain.data.augment.Augment`); ``skip_corrupt`` replaces unreadable images instead
+    of stopping (see :class:`ImageFiles`).
     """
 
     def __init__(self, root: str, size: int = 32, random_crop: int = 0, flip: bool = False,

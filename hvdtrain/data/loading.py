@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
 from hvdtrain.data.contracts import Batch, Draw, Source
 from hvdtrain.data.sampler import StepIndices
-from hvdtrain.horovod_start import compute_threads
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.horovod_start import compute_threads
 
 MAX_AUTO_WORKERS = 8
 """The most loader workers ``data.workers: -1`` gives a rank."""
@@ -28,7 +29,8 @@ MAX_AUTO_WORKERS = 8
 
 def loader_workers(configured: int, local_size: int) -> int:
     """Loader workers for one rank: ``configured`` when 0 or more, else half the cores the rank
-    has (:func:`hvdtrain.horovod_start.compute_threads`), at least 1 and at most :data:`MAX_AUTO_WORKERS`.
+    has (:func:`hvdtrain.horovod_start.compute_threads`), at least 1 and at most
+    :data:`MAX_AUTO_WORKERS`.
 
     Half: the workers decode while the rank's compute threads train on the same cores, and a
     worker per core would take them from the compute. At least one, so that loading overlaps the
@@ -107,7 +109,7 @@ def eval_requests(batches: Iterable[np.ndarray]) -> list[Request]:
 
 
 def check_loaded(loaded: Loaded, expected: np.ndarray) -> None:
-    """Raises the worker's data error; guards the promise that a stream yields the plan's samples."""
+    """Raises the worker's data error; guards the promise that a stream yields the plan."""
     if loaded.error:
         raise HvdtrainError(loaded.error)
     if not np.array_equal(loaded.indices, expected):

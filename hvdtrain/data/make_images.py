@@ -5,37 +5,42 @@ files."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hvdtrain.errors import HvdtrainError
 
+if TYPE_CHECKING:
+    from PIL.ImageDraw import ImageDraw  # imported when images are made, not with the package
+
 Box = tuple[float, float, float, float]
 
 
-def _polygon(points: list[tuple[float, float]]) -> Callable[[object, Box, tuple], None]:
+def _polygon(points: list[tuple[float, float]]) -> Callable[[ImageDraw, Box, tuple], None]:
     """A shape drawn as a polygon given in the unit square, scaled into the box."""
-    def draw(canvas: object, box: Box, colour: tuple) -> None:
+    def draw(canvas: ImageDraw, box: Box, colour: tuple) -> None:
         x0, y0, x1, y1 = box
-        canvas.polygon([(x0 + px * (x1 - x0), y0 + py * (y1 - y0)) for px, py in points], fill=colour)
+        corners = [(x0 + px * (x1 - x0), y0 + py * (y1 - y0)) for px, py in points]
+        canvas.polygon(corners, fill=colour)
     return draw
 
 
-def _ring(canvas: object, box: Box, colour: tuple) -> None:
+def _ring(canvas: ImageDraw, box: Box, colour: tuple) -> None:
     width = max(1, round((box[2] - box[0]) / 5))
     canvas.ellipse(box, outline=colour, width=width)
 
 
-def _cross(canvas: object, box: Box, colour: tuple) -> None:
+def _cross(canvas: ImageDraw, box: Box, colour: tuple) -> None:
     x0, y0, x1, y1 = box
     w, h = (x1 - x0) / 3, (y1 - y0) / 3
     canvas.rectangle((x0 + w, y0, x1 - w, y1), fill=colour)
     canvas.rectangle((x0, y0 + h, x1, y1 - h), fill=colour)
 
 
-SHAPES: dict[str, Callable[[object, Box, tuple], None]] = {
+SHAPES: dict[str, Callable[[ImageDraw, Box, tuple], None]] = {
     "circle": lambda canvas, box, colour: canvas.ellipse(box, fill=colour),
     "square": lambda canvas, box, colour: canvas.rectangle(box, fill=colour),
     "triangle": _polygon([(0.5, 0), (1, 1), (0, 1)]),
@@ -44,7 +49,8 @@ SHAPES: dict[str, Callable[[object, Box, tuple], None]] = {
     "ring": _ring,
     "hbar": _polygon([(0, 0.35), (1, 0.35), (1, 0.65), (0, 0.65)]),
     "vbar": _polygon([(0.35, 0), (0.65, 0), (0.65, 1), (0.35, 1)]),
-    "arrow": _polygon([(0, 0.3), (0.55, 0.3), (0.55, 0), (1, 0.5), (0.55, 1), (0.55, 0.7), (0, 0.7)]),
+    "arrow": _polygon([(0, 0.3), (0.55, 0.3), (0.55, 0), (1, 0.5), (0.55, 1), (0.55, 0.7),
+                       (0, 0.7)]),
     "hourglass": _polygon([(0, 0), (1, 0), (0, 1), (1, 1)]),
 }
 """The ten classes; their folder names, sorted, give the labels."""

@@ -10,7 +10,14 @@ from typing import BinaryIO
 import numpy as np
 
 from hvdtrain.data.augment import Augment
-from hvdtrain.data.contracts import Batch, BuiltDataset, DatasetSpec, Draw, Source, check_label_range
+from hvdtrain.data.contracts import (
+    Batch,
+    BuiltDataset,
+    DatasetSpec,
+    Draw,
+    Source,
+    check_label_range,
+)
 from hvdtrain.errors import HvdtrainError
 
 
@@ -60,13 +67,15 @@ def load_labels(path: Path, what: str) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise HvdtrainError(f"data.options: {what} file {path} is not a readable .npy: {exc}") from None
+        raise HvdtrainError(f"data.options: {what} file {path} is not a readable .npy: "
+                            f"{exc}") from None
 
 
 class NpySource(Source):
     """Rows of a memory-mapped input array and its labels; inputs cast to float32 and scaled."""
 
-    def __init__(self, x: MappedArray, y: np.ndarray, scale: float, augment: Augment | None) -> None:
+    def __init__(self, x: MappedArray, y: np.ndarray, scale: float,
+                 augment: Augment | None) -> None:
         self.mapped, self.x, self.y = x, x.array, y
         self.scale, self.augment = np.float32(scale), augment
 
@@ -90,16 +99,17 @@ class NpyDataset(BuiltDataset):
 
     Options: ``root``; ``scale`` multiplies the inputs (``1/255`` for uint8 pixels);
     ``num_classes`` (0: the largest label plus one); ``random_crop`` and ``flip`` augment image
-    samples (channels, height, width) of the training split (:class:`~hvdtrain.data.augment.Augment`).
-    Mismatched lengths or shapes and labels out of range are errors before training.
+    samples (channels, height, width) of the training split
+    (:class:`~hvdtrain.data.augment.Augment`). Mismatched lengths or shapes and labels out of range
+    are errors before training.
     """
 
     def __init__(self, root: str, scale: float = 1.0, num_classes: int = 0, random_crop: int = 0,
                  flip: bool = False) -> None:
         base = Path(root)
         inputs = {name: MappedArray(base / f"{name}.npy", name) for name in ("train_x", "test_x")}
-        arrays = {**{name: mapped.array for name, mapped in inputs.items()},
-                  **{name: load_labels(base / f"{name}.npy", name) for name in ("train_y", "test_y")}}
+        labels = {name: load_labels(base / f"{name}.npy", name) for name in ("train_y", "test_y")}
+        arrays = {**{name: mapped.array for name, mapped in inputs.items()}, **labels}
         for split in ("train", "test"):
             x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
             if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):

@@ -10,8 +10,8 @@ number (samples consumed) that a resumed or resized job can continue from.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class ShardedSampler:
         return math.ceil((self.num_samples - start) / self.step_samples(world_size))
 
     def steps(self, epoch: int, rank: int, world_size: int, start: int = 0) -> EpochPlan:
-        """This rank's steps of ``epoch``, from sample position ``start`` (samples already consumed)."""
+        """This rank's steps of ``epoch`` from sample position ``start`` (the samples before it)."""
         order = self.permutation(epoch)[start:]
         per_step, per_micro = self.step_samples(world_size), self.batch_size * world_size
         steps = []
@@ -100,7 +100,8 @@ class ShardedSampler:
         return EpochPlan(epoch, steps)
 
 
-def eval_shards(num_samples: int, rank: int, world_size: int, batch_size: int) -> Iterator[np.ndarray]:
+def eval_shards(num_samples: int, rank: int, world_size: int, batch_size: int
+                ) -> Iterator[np.ndarray]:
     """This rank's evaluation batches: every ``world_size``-th sample, in order, in batches.
 
     A rank with no samples still gets one empty batch, so that every rank reports the same metric

@@ -38,7 +38,7 @@ def _rebuild(like: Tree, children: list[Tree]) -> Tree:
     if like is None:
         return None
     if isinstance(like, dict):
-        return dict(zip(sorted(like), children))
+        return dict(zip(sorted(like), children, strict=True))
     if isinstance(like, tuple) and hasattr(like, "_fields"):
         return type(like)(*children)
     return type(like)(children)
@@ -89,7 +89,8 @@ def _map(fn: Callable[..., Any], trees: Sequence[Tree], path: tuple[Any, ...], w
     return _rebuild(first, children)
 
 
-def leaves_with_paths(tree: Tree, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def leaves_with_paths(tree: Tree, path: tuple[Any, ...] = ()
+                      ) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """The leaves of ``tree`` in order, each with its path of keys."""
     if not is_node(tree):
         yield path, tree

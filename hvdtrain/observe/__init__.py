@@ -10,7 +10,8 @@
 - :mod:`~hvdtrain.observe.ranks`: per-rank costs through the metrics allreduce: step time split,
   bytes on the wire, stragglers (``Monitor``).
 - :mod:`~hvdtrain.observe.watchdog`: the stall watchdog, which names the ranks that stopped.
-- :mod:`~hvdtrain.observe.report`: ``hvdtrain report``, plots and a summary table of run directories.
+- :mod:`~hvdtrain.observe.report`: ``hvdtrain report``, plots and a summary table of run
+  directories.
 
 Framework-free, like the rest of the core.
 """

@@ -37,7 +37,7 @@ class Sink(abc.ABC):
     def restart(self, step: int, total_steps: int) -> None:
         """The run goes on from ``step`` towards ``total_steps`` (an elastic reset to its last
         commit, at a new world size): records held back of later steps are forgotten, since they
-        are trained again, and progress counts to the new total. Most sinks keep nothing of either."""
+        are trained again, and progress counts to the new total. Most sinks hold neither."""
 
     def close(self) -> None:
         """Flushes and releases what the sink holds."""
@@ -146,8 +146,8 @@ class MetricsLogger:
             sink.close()
 
 
-def make_logger(cfg: Config, run_dir: RunDir, writer: bool, total_steps: int, *, start_step: int = 0,
-                resumed: bool = False) -> MetricsLogger:
+def make_logger(cfg: Config, run_dir: RunDir, writer: bool, total_steps: int, *,
+                start_step: int = 0, resumed: bool = False) -> MetricsLogger:
     """Rank 0 logs to each sink that ``cfg.log`` turns on (a resumed run continues its event files
     and its W&B run); the other ranks get no sinks."""
     if not writer:

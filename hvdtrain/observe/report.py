@@ -48,10 +48,13 @@ FIGURES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "eval_accuracy.png": ("Evaluation accuracy per epoch",
                           (Panel("epoch", ("eval_accuracy",), "eval accuracy"),)),
     "comm_compute.png": ("Communication vs compute per step",
-                         (Panel("step", ("compute_time_s", "comm_time_s", "data_wait_time_s"), "seconds"),)),
-    "bytes.png": ("Bytes per step and rank", (Panel("step", ("wire_bytes", "dense_bytes"), "bytes"),)),
-    "system.png": ("System, per rank", (Panel("step", ("cpu_percent_rank*",), "CPU (% of one core)"),
-                                        Panel("step", ("rss_mb_rank*",), "resident memory (MiB)"))),
+                         (Panel("step", ("compute_time_s", "comm_time_s", "data_wait_time_s"),
+                                "seconds"),)),
+    "bytes.png": ("Bytes per step and rank",
+                  (Panel("step", ("wire_bytes", "dense_bytes"), "bytes"),)),
+    "system.png": ("System, per rank",
+                   (Panel("step", ("cpu_percent_rank*",), "CPU (% of one core)"),
+                    Panel("step", ("rss_mb_rank*",), "resident memory (MiB)"))),
     "gpu.png": ("GPU, per rank", (Panel("step", ("gpu_util_percent_rank*",), "GPU utilisation (%)"),
                                   Panel("step", ("gpu_mem_mb_rank*",), "GPU memory (MiB)"))),
 }
@@ -78,7 +81,8 @@ def load_run(path: Path) -> Run:
     run_dir = RunDir(path)
     metrics = run_dir.metrics
     if not metrics.is_file():
-        raise HvdtrainError(f"{str(path)!r} holds no {metrics.name} (is it a hvdtrain run directory?)")
+        raise HvdtrainError(f"{str(path)!r} holds no {metrics.name} "
+                            "(is it a hvdtrain run directory?)")
     records = read_records(metrics)
     summary = _read_optional(run_dir.summary, json.loads)
     config = _read_optional(run_dir.config, yaml.safe_load)
@@ -132,8 +136,8 @@ def draw_figure(runs: list[Run], title: str, panels: tuple[Panel, ...], out: Pat
     fig = Figure(figsize=(6.4 * len(drawn), 4.4), layout="constrained")
     fig.suptitle(title)
     colors = [f"C{i % 10}" for i in range(len(runs))]
-    for ax, panel in zip(fig.subplots(1, len(drawn), squeeze=False)[0], drawn):
-        for run, color in zip(runs, colors):
+    for ax, panel in zip(fig.subplots(1, len(drawn), squeeze=False)[0], drawn, strict=True):
+        for run, color in zip(runs, colors, strict=True):
             for index, key in enumerate(expand(panel.keys, run.records)):
                 style = STYLES[index % len(STYLES)]
                 xs, ys = series(run.records, panel.x, key)

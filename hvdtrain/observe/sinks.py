@@ -18,8 +18,9 @@ import string
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO, cast
 
 from hvdtrain.errors import RESUME_ADVICE, HvdtrainError, os_failure
 from hvdtrain.observe.records import Sink, has_eval
@@ -94,10 +95,10 @@ def append_whole(fd: int, data: bytes) -> None:
         while view:
             view = view[os.write(fd, view):]
     except OSError:
-        try:
-            os.ftruncate(fd, start)  # shrinking a file needs no free space
-        except OSError:
-            pass  # the reader drops a last line cut short (hvdtrain.rundir.read_records)
+        # Shrinking a file needs no free space; should it fail anyway, the reader drops a last line
+        # cut short (hvdtrain.rundir.read_records).
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
         raise
 
 
@@ -145,13 +146,15 @@ class ConsoleSink(Sink):
 
     def log(self, record: dict[str, Any]) -> None:
         if not self._bar:
-            head = f"[hvdtrain] epoch {record['epoch']} step {record['step']:>{self._width}}/{self._total}"
+            step = f"{record['step']:>{self._width}}/{self._total}"
+            head = f"[hvdtrain] epoch {record['epoch']} step {step}"
             body = " ".join(_fmt(k, record[k]) for k in self.KEYS if k in record)
             print(f"{head} {body}", file=self._stream, flush=True)
             return
         line = self.bar_line(record)
         if has_eval(record):
-            evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy") if k in record)
+            evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy")
+                             if k in record)
             self._stream.write(f"{line} {evals}".ljust(self._drawn) + "\n")
             self._drawn = 0
         else:
@@ -255,7 +258,8 @@ class TensorBoardSink(Sink):
         try:
             yield
         except OSError as exc:
-            raise os_failure(exc, "cannot write TensorBoard events", self._path, RESUME_ADVICE) from None
+            raise os_failure(exc, "cannot write TensorBoard events", self._path,
+                             RESUME_ADVICE) from None
 
 
 def wandb_run_id(run_dir: Path, resumed: bool) -> str:
@@ -297,8 +301,9 @@ class WandbSink(Sink):
         # console="off": W&B would otherwise wrap stdout and stderr, which belong to the console
         # sink and to horovodrun's per-rank output. x_disable_stats: W&B's own sampler would see
         # rank 0's machine only and take CPU from training; hvdtrain logs every rank's figures.
-        self._run = wandb.init(dir=run_dir, mode=mode, project=project, name=name, id=run_id,
-                               resume="allow", config=config,
+        # The config's choices for log.wandb are W&B modes: the str is one of W&B's literals.
+        self._run = wandb.init(dir=run_dir, mode=cast(Any, mode), project=project, name=name,
+                               id=run_id, resume="allow", config=config,
                                settings=wandb.Settings(console="off", quiet=True,
                                                        x_disable_stats=True))
 
@@ -311,5 +316,5 @@ class WandbSink(Sink):
     def close(self) -> None:
         self._run.finish()
         # The service process holds the offline run's last records until it is torn down; teardown
-        # also removes the WANDB_SERVICE variable that wandb.init put into this process's environment.
+        # also removes the WANDB_SERVICE variable that wandb.init put into this process's environ.
         self._wandb.teardown()

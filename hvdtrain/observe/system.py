@@ -65,7 +65,7 @@ class SystemSampler:
                 nvml, handle = self._nvml
                 out["gpu"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
                 out["gpu_mem"] = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
-            except Exception:  # a driver hiccup must not end training; stop asking
+            except Exception:  # noqa: BLE001  (a driver hiccup must not end training; stop asking)
                 self._nvml = None
         return out
 
@@ -84,5 +84,5 @@ def _nvml_handle(local_rank: int) -> tuple[Any, Any] | None:
         # NVML numbers all devices; CUDA_VISIBLE_DEVICES, when set, says which ones this job has.
         index = ids[local_rank % len(ids)] if ids else local_rank % count
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # ImportError, NVMLError (no driver): no GPU metrics, nothing else changes
+    except Exception:  # noqa: BLE001  (ImportError, NVMLError: no GPU metrics, nothing else changes)
         return None

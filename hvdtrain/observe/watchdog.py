@@ -1,4 +1,4 @@
-"""The stall watchdog: when no step finishes in time, name the ranks that stopped, dump stacks, exit.
+"""The stall watchdog: when no step ends in time, name the ranks that stopped, dump stacks, exit.
 
 A hung rank (stuck in its data or model code, or in native code) leaves every other rank waiting in
 the next collective, forever. Every rank runs a watchdog thread. When its rank has made no progress
@@ -30,9 +30,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from hvdtrain.rundir import RunDir
 
@@ -72,7 +73,8 @@ def verdict(notes: dict[int, dict[str, Any]], size: int, timeout_s: float) -> st
     parts = [f"stall: no step or evaluation finished for {timeout_s:g} s (train.stall_timeout_s)."]
     for rank in stopped:
         note = notes[rank]
-        parts.append(f"Rank {rank} ({note['host']}, pid {note['pid']}) stopped in {note['location']}.")
+        parts.append(f"Rank {rank} ({note['host']}, pid {note['pid']}) stopped in "
+                     f"{note['location']}.")
     if missing:
         parts.append(f"Rank(s) {_ranks(missing)} sent no report (blocked in native code, or on a "
                      "host that does not share the run directory): they stopped.")
@@ -109,7 +111,7 @@ class StallWatchdog:
         self._thread: threading.Thread | None = None
         self._main = threading.main_thread().ident
 
-    def __enter__(self) -> "StallWatchdog":
+    def __enter__(self) -> StallWatchdog:
         if self.timeout_s > 0:
             self.run_dir.create()  # or a one-line error, the same on every rank
             self._note_path(self.rank).unlink(missing_ok=True)  # an earlier run's
@@ -121,7 +123,8 @@ class StallWatchdog:
                              "its threads' stacks follow.\n")
             self._file.flush()
             self.beat()
-            self._thread = threading.Thread(target=self._watch, name="hvdtrain-watchdog", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name="hvdtrain-watchdog",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -147,7 +150,8 @@ class StallWatchdog:
         return self.run_dir.stall_note(rank)
 
     def _report(self) -> None:
-        frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the documented way to peek
+        # sys._current_frames: private by its name, yet documented, and the way to peek.
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
         waiting, location = where(frame)
         note = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(),
                 "waiting": waiting, "location": location,

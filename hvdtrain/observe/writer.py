@@ -21,6 +21,7 @@ leaves complete TensorBoard and W&B files behind. Framework-free.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -28,7 +29,8 @@ import select
 import signal
 import subprocess
 import sys
-from typing import IO, Any, Sequence
+from collections.abc import Sequence
+from typing import IO, Any
 
 from hvdtrain.errors import RESUME_ADVICE, EnvironmentFailure, HvdtrainError, os_failure
 from hvdtrain.registry import SINKS
@@ -91,10 +93,8 @@ class SinkProcess:
     def close(self) -> None:
         """Ends the child's input, waits until it has closed its sinks; raises its first error."""
         if not self._stdin.closed:
-            try:
+            with contextlib.suppress(BrokenPipeError):  # the child is gone; its answer says why
                 self._stdin.close()
-            except BrokenPipeError:  # the child is gone; its answer says why
-                pass
         try:
             self._proc.wait(timeout=CLOSE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -137,10 +137,10 @@ _KINDS: dict[str, type[HvdtrainError]] = {"error": HvdtrainError, "failure": Env
 
 
 def _grow_pipe(pipe: IO[str]) -> None:
-    try:
+    # AttributeError: not Linux (no F_SETPIPE_SZ); OSError: over the system's limit. The default
+    # size remains either way.
+    with contextlib.suppress(AttributeError, OSError):
         fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-    except (AttributeError, OSError):  # not Linux, or over the system's limit: the default remains
-        pass
 
 
 def lower_priority() -> None:

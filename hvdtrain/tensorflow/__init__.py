@@ -5,6 +5,6 @@ import os
 # TensorFlow's C++ start-up notices (CPU features, oneDNN) are not the user's concern.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from hvdtrain.tensorflow.models import MLP, ClassifierAdapter  # noqa: E402
+from hvdtrain.tensorflow.models import MLP, ClassifierAdapter
 
 __all__ = ["MLP", "ClassifierAdapter"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.common.elastic import run_fn
@@ -24,7 +24,8 @@ class TensorFlowCollectives(HorovodCollectives):
         # Eager Horovod ops in TensorFlow complete before they return: nothing is left to wait for.
         keys = sorted(sums)
         values = tf.constant([sums[k] for k in keys], tf.float64)
-        total = dict(zip(keys, hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()))
+        summed = hvd.allreduce(values, op=hvd.Sum, name="hvdtrain.sums").numpy().tolist()
+        total = dict(zip(keys, summed, strict=True))
         return lambda: total
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:

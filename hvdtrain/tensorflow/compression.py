@@ -12,9 +12,9 @@ time is the time this rank waited for the exchange. The dense methods (``none``,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
@@ -66,7 +66,7 @@ def _bucketed(flat: tf.Tensor, bucket: int) -> tf.Tensor:
 
 
 def qsgd_compress(x: tf.Tensor, bucket: int, noise: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """int8 codes and float32 per-bucket scales of flat ``x``; ``noise`` is U[0, 1), shape of ``x``."""
+    """int8 codes and float32 per-bucket scales of flat ``x``; ``noise``: U[0, 1), ``x``'s shape."""
     rows = _bucketed(x, bucket)
     scales = tf.reduce_max(tf.abs(rows), axis=1)
     safe = tf.where(scales > 0, scales, tf.ones_like(scales))[:, None]
@@ -148,8 +148,9 @@ class VariableStore:
     stages read and assign."""
 
     def __init__(self, slots: list[Slot]) -> None:
-        self.variables = {s.key: tf.Variable(s.initial, trainable=False, name=s.key.replace("/", "_"))
-                          for s in slots}
+        self.variables = {
+            s.key: tf.Variable(s.initial, trainable=False, name=s.key.replace("/", "_"))
+            for s in slots}
 
     def read(self, key: str) -> tf.Tensor:
         return self.variables[key].value()
@@ -188,7 +189,7 @@ def _collective(tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, T
         for dtype, where in _by_dtype(tensors).items():
             name = f"hvdtrain.{tag}.{kind}.{dtype.name}"
             done = collective([tensors[i] for i in where], name=name, **kwargs)
-            for i, t in zip(where, done):
+            for i, t in zip(where, done, strict=True):
                 out[i] = t
         return out
     return (grouped(hvd.grouped_allgather, gather, "gather"),

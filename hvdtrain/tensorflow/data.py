@@ -13,18 +13,26 @@ stops the run naming the array, before TensorFlow would refuse it less clearly.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import ArraySpec, Batch, DatasetSpec, Draw, Source
-from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
-                                   eval_requests, fetch, load_direct)
+from hvdtrain.data.loading import (
+    Loaded,
+    PlanCursor,
+    Request,
+    SkipReport,
+    check_loaded,
+    eval_requests,
+    fetch,
+    load_direct,
+)
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
-
 
 FIXED = tf.data.Options()
 FIXED.autotune.enabled = False
@@ -80,11 +88,12 @@ class TensorFlowLoader:
             for idx in step.micro:
                 yield self._load(Request("train", idx, draw))
             return
-        if not self.cursor.follows(step):
-            self._stream = self._open(self.cursor.open(step, self.seed))
+        stream = self._stream
+        if stream is None or not self.cursor.follows(step):  # None: no stream was opened yet
+            stream = self._stream = self._open(self.cursor.open(step, self.seed))
         self.cursor.advance()  # the stream is now past this step, however far the caller reads
         for idx in step.micro:
-            yield self._next(self._stream, idx)
+            yield self._next(stream, idx)
 
     def eval_batches(self, batches: Iterable[np.ndarray]) -> Iterator[Pair]:
         """The test split's batches, in order, as ``(inputs, targets)``."""
@@ -120,7 +129,7 @@ class TensorFlowLoader:
         def mapped(row: tf.Tensor, length: tf.Tensor) -> Element:
             idx = row[:length]
             flat = tf.py_function(load, [idx], [tf.as_dtype(s.dtype) for s in specs])
-            for tensor, spec in zip(flat, specs):
+            for tensor, spec in zip(flat, specs, strict=True):
                 tensor.set_shape([None, *spec.shape])
             x, y = tree.unflatten(structure, flat)
             return idx, x, y
@@ -146,7 +155,8 @@ class TensorFlowLoader:
         """A batch loaded on the training thread."""
         batch = load_direct(self.sources, request, self.skips)
         self._check(batch, len(request.indices), request.split)
-        return tree.map_tree(tf.convert_to_tensor, batch.x), tree.map_tree(tf.convert_to_tensor, batch.y)
+        return (tree.map_tree(tf.convert_to_tensor, batch.x),
+                tree.map_tree(tf.convert_to_tensor, batch.y))
 
 
 def padded_indices(requests: list[Request]) -> tuple[np.ndarray, np.ndarray]:

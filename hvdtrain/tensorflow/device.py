@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import warnings
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -33,9 +32,9 @@ def place(kind: str, local_rank: int, local_size: int) -> int | None:
         tf.config.set_visible_devices([gpus[index]] if index is not None else [], "GPU")
         if index is not None:
             tf.config.experimental.set_memory_growth(gpus[index], True)
-    except RuntimeError:  # the runtime already started (a second run in one process) keeps its devices
-        warnings.warn("TensorFlow's devices are fixed once its runtime started; train.device applies "
-                      "to a new process only", stacklevel=2)
+    except RuntimeError:  # a runtime already started (a second run in a process) keeps its devices
+        warnings.warn("TensorFlow's devices are fixed once its runtime started; train.device "
+                      "applies to a new process only", stacklevel=2)
     return index
 
 

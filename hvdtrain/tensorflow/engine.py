@@ -12,9 +12,9 @@ from __future__ import annotations
 import io
 import json
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod
 import horovod.tensorflow as hvd
 import keras
@@ -35,8 +35,8 @@ from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
-from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
+from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.exchange import make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.precision import Precision
@@ -44,7 +44,7 @@ from hvdtrain.tensorflow.step import TensorFlowKernels
 
 
 def make_optimizer(o: OptimConfig) -> keras.optimizers.Optimizer:
-    """The configured Keras optimizer, with PyTorch's defaults where Keras differs (Adam's epsilon)."""
+    """The configured Keras optimizer, with PyTorch's defaults where Keras's differ (Adam's eps)."""
     if o.name == "sgd":
         return keras.optimizers.SGD(learning_rate=o.lr, momentum=o.momentum)
     if o.name == "adam":
@@ -57,7 +57,7 @@ def _set_threads(count: int) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
     except RuntimeError:
-        # TensorFlow fixes its pools when its runtime starts: a second run in one process keeps them.
+        # TensorFlow fixes its pools when its runtime starts: a second run in a process keeps them.
         current = tf.config.threading.get_intra_op_parallelism_threads()
         if current != count:
             warnings.warn(f"TensorFlow already runs with {current} threads per op; "
@@ -71,8 +71,9 @@ class TensorFlowEngine(Engine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         self.collectives = TensorFlowCollectives()
-        self.adapter: ModelAdapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name),
-                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
+        self.adapter: ModelAdapter = make_adapter(
+            MODELS["tensorflow"].get(cfg.model.name), cfg.model.options, cfg.model.name,
+            ClassifierAdapter)
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
         self.rank, self.size = hvd.rank(), hvd.size()
@@ -158,7 +159,7 @@ class TensorFlowEngine(Engine):
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
         arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
-        arrays |= {f"compression/{k}": v for k, v in self.exchange.state_dict().items()}
+        arrays |= {f"compression/{k}": v for k, v in (self.exchange.state_dict() or {}).items()}
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
         return buffer.getvalue()
@@ -178,7 +179,7 @@ class TensorFlowEngine(Engine):
             missing = [name for name in expected if name not in arrays]
             if missing or not isinstance(meta, dict):
                 raise KeyError(f"no entry {missing[0]}" if missing else "meta is not a mapping")
-        except Exception as exc:  # whatever the file holds, the user gets one line naming it
+        except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
             raise not_a_checkpoint(where, exc) from None
         try:
             for prefix, variables in (("model", self.model.variables),
@@ -192,7 +193,7 @@ class TensorFlowEngine(Engine):
                                            if name.startswith("compression/")}, where)
         except HvdtrainError:
             raise
-        except Exception as exc:  # entries of the wrong type, or not what hvdtrain wrote
+        except Exception as exc:  # noqa: BLE001  (entries of the wrong type, or not hvdtrain's)
             raise HvdtrainError(f"{where} does not fit the model: {type(exc).__name__}: "
                                 f"{(str(exc).strip().splitlines() or [''])[0][:160]}") from None
         return meta
@@ -206,7 +207,8 @@ class TensorFlowEngine(Engine):
 
     def parameters(self) -> dict[str, np.ndarray]:
         # Positions, not Keras paths: paths carry per-process counters (dense_1, dense_2, ...).
-        return {f"{i}.{v.name}": v.numpy().copy() for i, v in enumerate(self.model.trainable_variables)}
+        return {f"{i}.{v.name}": v.numpy().copy()
+                for i, v in enumerate(self.model.trainable_variables)}
 
     def versions(self) -> dict[str, str]:
         return {"tensorflow": tf.__version__, "keras": keras.__version__,

@@ -1,4 +1,5 @@
-"""The gradient exchanges of :mod:`hvdtrain.exchange` for TensorFlow, built by :func:`make_exchange`.
+"""The gradient exchanges of :mod:`hvdtrain.exchange` for TensorFlow, built by
+:func:`make_exchange`.
 
 ``dense`` is :class:`DenseAllreduce`: Horovod's grouped allreduce of every gradient, which the step
 traces into one function with the gradients and the update (:meth:`DenseAllreduce.traced_mean`),
@@ -9,9 +10,8 @@ once per step after the micro-batches.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import tensorflow as tf
 

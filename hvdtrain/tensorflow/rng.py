@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import numpy as np
 import tensorflow as tf
 from keras.src.random.seed_generator import global_seed_generator
@@ -32,7 +31,8 @@ def capture() -> dict[str, np.ndarray]:
                   "keras": global_seed_generator().state.numpy()}
     _, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    return {**frameworks, "numpy_keys": keys, "numpy_rest": np.array([pos, has_gauss, gauss], np.float64),
+    return {**frameworks, "numpy_keys": keys,
+            "numpy_rest": np.array([pos, has_gauss, gauss], np.float64),
             "python": np.array([version, *internal], np.int64),
             "python_gauss": np.array([np.nan if gauss_next is None else gauss_next], np.float64)}
 
@@ -50,7 +50,7 @@ def restore(state: dict[str, np.ndarray]) -> None:
 
 def fork(seed: int, rank: int, step: int) -> None:
     """Gives a rank other than 0 a stream of its own after it received rank 0's state: a checkpoint
-    holds rank 0's generators only, and equal streams would give every rank the same dropout masks."""
+    holds rank 0's generators only, and equal streams would give all ranks one dropout mask."""
     mixed = hash((seed, rank, step)) & 0x7FFF_FFFF
     _global_generator().reset_from_seed(mixed)
     global_seed_generator().state.assign(np.array([mixed, 0], global_seed_generator().state.dtype))

@@ -15,9 +15,9 @@ Horovod's XLA ops are not built, so no ``jit_compile``.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import keras
 import tensorflow as tf
 
@@ -53,6 +53,8 @@ class TensorFlowKernels(StepKernels):
 
     ``l2`` is the weight decay applied as L2 on the gradient, as torch's SGD and Adam do (Keras
     would decay the weights directly)."""
+
+    precision: Precision  # the skeleton's PrecisionKernels, and what TensorFlow's step adds
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                  adapter: ModelAdapter, data: TensorFlowLoader, precision: Precision,
@@ -109,16 +111,16 @@ class TensorFlowKernels(StepKernels):
     def _accumulate(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
         """A micro-batch before the last of a step: local gradients only, no communication."""
         loss_sum, metrics, grads = self._local_gradients(x, y, scale)
-        for acc, grad in zip(self.accumulators, grads):
+        for acc, grad in zip(self.accumulators, grads, strict=True):
             acc.assign_add(grad)
         return loss_sum, metrics
 
     def _gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
                    ) -> tuple[tf.Tensor, dict, list[tf.Tensor]]:
-        """The step's last micro-batch: its gradients plus the accumulated ones, ready to exchange."""
+        """The step's last micro-batch: its gradients plus those accumulated, ready to exchange."""
         loss_sum, metrics, grads = self._local_gradients(x, y, scale)
         if self.accumulators:
-            grads = [g + acc for g, acc in zip(grads, self.accumulators)]
+            grads = [g + acc for g, acc in zip(grads, self.accumulators, strict=True)]
             for acc in self.accumulators:
                 acc.assign(tf.zeros_like(acc))
         return loss_sum, metrics, grads
@@ -126,7 +128,8 @@ class TensorFlowKernels(StepKernels):
     def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
         """The step's last micro-batch, the dense allreduce and the update in one function.
         Returns its loss sum, its metrics (in ``_metric_keys`` order) and the seconds from the
-        gradients being ready to their average as one float64 vector: one copy to the host a step."""
+        gradients being ready to their average, as one float64 vector: one copy to the host a step.
+        """
         loss_sum, metrics, grads = self._gradients(x, y, scale)
         self._metric_keys = sorted(metrics)  # set while tracing, before the first result is read
         with tf.control_dependencies(grads):
@@ -145,8 +148,8 @@ class TensorFlowKernels(StepKernels):
         self.precision.note(grads)
         if self.l2:  # scaled as the gradients are: the loss-scale optimizer unscales both
             grads = [g + self.precision.scale(self.optimizer, self.l2 * v.value)
-                     for g, v in zip(grads, self.model.trainable_variables)]
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+                     for g, v in zip(grads, self.model.trainable_variables, strict=True)]
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
 
     # the kernels of hvdtrain.step ----------------------------------------------------------------
 
@@ -177,7 +180,7 @@ class TensorFlowKernels(StepKernels):
             return None
         x, y = batch
         loss_sum, *values, comm = self._fused_fn(x, y, self._scale(weight)).numpy().tolist()
-        return loss_sum, dict(zip(self._metric_keys, values)), comm
+        return loss_sum, dict(zip(self._metric_keys, values, strict=True)), comm
 
     def _scale(self, value: float) -> tf.Tensor:
         """``value`` as a tensor, made again only when it changes (the last step of an epoch)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import hvdtrain.tensorflow  # noqa: F401  (quiets TensorFlow before it loads)
 import horovod.tensorflow as hvd
 import keras
 import tensorflow as tf
@@ -37,7 +36,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         total = hvd.allreduce(local, op=hvd.Sum, name=f"{self.sync_name}.sum")
         n = tf.maximum(total[-1], 1.0)
         mean = total[:-1] / n
-        squares = tf.reduce_sum(tf.square(inputs - tf.reshape(mean, self._broadcast_shape(inputs))), axes)
+        centred = inputs - tf.reshape(mean, self._broadcast_shape(inputs))
+        squares = tf.reduce_sum(tf.square(centred), axes)
         variance = hvd.allreduce(squares, op=hvd.Sum, name=f"{self.sync_name}.var") / n
         return mean, variance
 

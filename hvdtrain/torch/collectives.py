@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -20,7 +21,7 @@ class TorchCollectives(HorovodCollectives):
         keys = sorted(sums)
         values = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         handle = hvd.allreduce_async(values, op=hvd.Sum, name="hvdtrain.sums")
-        return lambda: dict(zip(keys, hvd.synchronize(handle).tolist()))
+        return lambda: dict(zip(keys, hvd.synchronize(handle).tolist(), strict=True))
 
     def elastic_run(self, func: Callable[..., Any]) -> Callable[..., Any]:
         return hvd.elastic.run(func)

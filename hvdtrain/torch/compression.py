@@ -1,14 +1,15 @@
 """Gradient compression for PyTorch: the kernels of :mod:`hvdtrain.compression.reference` in torch
 and Horovod's torch collectives, which run the shared plans (:mod:`hvdtrain.compression.exchange`).
 
-``none`` and ``fp16`` go through Horovod's DistributedOptimizer instead (:mod:`hvdtrain.torch.exchange`);
-the other methods run :class:`CompressingExchange` once per optimizer step, after all
-micro-batches' gradients have accumulated locally.
+``none`` and ``fp16`` go through Horovod's DistributedOptimizer instead
+(:mod:`hvdtrain.torch.exchange`); the other methods run :class:`CompressingExchange` once per
+optimizer step, after all micro-batches' gradients have accumulated locally.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import horovod.torch as hvd
 import numpy as np
@@ -51,7 +52,7 @@ def uniform(seed: torch.Tensor, n: int) -> torch.Tensor:
 
 def qsgd_compress(x: torch.Tensor, bucket: int, noise: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes and float32 per-bucket scales of flat ``x``; ``noise`` is U[0, 1), shape of ``x``."""
+    """int8 codes and float32 per-bucket scales of flat ``x``; ``noise``: U[0, 1), ``x``'s shape."""
     rows = _bucketed(x, bucket)
     scales = rows.abs().amax(dim=1)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]

@@ -11,7 +11,8 @@ structure stays.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,8 +20,16 @@ import torch.utils.data
 
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import ArraySpec, Batch, BuiltDataset, DatasetSpec, Draw, Source
-from hvdtrain.data.loading import (Loaded, PlanCursor, Request, SkipReport, check_loaded,
-                                   eval_requests, fetch, load_direct)
+from hvdtrain.data.loading import (
+    Loaded,
+    PlanCursor,
+    Request,
+    SkipReport,
+    check_loaded,
+    eval_requests,
+    fetch,
+    load_direct,
+)
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import import_object
@@ -103,8 +112,13 @@ class TorchLoader:
         self._loader: torch.utils.data.DataLoader | None = None
         if workers > 0 and not (train.in_memory and test.in_memory):
             self._loader = torch.utils.data.DataLoader(
-                _SourcesDataset(self.sources), batch_sampler=self._requests, num_workers=workers,
-                collate_fn=_collate, pin_memory=pins_memory(device), prefetch_factor=prefetch,
+                # The DataLoader hands each of batch_sampler's items (a Request here, where its
+                # annotations say a list of indices) to __getitems__ and the result to collate_fn.
+                _SourcesDataset(self.sources),
+                batch_sampler=self._requests,  # type: ignore[arg-type]
+                num_workers=workers,
+                collate_fn=_collate,  # type: ignore[arg-type]
+                pin_memory=pins_memory(device), prefetch_factor=prefetch,
                 persistent_workers=True, generator=torch.Generator().manual_seed(seed))
             # Fork the workers now, before the run opens its pipes: a worker forked later would
             # hold the metrics writer's stdin open, and the writer would never see its end.
@@ -113,6 +127,12 @@ class TorchLoader:
     def _direct(self, split: str) -> bool:
         return self._loader is None or self.sources[split].in_memory
 
+    def _workers(self) -> torch.utils.data.DataLoader:
+        """The loader with worker processes, which a split that is not :meth:`_direct` has."""
+        if self._loader is None:
+            raise RuntimeError("TorchLoader: no worker processes for a split that needs them")
+        return self._loader
+
     def batches(self, step: StepIndices) -> Iterator[Pair]:
         """The step's micro-batches, in order, as ``(inputs, targets)`` on the device."""
         if self._direct("train"):
@@ -120,12 +140,13 @@ class TorchLoader:
             for idx in step.micro:
                 yield self._load(Request("train", idx, draw))
             return
-        if not self.cursor.follows(step):
+        stream = self._stream
+        if stream is None or not self.cursor.follows(step):  # None: no stream was opened yet
             self._requests.requests = self.cursor.open(step, self.seed)
-            self._stream = iter(self._loader)
+            stream = self._stream = iter(self._workers())
         self.cursor.advance()  # the stream is now past this step, however far the caller reads
         for idx in step.micro:
-            yield self._tensors(next(self._stream), idx)
+            yield self._tensors(next(stream), idx)
 
     def eval_batches(self, batches: Iterable[np.ndarray]) -> Iterator[Pair]:
         """The test split's batches, in order, as ``(inputs, targets)`` on the device."""
@@ -136,7 +157,7 @@ class TorchLoader:
             return
         self.cursor.close()
         self._requests.requests = requests
-        stream = iter(self._loader)
+        stream = iter(self._workers())
         for request in requests:
             yield self._tensors(next(stream), request.indices)
 
@@ -199,7 +220,7 @@ class TorchDatasetSource(Source):
             item = self.dataset[index]
             pair = item if isinstance(item, (tuple, list)) and len(item) == 2 else (item, None)
             return tree.map_tree(_array, pair[0]), tree.map_tree(_array, pair[1])
-        except Exception as exc:  # a user's dataset may raise anything: name where, in one line
+        except Exception as exc:  # noqa: BLE001  (a user's dataset raises anything: say where)
             first = str(exc).strip().splitlines()[:1]
             raise HvdtrainError(f"{self.name}[{index}]: {type(exc).__name__}: "
                                 f"{first[0] if first else ''}") from None

@@ -57,4 +57,5 @@ def to_device(device: torch.device, *tensors: torch.Tensor) -> tuple[Any, ...]:
 def summary(device: torch.device) -> dict[str, str]:
     """The run summary's ``device`` and ``collectives``."""
     controller = "mpi" if hvd.mpi_enabled() else "gloo"
-    return describe(device.type, device.index, device.type == "cuda" and hvd.nccl_built(), controller)
+    nccl = device.type == "cuda" and hvd.nccl_built()
+    return describe(device.type, device.index, nccl, controller)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import horovod
 import horovod.torch as hvd
@@ -29,8 +30,8 @@ from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
 from hvdtrain.torch.compression import to_torch
-from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.data import TorchLoader
+from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.exchange import make_exchange
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.precision import PlacedAdapter, Precision
@@ -54,8 +55,9 @@ class TorchEngine(Engine):
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         self.seed = cfg.seed
         self.collectives = TorchCollectives()
-        self.adapter: ModelAdapter = make_adapter(MODELS["torch"].get(cfg.model.name),
-                                                  cfg.model.options, cfg.model.name, ClassifierAdapter)
+        self.adapter: ModelAdapter = make_adapter(
+            MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
+            ClassifierAdapter)
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
         self.rank, self.size = hvd.rank(), hvd.size()
@@ -84,10 +86,11 @@ class TorchEngine(Engine):
 
     def _make_optimizer(self, cfg: Config) -> None:
         self.exchange, self.optimizer = make_exchange(
-            cfg.comm, cfg.seed, self.rank, self.size, self.model, make_optimizer(cfg.optim, self.model),
-            cfg.train.backward_passes_per_step)
+            cfg.comm, cfg.seed, self.rank, self.size, self.model,
+            make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step)
         self.precision.attach(self.optimizer)
-        self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data, self.precision)
+        self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data,
+                                    self.precision)
         self._stats: dict[str, float] = {}
 
     def broadcast_state(self) -> None:
@@ -130,7 +133,8 @@ class TorchEngine(Engine):
         buffer = io.BytesIO()
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "rng": rng.capture(), "precision": self.precision.state_dict(),
-                    "compression": to_torch(entry) if (entry := self.exchange.state_dict()) else None,
+                    "compression": (to_torch(entry) if (entry := self.exchange.state_dict())
+                                    else None),
                     "meta": meta}, buffer)
         return buffer.getvalue()
 
@@ -145,8 +149,9 @@ class TorchEngine(Engine):
                 warnings.simplefilter("ignore")
                 state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:  # objects other than tensors: refused, never built
-            raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was run") from None
-        except Exception as exc:  # whatever the file holds, the user gets one line naming it
+            raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was "
+                                          "run") from None
+        except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
             raise not_a_checkpoint(where, exc) from None
         if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
                 and isinstance(state["meta"], dict)):
@@ -160,7 +165,7 @@ class TorchEngine(Engine):
                 rng.restore(state["rng"])
         except HvdtrainError:
             raise
-        except Exception as exc:  # entries of the wrong shape, or not what torch wrote
+        except Exception as exc:  # noqa: BLE001  (entries of the wrong shape, or not torch's)
             first = str(exc).strip().splitlines() or [type(exc).__name__]
             raise HvdtrainError(f"{where} does not fit the model: "
                                 f"{' '.join(line.strip() for line in first[:3])}") from None

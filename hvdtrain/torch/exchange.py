@@ -9,7 +9,9 @@ computation; :meth:`DenseAllreduce.run` waits for them. ``compressing`` is
 from __future__ import annotations
 
 import time
-from typing import Any, ContextManager, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import horovod.torch as hvd
 import torch
@@ -64,12 +66,13 @@ class DenseAllreduce(GradientExchange):
         wire, dense = self._bytes
         self.stats = {"wire_bytes": float(wire), "dense_bytes": float(dense),
                       "comm_s": time.perf_counter() - waited, "compress_s": 0.0}
-        return [p.grad for p in self.params]
+        # Every parameter has one (TorchKernels.gradients); update() zips them strictly.
+        return [p.grad for p in self.params if p.grad is not None]
 
     def any_rank(self, flag: bool) -> bool:
         return any_rank(flag)
 
-    def updating(self) -> ContextManager[Any]:
+    def updating(self) -> AbstractContextManager[Any]:
         return self.optimizer.skip_synchronize()
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:

@@ -1,5 +1,6 @@
 """Mixed precision for the PyTorch engine: ``torch.autocast`` for bf16 and fp16, and for fp16 a
-``GradScaler``, as the precision kernels of :mod:`hvdtrain.step` (policy in :mod:`hvdtrain.precision`).
+``GradScaler``, as the precision kernels of :mod:`hvdtrain.step` (policy in
+:mod:`hvdtrain.precision`).
 
 The order around the exchange is the step skeleton's. With Horovod's ``DistributedOptimizer``
 (the dense exchange) it is Horovod's documented one: the exchange reduces the scaled gradients
@@ -12,7 +13,8 @@ unscaled first (:meth:`Precision.unscale`), after the ranks agreed whether any o
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -37,10 +39,10 @@ class Precision(PrecisionKernels):
         self._skipped = False
 
     def attach(self, optimizer: Any) -> None:
-        """The optimizer that :meth:`update` steps (Horovod's ``DistributedOptimizer`` or a plain one)."""
+        """The optimizer :meth:`update` steps: Horovod's ``DistributedOptimizer`` or a plain one."""
         self.optimizer = optimizer
 
-    def autocast(self) -> ContextManager[Any]:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward pass's context: autocast to bf16 or fp16, or nothing for fp32."""
         if self.dtype is None:
             return contextlib.nullcontext()
@@ -67,7 +69,7 @@ class Precision(PrecisionKernels):
         return list(grads)
 
     def update(self, grads: Sequence[torch.Tensor], unscaled: bool) -> None:
-        for p, grad in zip(self._params(), grads):
+        for p, grad in zip(self._params(), grads, strict=True):
             p.grad = grad
         if self.scaler is not None and not unscaled:
             self.scaler.unscale_(self.optimizer)
@@ -76,7 +78,8 @@ class Precision(PrecisionKernels):
     def skip(self) -> None:
         # The scaler sees an overflow on this rank too, and skips with the others.
         for p in self._params():
-            p.grad.fill_(float("inf"))
+            if p.grad is not None:  # every one, after TorchKernels.gradients
+                p.grad.fill_(float("inf"))
         self._step()
 
     @property
@@ -84,7 +87,8 @@ class Precision(PrecisionKernels):
         return self._skipped
 
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        return [p for group in self.optimizer.param_groups for p in group["params"]
+                if p.requires_grad]
 
     def _step(self) -> None:
         if self.scaler is None:

@@ -21,8 +21,8 @@ def capture() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     return {"torch": torch.get_rng_state(),
-            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "gauss": float(gauss)},
+            "numpy": {"name": name, "keys": torch.from_numpy(np.asarray(keys, np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
             "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []}
 
@@ -43,7 +43,7 @@ def restore(state: dict[str, Any]) -> None:
 
 def fork(seed: int, rank: int, step: int) -> None:
     """Gives a rank other than 0 a stream of its own after it received rank 0's state: a checkpoint
-    holds rank 0's generators only, and equal streams would give every rank the same dropout masks."""
+    holds rank 0's generators only, and equal streams would give all ranks one dropout mask."""
     mixed = hash((seed, rank, step)) & 0x7FFF_FFFF
     torch.manual_seed(mixed)
     np.random.seed(mixed)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -15,6 +16,8 @@ from hvdtrain.torch.precision import Precision
 
 class TorchKernels(StepKernels):
     """Forward, backward and update of one ``torch.nn.Module`` with its optimizer and loader."""
+
+    precision: Precision  # the skeleton's PrecisionKernels, and the backward pass's scaling
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  adapter: ModelAdapter, data: TorchLoader, precision: Precision) -> None:
@@ -42,7 +45,9 @@ class TorchKernels(StepKernels):
         return loss_sum.detach(), metrics
 
     def gradients(self) -> list[torch.Tensor]:
+        grads = []
         for p in self.params:
             if p.grad is None:  # a parameter this step did not reach still takes part
                 p.grad = torch.zeros_like(p)
-        return [p.grad for p in self.params]
+            grads.append(p.grad)
+        return grads

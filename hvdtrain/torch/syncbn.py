@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
@@ -31,13 +30,9 @@ class CpuSyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training or hvd.size() == 1:
-            return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                                self.training or not self.track_running_stats, self.momentum, self.eps)
-        if self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            return super().forward(input)  # one rank's samples are all there are: torch's own
         mean, var, count = self._global_moments(input)
-        if self.track_running_stats:
-            self._update_running(mean, var, count)
+        self._update_running(mean, var, count)
         shape = [1, -1] + [1] * (input.dim() - 2)
         out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
@@ -46,7 +41,8 @@ class CpuSyncBatchNorm(_BatchNorm):
 
     def _global_moments(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         dims = [0, *range(2, input.dim())]
-        local = torch.cat([input.sum(dims), input.new_tensor([input.numel() / max(input.size(1), 1)])])
+        samples = input.new_tensor([input.numel() / max(input.size(1), 1)])
+        local = torch.cat([input.sum(dims), samples])
         total = hvd.allreduce(local, op=hvd.Sum, name=f"{self.sync_name}.sum")
         count = float(total[-1])
         mean = total[:-1] / max(count, 1.0)
@@ -57,18 +53,24 @@ class CpuSyncBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+        tracked, running_mean, running_var = (self.num_batches_tracked, self.running_mean,
+                                              self.running_var)
+        if tracked is None or running_mean is None or running_var is None:
+            return  # track_running_stats=False: the layer has no such buffers
+        tracked.add_(1)
         # As torch's BatchNorm: the running variance is the unbiased one.
         unbiased = var * (count / max(count - 1.0, 1.0))
-        momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
-        self.running_mean.lerp_(mean.detach(), momentum)
-        self.running_var.lerp_(unbiased.detach(), momentum)
+        momentum = self.momentum if self.momentum is not None else 1.0 / float(tracked)
+        running_mean.lerp_(mean.detach(), momentum)
+        running_var.lerp_(unbiased.detach(), momentum)
 
 
 def convert(module: torch.nn.Module, device: torch.device, path: str = "model") -> torch.nn.Module:
     """``module`` with every batch-norm layer replaced by a synchronized one for ``device``
     (parameters, buffers and train/eval mode carried over)."""
     cls = hvd.SyncBatchNorm if device.type == "cuda" else CpuSyncBatchNorm
-    if isinstance(module, _BatchNorm) and not isinstance(module, (hvd.SyncBatchNorm, CpuSyncBatchNorm)):
+    synced_already = isinstance(module, (hvd.SyncBatchNorm, CpuSyncBatchNorm))
+    if isinstance(module, _BatchNorm) and not synced_already:
         synced = cls(module.num_features, module.eps, module.momentum, module.affine,
                      module.track_running_stats)
         synced.load_state_dict(module.state_dict())
