@@ -21,8 +21,9 @@ import os
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.engine import Collectives, Engine
@@ -33,7 +34,7 @@ POSITION_KEYS = ("step", "epoch", "in_epoch", "samples")
 """The training position every checkpoint's metadata holds (``meta["position"]``)."""
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Writes ``path`` through ``write(fileobj)`` so that it appears complete or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -127,7 +128,7 @@ class CheckpointManager:
         if rank == 0:
             try:
                 self.wait()
-            except BaseException as exc:  # raised below on every rank at once
+            except BaseException as exc:  # noqa: BLE001  (raised below on every rank at once)
                 failure = exc
             failure, self._held = failure or self._held, None
         # One small allreduce says whether rank 0 failed (only rank 0 adds to it); the error itself
@@ -147,7 +148,7 @@ class CheckpointManager:
         except OSError as exc:
             self._failure = os_failure(exc, "cannot write checkpoint", self.path_for(step),
                                        self._advice(step))
-        except BaseException as exc:  # handed to the training thread by wait()
+        except BaseException as exc:  # noqa: BLE001  (handed to the training thread by wait())
             self._failure = exc
 
     def _advice(self, step: int) -> str:
@@ -165,7 +166,7 @@ class CheckpointManager:
         if failure is not None:
             raise failure
 
-    def write(self, step: int, write: Callable[[IO[bytes]], None]) -> Path:
+    def write(self, step: int, write: Callable[[IO[bytes]], object]) -> Path:
         """Writes the checkpoint of ``step`` through ``write(fileobj)``, then its manifest, then
         prunes old ones. The sha256 is computed from the bytes as they are written, so the file is
         not read back."""

@@ -10,8 +10,9 @@ sum and so acts after the same step: no rank stops, or raises, alone.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from hvdtrain.observe.ranks import Monitor, StepCosts, pop_ranks, rank_keys
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from hvdtrain.checkpoint import CheckpointManager, checked_position, verify
 from hvdtrain.config import Config

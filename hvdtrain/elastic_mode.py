@@ -6,7 +6,8 @@ Imported only when ``elastic.enabled``, since it loads Horovod's elastic machine
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from horovod.common.elastic import State
 

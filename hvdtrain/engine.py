@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import importlib
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -158,7 +159,8 @@ class Engine(Step, StateIO):
     local_rank: int
     local_size: int
     cycle_time_ms: str
-    """Horovod's cycle time in force, as :func:`hvdtrain.horovod_start.set_cycle_time` left ``HOROVOD_CYCLE_TIME``."""
+    """Horovod's cycle time in force, as :func:`hvdtrain.horovod_start.set_cycle_time` left
+    ``HOROVOD_CYCLE_TIME``."""
 
     @abc.abstractmethod
     def resize(self, rank: int, size: int, accumulation: int) -> None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, ContextManager, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +81,7 @@ class GradientExchange(abc.ABC):
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of the group (a collective)."""
 
-    def updating(self) -> ContextManager[Any]:
+    def updating(self) -> AbstractContextManager[Any]:
         """The context the optimizer update runs in after :meth:`run` (Horovod's
         ``DistributedOptimizer`` must not reduce again inside its own ``step``)."""
         return contextlib.nullcontext()

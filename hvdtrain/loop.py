@@ -13,19 +13,20 @@ import hashlib
 import math
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config, TrainConfig
+from hvdtrain.controls import Controls
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.sampler import ShardedSampler, StepIndices, eval_shards
 from hvdtrain.engine import Engine
 from hvdtrain.errors import Diverged, HvdtrainError
-from hvdtrain.controls import Controls
 from hvdtrain.observe.ranks import Monitor, StepCosts
 from hvdtrain.observe.records import MetricsLogger
 from hvdtrain.observe.system import process_age_s
@@ -236,7 +237,7 @@ class Loop:
         self.pos.in_epoch += indices.global_count
         self.pos.samples += indices.global_count
         for micro in indices.micro:
-            self.fingerprint.update(np.ascontiguousarray(micro, dtype="<i8"))  # no copy for int64
+            self.fingerprint.update(np.ascontiguousarray(micro, dtype="<i8").data)  # no copy for int64
         for callback in self.callbacks:
             callback.on_step_end(self.pos.epoch, indices)
 

@@ -4,8 +4,9 @@ runs the loop from a position with the collaborators that outlive an elastic res
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.exchange import GradientExchange, empty_stats

@@ -11,8 +11,9 @@ Framework-free.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from hvdtrain.observe.system import SystemSampler
 
