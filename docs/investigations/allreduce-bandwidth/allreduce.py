@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the harness and the worker
 import harness  # noqa: E402
-from allreduce_records import (  # noqa: E402, F401  (the record format, with cluster.py)
-    CONTROL, COPY, HOROVOD, KEY, RAW, Tables, bus, by_size, human)
+from allreduce_records import CONTROL, COPY, HOROVOD, KEY, RAW, Tables, bus, by_size, human  # noqa: E402  (the record format, with cluster.py)
 
 NOTE = ROOT / "docs" / "investigations" / "allreduce-bandwidth.md"
 """Where a run writes its section (``--output`` by default)."""

@@ -17,8 +17,8 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 Span = tuple[float, float]
 ALLREDUCE_PARTS = ("WAIT_FOR_DATA", "WAIT_FOR_OTHER_TENSOR_DATA", "INIT_FUSION_BUFFER",

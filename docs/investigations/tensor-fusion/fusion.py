@@ -12,15 +12,15 @@ stays in ``benchmarks/``.
 Usage (from the repository root)::
 
     .venv/bin/python docs/investigations/tensor-fusion/fusion.py
-    .venv/bin/python docs/investigations/tensor-fusion/fusion.py --quick --no-write   # a tiny end-to-end check
+    .venv/bin/python docs/investigations/tensor-fusion/fusion.py --quick --no-write  # a tiny end-to-end check
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]

@@ -16,14 +16,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import horovod.torch as hvd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # the shared workload
-import workload  # noqa: E402
+import workload
 
 
 def batch(tensors: list[torch.Tensor]) -> None:
