@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import read_jsonl
+from tests.conftest import assert_accuracy_near, read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 # min_size=0 compresses the biases too: with them dense (4 bytes per element against top-k's 8 per
@@ -45,11 +45,14 @@ def _accuracy(summary: dict) -> float:
 def test_compressed_accuracy_stays_near_uncompressed(compressed, two_ranks, framework):
     base = two_ranks(framework, "gloo")
     runs = compressed(framework)
+    """Each method within the margin the 360 test samples allow of uncompressed training (0.038 at
+    0.97: kernels alone move a run's accuracy by several samples); fp16 and qsgd, which lose next
+    to nothing, within it on both sides. A method that stopped learning lands near 0.1."""
     reference = _accuracy(base.summary("base"))
-    assert abs(_accuracy(base.summary("fp16")) - reference) <= 0.005
-    assert abs(_accuracy(runs.summary("qsgd")) - reference) <= 0.005
-    assert _accuracy(runs.summary("topk")) >= reference - 0.01
-    assert _accuracy(runs.summary("powersgd")) >= reference - 0.01
+    assert_accuracy_near(_accuracy(base.summary("fp16")), reference, "fp16", above_too=True)
+    assert_accuracy_near(_accuracy(runs.summary("qsgd")), reference, "qsgd", above_too=True)
+    assert_accuracy_near(_accuracy(runs.summary("topk")), reference, "topk")
+    assert_accuracy_near(_accuracy(runs.summary("powersgd")), reference, "powersgd")
     assert _accuracy(runs.summary("randomk")) >= 0.5  # 3 epochs: it learns, with every method path
 
 
