@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export HOROVOD_TESTS
 
-.PHONY: setup demo test test-unit test-horovod bench clean
+.PHONY: setup demo test test-fast test-unit test-horovod bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -40,6 +40,14 @@ test: setup
 # (default ../shared/horovod-tests). Known test artifacts: tests/horovod/known_artifacts.txt.
 test-horovod: setup
 	$(BIN)/python scripts/test_horovod.py
+
+# The tiers that need no root and no launcher: the unit tier, then PyTorch and TensorFlow in one
+# process each (Horovod at size 1), each in a pytest process of its own, as in `make test`; the
+# markers select within each folder (setup.cfg lists the tiers).
+test-fast: setup
+	$(BIN)/python -m pytest -m unit tests/unit && \
+	$(BIN)/python -m pytest -m torch --durations=10 tests/torch && \
+	$(BIN)/python -m pytest -m tensorflow --durations=10 tests/tensorflow
 
 test-unit:
 	$(BIN)/python -m pytest tests/unit
