@@ -37,8 +37,9 @@ def accuracy_margin(reference: float, n: int, *, chance: float, sigmas: float = 
     standard error sqrt(e (1 - e) / n) and the difference of two sqrt(2 e (1 - e) / n), an upper
     bound, as the two models mostly miss the same samples. e is the reference's, taken at least
     1 / n so that a perfect reference still leaves room. On digits (360 test samples, about 0.97)
-    three of them are 0.038, 14 samples; the fixed 0.01 (4 samples) that this replaced failed on a
-    machine whose torch kernels run at AVX512: top-k scored 345 of 360, the bar asked 346.
+    three of them are 0.038, 14 samples. The fixed 0.01 (4 samples) that this replaced held top-k
+    at 1% to 346 of 360 against 349 uncompressed: it scores 346 with torch's AVX2 kernels and 345
+    with its default and AVX512 ones, and failed there.
 
     The margin must stay well below what broken training loses, as that falls towards ``chance``:
     it is checked to be under a quarter of the way from the reference down to chance, so a test
@@ -62,6 +63,29 @@ def assert_accuracy_near(accuracy: float, reference: float, what: str, *, n: int
     assert low <= accuracy <= high, (
         f"{what}: {accuracy:.4f} ({accuracy * n:.0f} of {n}) against {reference:.4f} "
         f"({reference * n:.0f} of {n}), allowed {margin:.4f} ({margin * n:.1f} samples)")
+
+
+LOSS_FACTOR = 1.4
+"""How many times uncompressed training's eval loss a sound compressor's may reach on digits.
+
+Measured at two ranks over 15 epochs (torch at ATEN_CPU_CAPABILITY default, avx2 and avx512;
+TensorFlow with oneDNN off and on): the kernels move an eval loss by under 0.5%; top-k at 1% has
+1.18 times the uncompressed loss (0.149 against 0.127) in PyTorch, every other method and fp16 at
+most 1.05. Broken, without error feedback, top-k has 1.69 times (TensorFlow 1.58) and PowerSGD
+1.85 (1.71). 1.4 sits between 1.18 and 1.58 with room on both sides. Unlike the accuracy on 360
+samples, the loss tells the two apart: top-k without error feedback scores 342 of 360, 3 samples
+under top-k with it.
+"""
+
+
+def assert_loss_near(loss: float, reference: float, what: str, *, both_ways: bool = False,
+                     factor: float = LOSS_FACTOR) -> None:
+    """Fails unless ``loss`` is at most ``factor`` times ``reference`` (and, with ``both_ways``,
+    at least ``reference`` over ``factor``)."""
+    low = reference / factor if both_ways else 0.0
+    assert low <= loss <= reference * factor, (
+        f"{what}: loss {loss:.4f} against {reference:.4f}, {loss / reference:.2f} times; "
+        f"allowed {factor} times{' either way' if both_ways else ''}")
 
 
 def run_env() -> dict[str, str]:
