@@ -12,10 +12,11 @@ def test_the_accuracy_margin_on_digits_is_three_binomial_errors_of_a_difference(
     margin = accuracy_margin(349 / 360, DIGITS_TEST, chance=DIGITS_CHANCE)
     assert margin == pytest.approx(0.0385, abs=1e-4)
     # a perfect reference still leaves room: e is taken as 1/n
-    assert accuracy_margin(1.0, DIGITS_TEST, chance=DIGITS_CHANCE) == pytest.approx(0.0118, abs=1e-4)
+    perfect = accuracy_margin(1.0, DIGITS_TEST, chance=DIGITS_CHANCE)
+    assert perfect == pytest.approx(0.0118, abs=1e-4)
 
 
-def test_the_accuracy_check_takes_what_kernels_and_sound_compressors_give_and_fails_broken_training():
+def test_the_accuracy_check_takes_kernels_and_sound_compressors_and_fails_broken_training():
     assert_accuracy_near(345 / 360, 349 / 360, "top-k on AVX512 kernels")  # the failure
     assert_accuracy_near(350 / 360, 349 / 360, "fp16", above_too=True)
     for broken in (36 / 360, 300 / 360):  # guessing; a model a tenth of the samples worse
