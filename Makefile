@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export HOROVOD_TESTS
 
-.PHONY: setup demo test test-fast test-unit test-horovod bench clean
+.PHONY: setup demo test test-unit test-horovod bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -45,6 +45,7 @@ test-horovod: setup
 # the unit tier, then PyTorch and TensorFlow in one process (Horovod at size 1), each in a pytest
 # process of its own, as in `make test`. The markers select within each folder (setup.cfg lists
 # the tiers); the tests that mount a file system skip without root, listed (-rs).
+.PHONY: test-fast
 test-fast: setup
 	$(BIN)/python -m pytest -m unit tests/unit && \
 	$(BIN)/python -m pytest -m torch -rs --durations=10 tests/torch && \
