@@ -48,6 +48,16 @@ test: setup lint
 test-horovod: setup
 	$(BIN)/python scripts/test_horovod.py
 
+# The tiers a contributor runs without root and without a cluster, in about 5 minutes on 2 cores:
+# the unit tier, then PyTorch and TensorFlow in one process (Horovod at size 1), each in a pytest
+# process of its own, as in `make test`. The markers select within each folder (setup.cfg lists
+# the tiers); the tests that mount a file system skip without root, listed (-rs).
+.PHONY: test-fast
+test-fast: setup
+	$(BIN)/python -m pytest -m unit tests/unit && \
+	$(BIN)/python -m pytest -m torch -rs --durations=10 tests/torch && \
+	$(BIN)/python -m pytest -m tensorflow --durations=10 tests/tensorflow
+
 test-unit:
 	$(BIN)/python -m pytest tests/unit
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.cluster.conftest import HOSTS, check_on_two_nodes, cluster_script, horovodrun, summary, train_argv
-from tests.conftest import run_env
+from tests.conftest import assert_accuracy_near, run_env
 
 EPOCHS = "train.epochs=5"
 
@@ -31,8 +31,10 @@ def test_two_nodes_train_as_one_host(cluster, one_host, tmp_path, controller):
     result = summary(run)
     check_on_two_nodes(result)
     assert result["world_size"] == 2 and result["samples"] == one_host["samples"]
-    # two ranks sum the same two gradients wherever they run: the same model, to rounding
-    assert result["final"]["eval_accuracy"] == pytest.approx(one_host["final"]["eval_accuracy"], abs=0.01)
+    # two ranks sum the same two gradients wherever they run: the same model, to rounding (and to
+    # the margin of the 360 test samples where the nodes' kernels differ from the launcher's)
+    assert_accuracy_near(result["final"]["eval_accuracy"], one_host["final"]["eval_accuracy"],
+                         "two nodes against one host", above_too=True)
     assert result["final"]["train_loss"] == pytest.approx(one_host["final"]["train_loss"], rel=0.05)
 
 

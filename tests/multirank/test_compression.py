@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import read_jsonl
+from tests.conftest import assert_accuracy_near, assert_loss_near, read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 # min_size=0 compresses the biases too: with them dense (4 bytes per element against top-k's 8 per
@@ -43,13 +43,18 @@ def _accuracy(summary: dict) -> float:
 @FRAMEWORKS
 @pytest.mark.timeout(900)
 def test_compressed_accuracy_stays_near_uncompressed(compressed, two_ranks, framework):
-    base = two_ranks(framework, "gloo")
-    runs = compressed(framework)
-    reference = _accuracy(base.summary("base"))
-    assert abs(_accuracy(base.summary("fp16")) - reference) <= 0.005
-    assert abs(_accuracy(runs.summary("qsgd")) - reference) <= 0.005
-    assert _accuracy(runs.summary("topk")) >= reference - 0.01
-    assert _accuracy(runs.summary("powersgd")) >= reference - 0.01
+    """Each method's accuracy within the margin the 360 test samples allow of uncompressed
+    training's (fp16 and qsgd, which lose next to nothing, on both sides), and its eval loss
+    within the factor a sound method stays under. The accuracy catches a method that stopped
+    learning (chance is 0.1); the loss, one that learns worse than it should (top-k without error
+    feedback scores 342 of 360, 3 samples under top-k with it, at 1.7 times the loss)."""
+    dense, runs = two_ranks(framework, "gloo"), compressed(framework)
+    base = dense.summary("base")["final"]
+    for name, launch in [("fp16", dense), ("qsgd", runs), ("topk", runs), ("powersgd", runs)]:
+        final = launch.summary(name)["final"]
+        assert_accuracy_near(final["eval_accuracy"], base["eval_accuracy"], name,
+                             above_too=name in ("fp16", "qsgd"))
+        assert_loss_near(final["eval_loss"], base["eval_loss"], name)
     assert _accuracy(runs.summary("randomk")) >= 0.5  # 3 epochs: it learns, with every method path
 
 

@@ -1,7 +1,8 @@
 """Failures of the environment and of foreign files, through the CLI as a user runs it: one line on
 stderr, exit code 2 (the user's mistake) or 74 (the environment), nothing already saved harmed.
 
-Mounts (a small tmpfs, a read-only bind) need root, as the test machines and CI run.
+Mounts (a small tmpfs, a read-only bind) need root, as the test machines and CI run; without root
+the tests that mount are skipped, saying so (``make test-fast`` runs without root).
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class RunsCode:
         return _ran, (self.marker,)
 
 
+def can_mount() -> bool:
+    """Whether this process may mount: CAP_SYS_ADMIN (bit 21) among its effective capabilities, as
+    root has on the test machines and in CI, and neither a user nor root without it has."""
+    status = Path("/proc/self/status").read_text()
+    return bool(int(status.split("CapEff:")[1].split()[0], 16) >> 21 & 1)
+
+
+MOUNTS = pytest.mark.skipif(not can_mount(), reason="mounts a file system, which needs root")
+
+
 @contextlib.contextmanager
 def mounted(target: Path, *options: str, source: str = "tmpfs"):
     """``mount`` for the duration of the block (``-t tmpfs`` or ``--bind``)."""
@@ -84,6 +95,7 @@ def test_log_dir_naming_a_file_is_a_user_error(tmp_path):
     assert target.read_text() == "mine\n"
 
 
+@MOUNTS
 def test_log_dir_on_a_read_only_file_system_is_an_environment_failure(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
@@ -94,6 +106,7 @@ def test_log_dir_on_a_read_only_file_system_is_an_environment_failure(tmp_path):
                     "(EROFS); choose a writable log.dir, or fix its permissions or free space")
 
 
+@MOUNTS
 def test_a_disk_that_fills_stops_the_run_and_resume_continues_after_space_is_freed(tmp_path):
     with mounted(tmp_path / "disk", "size=160k") as disk:
         run = disk / "run"
@@ -121,6 +134,7 @@ def test_a_disk_that_fills_stops_the_run_and_resume_continues_after_space_is_fre
         assert steps == sorted(set(steps)) and steps[-1] == 50 and {10, 12, 30} <= set(steps)
 
 
+@MOUNTS
 def test_a_disk_that_fills_under_metrics_stops_every_rank_and_resume_finishes(tmp_path):
     # The run directory on a disk of four pages (the config, the two ranks' watchdog files and one
     # page of records), its checkpoints on a disk of their own: metrics.jsonl is what fails.
@@ -159,6 +173,7 @@ def test_a_disk_that_fills_under_metrics_stops_every_rank_and_resume_finishes(tm
         assert [r["step"] for r in read_records(run.metrics)] == list(range(1, 61))
 
 
+@MOUNTS
 def test_a_full_disk_under_tensorboard_is_an_environment_failure_naming_its_file(tmp_path):
     with mounted(tmp_path / "tb", "size=4k") as logdir:
         sink = SinkProcess([("tensorboard", {"logdir": str(logdir)})])

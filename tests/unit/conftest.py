@@ -14,15 +14,26 @@ FRAMEWORKS = ("torch", "tensorflow", "horovod", "keras")
 UNIT = Path(__file__).parent
 
 
+ONLY_UNIT = pytest.StashKey[bool]()
+"""Whether the session collected only unit tests: otherwise collecting the others loaded their
+frameworks, deselected or not (``pytest -m unit`` over every tier), and the rule cannot be checked."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: what was collected, not what will run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[ONLY_UNIT] = bool(items) and all(UNIT in Path(str(item.path)).parents
+                                                  for item in items)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fails a session that ran only unit tests if, by its end, a framework was loaded.
+    """Fails a session that collected only unit tests if, by its end, a framework was loaded.
 
     Checked over the whole session, not in one test: whichever test loads a framework (an import in
-    a function body included) is caught. A session that also ran the other tiers holds their
-    frameworks, so there the rule cannot be checked; ``make test`` runs the unit tier on its own.
+    a function body included) is caught. A session that also collected the other tiers holds their
+    frameworks, so there the rule cannot be checked; ``make test`` and ``make test-fast`` run the
+    unit tier on its own.
     """
-    items = getattr(session, "items", [])
-    if not items or not all(UNIT in Path(str(item.path)).parents for item in items):
+    if not session.config.stash.get(ONLY_UNIT, False):
         return
     loaded = [name for name in FRAMEWORKS if name in sys.modules]
     if loaded:
