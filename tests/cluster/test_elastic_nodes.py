@@ -12,10 +12,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-from tests.cluster.conftest import (NODES, ROOT, TRAIN_SAMPLES, check_on_two_nodes, cluster_script,
-                                    summary, train_argv)
+from tests.cluster.conftest import (
+    NODES,
+    ROOT,
+    TRAIN_SAMPLES,
+    check_on_two_nodes,
+    cluster_script,
+    summary,
+    train_argv,
+)
 from tests.conftest import BIN, read_jsonl
 
 COMMIT_EVERY = 10

@@ -14,8 +14,16 @@ import time
 import numpy as np
 import pytest
 
-from tests.cluster.conftest import (TRAIN_SAMPLES, check_on_two_nodes, job_field, job_log, slurm, submit,
-                                    summary, wait_state)
+from tests.cluster.conftest import (
+    TRAIN_SAMPLES,
+    check_on_two_nodes,
+    job_field,
+    job_log,
+    slurm,
+    submit,
+    summary,
+    wait_state,
+)
 from tests.conftest import read_jsonl
 
 

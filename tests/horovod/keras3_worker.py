@@ -5,11 +5,10 @@ values computed from rank and size and prints `ok NAME`; the Keras 3 counterpart
 that tests/horovod/known_artifacts.txt lists as Keras 2-only.
 """
 
-import numpy as np
-import tensorflow as tf
-
 import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
+import numpy as np
+import tensorflow as tf
 
 
 def check_sync_batch_norm() -> None:
@@ -44,7 +43,7 @@ def check_partial_gradient_tape() -> None:
     local = tape.gradient(loss, model.trainable_weights)
     dtape = hvd_tf.PartialDistributedGradientTape(tape, local_layers=[model.layers[0]])
     grads = dtape.gradient(loss, model.trainable_weights)
-    for i, (g, mine) in enumerate(zip(grads, local)):
+    for i, (g, mine) in enumerate(zip(grads, local, strict=True)):
         if i < 2:  # the first layer's kernel and bias are local
             np.testing.assert_allclose(g.numpy(), mine.numpy() / hvd.size(), rtol=1e-5)
         else:
@@ -62,8 +61,8 @@ def check_distributed_optimizer() -> None:
         loss = tf.reduce_sum(model(x))
     grads = tape.gradient(loss, model.trainable_weights)
     before = [w.numpy() for w in model.trainable_weights]
-    opt.apply_gradients(zip(grads, model.trainable_weights))
-    for b, w, g in zip(before, model.trainable_weights, grads):
+    opt.apply_gradients(zip(grads, model.trainable_weights, strict=True))
+    for b, w, g in zip(before, model.trainable_weights, grads, strict=True):
         np.testing.assert_allclose(w.numpy(), b - hvd_tf.allreduce(g, op=hvd_tf.Average).numpy(),
                                    rtol=1e-5)
     assert type(opt).__name__ == "SGD" and opt.get_config()["learning_rate"] == 1.0

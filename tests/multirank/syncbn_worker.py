@@ -39,11 +39,11 @@ def run_torch() -> tuple[int, int, dict[str, np.ndarray]]:
 
 
 def run_tensorflow() -> tuple[int, int, dict[str, np.ndarray]]:
-    import hvdtrain.tensorflow  # noqa: F401
     import horovod.tensorflow as hvd
     import keras
     import tensorflow as tf
 
+    import hvdtrain.tensorflow  # noqa: F401
     from hvdtrain.tensorflow.syncbn import convert
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

@@ -26,9 +26,10 @@ BENCH = ROOT / "benchmarks"
 ALLREDUCE = ROOT / "docs" / "investigations" / "allreduce-bandwidth" / "allreduce.py"
 FUSION = ROOT / "docs" / "investigations" / "tensor-fusion" / "fusion.py"
 sys.path[:0] = [str(BENCH), str(FUSION.parent)]
+import fusion  # noqa: E402
+
 import ddp  # noqa: E402
 import frameworks  # noqa: E402
-import fusion  # noqa: E402
 import harness  # noqa: E402
 import index  # noqa: E402
 import monitoring  # noqa: E402
@@ -94,7 +95,7 @@ def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
         measured.append((names, key, runs))
     found = sections(doc)
     assert len(found) == 4 and all(len(tables) == 2 for tables in found.values())
-    for (names, key, runs), tables in zip(measured, found.values()):
+    for (names, key, runs), tables in zip(measured, found.values(), strict=True):
         check_rows(tables[0], names)
         check_rows(tables[1], names)
         assert tables[0][2][5] == f"{runs[1][key] / runs[0][key]:.3f}"  # B over A, whole run

@@ -4,8 +4,8 @@ method back to back; `none` and `fp16` come from the shared ``two_ranks`` launch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from hvdtrain.data.digits import DigitsDataset
-from tests.multirank.test_elastic import (check_every_index_once_per_epoch, check_recovery,
-                                          elastic_job, finish)
+from tests.multirank.test_elastic import check_every_index_once_per_epoch, check_recovery, elastic_job, finish
 from tests.multirank.test_stop_resume import wait_for_records
 
 

@@ -69,7 +69,8 @@ def test_sigusr1_to_one_rank_stops_both_then_resume_at_one_rank(tmp_path):
 
 def test_nan_on_one_rank_stops_both_at_the_same_step(tmp_path):
     cmd = [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
-           "train", str(CONFIG), "model.name=tests.torch.user_models:NanOnRank", "model.options={rank: 1, after: 3}",
+           "train", str(CONFIG), "model.name=tests.torch.user_models:NanOnRank",
+           "model.options={rank: 1, after: 3}",
            "log.wandb=disabled", f"log.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

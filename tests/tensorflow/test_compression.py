@@ -16,10 +16,10 @@ import tensorflow as tf
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
+from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow import compression as tfc
 from hvdtrain.tensorflow import exchange as tfx
-from hvdtrain.driver import train
 from tests.conftest import TF_CONFIG, quiet_config
 
 F32 = np.float32
@@ -211,7 +211,7 @@ def test_exchange_matches_the_reference_and_conserves_with_error_feedback(method
         before = residuals(exchange)
         out = [t.numpy() for t in exchange.run([tf.constant(g) for g in grads])]
         expected = reference.run(grads, step, noise)
-        for i, (o, e) in enumerate(zip(out, expected)):
+        for i, (o, e) in enumerate(zip(out, expected, strict=True)):
             np.testing.assert_allclose(o, e, rtol=0, atol=2e-6, err_msg=f"{method} step {step} #{i}")
         for i, residual in residuals(exchange).items():
             # Nothing is lost, only late: sent + new residual = old residual + gradient.
@@ -232,13 +232,13 @@ def test_qsgd_noise_is_a_function_of_its_seed():
     first = tfc.uniform(tf.constant(7, tf.int64), 1000).numpy()
     np.testing.assert_array_equal(first, tfc.uniform(tf.constant(7, tf.int64), 1000).numpy())
     assert not np.array_equal(first, tfc.uniform(tf.constant(8, tf.int64), 1000).numpy())
-    assert first.dtype == F32 and 0 <= first.min() and first.max() < 1
+    assert first.dtype == F32 and first.min() >= 0 and first.max() < 1
 
 
 def expected_wire_bytes(c: CommConfig) -> int:
     """Bytes per rank per step from the reference's wire formulas."""
     total = 0
-    for s, t in zip(SHAPES, make_plan(c, 0, SHAPES).tensors):
+    for s, t in zip(SHAPES, make_plan(c, 0, SHAPES).tensors, strict=True):
         n = int(np.prod(s))
         if not t.compressed:
             total += 4 * n
@@ -286,7 +286,7 @@ def test_state_round_trip_is_exact():
     for s in first.slots:
         np.testing.assert_array_equal(first.store.numpy(s.key), second.store.numpy(s.key))
     grads = [tf.constant(g) for g in grads_of(3)]
-    for x, y in zip(first.run(grads), second.run(grads)):
+    for x, y in zip(first.run(grads), second.run(grads), strict=True):
         np.testing.assert_array_equal(x.numpy(), y.numpy())
     # Written at 3 ranks, resumed at 1: the rank gets the mean, so the update owed is unchanged.
     at_three = {k: np.stack([v[0], 2 * v[0], 3 * v[0]]) if k.startswith("residual/") else v
@@ -318,7 +318,8 @@ def test_resume_with_compression_state_is_bit_identical(tmp_path, method):
     for key, value in straight.engine.parameters().items():
         assert np.array_equal(resumed.engine.parameters()[key], value), f"{method}: {key}"
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
-    assert summary["compression"] == method and summary["final"]["eval_accuracy"] >= 0.5  # learns; chance is 0.1
+    # It learns; chance is 0.1.
+    assert summary["compression"] == method and summary["final"]["eval_accuracy"] >= 0.5
     stats = straight.engine.step_stats()
     assert set(stats) == {"data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes",
                           "skipped"}

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.errors import HvdtrainError
-from hvdtrain.tensorflow.engine import TensorFlowEngine
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.loop import make_sampler
+from hvdtrain.tensorflow.engine import TensorFlowEngine
 from tests.conftest import TF_CONFIG, quiet_config
 
 

@@ -35,7 +35,7 @@ def test_fp16_loss_scaling_skips_an_overflow(tmp_path):
     engine.precision.skip()  # what every rank does when any rank's gradients overflowed
     assert engine.precision.skipped
     assert float(engine.optimizer.dynamic_scale) == scale / 2
-    for old, v in zip(before, engine.model.trainable_variables):
+    for old, v in zip(before, engine.model.trainable_variables, strict=True):
         assert np.array_equal(old, v.numpy())
     fresh = TensorFlowEngine(cfg, make_dataset(cfg))  # the scale travels with the optimizer state
     fresh.load_state(engine.state_bytes({"step": 5}), "test")
@@ -81,7 +81,7 @@ def test_fp16_with_error_feedback_keeps_residuals_in_gradient_units(tmp_path):
     before = [v.numpy().copy() for v in engine.model.trainable_variables]
     assert exchange_and_update(engine.kernels, exchange)["wire_bytes"] == 0.0  # nothing was sent
     assert engine.precision.skipped
-    for old, new in zip(kept, residuals()):
+    for old, new in zip(kept, residuals(), strict=True):
         np.testing.assert_array_equal(old, new)
-    for old, v in zip(before, engine.model.trainable_variables):
+    for old, v in zip(before, engine.model.trainable_variables, strict=True):
         np.testing.assert_array_equal(old, v.numpy())

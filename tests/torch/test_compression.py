@@ -12,9 +12,9 @@ import torch
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.config import CommConfig
+from hvdtrain.driver import train
 from hvdtrain.torch import compression as tc
 from hvdtrain.torch import exchange as tx
-from hvdtrain.driver import train
 from tests.conftest import CONFIG, quiet_config
 
 hvd.init()
@@ -53,7 +53,7 @@ def test_kernels_match_the_reference():
             ref.randomk_compress(x, idx, scale))
     # Three ranks' codes, one after another as an allgather concatenates them, decoded and averaged.
     per_rank = [ref.qsgd_compress(x * (r + 1), 100, noise) for r in range(3)]
-    codes, scales = (torch.from_numpy(np.concatenate(part)) for part in zip(*per_rank))
+    codes, scales = (torch.from_numpy(np.concatenate(part)) for part in zip(*per_rank, strict=True))
     np.testing.assert_allclose(tc.qsgd_mean(codes, scales, 100, 3).numpy(),
                                ref.qsgd_mean(per_rank, 100), rtol=0, atol=1e-6)
 
@@ -71,7 +71,7 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
     out = []
     for step in range(1, steps + 1):
         row = []
-        for t, g in zip(plan.tensors, _grads(step)):
+        for t, g in zip(plan.tensors, _grads(step), strict=True):
             i, n, shape = t.index, t.size, t.shape
             if not t.compressed:
                 row.append(g)
@@ -105,7 +105,7 @@ def test_qsgd_noise_is_a_function_of_its_seed():
     first = tc.uniform(torch.tensor(7), 1000)
     assert torch.equal(first, tc.uniform(torch.tensor(7), 1000))
     assert not torch.equal(first, tc.uniform(torch.tensor(8), 1000))
-    assert first.dtype == torch.float32 and 0 <= first.min() and first.max() < 1
+    assert first.dtype == torch.float32 and first.min() >= 0 and first.max() < 1
 
 
 @pytest.mark.parametrize("comm", [
@@ -120,7 +120,7 @@ def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
     expected = _reference_exchange(comm, steps=4)
     for step in range(3):
         got = exchange.run([torch.from_numpy(g) for g in _grads(step + 1)])
-        for x, want in zip(got, expected[step]):
+        for x, want in zip(got, expected[step], strict=True):
             np.testing.assert_allclose(x.numpy(), want, rtol=1e-4, atol=1e-5)
     assert 0 < exchange.stats["wire_bytes"] < exchange.stats["dense_bytes"]
     # The state goes through torch.save / weights_only load, as in a checkpoint.
@@ -132,7 +132,7 @@ def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
     restored.broadcast()
     a = exchange.run([torch.from_numpy(g) for g in _grads(4)])
     b = restored.run([torch.from_numpy(g) for g in _grads(4)])
-    for x, y, want in zip(a, b, expected[3]):
+    for x, y, want in zip(a, b, expected[3], strict=True):
         assert torch.equal(x, y)
         np.testing.assert_allclose(x.numpy(), want, rtol=1e-4, atol=1e-5)
 

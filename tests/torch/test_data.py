@@ -4,7 +4,6 @@ bit-identical), a user's torch Dataset plugs in, and bad data stops the run or i
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

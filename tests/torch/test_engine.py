@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from hvdtrain.errors import HvdtrainError
 from hvdtrain.driver import make_dataset, train
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.torch.engine import TorchEngine
 from tests.conftest import CONFIG, hvdtrain_cli, quiet_config, read_jsonl
 

@@ -5,7 +5,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 from tests.conftest import ROOT, run_env
 

@@ -6,15 +6,14 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from hvdtrain.errors import HvdtrainError
 from hvdtrain.driver import train
+from hvdtrain.errors import HvdtrainError
 from tests.conftest import BIN, CONFIG, ROOT, quiet_config, read_jsonl, run_env
 
 # Constant schedule: a first run cut short by max_steps then follows the same learning rates.
@@ -89,7 +88,7 @@ def test_sigusr1_checkpoints_at_a_step_boundary_and_resume_matches(tmp_path):
         if "step" in line and "epoch 1 " in line:
             break
     proc.send_signal(signal.SIGUSR1)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err
     assert "stopped on request at step" in err and "checkpoint.resume=auto" in err
     stopped_at = int(err.split("stopped on request at step ")[1].split(";")[0])

@@ -10,7 +10,8 @@ from __future__ import annotations
 import io
 import json
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class NumpyKernels:
 
     @staticmethod
     def qsgd_mean(codes: np.ndarray, scales: np.ndarray, bucket: int, size: int) -> np.ndarray:
-        return ref.qsgd_mean(list(zip(np.split(codes, size), np.split(scales, size))), bucket)
+        return ref.qsgd_mean(list(zip(np.split(codes, size), np.split(scales, size), strict=True)), bucket)
 
 
 def noise(seed: int, n: int) -> np.ndarray:
@@ -259,7 +260,7 @@ class NumpyEngine(Engine, StepKernels):
 
     def sgd(self, grads: Sequence[np.ndarray]) -> None:
         """SGD with momentum, as torch's: v = m v + g, p -= lr v."""
-        for p, v, g in zip(self.params, self.velocity, grads):
+        for p, v, g in zip(self.params, self.velocity, grads, strict=True):
             v *= self.momentum
             v += g
             p -= F32(self.lr) * v

@@ -16,6 +16,8 @@ FUSION = INVESTIGATIONS / "tensor-fusion"
 TIMELINE = INVESTIGATIONS / "step-overhead"
 sys.path[:0] = [str(BENCH), str(ALLREDUCE), str(TIMELINE)]
 import allreduce  # noqa: E402
+import timeline  # noqa: E402
+
 import compression  # noqa: E402
 import data as data_bench  # noqa: E402
 import ddp  # noqa: E402
@@ -25,7 +27,6 @@ import monitoring  # noqa: E402
 import overhead  # noqa: E402
 import resnet_worker  # noqa: E402
 import scaling  # noqa: E402
-import timeline  # noqa: E402
 import workload  # noqa: E402
 
 DRIVERS = ("allreduce", "checkpoint", "cluster", "compression", "data", "ddp", "elastic_recovery",
@@ -248,7 +249,6 @@ def test_machine_record_names_cores_and_versions():
 
 def test_hvdtrain_worker_clocks_through_a_loop_callback_and_switches_sinks_by_config(tmp_path):
     import hvdtrain_worker
-
     from hvdtrain.config import load_config
     from hvdtrain.loop import Callback
 
@@ -385,9 +385,9 @@ def test_synthetic_images_are_deterministic_shaped_and_learnable():
     means = np.stack([train.x[train.y == c].mean(axis=0) for c in range(3)])
     distances = ((test.x[:, None] - means[None]) ** 2).sum(axis=(2, 3, 4))
     assert (distances.argmin(axis=1) == test.y).mean() > 0.9
-    with pytest.raises(HvdtrainError, match="data.options.height=0"):
+    with pytest.raises(HvdtrainError, match=r"data.options.height=0"):
         SyntheticImages(height=0)
-    with pytest.raises(HvdtrainError, match="data.options.noise=-1"):
+    with pytest.raises(HvdtrainError, match=r"data.options.noise=-1"):
         SyntheticImages(noise=-1)
 
 
@@ -419,7 +419,7 @@ def test_data_bench_verdicts_and_tables_from_canned_runs():
         "inconclusive"
     assert data_bench.workers_gain(speed) == pytest.approx((2.0, 2.0, 2.0))
     runs = {name: [{"data_wait_share": share}, {"data_wait_share": None}]
-            for name, share in zip(names, (0.001, 0.04, 0.2, 0.002))}
+            for name, share in zip(names, (0.001, 0.04, 0.2, 0.002), strict=True)}
     shares = data_bench.wait_shares(runs)
     assert shares[data_bench.DISK] == [0.04]
     assert cells(data_bench.wait_table(shares))[3] == [data_bench.DISK, "1", "4.00", "4.00",
@@ -435,9 +435,9 @@ def test_data_bench_verdicts_and_tables_from_canned_runs():
 
 
 def test_data_bench_sets_load_through_hvdtrain_and_preloaded_images_equal_the_folder(tmp_path):
-    import data_worker
     import numpy as np
 
+    import data_worker
     from hvdtrain.config import load_config
     from hvdtrain.data.image_folder import ImageFolder
     from hvdtrain.data.npy import NpyDataset

@@ -76,19 +76,19 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoin
     rank0 = CheckpointManager(CheckpointConfig(every_steps=10), tmp_path)
     rank1 = CheckpointManager(CheckpointConfig(every_steps=10), tmp_path / "unused")
     engines = Rank(0, sent), Rank(1, sent)
-    for manager, engine in zip((rank0, rank1), engines):
+    for manager, engine in zip((rank0, rank1), engines, strict=True):
         manager.save(engine, engine.rank, 10, {"epoch": 0})
     rank0.wait()
     first = rank0.path_for(10)
     assert verify(first) is None
     failing_write(rank0, after=100)
-    for manager, engine in zip((rank0, rank1), engines):
+    for manager, engine in zip((rank0, rank1), engines, strict=True):
         manager.save(engine, engine.rank, 20, {"epoch": 0})
     rank0._pending.join()  # the write behind training has failed by now
     assert rank0.failed() and not rank1.failed()
     # The loop's metrics sum tells every rank; each calls share_failure at the same step.
     errors = []
-    for manager, engine in zip((rank0, rank1), engines):
+    for manager, engine in zip((rank0, rank1), engines, strict=True):
         with pytest.raises(EnvironmentFailure) as caught:
             manager.share_failure(engine.collectives, engine.rank)
         errors.append(str(caught.value))
@@ -106,9 +106,9 @@ def test_a_failure_not_yet_shared_is_raised_by_every_rank_at_the_next_save(tmp_p
     rank1 = CheckpointManager(CheckpointConfig(every_steps=10), tmp_path / "unused")
     failing_write(rank0, after=10)
     engines = Rank(0, sent), Rank(1, sent)
-    for manager, engine in zip((rank0, rank1), engines):
+    for manager, engine in zip((rank0, rank1), engines, strict=True):
         manager.save(engine, engine.rank, 10, {})
-    for manager, engine in zip((rank0, rank1), engines):
+    for manager, engine in zip((rank0, rank1), engines, strict=True):
         with pytest.raises(EnvironmentFailure, match="no valid checkpoint is left"):
             manager.save(engine, engine.rank, 20, {})
     assert list(tmp_path.iterdir()) == []
@@ -156,7 +156,7 @@ def test_an_unreadable_checkpoint_or_manifest_is_reported_not_raised(tmp_path):
                                   {"position": {"step": "1", "epoch": 0, "in_epoch": 0, "samples": 0}},
                                   {"position": {"step": True, "epoch": 0, "in_epoch": 0, "samples": 0}}])
 def test_metadata_without_a_training_position_is_not_a_checkpoint(meta):
-    with pytest.raises(HvdtrainError, match="^checkpoint x is not an hvdtrain checkpoint"):
+    with pytest.raises(HvdtrainError, match=r"^checkpoint x is not an hvdtrain checkpoint"):
         checked_position(meta, "checkpoint x")
 
 

@@ -4,8 +4,9 @@ and the state's gather, restore and re-sharding, with no framework and no Horovo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,7 +72,7 @@ class Reference:
             matrices = [a.reshape(ref.matrix_shape(t.shape)) for a in accs]
             mean, self.q[t.index], own = ref.powersgd_mean(matrices, self.q[t.index])
             sent = [o.reshape(-1) for o in own]
-        for r, (a, s) in enumerate(zip(accs, sent)):
+        for r, (a, s) in enumerate(zip(accs, sent, strict=False)):  # qsgd sends no residual
             self.residuals[(r, t.index)] = ref.new_residual(a, s)
         return mean.reshape(t.shape)
 
@@ -89,8 +90,8 @@ def test_two_ranks_get_the_references_mean_and_keep_its_residuals(method, feedba
         return outs, dict(exchange.store.arrays), exchange.stats
 
     for r, (outs, store, stats) in enumerate(on_ranks(2, rank)):
-        for step, (got, want) in enumerate(zip(outs, expected), start=1):
-            for i, (g, w) in enumerate(zip(got, want)):
+        for step, (got, want) in enumerate(zip(outs, expected, strict=True), start=1):
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6,
                                            err_msg=f"{method} rank {r} step {step} #{i}")
         for key, value in store.items():

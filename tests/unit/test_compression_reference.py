@@ -76,8 +76,8 @@ def test_qsgd_codes_are_int8_levels_and_unbiased():
 
 def test_qsgd_level_at_the_scale_stays_in_int8():
     # float32: 127 + 0.999999 rounds to 128, which int8 would wrap to -128 (a flipped sign)
-    codes, scales = ref.qsgd_compress(np.array([1.0, 0.5], np.float32), 0,
-                                      np.array([0.999999, 0.1], np.float32))
+    codes, _ = ref.qsgd_compress(np.array([1.0, 0.5], np.float32), 0,
+                                 np.array([0.999999, 0.1], np.float32))
     assert codes.tolist() == [127, 63]
 
 
@@ -215,7 +215,7 @@ def test_a_checkpoint_entry_round_trips_and_refuses_another_methods_state():
                                        "residual/0": np.zeros((2, 8192), np.float32)})
     saved = state.unpack(entry, "powersgd", slots, "ckpt")
     assert saved.step == 7 and set(saved.shared) == {"q/0"} and saved.rows["residual/0"].shape == (2, 8192)
-    with pytest.raises(HvdtrainError, match="ckpt: its compression state is for 'powersgd', this run "
+    with pytest.raises(HvdtrainError, match=r"ckpt: its compression state is for 'powersgd', this run "
                                             "uses comm.compression='topk'"):
         state.unpack(entry, "topk", _plan("topk").slots(), "ckpt")
     # a method without state may follow any other

@@ -79,7 +79,7 @@ def test_bad_files(tmp_path):
 def test_unknown_key_inside_yaml(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  epocs: 3\n")
-    with pytest.raises(ConfigError, match="unknown key 'train.epocs'; did you mean 'train.epochs'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.epocs'; did you mean 'train.epochs'"):
         load_config(path, environ={})
 
 
@@ -91,7 +91,7 @@ def test_override_fills_an_empty_yaml_section(tmp_path):
 
 
 def test_override_cannot_descend_into_a_value():
-    with pytest.raises(ConfigError, match="optim.lr.x: cannot set a key inside a float"):
+    with pytest.raises(ConfigError, match=r"optim.lr.x: cannot set a key inside a float"):
         apply_overrides({"optim": {"lr": 0.1}}, ["optim.lr.x=1"])
 
 

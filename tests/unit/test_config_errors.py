@@ -114,9 +114,10 @@ def as_file(tmp_path: Path, key: str, value: typing.Any) -> Path:
 @pytest.mark.parametrize("key", sorted(KEYS))
 def test_every_key_with_every_edge_value_loads_or_gives_one_line(key, tmp_path):
     for value in EDGE_VALUES:
-        check_loaded_or_one_line_error(lambda: load_config(None, [as_override(key, value)], environ={}))
+        override = as_override(key, value)
+        check_loaded_or_one_line_error(lambda o=override: load_config(None, [o], environ={}))
         path = as_file(tmp_path, key, value)
-        check_loaded_or_one_line_error(lambda: load_config(path, [], environ={}))
+        check_loaded_or_one_line_error(lambda p=path: load_config(p, [], environ={}))
 
 
 @pytest.mark.parametrize("key", sorted(k for k, t in KEYS.items() if t is float))

@@ -49,9 +49,12 @@ def test_a_spec_of_any_structure_says_what_a_model_needs_without_classes():
 
 @pytest.mark.parametrize("fields, message", [
     ({}, r"DatasetSpec.inputs=None: .* give inputs or input_shape"),
-    ({"inputs": ((8,), "int64")}, r"DatasetSpec.inputs\[0\]\[0\]: expected an ArraySpec\(shape, dtype\), got 8"),
-    ({"inputs": ArraySpec((2,)), "targets": {"a": None}}, r"DatasetSpec.targets=\{'a': None\}: .* None only as the whole targets"),
-    ({"input_shape": (3,), "inputs": ArraySpec((4,))}, r"input_shape=\(3,\) does not match inputs=float32\[4\]"),
+    ({"inputs": ((8,), "int64")},
+     r"DatasetSpec.inputs\[0\]\[0\]: expected an ArraySpec\(shape, dtype\), got 8"),
+    ({"inputs": ArraySpec((2,)), "targets": {"a": None}},
+     r"DatasetSpec.targets=\{'a': None\}: .* None only as the whole targets"),
+    ({"input_shape": (3,), "inputs": ArraySpec((4,))},
+     r"input_shape=\(3,\) does not match inputs=float32\[4\]"),
     ({"input_shape": (3,), "num_classes": 0}, r"num_classes=0: expected a positive integer or None"),
 ])
 def test_a_wrong_spec_is_refused_naming_the_field(fields, message):

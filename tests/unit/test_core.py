@@ -18,8 +18,9 @@ from tests.unit.conftest import FRAMEWORKS
 
 
 def test_import_hvdtrain_loads_no_framework():
-    code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.driver, hvdtrain.elastic, "
-            "hvdtrain.data.contracts, hvdtrain.data.sampler, hvdtrain.registry, hvdtrain.doctor, hvdtrain.adapters, "
+    code = ("import sys, hvdtrain, hvdtrain.cli, hvdtrain.config, hvdtrain.loop, hvdtrain.driver, "
+            "hvdtrain.elastic, hvdtrain.data.contracts, hvdtrain.data.sampler, hvdtrain.registry, "
+            "hvdtrain.doctor, hvdtrain.adapters, hvdtrain.step, hvdtrain.exchange, hvdtrain.controls, "
             "hvdtrain.observe.report, hvdtrain.observe.sinks, hvdtrain.observe.writer\n"
             f"bad = [m for m in {FRAMEWORKS!r} if m in sys.modules]\n"
             "assert not bad, bad")
@@ -43,7 +44,7 @@ def test_registry_rejects_duplicates_and_lists_known_names():
 def test_import_paths_resolve_and_fail_clearly():
     assert DATASETS.get("hvdtrain.data.digits:DigitsDataset").__name__ == "DigitsDataset"
     assert import_object("hvdtrain.config:Config.to_dict").__name__ == "to_dict"
-    with pytest.raises(HvdtrainError, match="cannot import 'no_such_pkg.mod'"):
+    with pytest.raises(HvdtrainError, match=r"cannot import 'no_such_pkg.mod'"):
         DATASETS.get("no_such_pkg.mod:X")
     with pytest.raises(HvdtrainError, match="has no attribute 'Nope'"):
         DATASETS.get("hvdtrain.data.digits:Nope")

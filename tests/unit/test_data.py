@@ -45,7 +45,7 @@ def test_image_folder_decodes_resized_rgb_with_labels_from_sorted_folders(images
     assert data.spec().input_shape == (3, 24, 24) and data.spec().num_classes == 10
     batch = data.train().load(np.array([7, 0, 7]))
     assert batch.x.shape == (3, 3, 24, 24) and batch.x.dtype == np.float32
-    assert 0.0 <= batch.x.min() and batch.x.max() <= 1.0
+    assert batch.x.min() >= 0.0 and batch.x.max() <= 1.0
     assert np.array_equal(batch.x[0], batch.x[2])
     names = sorted(SHAPES)
     assert [names[label] for label in batch.y] == [
@@ -122,10 +122,11 @@ def test_npy_is_memory_mapped_scaled_and_checks_shapes(images, tmp_path):
     assert batch.x.dtype == np.float32 and batch.x.max() <= 1.0
     assert np.allclose(batch.x[1], np.load(root / "train_x.npy")[2] / 255.0)
     np.save(root / "test_x.npy", np.zeros((20, 3, 8, 8), np.uint8))
-    with pytest.raises(HvdtrainError, match=r"samples have shape \(3, 16, 16\), test_x.npy samples \(3, 8, 8\)"):
+    with pytest.raises(HvdtrainError,
+                       match=r"samples have shape \(3, 16, 16\), test_x.npy samples \(3, 8, 8\)"):
         NpyDataset(str(root))
     np.save(root / "test_x.npy", np.zeros((19, 3, 16, 16), np.uint8))
-    with pytest.raises(HvdtrainError, match="test_x.npy has 19 samples, test_y.npy 20 labels"):
+    with pytest.raises(HvdtrainError, match=r"test_x.npy has 19 samples, test_y.npy 20 labels"):
         NpyDataset(str(root))
 
 

@@ -59,11 +59,11 @@ def test_config_keys_and_their_choices():
     defaults = load_config(None, [], environ={})
     assert (defaults.train.device, defaults.train.precision, defaults.model.sync_batchnorm) == \
         ("auto", "fp32", False)
-    with pytest.raises(ConfigError, match="train.device='gpu': must be one of auto, cpu, cuda"):
+    with pytest.raises(ConfigError, match=r"train.device='gpu': must be one of auto, cpu, cuda"):
         load_config(None, ["train.device=gpu"], environ={})
-    with pytest.raises(ConfigError, match="train.precision='fp8': must be one of fp32, bf16, fp16"):
+    with pytest.raises(ConfigError, match=r"train.precision='fp8': must be one of fp32, bf16, fp16"):
         load_config(None, ["train.precision=fp8"], environ={})
-    with pytest.raises(ConfigError, match="model.sync_batchnorm=1: expected true or false"):
+    with pytest.raises(ConfigError, match=r"model.sync_batchnorm=1: expected true or false"):
         load_config(None, ["model.sync_batchnorm=1"], environ={})
 
 

@@ -69,7 +69,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                cycles.append(stack[stack.index(target):] + [target])
+                cycles.append([*stack[stack.index(target):], target])
             elif not state.get(target):
                 visit(target)
         stack.pop()

@@ -23,7 +23,7 @@ from hvdtrain.observe.watchdog import verdict, where
 def summed(monitors: list[Monitor], costs: list[StepCosts], steps: int) -> dict[str, float]:
     """What the loop's allreduce makes of every rank's contribution: the sum per key."""
     total: dict[str, float] = {}
-    for monitor, cost in zip(monitors, costs):
+    for monitor, cost in zip(monitors, costs, strict=True):
         for key, value in monitor.outgoing(cost, steps).items():
             total[key] = total.get(key, 0.0) + value
     return total

@@ -104,7 +104,8 @@ def test_cli_writes_the_report(tmp_path, capsys):
 @pytest.mark.parametrize("setup, message", [
     (lambda p: None, "is not a directory"),
     (lambda p: p.mkdir(), "holds no metrics.jsonl"),
-    # A damaged line before the last (a last line cut short is dropped: tests/unit/test_metrics_file_errors.py).
+    # A damaged line before the last (a last line cut short is dropped:
+    # tests/unit/test_metrics_file_errors.py).
     (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')),
      "metrics.jsonl:2: not a JSON"),
 ])

@@ -29,7 +29,7 @@ def test_every_index_exactly_once_per_epoch(n, batch, size, accum):
 def test_global_count_is_the_sum_of_rank_shares():
     sampler = ShardedSampler(1437, 32, accumulation=2)
     per_rank = [list(sampler.steps(1, r, 3)) for r in range(3)]
-    for step_parts in zip(*per_rank):
+    for step_parts in zip(*per_rank, strict=True):
         shares = sum(len(m) for part in step_parts for m in part.micro)
         assert {p.global_count for p in step_parts} == {shares}
 
@@ -46,7 +46,7 @@ def test_global_batches_do_not_depend_on_how_they_are_split():
     # One rank with batch 2b sees the same step sets as two ranks with batch b.
     one = ShardedSampler(100, 20, seed=1)
     two = ShardedSampler(100, 10, seed=1)
-    for s1, s2a, s2b in zip(one.steps(0, 0, 1), two.steps(0, 0, 2), two.steps(0, 1, 2)):
+    for s1, s2a, s2b in zip(one.steps(0, 0, 1), two.steps(0, 0, 2), two.steps(0, 1, 2), strict=True):
         assert set(s1.micro[0]) == set(s2a.micro[0]) | set(s2b.micro[0])
 
 
