@@ -29,9 +29,6 @@ import numpy as np
 
 from hvdtrain.compression import PLANS
 
-EXCHANGE_KINDS = ("dense", "compressing")
-"""The kinds of :func:`exchange_kind`, in the order the framework packages build them."""
-
 
 def exchange_kind(compression: str) -> str:
     """The exchange that ``comm.compression`` needs: ``dense`` when the method's plan sends every

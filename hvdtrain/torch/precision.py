@@ -36,11 +36,15 @@ class Precision(PrecisionKernels):
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.scaling = self.scaler is not None
         self.optimizer: Any = None
+        self.params: list[torch.nn.Parameter] = []
         self._skipped = False
 
     def attach(self, optimizer: Any) -> None:
         """The optimizer :meth:`update` steps: Horovod's ``DistributedOptimizer`` or a plain one."""
         self.optimizer = optimizer
+        # The parameters it updates, in the order the step's gradients come (set once: the hot path
+        # reads them every step).
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward pass's context: autocast to bf16 or fp16, or nothing for fp32."""
@@ -69,7 +73,7 @@ class Precision(PrecisionKernels):
         return list(grads)
 
     def update(self, grads: Sequence[torch.Tensor], unscaled: bool) -> None:
-        for p, grad in zip(self._params(), grads, strict=True):
+        for p, grad in zip(self.params, grads, strict=True):
             p.grad = grad
         if self.scaler is not None and not unscaled:
             self.scaler.unscale_(self.optimizer)
@@ -77,7 +81,7 @@ class Precision(PrecisionKernels):
 
     def skip(self) -> None:
         # The scaler sees an overflow on this rank too, and skips with the others.
-        for p in self._params():
+        for p in self.params:
             if p.grad is not None:  # every one, after TorchKernels.gradients
                 p.grad.fill_(float("inf"))
         self._step()
@@ -85,10 +89,6 @@ class Precision(PrecisionKernels):
     @property
     def skipped(self) -> bool:
         return self._skipped
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]
-                if p.requires_grad]
 
     def _step(self) -> None:
         if self.scaler is None:
