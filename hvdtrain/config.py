@@ -134,6 +134,25 @@ class CommConfig:
     """Tensors with fewer elements (biases, small layers) travel uncompressed, as fp32."""
     bucket: int = _opt(512, min=0)
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
+    momentum_correction: bool = True
+    """``topk`` and ``randomk`` with SGD momentum (PyTorch): Deep Gradient Compression's momentum
+    correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
+    applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``)."""
+    momentum_masking: bool = True
+    """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
+    momentum factor masking), so that stale momentum does not push them again."""
+    clip_norm: float = _opt(0.0, min=0.0)
+    """With ``momentum_correction``: DGC's local gradient clipping, each rank's gradient to a
+    global L2 norm of at most ``clip_norm / sqrt(ranks)`` before its velocity (0: off)."""
+    sparsity_warmup_steps: int = _opt(0, min=0)
+    """With ``momentum_correction``: DGC's density warm-up, sending 25%, 6.25%, 1.56%, ... of the
+    entries in equal stages over the first this many steps, down to ``ratio`` (0: off)."""
+    compress_momentum: bool = True
+    """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (PyTorch): 1-bit Adam's design. Dense
+    Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
+    momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update."""
+    adam_warmup_steps: int = _opt(200, min=1)
+    """With ``compress_momentum``: steps of dense Adam before the variance freezes."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
     0: Horovod's own 1 ms (see :func:`hvdtrain.horovod_start.set_cycle_time`); a

@@ -28,6 +28,7 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.compression import state
 from hvdtrain.compression.kernels import Context, Kernels, Store, Tensor
 from hvdtrain.compression.plans import Message, Plan, Stage, TensorPlan
+from hvdtrain.compression.rules import OptimizerSettings, Rule, make_rule
 from hvdtrain.compression.state import RESIDUAL, slot_key
 from hvdtrain.exchange import GradientExchange
 
@@ -45,13 +46,19 @@ class Exchange(GradientExchange):
     kernels: Kernels
     """The framework's kernels (a class attribute of the subclass)."""
 
-    def __init__(self, plan: Plan, rank: int, size: int) -> None:
+    def __init__(self, plan: Plan, rank: int, size: int, opt: OptimizerSettings | None = None,
+                 weights: Callable[[], Sequence[Tensor]] | None = None) -> None:
         self.plan, self.method = plan, plan.method
-        self.unscaled_first = not plan.dense
+        self.rule: Rule = make_rule(plan, plan.comm, opt)  # type: ignore[arg-type]
+        """How the optimizer's update relates to the exchange (:mod:`hvdtrain.compression.rules`);
+        where :attr:`Rule.updates`, :meth:`run` returns directions for plain SGD."""
+        self.weights = weights
+        """The parameters, in the gradients' order, where the rule adds weight decay itself."""
+        self.unscaled_first = not plan.dense or self.rule.updates
         self.rank, self.size = rank, size
         self.step = 0
         """Optimizer steps exchanged so far; seeds random-k's indices and qsgd's noise."""
-        self.slots = plan.slots()
+        self.slots = plan.slots() + self.rule.slots()
         self.store: Store = self._make_store(self.slots)
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
         """The last step's bytes handed to Horovod, the float32 bytes they stand for (both 0 when
@@ -138,6 +145,7 @@ class Exchange(GradientExchange):
     def _exchange(self, grads: list[Tensor]) -> list[Tensor]:
         if self.plan.dense and self.size == 1:
             return grads  # nothing to average and nothing sent, as Horovod's optimizers at size 1
+        self.rule.begin_step(self.step)
         host = [self._host(t) for t in self.plan.tensors]
         sends, carries = self._begin_fn(grads, host)
         for round_, advance in enumerate(self._advance_fns, start=1):
@@ -145,30 +153,37 @@ class Exchange(GradientExchange):
         return [average for _, _, average in carries]
 
     def _host(self, t: TensorPlan) -> Any:
-        draw = self.plan.host(t, self.step, self.rank) if t.compressed else None
+        draw = (self.plan.host(t, self.step, self.rank) if t.compressed
+                and not self.rule.dense_now(self.step) else None)
         return () if draw is None else self._tensor(draw)
 
     def _context(self) -> Context:
-        return Context(self.kernels, self.store, self.size)
+        return Context(self.kernels, self.store, self.size, self.rule.feedback(self.step))
+
+    def _compressed(self, t: TensorPlan) -> bool:
+        """Whether ``t`` is compressed this step (a rule's warm-up sends every tensor dense)."""
+        return t.compressed and not self.rule.dense_now(self.step)
 
     def _begin(self, grads: list[Tensor], host: list[Any]) -> tuple[list[Message], list[Carry]]:
         """Stage 0 of every tensor."""
         k, ctx = self.kernels, self._context()
+        weights = self.weights() if self.weights is not None else None
+        flats = self.rule.prepare(ctx, [k.flat(g) for g in grads], weights)
         sends: list[Message] = []
         carries: list[Carry] = []
-        for t, grad, draw in zip(self.plan.tensors, grads, host, strict=True):
-            flat = k.flat(grad)
-            if not t.compressed:
-                sends.append(Message(mean=(k.cast(flat, self.plan.dense_dtype),)))
+        for t, flat, draw in zip(self.plan.tensors, flats, host, strict=True):
+            if not self._compressed(t):
+                dtype = self.plan.dense_dtype if not t.compressed else "float32"
+                sends.append(Message(mean=(k.cast(flat, dtype),)))
                 carries.append(((), (), ()))
                 continue
-            feedback = self.plan.uses_feedback
-            residual = self.store.read(slot_key(RESIDUAL, t.index)) if feedback else None
-            acc = ref.error_feedback(flat, residual)
+            residual = self.store.read(slot_key(RESIDUAL, t.index)) if ctx.feedback else None
+            acc = ref.error_feedback(self.rule.accumulate(ctx, t, flat, self.step), residual)
             stage = self.plan.start(ctx, t, acc, draw)
-            self._keep(t, acc, stage)
+            self._keep(ctx, t, acc, stage)
+            self.rule.sent(ctx, t, stage)
             sends.append(stage.send)
-            carries.append((acc if self.plan.uses_feedback else (), stage.carry, ()))
+            carries.append((acc if ctx.feedback else (), stage.carry, ()))
         return sends, carries
 
     def _advance(self, round_: int, got: list[Message], carries: list[Carry]
@@ -180,20 +195,23 @@ class Exchange(GradientExchange):
         for t, message, (acc, carry, average) in zip(self.plan.tensors, got, carries, strict=True):
             if not isinstance(average, tuple):  # finished in an earlier round
                 stage = Stage(out=average)
-            elif not t.compressed:
-                stage = Stage(out=k.reshape(k.cast(message.mean[0], "float32"), t.shape))
+            elif not self._compressed(t):
+                mean = k.cast(message.mean[0], "float32")
+                result = self.rule.finish(ctx, t, mean, False, self.step)
+                stage = Stage(out=k.reshape(result, t.shape))
             else:
                 stage = self.plan.advance(ctx, t, round_, message, carry)
-                self._keep(t, acc, stage)
+                self._keep(ctx, t, acc, stage)
                 if stage.out is not None:
-                    stage = stage._replace(out=k.reshape(stage.out, t.shape))
+                    result = self.rule.finish(ctx, t, stage.out, True, self.step)
+                    stage = stage._replace(out=k.reshape(result, t.shape))
             sends.append(stage.send)
             out.append((acc, stage.carry, () if stage.out is None else stage.out))
         return sends, out
 
-    def _keep(self, t: TensorPlan, acc: Tensor, stage: Stage) -> None:
+    def _keep(self, ctx: Context, t: TensorPlan, acc: Tensor, stage: Stage) -> None:
         """Error feedback: what this rank did not send waits for the next step."""
-        if self.plan.uses_feedback and stage.sent is not None:
+        if ctx.feedback and stage.sent is not None:
             self.store.write(slot_key(RESIDUAL, t.index), ref.new_residual(acc, stage.sent))
 
     def _send(self, tag: str, sends: list[Message]) -> list[Message]:

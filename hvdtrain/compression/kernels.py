@@ -58,6 +58,15 @@ class Kernels(Protocol):
     def orthogonalize(self, p: Tensor) -> Tensor:
         """:func:`~hvdtrain.compression.reference.orthogonalize`."""
 
+    def zero_at(self, x: Tensor, indices: Tensor) -> Tensor:
+        """:func:`~hvdtrain.compression.reference.zero_at`."""
+
+    def clip_factor(self, tensors: Sequence[Tensor], max_norm: float) -> Tensor:
+        """:func:`~hvdtrain.compression.reference.clip_factor` (a scalar tensor)."""
+
+    def sqrt(self, x: Tensor) -> Tensor:
+        """The elementwise square root."""
+
 
 class Store(Protocol):
     """A method's state slots (see :mod:`hvdtrain.compression.state`) as framework tensors."""
@@ -82,3 +91,5 @@ class Context(NamedTuple):
     store: Store
     size: int
     """The world size (the number of contributions in an allgather)."""
+    feedback: bool = False
+    """Whether this step keeps error feedback for the compressed tensors (a plan's ``sent``)."""

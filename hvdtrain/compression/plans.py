@@ -65,6 +65,8 @@ class Stage(NamedTuple):
     """This rank's decompressed contribution, once known: error feedback keeps ``acc - sent``."""
     out: Tensor = None
     """The flat average over the ranks, from the last stage."""
+    picked: Tensor = None
+    """The indices this rank sent (sparse methods), for DGC's momentum factor masking."""
 
 
 class Plan:
@@ -139,9 +141,12 @@ class _Sparse(Plan):
     def compressible(self, shape: tuple[int, ...]) -> bool:
         return ref.large_enough(shape, self.comm.min_size)
 
+    ratio: float | None = None
+    """The fraction sent this step, where a density warm-up sets it (None: ``comm.ratio``)."""
+
     def k(self, t: TensorPlan) -> int:
         """How many entries of ``t`` are sent."""
-        return ref.num_selected(t.size, self.comm.ratio)
+        return ref.num_selected(t.size, self.comm.ratio if self.ratio is None else self.ratio)
 
 
 class TopK(_Sparse):
@@ -150,7 +155,7 @@ class TopK(_Sparse):
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         values, indices = ctx.kernels.topk_compress(acc, self.k(t))
         return Stage(Message(gather=(values, indices)),
-                     sent=ctx.kernels.scatter(values, indices, t.size))
+                     sent=ctx.kernels.scatter(values, indices, t.size), picked=indices)
 
     def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
                 carry: tuple) -> Stage:
@@ -171,7 +176,7 @@ class RandomK(_Sparse):
         scale = ref.randomk_scale(t.size, self.k(t), self.comm.error_feedback)
         values = ctx.kernels.randomk_compress(acc, host, scale)
         return Stage(Message(mean=(values,)), carry=(host,),
-                     sent=ctx.kernels.scatter(values, host, t.size))
+                     sent=ctx.kernels.scatter(values, host, t.size), picked=host)
 
     def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
                 carry: tuple) -> Stage:
@@ -195,7 +200,9 @@ class QSGD(Plan):
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         noise = ctx.kernels.uniform(host, t.size)
         codes, scales = ctx.kernels.qsgd_compress(acc, self.comm.bucket, noise)
-        return Stage(Message(gather=(codes, scales)))
+        # Its own decoded codes: error feedback, where an update rule keeps it (compressed Adam).
+        sent = ctx.kernels.qsgd_mean(codes, scales, self.comm.bucket, 1) if ctx.feedback else None
+        return Stage(Message(gather=(codes, scales)), sent=sent)
 
     def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
                 carry: tuple) -> Stage:

@@ -48,6 +48,25 @@ Methods:
   exact mean. Wire: ``4 r (rows + cols)`` bytes per rank.
 - Tensors that a method does not compress (:func:`large_enough`, and for PowerSGD also
   :func:`low_rank_pays`) are averaged densely as float32.
+
+Update rules (:mod:`hvdtrain.compression.rules`): where the exchange applies the optimizer's
+momentum itself, it returns an update *direction* ``d`` that plain SGD applies (``w -= lr d``):
+
+- **DGC** (Lin et al., 2018; ``topk`` and ``randomk`` with SGD momentum ``m``): the local gradient
+  gets the L2 weight decay (``g + wd w``), then local clipping (:func:`clip_factor`: the rank's
+  global norm at most ``clip_norm / sqrt(N)``); momentum correction accumulates the velocity
+  ``u = m u + g`` into the residual ``v = v + u``; ``v`` is compressed (``sent``), ``v -= sent``,
+  and momentum factor masking clears ``u`` where entries were sent (:func:`zero_at`). The
+  direction is the mean of the ranks' ``sent``. Tensors sent dense keep ordinary momentum on the
+  average: ``u = m u + mean(g)``, ``d = u``. A density warm-up (:func:`warmup_ratio`) sends 25%,
+  6.25%, 1.56%, ... of the entries in equal stages over the first ``warmup_steps`` steps.
+- **Compressed Adam** (1-bit Adam / 0/1 Adam's design; ``topk``, ``randomk``, ``qsgd`` with Adam
+  or AdamW): for the first ``adam_warmup_steps`` every tensor is averaged dense and the direction
+  is Adam's (:func:`adam_direction`, bias-corrected, ``g + wd w`` for Adam's L2). Then each
+  compressed tensor's variance ``v`` is frozen; each rank compresses its local momentum
+  ``b1 m + (1 - b1) g`` plus its residual (error feedback), the mean of what the ranks sent is the
+  new shared ``m``, and the direction uses the frozen ``v``. AdamW's decoupled decay is the plain
+  SGD step's own ``weight_decay`` (``w -= lr (d + wd w)`` is AdamW's update exactly).
 """
 
 from __future__ import annotations
@@ -127,6 +146,38 @@ def dense_mean(tensors: Sequence[np.ndarray]) -> np.ndarray:
     for t in tensors:
         total = total + t
     return total / np.float32(len(tensors))
+
+
+def warmup_ratio(ratio: float, step: int, warmup_steps: int) -> float:
+    """DGC's density warm-up: the fraction sent at ``step`` (from 1). The first ``warmup_steps``
+    steps are split into ``ceil(log4(1 / ratio))`` equal stages sending 25%, 6.25%, ... (never
+    below ``ratio``); afterwards ``ratio``."""
+    if warmup_steps <= 0 or step > warmup_steps or ratio >= 0.25:
+        return ratio
+    stages = math.ceil(math.log(1.0 / ratio, 4))
+    stage = min(stages - 1, (step - 1) * stages // warmup_steps)
+    return max(ratio, 0.25 ** (stage + 1))
+
+
+def clip_factor(tensors: Sequence[np.ndarray], max_norm: float) -> np.float32:
+    """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
+    total = np.float32(sum(np.sum(t.astype(np.float32) ** 2) for t in tensors))
+    return np.float32(min(1.0, max_norm / (np.sqrt(total) + 1e-6)))
+
+
+def zero_at(x: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Flat ``x`` with the entries at ``indices`` set to 0 (momentum factor masking)."""
+    out = x.reshape(-1).copy()
+    out[indices] = 0
+    return out
+
+
+def adam_direction(m: np.ndarray, v: np.ndarray, t_m: int, t_v: int, beta1: float,
+                   beta2: float, eps: float) -> np.ndarray:
+    """Adam's bias-corrected step direction from ``m`` (after ``t_m`` updates) and ``v`` (after
+    ``t_v``): ``(m / (1 - b1^t_m)) / (sqrt(v / (1 - b2^t_v)) + eps)``, as torch's Adam."""
+    m_hat = m / np.float32(1 - beta1 ** t_m)
+    return (m_hat / (np.sqrt(v / np.float32(1 - beta2 ** t_v)) + np.float32(eps))).astype(np.float32)
 
 
 # top-k ------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ State lives in named slots, one array per slot, keyed ``"<kind>/<tensor index>"`
 
 - ``residual/<i>`` (error feedback) differs per rank. A checkpoint holds every rank's, as one row
   per rank (shape ``(size, n)``); :func:`reshard` turns those rows into rows for another world size.
-- ``q/<i>`` (PowerSGD's warm start) is the same on every rank; a checkpoint holds it once.
+- ``velocity/<i>`` (DGC's local velocity ``u``) differs per rank, as residuals do.
+- ``q/<i>`` (PowerSGD's warm start), ``momentum/<i>`` and ``variance/<i>`` (the momentum of
+  tensors sent dense under DGC, compressed Adam's shared ``m`` and its ``v``) are the same on every
+  rank; a checkpoint holds them once.
 
 A checkpoint's compression entry is :func:`pack`'s dict of NumPy arrays: ``method`` (a 0-d string
 array), ``step`` (int64, the exchange's step counter, which seeds random-k and qsgd's noise) and one
@@ -26,6 +29,14 @@ RESIDUAL = "residual"
 """The per-rank slot kind: what error feedback left unsent."""
 Q = "q"
 """The shared slot kind: PowerSGD's ``Q``."""
+VELOCITY = "velocity"
+"""The per-rank slot kind: DGC's local velocity."""
+MOMENTUM = "momentum"
+"""The shared slot kind: momentum of dense tensors under DGC; Adam's first moment."""
+VARIANCE = "variance"
+"""The shared slot kind: Adam's second moment (frozen after the warm-up where compressed)."""
+PER_RANK = (RESIDUAL, VELOCITY)
+"""The kinds every rank holds its own value of."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +44,7 @@ class Slot:
     """One array of a method's state."""
 
     kind: str
-    """:data:`RESIDUAL` or :data:`Q`."""
+    """:data:`RESIDUAL`, :data:`VELOCITY`, :data:`Q`, :data:`MOMENTUM` or :data:`VARIANCE`."""
     index: int
     """The tensor it belongs to (the model's parameter order)."""
     initial: np.ndarray
@@ -47,7 +58,7 @@ class Slot:
     @property
     def per_rank(self) -> bool:
         """Whether every rank holds its own value (gathered as rows, re-sharded on resize)."""
-        return self.kind == RESIDUAL
+        return self.kind in PER_RANK
 
 
 def slot_key(kind: str, index: int) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.exchange import Exchange
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.compression.state import Slot
 from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
@@ -37,6 +38,9 @@ class NumpyKernels:
     randomk_compress = staticmethod(ref.randomk_compress)
     qsgd_compress = staticmethod(ref.qsgd_compress)
     orthogonalize = staticmethod(ref.orthogonalize)
+    zero_at = staticmethod(ref.zero_at)
+    clip_factor = staticmethod(ref.clip_factor)
+    sqrt = staticmethod(np.sqrt)
 
     @staticmethod
     def flat(x: np.ndarray) -> np.ndarray:
@@ -111,9 +115,11 @@ class NumpyExchange(Exchange):
 
     kernels = NumpyKernels()
 
-    def __init__(self, plan: Any, rank: int, size: int, hub: Hub) -> None:
+    def __init__(self, plan: Any, rank: int, size: int, hub: Hub,
+                 opt: OptimizerSettings | None = None,
+                 weights: Callable[[], Sequence[np.ndarray]] | None = None) -> None:
         self.hub = hub
-        super().__init__(plan, rank, size)
+        super().__init__(plan, rank, size, opt, weights)
 
     def _make_store(self, slots: list[Slot]) -> DictStore:
         return DictStore(slots)
@@ -220,8 +226,11 @@ class NumpyEngine(Engine, StepKernels):
         self.velocity = [np.zeros_like(p) for p in self.params]
         self.grads = [np.zeros_like(p) for p in self.params]
         self.precision = Fp32(self)
+        opt = OptimizerSettings("sgd", momentum=cfg.optim.momentum)
         self.exchange = NumpyExchange(make_plan(cfg.comm, cfg.seed, [p.shape for p in self.params]),
-                                      rank, self.size, hub)
+                                      rank, self.size, hub, opt, lambda: self.params)
+        if self.exchange.rule.updates:  # the exchange applies the momentum (DGC): plain SGD here
+            self.momentum = 0.0
         self.lr, self.stats = 0.0, {}
 
     # the step's kernels

@@ -1,0 +1,198 @@
+"""Update rules of the compressing exchange: plain averaging, DGC for momentum SGD, compressed
+Adam; framework-free, written once against :class:`~hvdtrain.compression.kernels.Kernels`.
+
+A rule decides what a compressed tensor's stage 0 compresses and what the exchange returns. Plain
+averaging (:class:`Rule`) compresses the gradient and returns the mean gradient, which the
+framework's optimizer applies. :class:`DGC` and :class:`CompressedAdam` apply the optimizer's
+momentum (and Adam's variance) inside the exchange, so they return an update *direction*, and the
+framework swaps its optimizer for plain SGD (no momentum; AdamW's decoupled decay as SGD's
+``weight_decay``) that applies it: ``w -= lr d``. The math is in
+:mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from hvdtrain.compression import reference as ref
+from hvdtrain.compression.kernels import Context, Tensor
+from hvdtrain.compression.plans import Plan, Stage, TensorPlan
+from hvdtrain.compression.state import MOMENTUM, RESIDUAL, VARIANCE, VELOCITY, Slot, slot_key
+
+DGC_METHODS = ("topk", "randomk")
+"""The methods that take DGC's momentum correction with SGD momentum."""
+ADAM_METHODS = ("topk", "randomk", "qsgd")
+"""The methods that compress Adam's momentum (1-bit Adam's design) with Adam and AdamW."""
+
+
+class RuleSettings(Protocol):
+    """The ``comm`` settings a rule reads (:class:`hvdtrain.config.CommConfig` has them)."""
+
+    compression: str
+    ratio: float
+    error_feedback: bool
+    momentum_correction: bool
+    momentum_masking: bool
+    clip_norm: float
+    sparsity_warmup_steps: int
+    compress_momentum: bool
+    adam_warmup_steps: int
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What a rule needs of the run's optimizer (each framework reads it from its own)."""
+
+    name: str
+    """``sgd``, ``adam`` or ``adamw``."""
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+
+
+class Rule:
+    """Plain averaging: compress the gradient (plus its residual), return the mean gradient."""
+
+    updates = False
+    """Whether the exchange returns an update direction that plain SGD applies."""
+
+    def __init__(self, plan: Plan, comm: RuleSettings, opt: OptimizerSettings) -> None:
+        self.plan, self.comm, self.opt = plan, comm, opt
+
+    def slots(self) -> list[Slot]:
+        """State the rule keeps beside the plan's."""
+        return []
+
+    def feedback(self, step: int) -> bool:
+        """Whether compressed tensors keep error-feedback residuals at ``step``."""
+        return self.plan.uses_feedback
+
+    def dense_now(self, step: int) -> bool:
+        """Whether every tensor travels dense (float32) at ``step``."""
+        return False
+
+    def begin_step(self, step: int) -> None:
+        """Host-side preparation of ``step`` (before any stage)."""
+
+    def prepare(self, ctx: Context, grads: list[Tensor], weights: Sequence[Tensor] | None
+                ) -> list[Tensor]:
+        """The flat local gradients as the rule uses them (L2 decay: ``g + wd w``)."""
+        decay = self.opt.weight_decay if self.updates and self.opt.name != "adamw" else 0.0
+        if decay and weights is not None:
+            return [g + ctx.kernels.flat(w) * decay for g, w in zip(grads, weights, strict=True)]
+        return grads
+
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+        """What compressed tensor ``t`` compresses (before its residual is added)."""
+        return flat
+
+    def sent(self, ctx: Context, t: TensorPlan, stage: Stage) -> None:
+        """After stage 0 of compressed tensor ``t`` chose what to send."""
+
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
+               ) -> Tensor:
+        """What the exchange returns for ``t`` from the flat mean over the ranks."""
+        return mean
+
+
+class DGC(Rule):
+    """Deep Gradient Compression (Lin et al., 2018) for momentum SGD: momentum correction, local
+    gradient clipping, momentum factor masking and a density warm-up."""
+
+    updates = True
+
+    def slots(self) -> list[Slot]:
+        zeros = [(t, np.zeros(t.size, np.float32)) for t in self.plan.tensors]
+        return ([Slot(VELOCITY, t.index, z) for t, z in zeros if t.compressed]
+                + [Slot(MOMENTUM, t.index, z) for t, z in zeros if not t.compressed])
+
+    def feedback(self, step: int) -> bool:
+        return True
+
+    def begin_step(self, step: int) -> None:
+        self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step, self.comm.sparsity_warmup_steps)
+
+    def prepare(self, ctx: Context, grads: list[Tensor], weights: Sequence[Tensor] | None
+                ) -> list[Tensor]:
+        grads = super().prepare(ctx, grads, weights)
+        if self.comm.clip_norm > 0:  # DGC's local threshold: the global one over sqrt(ranks)
+            factor = ctx.kernels.clip_factor(grads, self.comm.clip_norm / math.sqrt(ctx.size))
+            grads = [g * factor for g in grads]
+        return grads
+
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+        key = slot_key(VELOCITY, t.index)
+        velocity = ctx.store.read(key) * self.opt.momentum + flat
+        ctx.store.write(key, velocity)
+        return velocity
+
+    def sent(self, ctx: Context, t: TensorPlan, stage: Stage) -> None:
+        if self.comm.momentum_masking and stage.picked is not None:
+            key = slot_key(VELOCITY, t.index)
+            ctx.store.write(key, ctx.kernels.zero_at(ctx.store.read(key), stage.picked))
+
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
+               ) -> Tensor:
+        if compressed:
+            return mean  # the velocity was applied before compression
+        key = slot_key(MOMENTUM, t.index)
+        velocity = ctx.store.read(key) * self.opt.momentum + mean
+        ctx.store.write(key, velocity)
+        return velocity
+
+
+class CompressedAdam(Rule):
+    """Adam and AdamW with compressed momentum after a dense warm-up (1-bit Adam, 0/1 Adam)."""
+
+    updates = True
+
+    def slots(self) -> list[Slot]:
+        out = [Slot(kind, t.index, np.zeros(t.size, np.float32))
+               for t in self.plan.tensors for kind in (MOMENTUM, VARIANCE)]
+        if not self.plan.uses_feedback:  # error compensation whatever the method
+            out += [Slot(RESIDUAL, t.index, np.zeros(t.size, np.float32))
+                    for t in self.plan.tensors if t.compressed]
+        return out
+
+    def feedback(self, step: int) -> bool:
+        return not self.dense_now(step)
+
+    def dense_now(self, step: int) -> bool:
+        return step <= self.comm.adam_warmup_steps
+
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+        b1 = self.opt.beta1
+        return ctx.store.read(slot_key(MOMENTUM, t.index)) * b1 + flat * (1.0 - b1)
+
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
+               ) -> Tensor:
+        o, m_key, v_key = self.opt, slot_key(MOMENTUM, t.index), slot_key(VARIANCE, t.index)
+        if compressed:  # the mean of the ranks' compressed momenta; the variance stays frozen
+            m, v, t_v = mean, ctx.store.read(v_key), self.comm.adam_warmup_steps
+        else:
+            m = ctx.store.read(m_key) * o.beta1 + mean * (1.0 - o.beta1)
+            v = ctx.store.read(v_key) * o.beta2 + mean * mean * (1.0 - o.beta2)
+            ctx.store.write(v_key, v)
+            t_v = step
+        ctx.store.write(m_key, m)
+        m_hat = m * (1.0 / (1.0 - o.beta1 ** step))
+        return m_hat / (ctx.kernels.sqrt(v * (1.0 / (1.0 - o.beta2 ** t_v))) + o.eps)
+
+
+def make_rule(plan: Plan, comm: RuleSettings, opt: OptimizerSettings | None) -> Rule:
+    """The rule for this plan and optimizer (None: the framework keeps its optimizer)."""
+    if opt is None:
+        return Rule(plan, comm, OptimizerSettings("sgd"))
+    if (opt.name == "sgd" and opt.momentum > 0 and comm.momentum_correction
+            and comm.error_feedback and plan.method in DGC_METHODS):
+        return DGC(plan, comm, opt)
+    if opt.name in ("adam", "adamw") and comm.compress_momentum and plan.method in ADAM_METHODS:
+        return CompressedAdam(plan, comm, opt)
+    return Rule(plan, comm, opt)
