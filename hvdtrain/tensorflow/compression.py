@@ -109,8 +109,31 @@ def orthogonalize(p: tf.Tensor) -> tf.Tensor:
     return tf.stack(cols, axis=1)
 
 
+def zero_at(x: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+    """Flat ``x`` with the entries at ``indices`` set to 0."""
+    flat = tf.reshape(x, [-1])
+    idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+    return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))
+
+
+def clip_factor(tensors: Sequence[tf.Tensor], max_norm: float) -> tf.Tensor:
+    """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
+    total = tf.zeros((), tf.float32)
+    for t in tensors:
+        total = total + tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
+    return tf.minimum(max_norm / (tf.sqrt(total) + 1e-6), 1.0)
+
+
 class Kernels:
-    """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
+    """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`.
+
+    The update rules of :mod:`hvdtrain.compression.rules` (DGC, compressed Adam) are not yet run
+    in TensorFlow (its exchange is built without the optimizer, so it averages gradients); the
+    kernels they use are here and tested against the reference."""
+
+    zero_at = staticmethod(zero_at)
+    clip_factor = staticmethod(clip_factor)
+    sqrt = staticmethod(tf.sqrt)
 
     topk_compress = staticmethod(topk_compress)
     scatter = staticmethod(scatter)

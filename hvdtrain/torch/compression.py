@@ -19,6 +19,7 @@ from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.compression.state import Slot
 from hvdtrain.torch.collectives import any_rank
 
@@ -100,8 +101,25 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def zero_at(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Flat ``x`` with the entries at ``indices`` set to 0."""
+    return x.reshape(-1).index_fill(0, indices.long(), 0.0)
+
+
+def clip_factor(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
+    total = torch.zeros((), dtype=torch.float32)
+    for t in tensors:
+        total = total + torch.sum(t.float() * t.float())
+    return torch.clamp(max_norm / (torch.sqrt(total) + 1e-6), max=1.0)
+
+
 class Kernels:
     """The torch kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
+
+    zero_at = staticmethod(zero_at)
+    clip_factor = staticmethod(clip_factor)
+    sqrt = staticmethod(torch.sqrt)
 
     topk_compress = staticmethod(topk_compress)
     scatter = staticmethod(scatter)
@@ -188,9 +206,37 @@ class CompressingExchange(Exchange):
 
 
 def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
-                     shapes: Sequence[Sequence[int]]) -> CompressingExchange:
-    """The exchange for ``comm.compression`` over gradients of these shapes (the model's order)."""
-    return CompressingExchange(make_plan(comm, seed, shapes), rank, size)
+                     params: Sequence[torch.Tensor],
+                     opt: OptimizerSettings | None = None) -> CompressingExchange:
+    """The exchange for ``comm.compression`` over the gradients of ``params`` (the model's order);
+    ``opt``: the run's optimizer, where the exchange may apply its update rule."""
+    params = list(params)
+    return CompressingExchange(make_plan(comm, seed, [p.shape for p in params]), rank, size, opt,
+                               lambda: [p.detach() for p in params])
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> OptimizerSettings | None:
+    """What an update rule needs of ``optimizer`` (None for one it does not know)."""
+    group = optimizer.param_groups[0]
+    name = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam",
+            torch.optim.AdamW: "adamw"}.get(type(optimizer))
+    if name is None or group.get("nesterov") or group.get("amsgrad"):
+        return None
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    return OptimizerSettings(name, momentum=float(group.get("momentum", 0.0)),
+                             weight_decay=float(group.get("weight_decay", 0.0)),
+                             beta1=float(beta1), beta2=float(beta2),
+                             eps=float(group.get("eps", 1e-8)))
+
+
+def plain_sgd(optimizer: torch.optim.Optimizer, opt: OptimizerSettings) -> torch.optim.Optimizer:
+    """The optimizer that applies an update rule's directions: SGD without momentum over the same
+    parameters, with AdamW's decoupled decay as its ``weight_decay`` (``w -= lr (d + wd w)`` is
+    AdamW's update exactly; for SGD and Adam the rule adds the L2 term before the exchange)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    decay = opt.weight_decay if opt.name == "adamw" else 0.0
+    return torch.optim.SGD(params, lr=optimizer.param_groups[0]["lr"], momentum=0.0,
+                           weight_decay=decay)
 
 
 def to_torch(entry: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from hvdtrain.compression import PLANS
 from hvdtrain.compression.plans import CommSettings
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.torch.collectives import any_rank
-from hvdtrain.torch.compression import CompressingExchange, make_compressing
+from hvdtrain.torch.compression import (CompressingExchange, make_compressing,
+                                        optimizer_settings, plain_sgd)
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
@@ -85,10 +86,14 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
                   optimizer: torch.optim.Optimizer, accumulation: int
                   ) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
-    optimizer the step drives with it (Horovod's wrapper for the dense kind)."""
+    optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
+    compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam)."""
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
         return dense, dense.optimizer
-    shapes = [p.shape for p in model.parameters() if p.requires_grad]
-    compressing: CompressingExchange = make_compressing(comm, seed, rank, size, shapes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer_settings(optimizer)
+    compressing: CompressingExchange = make_compressing(comm, seed, rank, size, params, opt)
+    if compressing.rule.updates and opt is not None:
+        return compressing, plain_sgd(optimizer, opt)
     return compressing, optimizer

@@ -226,11 +226,16 @@ class NumpyEngine(Engine, StepKernels):
         self.velocity = [np.zeros_like(p) for p in self.params]
         self.grads = [np.zeros_like(p) for p in self.params]
         self.precision = Fp32(self)
-        opt = OptimizerSettings("sgd", momentum=cfg.optim.momentum)
+        opt = OptimizerSettings(cfg.optim.name, momentum=cfg.optim.momentum,
+                                weight_decay=cfg.optim.weight_decay)
         self.exchange = NumpyExchange(make_plan(cfg.comm, cfg.seed, [p.shape for p in self.params]),
                                       rank, self.size, hub, opt, lambda: self.params)
-        if self.exchange.rule.updates:  # the exchange applies the momentum (DGC): plain SGD here
+        self.decay = 0.0
+        if self.exchange.rule.updates:  # the exchange applies the optimizer's rule: plain SGD here
             self.momentum = 0.0
+            self.decay = cfg.optim.weight_decay if cfg.optim.name == "adamw" else 0.0
+        elif cfg.optim.name != "sgd" or cfg.optim.weight_decay:
+            raise HvdtrainError("the NumPy engine runs SGD without decay, or an exchange's rule")
         self.lr, self.stats = 0.0, {}
 
     # the step's kernels
@@ -268,10 +273,10 @@ class NumpyEngine(Engine, StepKernels):
         return self.grads
 
     def sgd(self, grads: Sequence[np.ndarray]) -> None:
-        """SGD with momentum, as torch's: v = m v + g, p -= lr v."""
+        """SGD with momentum and decay, as torch's: v = m v + g + wd p, p -= lr v."""
         for p, v, g in zip(self.params, self.velocity, grads, strict=True):
             v *= self.momentum
-            v += g
+            v += g + F32(self.decay) * p if self.decay else g
             p -= F32(self.lr) * v
 
     # the engine

@@ -29,13 +29,30 @@ def run(tmp_path: Path, *overrides: str, callbacks=()):
     return train(cfg, callbacks, engine_factory=NumpyEngine)
 
 
-def test_a_resume_at_every_step_boundary_continues_at_the_same_position(tmp_path):
-    whole = run(tmp_path / "whole", "checkpoint.every_steps=1", f"checkpoint.keep={STEPS}")
+# Update rules whose state (velocities, momentum, frozen variance, warm-up position) a resume
+# must restore: random-k under DGC (the default with SGD momentum), top-k with DGC's clipping
+# and density warm-up, and top-k / qsgd compressing AdamW's momentum after a 3-step warm-up.
+RULES = {
+    "dgc-randomk": (),
+    "dgc-topk-warmup-clip": ("comm.compression=topk", "comm.sparsity_warmup_steps=6",
+                             "comm.clip_norm=0.5"),
+    "adamw-topk": ("comm.compression=topk", "optim.name=adamw", "optim.lr=0.01",
+                   "optim.weight_decay=0.01", "comm.adam_warmup_steps=3"),
+    "adam-qsgd": ("comm.compression=qsgd", "optim.name=adam", "optim.lr=0.01",
+                  "comm.adam_warmup_steps=3"),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_a_resume_at_every_step_boundary_continues_at_the_same_position(tmp_path, rule):
+    whole = run(tmp_path / "whole", "checkpoint.every_steps=1", f"checkpoint.keep={STEPS}",
+                *RULES[rule])
+    assert whole.engine.exchange.rule.updates
     expected = whole.engine.parameters()
     assert whole.summary["steps"] == STEPS and whole.summary["epochs"] == 1
     for k in range(1, STEPS):
         checkpoint = whole.run_dir / "checkpoints" / f"step-{k:08d}.ckpt"
-        resumed = run(tmp_path / f"from{k}", f"checkpoint.resume={checkpoint}")
+        resumed = run(tmp_path / f"from{k}", f"checkpoint.resume={checkpoint}", *RULES[rule])
         got = resumed.engine.parameters()
         for name, value in expected.items():
             np.testing.assert_array_equal(got[name], value, err_msg=f"resumed at step {k}: {name}")

@@ -1,0 +1,178 @@
+"""The exchange's update rules (:mod:`hvdtrain.compression.rules`) against DGC and compressed Adam
+written out by hand in NumPy, on simulated ranks (:mod:`tests.unit.numpy_world`), and their state
+through a checkpoint and an elastic resize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hvdtrain.compression import make_plan
+from hvdtrain.compression import reference as ref
+from hvdtrain.compression.rules import OptimizerSettings
+from hvdtrain.config import CommConfig, ConfigError, load_config
+from tests.unit.numpy_world import F32, Hub, NumpyExchange
+from tests.unit.test_compression_exchange import SEED, SHAPES, grads_of, on_ranks
+
+SGD = OptimizerSettings("sgd", momentum=0.9, weight_decay=0.01)
+WEIGHTS = [np.full(s, 0.5, F32) for s in SHAPES]
+
+
+def comm(method: str, **kw: Any) -> CommConfig:
+    return CommConfig(compression=method, **{"ratio": 0.1, "min_size": 64, **kw})
+
+
+def run_ranks(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -> list[Any]:
+    def rank(r: int, hub: Hub) -> tuple[list, NumpyExchange]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, size, hub, opt, lambda: WEIGHTS)
+        return [exchange.run(grads_of(r, s)) for s in range(1, steps + 1)], exchange
+    return on_ranks(size, rank)
+
+
+def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
+    """DGC as the paper's Algorithm 1 (with momentum factor masking), top-k, per tensor."""
+    plan = make_plan(c, SEED, SHAPES)
+    u = {(r, i): np.zeros(int(np.prod(s)), F32) for r in range(size) for i, s in enumerate(SHAPES)}
+    v = {key: value.copy() for key, value in u.items()}
+    dense_u = {i: np.zeros(int(np.prod(s)), F32) for i, s in enumerate(SHAPES)}
+    out = []
+    for step in range(1, steps + 1):
+        grads = [[(g + F32(SGD.weight_decay) * w).reshape(-1)
+                  for g, w in zip(grads_of(r, step), WEIGHTS, strict=True)] for r in range(size)]
+        if c.clip_norm:
+            grads = [[g * ref.clip_factor(gs, c.clip_norm / np.sqrt(size)) for g in gs]
+                     for gs in grads]
+        ratio = ref.warmup_ratio(c.ratio, step, c.sparsity_warmup_steps)
+        row = []
+        for t in plan.tensors:
+            i, n = t.index, t.size
+            if not t.compressed:
+                dense_u[i] = dense_u[i] * F32(0.9) + ref.dense_mean([g[i] for g in grads])
+                row.append(dense_u[i].reshape(t.shape))
+                continue
+            pairs = []
+            for r in range(size):
+                u[r, i] = u[r, i] * F32(0.9) + grads[r][i]
+                v[r, i] = v[r, i] + u[r, i]
+                values, idx = ref.topk_compress(v[r, i], ref.num_selected(n, ratio))
+                v[r, i] = v[r, i] - ref.scatter(values, idx, n)
+                if c.momentum_masking:
+                    u[r, i] = ref.zero_at(u[r, i], idx)
+                pairs.append((values, idx))
+            row.append(ref.sparse_mean(pairs, n).reshape(t.shape))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("extra", [{}, {"momentum_masking": False},
+                                   {"clip_norm": 1.0, "sparsity_warmup_steps": 4}],
+                         ids=["default", "no-masking", "clip-warmup"])
+def test_dgc_is_the_papers_algorithm(extra):
+    c = comm("topk", **extra)
+    expected = dgc_by_hand(c, 2, 5)
+    for r, (outs, exchange) in enumerate(run_ranks(c, SGD, 2, 5)):
+        assert exchange.rule.updates and exchange.unscaled_first
+        for step, (got, want) in enumerate(zip(outs, expected, strict=True), start=1):
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"rank {r} step {step} #{i}")
+
+
+def test_the_density_warm_up_goes_as_dgcs():
+    ratios = [ref.warmup_ratio(0.001, s, 5) for s in range(1, 7)]
+    assert ratios == pytest.approx([0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001])
+    assert [ref.warmup_ratio(0.01, s, 8) for s in (1, 3, 5, 7, 9)] == pytest.approx(
+        [0.25, 0.0625, 0.015625, 0.01, 0.01])
+    assert ref.warmup_ratio(0.01, 1, 0) == 0.01
+
+
+def adam_by_hand(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -> list[list]:
+    """Dense Adam for the warm-up, then frozen variance and the mean of the ranks' top-k of
+    (local momentum + residual) as the shared momentum (1-bit Adam's Algorithm 1)."""
+    plan = make_plan(c, SEED, SHAPES)
+    b1, b2, warm = opt.beta1, opt.beta2, c.adam_warmup_steps
+    m = {i: np.zeros(int(np.prod(s)), F32) for i, s in enumerate(SHAPES)}
+    v = {i: x.copy() for i, x in m.items()}
+    e = {(r, i): x.copy() for r in range(size) for i, x in m.items()}
+    out = []
+    for step in range(1, steps + 1):
+        grads = [[g.reshape(-1) for g in grads_of(r, step)] for r in range(size)]
+        row = []
+        for t in plan.tensors:
+            i, n = t.index, t.size
+            if step <= warm or not t.compressed:
+                g = ref.dense_mean([gs[i] for gs in grads])
+                m[i] = m[i] * F32(b1) + g * F32(1 - b1)
+                v[i] = v[i] * F32(b2) + g * g * F32(1 - b2)
+                t_v = step
+            else:
+                pairs = []
+                for r in range(size):
+                    acc = m[i] * F32(b1) + grads[r][i] * F32(1 - b1) + e[r, i]
+                    values, idx = ref.topk_compress(acc, ref.num_selected(n, c.ratio))
+                    e[r, i] = acc - ref.scatter(values, idx, n)
+                    pairs.append((values, idx))
+                m[i], t_v = ref.sparse_mean(pairs, n), warm
+            row.append(ref.adam_direction(m[i], v[i], step, t_v, b1, b2, opt.eps).reshape(t.shape))
+        out.append(row)
+    return out
+
+
+def test_compressed_adam_is_1bit_adams_algorithm_with_top_k():
+    c, opt = comm("topk", adam_warmup_steps=2), OptimizerSettings("adam")
+    expected = adam_by_hand(c, opt, 2, 5)
+    for r, (outs, _) in enumerate(run_ranks(c, opt, 2, 5)):
+        for step, (got, want) in enumerate(zip(outs, expected, strict=True), start=1):
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5,
+                                           err_msg=f"rank {r} step {step} #{i}")
+
+
+def test_adamw_decay_is_left_to_the_sgd_step_and_adams_l2_added_to_the_gradient():
+    c = comm("qsgd", adam_warmup_steps=5)
+    # Step 2's directions (step 1's is about sign(g) whatever is added to g).
+    plain = run_ranks(c, OptimizerSettings("adamw", weight_decay=0.1), 1, 2)[0][0][1]
+    undecayed = run_ranks(c, OptimizerSettings("adam"), 1, 2)[0][0][1]
+    l2 = run_ranks(c, OptimizerSettings("adam", weight_decay=0.1), 1, 2)[0][0][1]
+    for a, b, c_ in zip(plain, undecayed, l2, strict=True):
+        np.testing.assert_array_equal(a, b)
+        assert not np.allclose(b, c_)
+
+
+@pytest.mark.parametrize("new_size", [2, 3])
+def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size):
+    c = comm("topk", adam_warmup_steps=1)
+    for opt, per_rank, shared in ((SGD, "velocity/0", "momentum/1"),
+                                  (OptimizerSettings("adam"), "residual/0", "variance/0")):
+        saved = run_ranks(c, opt, 2, 3)
+        before = [dict(exchange.store.arrays) for _, exchange in saved]
+
+        def save(r: int, hub: Hub, opt: OptimizerSettings = opt) -> dict:
+            exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hub, opt, lambda: WEIGHTS)
+            exchange.store.arrays = dict(before[r])
+            exchange.step = 3
+            exchange.gather()
+            return exchange.state_dict()
+
+        entry = on_ranks(2, save)[0]
+        assert entry[per_rank].shape[0] == 2 and entry[shared].ndim == 1
+
+        def restore(r: int, hub: Hub, opt: OptimizerSettings = opt) -> dict:
+            exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, new_size, hub, opt)
+            if r == 0:
+                exchange.load_state_dict(entry, "test")
+            exchange.broadcast(root_rank=0)
+            return dict(exchange.store.arrays)
+
+        for r, arrays in enumerate(on_ranks(new_size, restore)):
+            np.testing.assert_array_equal(arrays[shared], before[0][shared])
+            want = (before[r][per_rank] if new_size == 2
+                    else (before[0][per_rank] + before[1][per_rank]) / 2)
+            np.testing.assert_allclose(arrays[per_rank], want, rtol=1e-6)
+
+
+def test_adam_warm_up_must_leave_a_variance_to_freeze():
+    with pytest.raises(ConfigError, match="adam_warmup_steps"):
+        load_config(None, ["comm.adam_warmup_steps=0"], environ={})
