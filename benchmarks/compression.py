@@ -39,20 +39,37 @@ METHODS = {
     "none": ["comm.compression=none"],
     "fp16": ["comm.compression=fp16"],
     "topk": ["comm.compression=topk"],
+    "topk-0.1%": ["comm.compression=topk", "comm.ratio=0.001"],
+    "topk-plain": ["comm.compression=topk", "comm.momentum_correction=false",
+                   "comm.compress_momentum=false"],
     "topk-noEF": ["comm.compression=topk", "comm.error_feedback=false"],
     "randomk": ["comm.compression=randomk"],
     "qsgd": ["comm.compression=qsgd"],
     "powersgd": ["comm.compression=powersgd"],
 }
-"""The variants: each method with its defaults; top-k without error feedback as a control."""
+"""The variants: each method with its defaults (top-k and random-k with SGD momentum: DGC; with
+Adam: compressed momentum), top-k at 0.1%, top-k averaging gradients as before DGC
+(``topk-plain``) and top-k without error feedback as controls."""
 DATASETS = {
     "digits": [],
     "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=6"],
+    "mnist1d-cnn": ["data.name=mnist1d", "model.name=benchmarks.compression:cnn1d",
+                    "train.epochs=60"],
 }
 """Overrides of the framework's digits config per dataset."""
 SLOW = ["model.options.hidden=[1024,1024]", "train.epochs=5", "optim.warmup_steps=0",
         "optim.schedule=constant", "checkpoint.enabled=false"]
 """The slow-link workload: an MLP whose gradients take far longer on the link than its compute."""
+OPTIMIZERS = {
+    "sgd": [],
+    "adam": ["optim.name=adam", "optim.lr=0.002"],
+}
+"""Per optimizer, overrides of the framework's digits config (SGD: momentum 0.9, cosine)."""
+LOSS_BARS = {"topk": 0.01, "topk-0.1%": 0.02, "powersgd": 0.01, "qsgd": 0.01}
+"""Issue 36's targets: largest mean accuracy loss against ``none``, per method, every model and
+optimizer."""
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+"""Student's t at 97.5% by degrees of freedom (seeds - 1): the 95% interval of a mean."""
 BARS = {"fp16": 0.005, "qsgd": 0.005, "topk": 0.01, "powersgd": 0.01}
 """Largest mean accuracy drop below ``none``'s on digits, per method."""
 SPEEDUP_TARGET = 3.0
@@ -61,6 +78,30 @@ SIZES = {"seeds": (5, 1)}
 
 
 # Worker side: runs under horovodrun ------------------------------------------------------------
+
+def cnn1d(spec: Any, channels: int = 25, **_: Any) -> Any:
+    """The MNIST-1D paper's small 1-D CNN (Greydanus, 2020): three stride-2 convolutions of
+    ``channels`` and a linear layer (``model.options`` of the MLP config are ignored)."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs = nn.Sequential(
+                nn.Conv1d(1, channels, 5, stride=2, padding=1), nn.ReLU(),
+                nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU(),
+                nn.Conv1d(channels, channels, 3, stride=2, padding=1), nn.ReLU())
+            length = spec.input_shape[0]
+            for kernel in (5, 3, 3):
+                length = (length + 2 - kernel) // 2 + 1
+            self.head = nn.Linear(channels * length, spec.num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.convs(x[:, None, :]).flatten(1))
+
+    return Net()
+
 
 def time_to(metrics: Path, target: float) -> float | None:
     """Seconds from the start of training to the first evaluation at or above ``target``."""
@@ -79,6 +120,7 @@ def measure(result: Any, method: str, args: argparse.Namespace, run_dir: Path) -
     steps, ranks = s["steps"], s["world_size"]
     compress = s.get("compress_time_s_total")  # absent where nothing was compressed
     return {KEY: 1, "framework": args.framework, "dataset": args.dataset, "method": method,
+            "optimizer": args.optimizer,
             "seed": args.seed, "accuracy": s["final"]["eval_accuracy"],
             "wire_per_step": s["wire_bytes_total"] / steps / ranks,
             "ratio": s["dense_bytes_total"] / s["wire_bytes_total"],
@@ -96,6 +138,7 @@ def worker(argv: Sequence[str]) -> int:
     for name in ("--framework", "--dataset", "--methods", "--out"):
         p.add_argument(name, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", default="sgd")
     p.add_argument("--target", type=float, default=0.0)
     p.add_argument("--extra", action="append", default=[])
     args = p.parse_args(argv)
@@ -104,11 +147,12 @@ def worker(argv: Sequence[str]) -> int:
     short = "tf" if args.framework == "tensorflow" else "torch"
     config = harness.ROOT / "configs" / f"digits_{short}.yaml"
     for method in methods[shift:] + methods[:shift]:
-        run_dir = Path(args.out) / f"{args.dataset}-{method}-s{args.seed}"
+        run_dir = Path(args.out) / f"{args.dataset}-{args.optimizer}-{method}-s{args.seed}"
         cfg = load_config(config, ["log.console=false", "log.wandb=disabled",
                                    "log.tensorboard=false", "log.overwrite=true",
                                    f"log.dir={run_dir}", f"seed={args.seed}",
-                                   *DATASETS.get(args.dataset, []), *METHODS[method], *args.extra],
+                                   *DATASETS.get(args.dataset, []), *OPTIMIZERS[args.optimizer],
+                                   *METHODS[method], *args.extra],
                           environ={})
         result = train(cfg)
         if result.engine.rank == 0:
@@ -119,15 +163,17 @@ def worker(argv: Sequence[str]) -> int:
 # Driver side -----------------------------------------------------------------------------------
 
 def job(framework: str, dataset: str, seed: int, methods: Sequence[str], out: Path,
-        extra: Sequence[str] = (), target: float = 0.0, netns: str | None = None) -> list[dict]:
+        extra: Sequence[str] = (), target: float = 0.0, netns: str | None = None,
+        optimizer: str = "sgd") -> list[dict]:
     """Runs one worker job and returns its records, one per method."""
     argv = [harness.horovodrun(), "-np", "2", "--gloo", str(harness.python()), __file__,
             "--worker", "--framework", framework, "--dataset", dataset, "--seed", str(seed),
+            "--optimizer", optimizer,
             "--methods", ",".join(methods), "--out", str(out), "--target", str(target),
             *[f"--extra={e}" for e in extra]]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
-    harness.log(f"{framework} {dataset} seed {seed}: {','.join(methods)}")
+    harness.log(f"{framework} {dataset} {optimizer} seed {seed}: {','.join(methods)}")
     records = harness.run_job(argv, KEY, timeout=7200)
     if len(records) != len(methods):
         raise harness.BenchError(f"expected {len(methods)} runs, got {len(records)}")
@@ -175,17 +221,60 @@ def accuracy_table(records: list[dict], methods: Sequence[str]) -> str:
                                   "compression ms/step", "step ms"], cells)
 
 
+def setting(record: dict) -> str:
+    """A record's dataset (or model) and optimizer."""
+    return f"{record['dataset']} {record.get('optimizer', 'sgd')}"
+
+
 def grouped(records: list[dict], methods: Sequence[str]) -> dict[tuple[str, str, str], list[dict]]:
-    """The records by (framework, dataset, method), in the order met and of ``methods``."""
+    """The records by (framework, dataset and optimizer, method), in the order met and of
+    ``methods``."""
     out: dict[tuple[str, str, str], list[dict]] = {}
     for fw in dict.fromkeys(r["framework"] for r in records):
-        for ds in dict.fromkeys(r["dataset"] for r in records):
+        for ds in dict.fromkeys(setting(r) for r in records):
             for m in methods:
                 rs = [r for r in records
-                      if (r["framework"], r["dataset"], r["method"]) == (fw, ds, m)]
+                      if (r["framework"], setting(r), r["method"]) == (fw, ds, m)]
                 if rs:
                     out[(fw, ds, m)] = rs
     return out
+
+
+def paired_loss(records: list[dict], base: list[dict]) -> tuple[float, float, int]:
+    """The mean accuracy loss against ``base`` (``none``) over the seeds both ran (positive:
+    worse), the half-width of its 95% interval (Student's t over the paired differences; nan for
+    one seed) and the number of seeds."""
+    by_seed = {r["seed"]: r["accuracy"] for r in base}
+    diffs = [by_seed[r["seed"]] - r["accuracy"] for r in records if r["seed"] in by_seed]
+    if not diffs:
+        return float("nan"), float("nan"), 0
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return mean, float("nan"), 1
+    half = T975.get(len(diffs) - 1, 1.96) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return mean, half, len(diffs)
+
+
+def loss_table(records: list[dict], methods: Sequence[str]) -> str:
+    """Per framework, model and optimizer, each method's mean accuracy loss against ``none``
+    with its 95% interval, and the issue's verdict where a bar exists."""
+    groups = grouped(records, methods)
+    cells = []
+    for (fw, ds, m), rs in groups.items():
+        base = groups.get((fw, ds, "none"))
+        if m == "none" or not base:
+            continue
+        mean, half, n = paired_loss(rs, base)
+        bar = LOSS_BARS.get(m)
+        verdict = "—" if bar is None else ("met" if mean <= bar else "missed")
+        if bar is not None and n > 1 and mean <= bar < mean + half:
+            verdict = "met (interval crosses the bar)"
+        cells.append([f"{fw} {ds} {m}", str(n), f"{100 * mean:+.2f}",
+                      "—" if half != half else f"{100 * (mean - half):+.2f} to {100 * (mean + half):+.2f}",
+                      "—" if bar is None else f"{100 * bar:g}", verdict])
+    return harness.markdown_grid(["framework model optimizer method", "seeds",
+                                  "loss vs none (points)", "95% interval", "bar", "verdict"],
+                                 cells)
 
 
 def speedups(slow: list[dict]) -> dict[str, dict[str, float | None]]:
@@ -218,7 +307,7 @@ def accuracy_drops(records: list[dict]) -> dict[str, dict[str, tuple[float, bool
     for fw in dict.fromkeys(r["framework"] for r in records):
         means = {m: statistics.mean(r["accuracy"] for r in rs)
                  for (f, ds, m), rs in grouped(records, ["none", *BARS]).items()
-                 if (f, ds) == (fw, "digits")}
+                 if (f, ds) == (fw, "digits sgd")}
         if "none" in means:
             base = means.pop("none")
             out[fw] = {m: (acc - base, base - acc <= BARS[m] + 1e-9) for m, acc in means.items()}
@@ -272,7 +361,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The driver's options; ``--quick``: digits, none/topk/powersgd, 1 epoch."""
     p = harness.parser("compression.py", __doc__.splitlines()[0], SIZES, timeout=7200.0)
     p.add_argument("--frameworks", default="torch", help="comma-separated: torch,tensorflow")
-    p.add_argument("--datasets", default="digits,mnist1d")
+    p.add_argument("--datasets", default="digits,mnist1d",
+                   help="comma-separated keys of DATASETS (mnist1d-cnn: the 1-D CNN, 60 epochs)")
+    p.add_argument("--optimizers", default="sgd", help="comma-separated: sgd,adam")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=False,
                    help="also the single-host slow link "
@@ -305,10 +396,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 slow += job(fw, "digits", 0, [m for m in methods if m != "topk-noEF"],
                             out / "slow" / fw, [*SLOW, *args.slow_extra], args.slow_target, netns)
     records = [r for fw in frameworks for ds in args.datasets.split(",")
-               for seed in range(args.seeds)
-               for r in job(fw, ds, seed, methods, out / fw, args.train_extra)]
-    blocks = ["Accuracy, bytes and time per method (2 ranks, Gloo, one job per framework, dataset "
-              "and seed; bytes are what each rank hands to Horovod per step):\n\n"
+               for opt in args.optimizers.split(",") for seed in range(args.seeds)
+               for r in job(fw, ds, seed, methods, out / fw, args.train_extra, optimizer=opt)]
+    blocks = ["Mean accuracy loss against `none` over the seeds (paired by seed), with its 95% "
+              "interval:\n\n" + loss_table(records, methods),
+              "Accuracy, bytes and time per method (2 ranks, Gloo, one job per framework, dataset, "
+              "optimizer and seed; bytes are what each rank hands to Horovod per step):\n\n"
               + accuracy_table(records, methods)]
     if slow:
         blocks.append("Over an emulated 100 Mbit/s link on one host (`tc tbf` on a network "

@@ -20,8 +20,7 @@ from hvdtrain.compression import PLANS
 from hvdtrain.compression.plans import CommSettings
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.torch.collectives import any_rank
-from hvdtrain.torch.compression import (CompressingExchange, make_compressing,
-                                        optimizer_settings, plain_sgd)
+from hvdtrain.torch.compression import CompressingExchange, make_compressing, optimizer_settings, plain_sgd
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 

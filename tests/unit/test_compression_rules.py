@@ -142,35 +142,37 @@ def test_adamw_decay_is_left_to_the_sgd_step_and_adams_l2_added_to_the_gradient(
 
 
 @pytest.mark.parametrize("new_size", [2, 3])
-def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size):
+@pytest.mark.parametrize("opt, per_rank, shared", [
+    (SGD, "velocity/0", "momentum/1"), (OptimizerSettings("adam"), "residual/0", "variance/0")],
+    ids=["dgc", "adam"])
+def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, per_rank, shared):
     c = comm("topk", adam_warmup_steps=1)
-    for opt, per_rank, shared in ((SGD, "velocity/0", "momentum/1"),
-                                  (OptimizerSettings("adam"), "residual/0", "variance/0")):
-        saved = run_ranks(c, opt, 2, 3)
-        before = [dict(exchange.store.arrays) for _, exchange in saved]
+    before = [dict(exchange.store.arrays) for _, exchange in run_ranks(c, opt, 2, 3)]
 
-        def save(r: int, hub: Hub, opt: OptimizerSettings = opt) -> dict:
-            exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hub, opt, lambda: WEIGHTS)
-            exchange.store.arrays = dict(before[r])
-            exchange.step = 3
-            exchange.gather()
-            return exchange.state_dict()
+    def save(r: int, hub: Hub) -> dict:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hub, opt, lambda: WEIGHTS)
+        exchange.store.arrays = dict(before[r])
+        exchange.step = 3
+        exchange.gather()
+        return exchange.state_dict()
 
-        entry = on_ranks(2, save)[0]
-        assert entry[per_rank].shape[0] == 2 and entry[shared].ndim == 1
+    entry = on_ranks(2, save)[0]
+    assert entry[per_rank].shape[0] == 2 and entry[shared].ndim == 1
+    assert not np.array_equal(before[0][per_rank], before[1][per_rank])
 
-        def restore(r: int, hub: Hub, opt: OptimizerSettings = opt) -> dict:
-            exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, new_size, hub, opt)
-            if r == 0:
-                exchange.load_state_dict(entry, "test")
-            exchange.broadcast(root_rank=0)
-            return dict(exchange.store.arrays)
+    def restore(r: int, hub: Hub) -> dict:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, new_size, hub, opt)
+        if r == 0:
+            exchange.load_state_dict(entry, "test")
+        exchange.broadcast(root_rank=0)
+        assert exchange.step == 3
+        return dict(exchange.store.arrays)
 
-        for r, arrays in enumerate(on_ranks(new_size, restore)):
-            np.testing.assert_array_equal(arrays[shared], before[0][shared])
-            want = (before[r][per_rank] if new_size == 2
-                    else (before[0][per_rank] + before[1][per_rank]) / 2)
-            np.testing.assert_allclose(arrays[per_rank], want, rtol=1e-6)
+    for r, arrays in enumerate(on_ranks(new_size, restore)):
+        np.testing.assert_array_equal(arrays[shared], before[0][shared])
+        want = (before[r][per_rank] if new_size == 2
+                else (before[0][per_rank] + before[1][per_rank]) / 2)
+        np.testing.assert_allclose(arrays[per_rank], want, rtol=1e-6)
 
 
 def test_adam_warm_up_must_leave_a_variance_to_freeze():
