@@ -96,6 +96,10 @@ def test_ranks_agree_and_checkpoint_holds_each_ranks_state(compressed, framework
     r0, r1 = states[0]["residuals"], states[1]["residuals"]
     assert r0.keys() == r1.keys() and len(r0) == 4
     assert any(not np.array_equal(np.asarray(r0[k]), np.asarray(r1[k])) for k in r0)
+    # PyTorch runs DGC for random-k with SGD momentum (the default): each rank's velocity too.
+    v0, v1 = states[0]["velocities"], states[1]["velocities"]
+    assert len(v0) == (4 if framework == "torch" else 0)
+    assert all(not np.array_equal(v0[k], v1[k]) for k in v0)
 
 
 def _compression_state(directory: Path, framework: str) -> list[dict]:
@@ -110,6 +114,7 @@ def _compression_state(directory: Path, framework: str) -> list[dict]:
         with np.load(newest, allow_pickle=False) as data:
             entry = {k.split("/", 1)[1]: data[k] for k in data.files if k.startswith("compression/")}
     rows = {k.split("/", 1)[1]: v for k, v in entry.items() if k.startswith("residual/")}
+    velocities = {k.split("/", 1)[1]: v for k, v in entry.items() if k.startswith("velocity/")}
     size = len(next(iter(rows.values())))
-    return [{"step": int(entry["step"]), "residuals": {k: v[r] for k, v in rows.items()}}
-            for r in range(size)]
+    return [{"step": int(entry["step"]), "residuals": {k: v[r] for k, v in rows.items()},
+             "velocities": {k: v[r] for k, v in velocities.items()}} for r in range(size)]

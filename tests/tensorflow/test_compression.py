@@ -331,3 +331,14 @@ def test_resume_with_compression_state_is_bit_identical(tmp_path, method):
 def test_qsgd_level_at_the_scale_stays_in_int8():
     codes, _ = tfc.qsgd_compress(tf.constant([1.0, 0.5]), 0, tf.constant([0.999999, 0.1]))
     assert codes.numpy().tolist() == [127, 63]
+
+
+def test_update_rule_kernels_match_the_reference():
+    x = np.random.default_rng(3).standard_normal(500).astype(np.float32)
+    idx = np.array([0, 7, 499, 250], np.int32)
+    np.testing.assert_array_equal(tfc.zero_at(tf.constant(x), tf.constant(idx)).numpy(),
+                                  ref.zero_at(x, idx))
+    parts = [x[:100].reshape(10, 10), x[100:]]
+    for max_norm in (0.5, 1e6):
+        got = tfc.clip_factor([tf.constant(p) for p in parts], max_norm)
+        assert float(got) == pytest.approx(float(ref.clip_factor(parts, max_norm)), rel=1e-6)

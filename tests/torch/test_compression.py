@@ -11,11 +11,13 @@ import torch
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import CommConfig
 from hvdtrain.driver import train
 from hvdtrain.torch import compression as tc
 from hvdtrain.torch import exchange as tx
 from tests.conftest import CONFIG, quiet_config
+from tests.unit.numpy_world import Hub, NumpyExchange
 
 hvd.init()
 SEED = 5
@@ -98,7 +100,66 @@ def _reference_exchange(comm: CommConfig, steps: int) -> list[list[np.ndarray]]:
 
 
 def _exchange(comm: CommConfig, seed: int = SEED) -> tc.CompressingExchange:
-    return tc.make_compressing(comm, seed, hvd.rank(), hvd.size(), SHAPES)
+    return tc.make_compressing(comm, seed, hvd.rank(), hvd.size(), [torch.zeros(s) for s in SHAPES])
+
+
+def test_update_rule_kernels_match_the_reference():
+    x = np.random.default_rng(3).standard_normal(500).astype(np.float32)
+    idx = np.array([0, 7, 499, 250], np.int32)
+    np.testing.assert_array_equal(tc.zero_at(torch.from_numpy(x), torch.from_numpy(idx)).numpy(),
+                                  ref.zero_at(x, idx))
+    parts = [x[:100].reshape(10, 10), x[100:]]
+    for max_norm in (0.5, 1e6):
+        got = tc.clip_factor([torch.from_numpy(p) for p in parts], max_norm)
+        assert float(got) == pytest.approx(float(ref.clip_factor(parts, max_norm)), rel=1e-6)
+
+
+RULES = {
+    "dgc-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, clip_norm=2.0,
+                            sparsity_warmup_steps=3), OptimizerSettings("sgd", 0.9, 0.01)),
+    "dgc-randomk-nomask": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
+                                      momentum_masking=False), OptimizerSettings("sgd", 0.9)),
+    "adamw-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, adam_warmup_steps=2),
+                   OptimizerSettings("adamw", weight_decay=0.1)),
+    "adam-randomk": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
+                                adam_warmup_steps=2), OptimizerSettings("adam", weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_update_rules_match_the_reference_exchange(rule):
+    """The torch exchange against the same plan and rule run on the reference kernels."""
+    comm, opt = RULES[rule]
+    weights = [np.random.default_rng(9).standard_normal(tuple(s)).astype(np.float32)
+               for s in SHAPES]
+    params = [torch.from_numpy(w.copy()) for w in weights]
+    exchange = tc.make_compressing(comm, SEED, hvd.rank(), hvd.size(), params, opt)
+    reference = NumpyExchange(make_plan(comm, SEED, SHAPES), 0, 1, Hub(1), opt, lambda: weights)
+    assert exchange.rule.updates and type(exchange.rule) is type(reference.rule)
+    for step in range(1, 6):
+        got = exchange.run([torch.from_numpy(g) for g in _grads(step)])
+        want = reference.run(_grads(step))
+        for i, (x, w) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(x.numpy(), w, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{rule} step {step} #{i}")
+
+
+def test_the_optimizer_becomes_plain_sgd_where_the_exchange_applies_the_rule():
+    model = torch.nn.Linear(200, 10)
+    comm = CommConfig(compression="topk")
+    for optimizer, momentum_left, decay_left in [
+            (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), 0, 0),
+            (torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.01), 0, 0),
+            (torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01), 0, 0.01)]:
+        _, used = tx.make_exchange(comm, 0, 0, 1, model, optimizer, 1)
+        assert type(used) is torch.optim.SGD
+        group = used.param_groups[0]
+        assert (group["momentum"], group["weight_decay"]) == (momentum_left, decay_left)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for method, off in [("qsgd", ()), ("topk", ("momentum_correction",))]:
+        c = CommConfig(compression=method, **{name: False for name in off})
+        exchange, used = tx.make_exchange(c, 0, 0, 1, model, sgd, 1)
+        assert used is sgd and not exchange.rule.updates
 
 
 def test_qsgd_noise_is_a_function_of_its_seed():
@@ -139,7 +200,7 @@ def test_exchange_matches_the_reference_over_steps_and_resumes_exactly(comm):
 
 def test_wire_bytes_are_those_of_the_tensors_sent():
     comm = CommConfig(compression="topk", ratio=0.01, min_size=100)
-    topk = tc.make_compressing(comm, 0, hvd.rank(), hvd.size(), SHAPES)
+    topk = tc.make_compressing(comm, 0, hvd.rank(), hvd.size(), [torch.zeros(s) for s in SHAPES])
     topk.run([torch.from_numpy(g) for g in _grads(1)])
     k0, k2 = ref.num_selected(1920, 0.01), ref.num_selected(210, 0.01)
     assert topk.stats["wire_bytes"] == 8 * (k0 + k2) + 4 * 40 == topk.plan.wire_bytes()
@@ -155,18 +216,28 @@ EXACT = ("train.epochs=1", "optim.schedule=constant", "checkpoint.every_steps=20
          "train.backward_passes_per_step=2", "data.batch_size=16")
 
 
-@pytest.mark.parametrize("method", ["randomk", "qsgd", "powersgd"])
+RESUMED = {"randomk": "comm.compression=randomk", "qsgd": "comm.compression=qsgd",
+           "powersgd": "comm.compression=powersgd",
+           "topk": "comm.compression=topk,comm.sparsity_warmup_steps=30,comm.clip_norm=1",
+           "topk-adamw": "comm.compression=topk,optim.name=adamw,optim.lr=0.002,"
+                         "optim.weight_decay=0.01,comm.adam_warmup_steps=20"}
+"""randomk and topk with SGD momentum run DGC (topk with its warm-up and clipping); topk-adamw
+compresses AdamW's momentum after 20 dense steps: the checkpoint at step 25 holds them all."""
+
+
+@pytest.mark.parametrize("method", RESUMED)
 def test_training_resumes_bit_identically_with_compression_state(tmp_path, method):
-    comm = f"comm.compression={method}"
-    straight = train(quiet_config(CONFIG, tmp_path / "a", *EXACT, comm))
+    comm = RESUMED[method].split(",")
+    straight = train(quiet_config(CONFIG, tmp_path / "a", *EXACT, *comm))
     stats = straight.engine.step_stats()
     assert {"data_s", "compute_s", "comm_s", "wire_bytes", "dense_bytes"} <= set(stats)
     assert 0 < stats["wire_bytes"] < stats["dense_bytes"]
-    train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "train.max_steps=25"))
+    train(quiet_config(CONFIG, tmp_path / "b", *EXACT, *comm, "train.max_steps=25"))
     ckpt = torch.load(tmp_path / "b" / "run" / "checkpoints" / "step-00000025.ckpt",
                       weights_only=True)
-    assert int(ckpt["compression"]["step"]) == 25 and ckpt["compression"]["method"] == method
-    resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, comm, "checkpoint.resume=auto"))
+    assert int(ckpt["compression"]["step"]) == 25
+    assert ckpt["compression"]["method"] == method.split("-")[0]
+    resumed = train(quiet_config(CONFIG, tmp_path / "b", *EXACT, *comm, "checkpoint.resume=auto"))
     assert resumed.summary["steps"] == straight.summary["steps"] == 45
     for key, value in straight.engine.parameters().items():
         assert np.array_equal(resumed.engine.parameters()[key], value), key
