@@ -80,6 +80,9 @@ class Plan:
     """Collective rounds per step."""
     dense_dtype: ClassVar[str] = "float32"
     """What uncompressed tensors travel as."""
+    ratio: float | None = None
+    """The fraction sparse methods send this step, where a density warm-up sets it (None:
+    ``comm.ratio``)."""
 
     def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]]) -> None:
         self.comm, self.seed, self.method = comm, seed, comm.compression
@@ -140,9 +143,6 @@ class _Sparse(Plan):
 
     def compressible(self, shape: tuple[int, ...]) -> bool:
         return ref.large_enough(shape, self.comm.min_size)
-
-    ratio: float | None = None
-    """The fraction sent this step, where a density warm-up sets it (None: ``comm.ratio``)."""
 
     def k(self, t: TensorPlan) -> int:
         """How many entries of ``t`` are sent."""
