@@ -66,9 +66,10 @@ def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
     return out
 
 
-@pytest.mark.parametrize("extra", [{}, {"momentum_masking": False},
-                                   {"clip_norm": 1.0, "sparsity_warmup_steps": 4}],
-                         ids=["default", "no-masking", "clip-warmup"])
+@pytest.mark.parametrize("extra", [{"sparsity_warmup_steps": 0}, {"momentum_masking": True},
+                                   {"clip_norm": 1.0, "sparsity_warmup_steps": 4,
+                                    "momentum_masking": True}],
+                         ids=["no-warmup", "masking", "clip-warmup-masking"])
 def test_dgc_is_the_papers_algorithm(extra):
     c = comm("topk", **extra)
     expected = dgc_by_hand(c, 2, 5)
