@@ -65,8 +65,8 @@ momentum itself, it returns an update *direction* ``d`` that plain SGD applies (
   is Adam's (:func:`adam_direction`, bias-corrected, ``g + wd w`` for Adam's L2). Then each
   compressed tensor's variance ``v`` is frozen; each rank compresses its local momentum
   ``b1 m + (1 - b1) g`` plus its residual (error feedback), the mean of what the ranks sent is the
-  new shared ``m``, and the direction uses the frozen ``v``. AdamW's decoupled decay is the plain
-  SGD step's own ``weight_decay`` (``w -= lr (d + wd w)`` is AdamW's update exactly).
+  new shared ``m``, and the direction uses the frozen ``v``. AdamW's decoupled decay is added to
+  the direction, ``d + wd w`` (plain SGD's ``w -= lr (d + wd w)`` is AdamW's update exactly).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ A rule decides what a compressed tensor's stage 0 compresses and what the exchan
 averaging (:class:`Rule`) compresses the gradient and returns the mean gradient, which the
 framework's optimizer applies. :class:`DGC` and :class:`CompressedAdam` apply the optimizer's
 momentum (and Adam's variance) inside the exchange, so they return an update *direction*, and the
-framework swaps its optimizer for plain SGD (no momentum; AdamW's decoupled decay as SGD's
-``weight_decay``) that applies it: ``w -= lr d``. The math is in
+framework swaps its optimizer for plain SGD (no momentum, no decay) that applies it:
+``w -= lr d``. The math is in
 :mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
 """
 
@@ -65,6 +65,7 @@ class Rule:
 
     def __init__(self, plan: Plan, comm: RuleSettings, opt: OptimizerSettings) -> None:
         self.plan, self.comm, self.opt = plan, comm, opt
+        self.weights: Sequence[Tensor] | None = None  # this step's, from prepare()
 
     def slots(self) -> list[Slot]:
         """State the rule keeps beside the plan's."""
@@ -84,6 +85,7 @@ class Rule:
     def prepare(self, ctx: Context, grads: list[Tensor], weights: Sequence[Tensor] | None
                 ) -> list[Tensor]:
         """The flat local gradients as the rule uses them (L2 decay: ``g + wd w``)."""
+        self.weights = weights
         decay = self.opt.weight_decay if self.updates and self.opt.name != "adamw" else 0.0
         if decay and weights is not None:
             return [g + ctx.kernels.flat(w) * decay for g, w in zip(grads, weights, strict=True)]
@@ -183,7 +185,13 @@ class CompressedAdam(Rule):
             t_v = step
         ctx.store.write(m_key, m)
         m_hat = m * (1.0 / (1.0 - o.beta1 ** step))
-        return m_hat / (ctx.kernels.sqrt(v * (1.0 / (1.0 - o.beta2 ** t_v))) + o.eps)
+        direction = m_hat / (ctx.kernels.sqrt(v * (1.0 / (1.0 - o.beta2 ** t_v))) + o.eps)
+        if o.name == "adamw" and o.weight_decay and self.weights is not None:
+            # Decoupled decay: w -= lr (d + wd w) is AdamW's update exactly. Here, not as the SGD
+            # step's weight_decay: Horovod's broadcast_optimizer_state steps a stateless optimizer
+            # once with zero gradients, which would decay the weights an extra time on resume.
+            direction = direction + ctx.kernels.flat(self.weights[t.index]) * o.weight_decay
+        return direction
 
 
 def make_rule(plan: Plan, comm: RuleSettings, opt: OptimizerSettings | None) -> Rule:

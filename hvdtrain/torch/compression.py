@@ -230,13 +230,11 @@ def optimizer_settings(optimizer: torch.optim.Optimizer) -> OptimizerSettings | 
 
 
 def plain_sgd(optimizer: torch.optim.Optimizer, opt: OptimizerSettings) -> torch.optim.Optimizer:
-    """The optimizer that applies an update rule's directions: SGD without momentum over the same
-    parameters, with AdamW's decoupled decay as its ``weight_decay`` (``w -= lr (d + wd w)`` is
-    AdamW's update exactly; for SGD and Adam the rule adds the L2 term before the exchange)."""
+    """The optimizer that applies an update rule's directions: SGD without momentum or decay over
+    the same parameters (the rule's directions include the decay: L2 for SGD and Adam, AdamW's
+    decoupled term)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    decay = opt.weight_decay if opt.name == "adamw" else 0.0
-    return torch.optim.SGD(params, lr=optimizer.param_groups[0]["lr"], momentum=0.0,
-                           weight_decay=decay)
+    return torch.optim.SGD(params, lr=optimizer.param_groups[0]["lr"], momentum=0.0)
 
 
 def to_torch(entry: dict[str, np.ndarray]) -> dict[str, Any]:

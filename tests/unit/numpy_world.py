@@ -230,10 +230,8 @@ class NumpyEngine(Engine, StepKernels):
                                 weight_decay=cfg.optim.weight_decay)
         self.exchange = NumpyExchange(make_plan(cfg.comm, cfg.seed, [p.shape for p in self.params]),
                                       rank, self.size, hub, opt, lambda: self.params)
-        self.decay = 0.0
         if self.exchange.rule.updates:  # the exchange applies the optimizer's rule: plain SGD here
             self.momentum = 0.0
-            self.decay = cfg.optim.weight_decay if cfg.optim.name == "adamw" else 0.0
         elif cfg.optim.name != "sgd" or cfg.optim.weight_decay:
             raise HvdtrainError("the NumPy engine runs SGD without decay, or an exchange's rule")
         self.lr, self.stats = 0.0, {}
@@ -273,10 +271,10 @@ class NumpyEngine(Engine, StepKernels):
         return self.grads
 
     def sgd(self, grads: Sequence[np.ndarray]) -> None:
-        """SGD with momentum and decay, as torch's: v = m v + g + wd p, p -= lr v."""
+        """SGD with momentum, as torch's: v = m v + g, p -= lr v."""
         for p, v, g in zip(self.params, self.velocity, grads, strict=True):
             v *= self.momentum
-            v += g + F32(self.decay) * p if self.decay else g
+            v += g
             p -= F32(self.lr) * v
 
     # the engine

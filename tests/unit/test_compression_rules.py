@@ -131,14 +131,14 @@ def test_compressed_adam_is_1bit_adams_algorithm_with_top_k():
                                            err_msg=f"rank {r} step {step} #{i}")
 
 
-def test_adamw_decay_is_left_to_the_sgd_step_and_adams_l2_added_to_the_gradient():
+def test_adamw_decay_is_added_to_the_direction_and_adams_l2_to_the_gradient():
     c = comm("qsgd", adam_warmup_steps=5)
     # Step 2's directions (step 1's is about sign(g) whatever is added to g).
-    plain = run_ranks(c, OptimizerSettings("adamw", weight_decay=0.1), 1, 2)[0][0][1]
+    decoupled = run_ranks(c, OptimizerSettings("adamw", weight_decay=0.1), 1, 2)[0][0][1]
     undecayed = run_ranks(c, OptimizerSettings("adam"), 1, 2)[0][0][1]
     l2 = run_ranks(c, OptimizerSettings("adam", weight_decay=0.1), 1, 2)[0][0][1]
-    for a, b, c_ in zip(plain, undecayed, l2, strict=True):
-        np.testing.assert_array_equal(a, b)
+    for a, b, c_, w in zip(decoupled, undecayed, l2, WEIGHTS, strict=True):
+        np.testing.assert_allclose(a, b + F32(0.1) * w, rtol=1e-6)
         assert not np.allclose(b, c_)
 
 
