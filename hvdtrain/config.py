@@ -134,10 +134,12 @@ class CommConfig:
     """Tensors with fewer elements (biases, small layers) travel uncompressed, as fp32."""
     bucket: int = _opt(512, min=0)
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
-    momentum_correction: bool = True
-    """``topk`` and ``randomk`` with SGD momentum (PyTorch): Deep Gradient Compression's momentum
-    correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
-    applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``)."""
+    momentum_correction: bool = False
+    """``topk`` and ``randomk`` with SGD momentum (PyTorch only): Deep Gradient Compression's
+    momentum correction. The residual accumulates each rank's velocity, not its gradient, and the
+    exchange applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``).
+    Off by default: it has not yet measured better than plain error feedback
+    (docs/benchmarks.md)."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
     momentum factor masking). Off by default: it cost accuracy on the MNIST-1D CNN
@@ -148,8 +150,9 @@ class CommConfig:
     sparsity_warmup_steps: int = _opt(250, min=0)
     """With ``momentum_correction``: DGC's density warm-up, sending 25%, 6.25%, 1.56%, ... of the
     entries in equal stages over the first this many steps, down to ``ratio`` (0: off)."""
-    compress_momentum: bool = True
-    """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (PyTorch): 1-bit Adam's design. Dense
+    compress_momentum: bool = False
+    """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (PyTorch only; off by default until
+    measured over seeds in a real run, docs/benchmarks.md): 1-bit Adam's design. Dense
     Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
     momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update."""
     adam_warmup_steps: int = _opt(200, min=1)

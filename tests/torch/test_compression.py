@@ -116,13 +116,17 @@ def test_update_rule_kernels_match_the_reference():
 
 RULES = {
     "dgc-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, clip_norm=2.0,
-                            sparsity_warmup_steps=3), OptimizerSettings("sgd", 0.9, 0.01)),
+                            sparsity_warmup_steps=3, momentum_correction=True),
+                 OptimizerSettings("sgd", 0.9, 0.01)),
     "dgc-randomk-nomask": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
-                                      momentum_masking=False), OptimizerSettings("sgd", 0.9)),
-    "adamw-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, adam_warmup_steps=2),
+                                      momentum_masking=False, momentum_correction=True),
+                           OptimizerSettings("sgd", 0.9)),
+    "adamw-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, adam_warmup_steps=2,
+                              compress_momentum=True),
                    OptimizerSettings("adamw", weight_decay=0.1)),
     "adam-randomk": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
-                                adam_warmup_steps=2), OptimizerSettings("adam", weight_decay=0.1)),
+                                adam_warmup_steps=2, compress_momentum=True),
+                     OptimizerSettings("adam", weight_decay=0.1)),
 }
 
 
@@ -146,7 +150,7 @@ def test_update_rules_match_the_reference_exchange(rule):
 
 def test_the_optimizer_becomes_plain_sgd_where_the_exchange_applies_the_rule():
     model = torch.nn.Linear(200, 10)
-    comm = CommConfig(compression="topk")
+    comm = CommConfig(compression="topk", momentum_correction=True, compress_momentum=True)
     for optimizer in [
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
             torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.01),
@@ -218,10 +222,11 @@ EXACT = ("train.epochs=1", "optim.schedule=constant", "checkpoint.every_steps=20
 
 RESUMED = {"randomk": "comm.compression=randomk", "qsgd": "comm.compression=qsgd",
            "powersgd": "comm.compression=powersgd",
-           "topk": "comm.compression=topk,comm.sparsity_warmup_steps=30,comm.clip_norm=1",
+           "topk": "comm.compression=topk,comm.momentum_correction=true,comm.sparsity_warmup_steps=30,"
+                   "comm.clip_norm=1",
            "topk-adamw": "comm.compression=topk,optim.name=adamw,optim.lr=0.002,"
-                         "optim.weight_decay=0.01,comm.adam_warmup_steps=20"}
-"""randomk and topk with SGD momentum run DGC (topk with its warm-up and clipping); topk-adamw
+                         "optim.weight_decay=0.01,comm.adam_warmup_steps=20,comm.compress_momentum=true"}
+"""topk runs DGC (with its warm-up and clipping), randomk plain error feedback; topk-adamw
 compresses AdamW's momentum after 20 dense steps: the checkpoint at step 25 holds them all."""
 
 

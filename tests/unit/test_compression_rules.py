@@ -21,7 +21,8 @@ WEIGHTS = [np.full(s, 0.5, F32) for s in SHAPES]
 
 
 def comm(method: str, **kw: Any) -> CommConfig:
-    return CommConfig(compression=method, **{"ratio": 0.1, "min_size": 64, **kw})
+    return CommConfig(compression=method, **{"ratio": 0.1, "min_size": 64, "momentum_correction": True,
+                                          "compress_momentum": True, **kw})
 
 
 def run_ranks(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -> list[Any]:

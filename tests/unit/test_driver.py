@@ -30,16 +30,18 @@ def run(tmp_path: Path, *overrides: str, callbacks=()):
 
 
 # Update rules whose state (velocities, momentum, frozen variance, warm-up position) a resume
-# must restore: random-k under DGC (the default with SGD momentum), top-k with DGC's clipping
+# must restore: random-k under DGC (on request, with SGD momentum), top-k with DGC's clipping
 # and density warm-up, and top-k / qsgd compressing AdamW's momentum after a 3-step warm-up.
 RULES = {
-    "dgc-randomk": (),
-    "dgc-topk-warmup-clip": ("comm.compression=topk", "comm.sparsity_warmup_steps=6",
+    "dgc-randomk": ("comm.momentum_correction=true",),
+    "dgc-topk-warmup-clip": ("comm.compression=topk", "comm.momentum_correction=true",
+                             "comm.sparsity_warmup_steps=6",
                              "comm.clip_norm=0.5"),
     "adamw-topk": ("comm.compression=topk", "optim.name=adamw", "optim.lr=0.01",
-                   "optim.weight_decay=0.01", "comm.adam_warmup_steps=3"),
+                   "optim.weight_decay=0.01", "comm.adam_warmup_steps=3",
+                   "comm.compress_momentum=true"),
     "adam-qsgd": ("comm.compression=qsgd", "optim.name=adam", "optim.lr=0.01",
-                  "comm.adam_warmup_steps=3"),
+                  "comm.adam_warmup_steps=3", "comm.compress_momentum=true"),
 }
 
 
