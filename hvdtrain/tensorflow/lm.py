@@ -61,9 +61,11 @@ class Block(keras.layers.Layer):
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.heads, self.d_model = heads, d_model
-        self.ln1, self.ln2 = _layer_norm("ln1"), _layer_norm("ln2")
+        # In the order of the PyTorch block's parameters, which the variables then follow.
+        self.ln1 = _layer_norm("ln1")
         self.qkv = _dense(3 * d_model, INIT_STD, "qkv")
         self.proj = _dense(d_model, residual_std(layers), "proj")  # into the residual stream
+        self.ln2 = _layer_norm("ln2")
         self.fc = _dense(4 * d_model, INIT_STD, "fc")
         self.out = _dense(d_model, residual_std(layers), "out")
         self.attn_drop = keras.layers.Dropout(dropout)
