@@ -45,6 +45,8 @@ def test_the_layers_are_the_model():
     loss, metrics = adapter.loss_and_metrics(model, tokens, tokens, training=False)
     expected = keras.losses.sparse_categorical_crossentropy(tokens, logits, from_logits=True)
     assert float(loss) == pytest.approx(float(np.mean(expected)) * 3, rel=1e-5)
+    right = np.mean(np.argmax(logits.numpy(), axis=-1) == tokens, axis=1).sum()
+    assert float(metrics["token_accuracy"]) == pytest.approx(right)
     empty_loss, empty = adapter.output_loss(logits[:0], tokens[:0])
     assert float(empty_loss) == 0.0 and float(empty["token_accuracy"]) == 0.0
 

@@ -58,6 +58,8 @@ def test_the_layers_are_the_model(corpus):
     loss, metrics = adapter.loss_and_metrics(model, tokens, tokens)
     expected = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens.reshape(-1)) * 3
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    right = logits.argmax(-1).eq(tokens).float().mean(dim=1).sum()
+    assert metrics["token_accuracy"].item() == pytest.approx(right.item())
     empty = adapter.output_loss(logits[:0], tokens[:0])
     assert empty[0].item() == 0.0 and empty[1]["token_accuracy"].item() == 0.0
 

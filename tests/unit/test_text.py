@@ -48,7 +48,7 @@ def test_make_text_refuses_what_it_cannot_make(corpus, tmp_path):
         make_text([tmp_path / "a.txt"], root)
     with pytest.raises(HvdtrainError, match=r"--val-fraction=1.0: must be in \(0, 1\)"):
         make_text([tmp_path / "a.txt"], tmp_path / "new", 1.0)
-    with pytest.raises(HvdtrainError, match="missing.txt is not a file"):
+    with pytest.raises(HvdtrainError, match=r"missing\.txt is not a file"):
         make_text([tmp_path / "missing.txt"], tmp_path / "new")
     (tmp_path / "tiny.txt").write_text("ab")
     with pytest.raises(HvdtrainError, match="3 bytes of text leave a split empty"):
