@@ -22,7 +22,7 @@ SPEC = DatasetSpec(inputs=ArraySpec((16,), "int64"), targets=ArraySpec((16,), "i
 def test_gpt_trains_on_the_docs_and_perplexity_falls(tmp_path):
     corpus = docs_corpus(tmp_path / "docs")
     cfg = quiet_config(LM_CONFIGS["tensorflow"], tmp_path, f"data.options.root={corpus}",
-                       "train.max_steps=120")
+                       "data.batch_size=32", "optim.lr=0.003", "train.max_steps=200")
     result = train(cfg)
     final = result.summary["final"]
     first = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]

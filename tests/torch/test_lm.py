@@ -21,7 +21,7 @@ def corpus(tmp_path_factory):
 
 def test_gpt_trains_on_the_docs_and_perplexity_falls(corpus, tmp_path):
     cfg = quiet_config(LM_CONFIGS["torch"], tmp_path, f"data.options.root={corpus}",
-                       "train.max_steps=120")
+                       "data.batch_size=32", "optim.lr=0.003", "train.max_steps=200")
     result = train(cfg)
     final = result.summary["final"]
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
@@ -32,7 +32,7 @@ def test_gpt_trains_on_the_docs_and_perplexity_falls(corpus, tmp_path):
     assert final["eval_perplexity"] < 20 and final["train_perplexity"] < 20
     assert final["eval_perplexity"] == pytest.approx(math.exp(final["eval_loss"]))
     assert final["eval_token_accuracy"] > 0.25
-    assert sum("eval_perplexity" in r for r in records) == 2  # after epoch 1 (82 steps) and last
+    assert sum("eval_perplexity" in r for r in records) >= 2  # after epoch 1 (< 200 steps), the last
 
 
 def test_the_layers_are_the_model(corpus):
