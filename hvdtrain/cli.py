@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``train``, ``slurm``, ``report`` and ``doctor``.
+"""The ``hvdtrain`` command: ``train``, ``data``, ``slurm``, ``report`` and ``doctor``.
 
 Errors become one line on stderr and an exit code a job script can act on (docs/elastic.md,
 "Exit codes"): 2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing
@@ -55,17 +55,32 @@ def _parser() -> argparse.ArgumentParser:
                        help="render elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
-    data = sub.add_parser("data",
-                          help="data set tools: make-images writes a class-per-folder JPEG set")
-    data.add_argument("action", choices=("make-images",))
-    data.add_argument("dir",
-                      help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
+    data = sub.add_parser("data", help="data set tools: make-images writes a class-per-folder "
+                                       "JPEG set, make-text a tokenized text corpus")
+    tools = data.add_subparsers(dest="action", required=True)
+    images = tools.add_parser("make-images", help="a class-per-folder JPEG set of ten shapes")
+    images.add_argument("dir",
+                        help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
     for flag, default in (("--train", 5000), ("--test", 1000), ("--size", 32), ("--seed", 0)):
-        data.add_argument(flag, type=int, default=default, help=f"default: {default}")
+        images.add_argument(flag, type=int, default=default, help=f"default: {default}")
+    text = tools.add_parser("make-text", help="a byte-level corpus (train.bin, val.bin, "
+                                              "meta.json) of text files, for data.name=text")
+    text.add_argument("sources", nargs="+", metavar="SRC", help="text files, in corpus order")
+    text.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    text.add_argument("--val-fraction", type=float, default=0.1,
+                      help="the last this fraction of the bytes is val.bin (default: 0.1)")
     return parser
 
 
 def _data(args: argparse.Namespace) -> int:
+    if args.action == "make-text":
+        from hvdtrain.data.text import make_text
+
+        meta = make_text(args.sources, args.out, args.val_fraction)
+        print(f"[hvdtrain] wrote {meta['train_tokens']} training and {meta['val_tokens']} "
+              f"validation byte tokens of {len(args.sources)} file(s) to {args.out}; train on "
+              f"them with data.name=text data.options.root={args.out}")
+        return 0
     from hvdtrain.data.make_images import make_images
 
     root = make_images(args.dir, args.train, args.test, args.size, args.seed)

@@ -13,7 +13,7 @@ import hashlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,16 +34,30 @@ from hvdtrain.precision import SkippedSteps
 from hvdtrain.schedule import lr_at
 from hvdtrain.world import World
 
+Derived = Mapping[str, Callable[[Mapping[str, float]], float]]
+"""Metrics computed from the averaged ones, by name: the model adapter's ``derived_metrics``
+(the language models' ``perplexity``, ``exp(loss)``)."""
 
-def means(sums: dict[str, float], prefix: str = "") -> dict[str, float]:
-    """Turns summed metrics into means over ``count`` (``loss`` and ``correct`` -> ``accuracy``)."""
+
+def means(sums: dict[str, float], prefix: str = "", derived: Derived | None = None
+          ) -> dict[str, float]:
+    """Turns summed metrics into means over ``count`` (``loss`` and ``correct`` -> ``accuracy``),
+    then adds each ``derived`` metric, computed from those means (before ``prefix``)."""
     count = max(sums.get("count", 0.0), 1.0)
     out = {}
     for key, value in sums.items():
         if key == "count":
             continue
-        out[prefix + ("accuracy" if key == "correct" else key)] = value / count
-    return out
+        out["accuracy" if key == "correct" else key] = value / count
+    for name, compute in (derived or {}).items():
+        out[name] = compute(out)
+    return {prefix + key: value for key, value in out.items()}
+
+
+def derived_metrics(engine: Engine) -> Derived:
+    """What the engine's model adapter declares as ``derived_metrics`` (none for an engine or
+    adapter without)."""
+    return dict(getattr(getattr(engine, "adapter", None), "derived_metrics", None) or {})
 
 
 @dataclass
@@ -147,6 +161,7 @@ class Loop:
         self.cfg, self.world, self.engine = cfg, world, engine
         self.checkpoints, self.logger = checkpoints, logger
         self.collectives = engine.collectives
+        self.derived = derived_metrics(engine)
         self.callbacks = list(callbacks)
         self.num_train, self.num_test = len(dataset.train()), len(dataset.test())
         self.sampler = make_sampler(cfg, self.num_train, world.accumulation)
@@ -276,7 +291,7 @@ class Loop:
         record, steps, result = self.pending
         self.pending = None
         agreed = self.controls.incoming(result(), steps, record["step"])
-        self.last_train = means(agreed.sums)
+        self.last_train = means(agreed.sums, derived=self.derived)
         self._logged(lambda: self.logger.log({**record, **self.last_train, **agreed.health}))
         if agreed.write_failed:  # every rank raises rank 0's error here, together
             self.checkpoints.share_failure(self.collectives, self.engine.rank)
@@ -315,7 +330,8 @@ class Loop:
         shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,
                              self.cfg.data.eval_batch_size)
         self.local_eval = self.engine.evaluate(shards)
-        self.last_eval = means(self.collectives.allreduce_sums(self.local_eval), prefix="eval_")
+        self.last_eval = means(self.collectives.allreduce_sums(self.local_eval), prefix="eval_",
+                               derived=self.derived)
         self.heartbeat()
         return self.last_eval
 

@@ -78,14 +78,17 @@ DATASETS = Registry("dataset", {"digits": "hvdtrain.data.digits:DigitsDataset",
                                 "image_folder": "hvdtrain.data.image_folder:ImageFolder",
                                 "torch_dataset": "hvdtrain.torch.data:TorchDatasets",
                                 "synthetic_images": "hvdtrain.data.synthetic:SyntheticImages",
-                                "mnist1d": "hvdtrain.data.mnist1d:Mnist1dDataset"})
+                                "mnist1d": "hvdtrain.data.mnist1d:Mnist1dDataset",
+                                "text": "hvdtrain.data.text:TextDataset"})
 """Framework-free datasets: each yields NumPy arrays."""
 
 MODELS = {
     "torch": Registry("torch model", {"mlp": "hvdtrain.torch.models:MLP",
-                                     "resnet18": "hvdtrain.torch.models:ResNet18"}),
+                                     "resnet18": "hvdtrain.torch.models:ResNet18",
+                                     "gpt": "hvdtrain.torch.lm:GPT"}),
     "tensorflow": Registry("tensorflow model", {"mlp": "hvdtrain.tensorflow.models:MLP",
-                                               "resnet18": "hvdtrain.tensorflow.models:ResNet18"}),
+                                               "resnet18": "hvdtrain.tensorflow.models:ResNet18",
+                                               "gpt": "hvdtrain.tensorflow.lm:GPT"}),
 }
 """Model adapters per framework."""
 

@@ -12,8 +12,10 @@
   fetch, where their stream stands in an epoch's plan, bad-data reports, worker defaults.
 - Formats by name: :mod:`~hvdtrain.data.digits`, :mod:`~hvdtrain.data.mnist1d`,
   :mod:`~hvdtrain.data.synthetic` (``synthetic_images``), :mod:`~hvdtrain.data.image_folder`,
-  :mod:`~hvdtrain.data.npy`; :mod:`~hvdtrain.data.augment` draws augmentation from
-  ``(seed, epoch, sample index)``; :mod:`~hvdtrain.data.make_images` writes a JPEG data set.
+  :mod:`~hvdtrain.data.npy`, :mod:`~hvdtrain.data.text` (a tokenized corpus: windows of tokens and
+  their next tokens; ``make_text`` writes one from text files); :mod:`~hvdtrain.data.augment`
+  draws augmentation from ``(seed, epoch, sample index)``; :mod:`~hvdtrain.data.make_images`
+  writes a JPEG data set.
 
 The framework halves of loading live in ``hvdtrain/torch/data.py`` and
 ``hvdtrain/tensorflow/data.py``.

@@ -119,6 +119,7 @@ class PlacedAdapter(ModelAdapter):
     def __init__(self, inner: ModelAdapter, device: torch.device, precision: Precision) -> None:
         super().__init__(**inner.options)
         self.inner, self.device, self.precision = inner, device, precision
+        self.derived_metrics = getattr(inner, "derived_metrics", None) or {}  # for the loop
 
     def build(self, spec: DatasetSpec) -> torch.nn.Module:
         return self.inner.build(spec)
