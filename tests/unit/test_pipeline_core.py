@@ -111,6 +111,11 @@ def test_pieces_of_each_style():
     assert SCHEDULES["zbv_zero_bubble"].pieces_of(1, 4, 2) == [1, 6]
     every = sorted(p for r in range(3) for p in SCHEDULES["dualpipev"].pieces_of(r, 3, 2))
     assert every == list(range(6))
+    for name, v in (("1f1b", 1), ("interleaved_1f1b", 3), ("dualpipev", 2)):
+        schedule = SCHEDULES[name]
+        for rank in range(3):
+            assert all(schedule.holder(p, 3) == rank for p in schedule.pieces_of(rank, 3, v))
+    assert SCHEDULES["zbv_zero_bubble"].holder(3, 2) == 0  # the V: the last piece is on rank 0
 
 
 def test_bubble_formulas():
@@ -151,6 +156,8 @@ def test_microbatches_default_to_one_per_piece():
      "a pipeline accumulates over pipeline.microbatches"),
     (["pipeline.stages=2", "train.precision=bf16"], "pipeline stages train in fp32 only"),
     (["pipeline.stages=2", "model.sync_batchnorm=true"], "not supported with pipeline stages"),
+    (["pipeline.stages=2", "comm.compression=topk"],
+     "comm.compression='topk' with pipeline.stages=2: PyTorch pipeline stages exchange"),
     (["pipeline.stages=2", "pipeline.split=[1,2]"], "2 pieces need 1 layer(s)"),
     (["pipeline.stages=2", "pipeline.split=middle"], "pipeline.split='middle': expected auto"),
     (["pipeline.stages=2", "pipeline.split=[1.5]"], "1.5 is neither a layer index nor a layer name"),
