@@ -6,7 +6,7 @@ by :class:`hvdtrain.pipeline.layout.Layout` and the schedule. ``torch.distribute
 carries activations and their gradients between the stages of one pipeline copy over a torch
 process group of that copy's ranks (Gloo on CPU, NCCL on GPU); its rendezvous address is chosen by
 rank 0 and handed out by Horovod. Each stage's gradients are averaged over that stage's copies by
-Horovod in a process set (:class:`StageAllreduce`, the run's gradient exchange), once per step
+Horovod in a process set (:class:`hvdtrain.torch.stages.StageAllreduce`, the run's gradient exchange), once per step
 after the last micro-batch, so :func:`hvdtrain.step.train_step` runs a pipeline step as it runs
 any other: one "micro-batch" per step whose backward pass is the whole schedule.
 
@@ -16,11 +16,7 @@ its samples, and the padded rows are left out of the loss and metrics (weight ze
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import time
-from collections import OrderedDict
+import io
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -38,168 +34,29 @@ from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
-from hvdtrain.driver import launcher_host
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.exchange import GradientExchange, empty_stats
 from hvdtrain.horovod_start import compute_threads, start_horovod
 from hvdtrain.pipeline import SCHEDULES, Layout, Schedule, layer_names, stage_bounds
 from hvdtrain.pipeline.schedules import microbatch_count
+from hvdtrain.pipeline.state import layer_of, merge_parts, misfit, select_part
 from hvdtrain.registry import MODELS
 from hvdtrain.step import StepKernels, add_batch_sums, train_step
+from hvdtrain.torch import rng
 from hvdtrain.torch.collectives import TorchCollectives
 from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.device import place, resolve
-from hvdtrain.torch.engine import TorchEngine, make_optimizer
-from hvdtrain.torch.exchange import horovod_compression
+from hvdtrain.torch.engine import TorchEngine, make_optimizer, read_state
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.precision import Precision
-
-_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
-"""Horovod process sets by their ranks: made once per process (a second training in the same
-process reuses them; Horovod refuses a duplicate)."""
-
-
-def stage_process_set(ranks: Sequence[int]) -> Any:
-    """Horovod's process set of ``ranks``; every rank must ask for every set in the same order."""
-    key = tuple(ranks)
-    if key not in _PROCESS_SETS:
-        _PROCESS_SETS[key] = hvd.add_process_set(list(key))
-    return _PROCESS_SETS[key]
-
-
-def rendezvous_address(collectives: TorchCollectives) -> str:
-    """Rank 0's address as the other ranks can reach it: the loopback where every rank shares
-    its host, else the address of rank 0's route towards another rank's host (``gethostbyname``
-    of the own host name may give 127.0.x.1, which no other host reaches). A collective."""
-    hosts = collectives.allgather_object(launcher_host(os.environ))
-    if collectives.rank() != 0:
-        return ""
-    others = [h for h in hosts if h != hosts[0]]
-    if not others:
-        return "127.0.0.1"
-    try:
-        peer = socket.gethostbyname(others[0])
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((peer, 9))  # UDP: no packet is sent; the kernel picks the route
-            return str(probe.getsockname()[0])
-    except OSError as exc:
-        raise HvdtrainError(f"pipeline stages: cannot find rank 0's address towards host "
-                            f"{others[0]!r} ({exc})") from None
-
-
-def free_port() -> int:
-    """A TCP port free on this host now."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
-def start_torch_distributed(collectives: TorchCollectives, device: torch.device,
-                            timeout_s: float) -> None:
-    """Starts ``torch.distributed`` over every rank (ranks as Horovod's), at an address rank 0
-    chose and Horovod's broadcast handed out; once per process. ``timeout_s`` bounds a wait for
-    another stage, so a lost rank ends the job instead of hanging it (0: torch's default)."""
-    if dist.is_initialized():
-        return
-    address = rendezvous_address(collectives)
-    if collectives.rank() == 0:
-        address = f"tcp://{address}:{free_port()}"
-    address = collectives.broadcast_object(address)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address,
-                            rank=collectives.rank(), world_size=collectives.size(),
-                            timeout=timeout)
-
-
-def pipeline_groups(layout: Layout, rank: int) -> Any:
-    """This rank's pipeline process group (every rank creates every copy's, in order)."""
-    mine = None
-    for ranks in layout.pipelines():
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
-
-
-def layer_costs(factories: Sequence[Any]) -> list[int]:
-    """Parameters per layer, each built on the meta device (no memory, no random numbers)."""
-    costs = []
-    for make in factories:
-        with torch.device("meta"):
-            layer = make()
-        costs.append(sum(p.numel() for p in layer.parameters()))
-        del layer
-    return costs
-
-
-def build_pieces(factories: Sequence[Any], bounds: Sequence[int], mine: Sequence[int],
-                 seed: int) -> dict[int, nn.Sequential]:
-    """This rank's pieces, each an ``nn.Sequential`` whose children are named by their global
-    layer index (so a piece's ``state_dict`` keys are the whole ``Sequential``'s).
-
-    Every layer is made in order under ``seed``, as the whole model would be, and the other
-    pieces' layers dropped at once: the rank's layers start from the whole model's values,
-    whatever the split, and no other layer outlives its own construction.
-    """
-    torch.manual_seed(seed)
-    owner = {i: piece for piece in mine for i in range(bounds[piece], bounds[piece + 1])}
-    layers: dict[int, list[tuple[str, nn.Module]]] = {piece: [] for piece in mine}
-    for index, make in enumerate(factories):
-        layer = make()
-        if index in owner:
-            if not isinstance(layer, nn.Module):
-                raise HvdtrainError(f"layer {index} of the model is a {type(layer).__name__}, "
-                                    "not a torch.nn.Module")
-            layers[owner[index]].append((str(index), layer))
-        del layer
-    return {piece: nn.Sequential(OrderedDict(named)) for piece, named in layers.items()}
-
-
-def pad_rows(batch: Any, rows: int) -> Any:
-    """``batch`` (a tree of tensors) with ``rows`` rows: its own rows repeated in order, or zeros
-    where it has none; fixed shapes for the pipeline."""
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        have = t.shape[0]
-        if have == rows:
-            return t
-        if have == 0:
-            return t.new_zeros((rows, *t.shape[1:]))
-        return t[torch.arange(rows, device=t.device) % have]
-    return tree.map_tree(pad, batch)
-
-
-class StageAllreduce(GradientExchange):
-    """A pipeline stage's gradient exchange: Horovod's average over that stage's copies, in
-    their process set (nothing to send with one copy). ``comm.compression`` ``fp16`` applies."""
-
-    def __init__(self, process_set: Any, rank: int, size: int, method: str) -> None:
-        self.process_set, self.rank, self.size = process_set, rank, size
-        self.compression = horovod_compression(method)
-        self.stats = empty_stats()
-
-    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        if self.process_set is None:
-            self.stats = empty_stats()
-            return list(grads)
-        waited = time.perf_counter()
-        averaged = hvd.grouped_allreduce(list(grads), op=hvd.Average, name="hvdtrain.stage",
-                                         compression=self.compression,
-                                         process_set=self.process_set)
-        dense = float(sum(g.numel() * g.element_size() for g in grads))
-        wire = dense / 2 if self.compression is hvd.Compression.fp16 else dense
-        self.stats = {"wire_bytes": wire, "dense_bytes": dense,
-                      "comm_s": time.perf_counter() - waited, "compress_s": 0.0}
-        return list(averaged)
-
-    def any_rank(self, flag: bool) -> bool:
-        if self.process_set is None:
-            return flag
-        total = hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="hvdtrain.stage_any",
-                              process_set=self.process_set)
-        return float(total) > 0
-
-    def resize(self, rank: int, size: int, accumulation: int) -> None:
-        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
+from hvdtrain.torch.stages import (
+    StageAllreduce,
+    build_pieces,
+    describe_layers,
+    pad_rows,
+    pipeline_groups,
+    stage_process_set,
+    start_torch_distributed,
+)
 
 
 class Runner:
@@ -326,6 +183,9 @@ class PipelineEngine(TorchEngine):
         self.batch_rows, self.eval_rows = cfg.data.batch_size, cfg.data.eval_batch_size
         self.train_runner = Runner(self, self.batch_rows)
         self._eval_runner: Runner | None = None
+        self.own_params = [name for m in self.modules.values() for name, _ in m.named_parameters()]
+        self._restored: dict[str, Any] | None = None
+        self._parts: list[Any] = []
         self.last_sums: dict[str, float] = {}
         self._metric_keys: list[str] | None = None
         self._stats: dict[str, float] = {}
@@ -352,8 +212,8 @@ class PipelineEngine(TorchEngine):
             raise HvdtrainError(f"model {cfg.model.name!r} cannot be split into pipeline stages: "
                                 "its adapter's layers() gives no layer list (see "
                                 "docs/pipeline.md#your-model-as-layers)")
-        names = layer_names(factories)
-        self.bounds = stage_bounds(cfg.pipeline.split, layer_costs(factories), names, self.pieces)
+        costs, self.all_params, self.all_keys = describe_layers(factories)
+        self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
         return build_pieces(factories, self.bounds, self.mine, cfg.seed)
 
     @property
@@ -371,7 +231,17 @@ class PipelineEngine(TorchEngine):
         return pad_rows(x, rows), (pad_rows(y, rows) if y is not None else None), real
 
     def broadcast_state(self) -> None:
-        """Each stage's copies take the state of copy 0's rank of that stage."""
+        """Every rank takes its stage's share of rank 0's state: of the checkpoint rank 0 restored
+        (sent to each rank by torch's scatter), or else that of copy 0's rank of its stage (a
+        broadcast in the stage's process set)."""
+        if self.collectives.broadcast_object(self._restored is not None):
+            parts = [self._part_for(r) for r in range(self.size)] if self.rank == 0 else None
+            received: list[Any] = [None]
+            dist.scatter_object_list(received, parts, src=0)
+            if self.rank != 0:
+                self._apply(*received[0])
+            self._restored = None
+            return
         if self.stage_set is None:
             return
         root = self.layout.rank_of(self.stage, 0)
@@ -382,6 +252,67 @@ class PipelineEngine(TorchEngine):
                                      process_set=self.stage_set)
         if self.rank != root:
             self.optimizer.load_state_dict(state)
+
+    def _layers_of(self, rank: int) -> set[int]:
+        """The global indices of the layers that ``rank`` holds."""
+        pieces = self.schedule.pieces_of(self.layout.stage_of(rank), self.layout.stages,
+                                         self.pieces // self.layout.stages)
+        return {i for p in pieces for i in range(self.bounds[p], self.bounds[p + 1])}
+
+    def _part_for(self, rank: int) -> tuple[dict, dict]:
+        """Rank ``rank``'s share of the restored checkpoint (model entries, optimizer state)."""
+        assert self._restored is not None
+        layers = self._layers_of(rank)
+        own = [name for name in self.all_params if layer_of(name) in layers]
+        return select_part(self._restored["model"], self._restored["optimizer"], self.all_params,
+                           own, layers)
+
+    def _apply(self, model: dict, optimizer: dict) -> None:
+        """Loads this rank's share of a checkpoint into its pieces and optimizer."""
+        for piece, module in self.modules.items():
+            first, end = self.bounds[piece], self.bounds[piece + 1]
+            module.load_state_dict({k: v for k, v in model.items()
+                                    if first <= layer_of(k) < end})
+        self.optimizer.load_state_dict(optimizer)
+
+    def gather_state(self) -> None:
+        """Copy 0's ranks send their shares to rank 0 (torch's gather), which writes them as
+        one checkpoint of the whole model (:mod:`hvdtrain.pipeline.state`)."""
+        part = None
+        if self.copy == 0:
+            part = {"model": {k: v.detach().cpu().clone() for m in self.modules.values()
+                              for k, v in m.state_dict().items()},
+                    "params": self.own_params, "optimizer": self.optimizer.state_dict()}
+        parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
+        self._parts = [p for p in parts if p is not None] if parts is not None else []
+
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        model, optimizer = merge_parts(self._parts, self.all_params)
+        self._parts = []
+        buffer = io.BytesIO()
+        torch.save({"model": model, "optimizer": optimizer, "rng": rng.capture(),
+                    "precision": self.precision.state_dict(), "compression": None,
+                    "meta": meta}, buffer)
+        return buffer.getvalue()
+
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        """Rank 0 restores a checkpoint of the whole model (any split, or none) and keeps it
+        until :meth:`broadcast_state` hands every rank its share."""
+        state = read_state(data, where)
+        problem = misfit(state["model"].keys(), state["optimizer"], self.all_keys, self.all_params)
+        if problem:
+            raise HvdtrainError(f"{where} does not fit the model: {problem}")
+        self._restored = state
+        try:
+            self._apply(*self._part_for(self.rank))
+            self.precision.load_state_dict(state.get("precision"))
+        except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
+            first = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise HvdtrainError(f"{where} does not fit the model: {first[0].strip()}") from None
+        if "rng" in state:
+            rng.restore(state["rng"])
+        return state["meta"]
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
