@@ -73,7 +73,7 @@ class Runner:
         single = plan.virtual == (1, 1)
         self.schedule = cls(stages[0] if single else stages, engine.microbatches,
                             loss_fn=self._loss, scale_grads=False)
-        self.sums: dict[str, float] = {}
+        self.calls: list[tuple[torch.Tensor, dict[str, Any], int]] = []
         self.y: Any = None
         self.real, self.weight, self.training = 0, 0.0, True
 
@@ -82,14 +82,22 @@ class Runner:
         None elsewhere) whose first ``real`` rows count; returns the loss and metric sums (the
         last stage's; empty elsewhere)."""
         self.y, self.real, self.weight, self.training = y, real, weight, training
-        self.sums = {"loss": 0.0, "count": 0.0} if self.engine.last else {}
+        self.calls = []
         args = (x,) if self.engine.first else ()
         target = torch.arange(self.rows, device=self.engine.device) if self.engine.last else None
         if training:
             self.schedule.step(*args, target=target, return_outputs=False)
         else:
             self.schedule.eval(*args, target=target, return_outputs=False)
-        sums, self.y = self.sums, None
+        self.y = None
+        if not self.engine.last:
+            return {}
+        sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+        # The micro-batches' calls are the last m: on its first step torch calls the loss once
+        # more beforehand, on placeholder outputs, to learn the gradients' shapes.
+        for loss_sum, metrics, count in self.calls[-self.engine.microbatches:]:
+            add_batch_sums(sums, loss_sum, metrics, count)
+        self.calls = []
         return sums
 
     def _loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -98,7 +106,7 @@ class Runner:
         keep = rows < self.real
         y = tree.map_tree(lambda t: t[rows[keep]], self.y)
         loss_sum, metrics = self.engine.adapter.output_loss(output[keep], y, self.training)
-        add_batch_sums(self.sums, loss_sum.detach(), metrics, int(keep.sum()))
+        self.calls.append((loss_sum.detach(), metrics, int(keep.sum())))
         return loss_sum * self.weight
 
 
