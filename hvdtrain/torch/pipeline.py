@@ -337,8 +337,9 @@ class PipelineEngine(TorchEngine):
         """The metric names the last stage of copy 0 reports, on every rank (a collective): the
         loop's cross-rank sum needs the same keys everywhere."""
         root = self.layout.rank_of(self.last_stage, 0)
-        keys = sorted(sums) if self.rank == root else None
-        return list(self.collectives.broadcast_object(keys, root_rank=root))
+        keys = sorted(sums) if self.rank == root else []
+        # In a list on every rank: Horovod names the broadcast after the object's type.
+        return list(self.collectives.broadcast_object([keys], root_rank=root)[0])
 
     def _stage_sums(self, sums: dict[str, float], keys: Sequence[str]) -> dict[str, float]:
         """The last stage's sums; zeros on the others, so that the loop's sum over all ranks
