@@ -223,7 +223,19 @@ class PipelineEngine(TorchEngine):
                                 "docs/pipeline.md#your-model-as-layers)")
         costs, self.all_params, self.all_keys = describe_layers(factories)
         self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
+        self._check_every_rank_trains(costs)
         return build_pieces(factories, self.bounds, self.mine, cfg.seed)
+
+    def _check_every_rank_trains(self, costs: Sequence[int]) -> None:
+        """Refuses a split that leaves a rank of the pipeline without parameters (every rank
+        checks every rank, so all stop together)."""
+        for stage in range(self.layout.stages):
+            layers = self._layers_of(self.layout.rank_of(stage, 0))
+            if not sum(costs[i] for i in layers):
+                raise HvdtrainError(
+                    f"pipeline.split: stage {stage} would hold layers {sorted(layers)}, which have "
+                    f"no parameters (split bounds {self.bounds}); name other split points or "
+                    "use fewer stages")
 
     @property
     def data_rank(self) -> int:

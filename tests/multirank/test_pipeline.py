@@ -10,13 +10,17 @@ schedules run back to back in one launch per controller.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import yaml
 
-from tests.multirank.conftest import Launch, launch_worker
+from tests.conftest import CONFIG, horovodrun
+from tests.multirank.conftest import PYTHON, WORKER, Launch
 
-COMMON = ("train.epochs=1,optim.warmup_steps=0,checkpoint.enabled=false,log.every_steps=5,"
-          "pipeline.microbatches=4")
+COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
+          "train.stall_timeout_s=120")
 SCHEDULES = {"gpipe": "pipeline.schedule=gpipe", "1f1b": "pipeline.schedule=1f1b",
              "interleaved": "pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2"}
 # 2 copies x 32 samples at lr 0.05 (scaled by the 2 copies) against one process with 64 at 0.1.
@@ -25,10 +29,23 @@ WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON
 ATOL = 1e-5  # float32 sums in another order over 23 steps; a wrong weight moves them by 1e-3
 
 
+def launch(np_: int, controller: str, out: Path, runs: list[str]) -> Launch:
+    """The multirank worker under horovodrun on the digits MLP with two hidden layers (six layers:
+    interleaved 1F1B's four pieces then leave every rank some parameters)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load(CONFIG.read_text())
+    config["model"]["options"]["hidden"] = [32, 16]
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = horovodrun(np_, controller, [PYTHON, WORKER, str(out), str(out / "config.yaml"), *runs],
+                      timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return Launch("torch", controller, out)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Launch:
     """One process, no stages, on the global batch of 64."""
-    return launch_worker(1, "gloo", "torch", tmp_path_factory.mktemp("pipe-ref"), ["ref:" + WHOLE])
+    return launch(1, "gloo", tmp_path_factory.mktemp("pipe-ref"), ["ref:" + WHOLE])
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +55,18 @@ def four_ranks(tmp_path_factory):
     def get(controller: str) -> Launch:
         if controller not in cache:
             runs = [f"{name}:{PER_COPY},{extra}" for name, extra in SCHEDULES.items()]
-            cache[controller] = launch_worker(4, controller, "torch",
-                                              tmp_path_factory.mktemp(f"pipe4-{controller}"), runs)
+            cache[controller] = launch(4, controller, tmp_path_factory.mktemp(f"pipe4-{controller}"),
+                                       runs)
         return cache[controller]
 
     return get
 
 
-def whole_model(launch: Launch, run: str, ranks: list[int]) -> dict[str, np.ndarray]:
+def whole_model(launched: Launch, run: str, ranks: list[int]) -> dict[str, np.ndarray]:
     """The parameters of one pipeline copy, from its stages' ranks (named by global layer)."""
     merged: dict[str, np.ndarray] = {}
     for rank in ranks:
-        params, _ = launch.rank(run, rank)
+        params, _ = launched.rank(run, rank)
         assert not merged.keys() & params.keys(), f"{run}: two stages hold the same layer"
         merged.update(params)
     return merged
@@ -64,12 +81,12 @@ def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray], a
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, controller, schedule):
-    launch = four_ranks(controller)
+    launched = four_ranks(controller)
     want, _ = reference.rank("ref", 0)
-    copy0, copy1 = whole_model(launch, schedule, [0, 1]), whole_model(launch, schedule, [2, 3])
+    copy0, copy1 = whole_model(launched, schedule, [0, 1]), whole_model(launched, schedule, [2, 3])
     assert_same_model(copy0, want, ATOL)
     assert_same_model(copy1, copy0, 0.0)  # the copies of a stage hold identical parameters
-    summary, ref = launch.summary(schedule), reference.summary("ref")
+    summary, ref = launched.summary(schedule), reference.summary("ref")
     assert summary["world_size"] == 4 and summary["steps"] == ref["steps"] == 23
     assert summary["pipeline"] == "2 stages x 2 copies"
     final, ref_final = summary["final"], ref["final"]
@@ -80,16 +97,15 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_only_the_last_stage_reports_and_every_test_sample_counts_once(four_ranks, controller):
-    launch = four_ranks(controller)
-    counts = [launch.rank("1f1b", r)[1]["local_eval"]["count"] for r in range(4)]
+    counts = [four_ranks(controller).rank("1f1b", r)[1]["local_eval"]["count"] for r in range(4)]
     assert counts == [0, 180, 0, 180]
 
 
 def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory):
     runs = [f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},{extra}"
             for name, extra in SCHEDULES.items() if name != "interleaved"]
-    launch = launch_worker(2, "gloo", "torch", tmp_path_factory.mktemp("pipe2"), runs)
+    launch2 = launch(2, "gloo", tmp_path_factory.mktemp("pipe2"), runs)
     want, _ = reference.rank("ref", 0)
     for name in ("gpipe", "1f1b"):
-        assert_same_model(whole_model(launch, name, [0, 1]), want, ATOL)
-        assert launch.summary(name)["pipeline"] == "2 stages x 1 copies"
+        assert_same_model(whole_model(launch2, name, [0, 1]), want, ATOL)
+        assert launch2.summary(name)["pipeline"] == "2 stages x 1 copies"
