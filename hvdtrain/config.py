@@ -293,6 +293,7 @@ class Config:
     def __post_init__(self) -> None:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
+        _check_update_rules(self)
 
     @property
     def run_dir(self) -> Path:
@@ -302,6 +303,17 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
+
+
+def _check_update_rules(cfg: Config) -> None:
+    """The compressing exchange's update rules (DGC, compressed Adam) run in PyTorch only: a
+    TensorFlow run that asks for one is refused rather than silently averaging gradients."""
+    if cfg.framework != "tensorflow":
+        return
+    for key in ("momentum_correction", "compress_momentum"):
+        if getattr(cfg.comm, key):
+            raise ConfigError(f"comm.{key}=true: the update rules run in PyTorch only; TensorFlow "
+                              "averages the compressed gradients (docs/compression.md)")
 
 
 def _check_pipeline(cfg: Config) -> None:

@@ -180,3 +180,10 @@ def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, pe
 def test_adam_warm_up_must_leave_a_variance_to_freeze():
     with pytest.raises(ConfigError, match="adam_warmup_steps"):
         load_config(None, ["comm.adam_warmup_steps=0"], environ={})
+
+
+@pytest.mark.parametrize("key", ["momentum_correction", "compress_momentum"])
+def test_tensorflow_refuses_the_update_rules(key):
+    with pytest.raises(ConfigError, match=f"comm.{key}=true: the update rules run in PyTorch only"):
+        load_config(None, ["framework=tensorflow", f"comm.{key}=true"], environ={})
+    assert getattr(load_config(None, [f"comm.{key}=true"], environ={}).comm, key)
