@@ -1,4 +1,4 @@
-"""Pipeline schedules, written once for every framework: what one stage does, in order.
+"""Pipeline schedules as action lists, written once for every framework: what one stage does.
 
 A stage ``s`` of ``P`` runs ``m`` micro-batches through its layers. :func:`actions` gives its
 ordered list of :class:`Action` s: the forward and backward passes of each micro-batch and the
@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b")
-"""The schedules written here (the TensorFlow engine runs them)."""
+ORDERED = ("gpipe", "1f1b")
+"""The schedules given as action lists here (the TensorFlow engine runs them; the names are
+:data:`hvdtrain.pipeline.schedules.SCHEDULES`' of the same schedules)."""
 
 FORWARD, BACKWARD = "forward", "backward"
 RECV_ACTIVATION, SEND_ACTIVATION = "recv_activation", "send_activation"
@@ -64,8 +65,8 @@ def compute_order(schedule: str, stage: int, stages: int, micro: int) -> list[Ac
 
 
 def _check(schedule: str, stage: int, stages: int, micro: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if schedule not in ORDERED:
+        raise ValueError(f"schedule {schedule!r} is not one of {', '.join(ORDERED)}")
     if not 0 <= stage < stages:
         raise ValueError(f"stage {stage} is not in 0..{stages - 1}")
     if micro < 0:

@@ -1,14 +1,14 @@
-"""The pipeline schedules (hvdtrain.pipeline.schedules): every stage's action list, run with
+"""The pipeline schedules (hvdtrain.pipeline.actions): every stage's action list, run with
 blocking messages in one process, completes, keeps its memory bound, has the known bubble, and
 computes the unsplit model's gradients (NumPy stages)."""
 
 import numpy as np
 import pytest
 
-from hvdtrain.pipeline import schedules as sch
-from hvdtrain.pipeline.schedules import Action
+from hvdtrain.pipeline import actions as sch
+from hvdtrain.pipeline.actions import Action
 
-CASES = [(schedule, stages, micro) for schedule in sch.SCHEDULES
+CASES = [(schedule, stages, micro) for schedule in sch.ORDERED
          for stages in range(1, 7) for micro in range(0, 10)]
 
 
@@ -109,7 +109,7 @@ class NumpyStage:
         del self.inputs[i]
 
 
-@pytest.mark.parametrize("schedule", sch.SCHEDULES)
+@pytest.mark.parametrize("schedule", sch.ORDERED)
 @pytest.mark.parametrize(("stages", "micro"), [(1, 3), (2, 1), (2, 4), (3, 2), (4, 6)])
 def test_numpy_stages_compute_the_unsplit_gradient(schedule, stages, micro):
     rng = np.random.default_rng(stages * 10 + micro)
