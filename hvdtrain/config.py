@@ -22,6 +22,7 @@ from hvdtrain.compression import METHODS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, shown
 from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
+from hvdtrain.pipeline.schedules import SCHEDULE_NAMES, check_pipeline
 from hvdtrain.precision import PRECISIONS
 
 
@@ -150,6 +151,31 @@ class CommConfig:
 
 
 @dataclass(kw_only=True)
+class PipelineConfig:
+    stages: int = _opt(1, min=1)
+    """Pipeline stages ``P``: the model is cut into ``P`` consecutive pieces, each held by one rank,
+    and the world's ranks form ``world size / P`` data-parallel copies of that pipeline (the world
+    size must be a multiple of ``P``). 1: every rank holds the whole model (no pipeline). See
+    docs/pipeline.md."""
+    microbatches: int = _opt(0, min=0)
+    """Micro-batches ``m`` each step's batch of one pipeline copy is split into, so that the stages
+    overlap (0: ``stages x virtual_stages``). With stages, ``data.batch_size`` (and
+    ``eval_batch_size``) is the batch of one pipeline copy and must be a multiple of ``m``."""
+    schedule: str = _opt("1f1b", choices=SCHEDULE_NAMES)
+    """Order of the micro-batches' forward and backward passes: ``1f1b`` (at most ``P``
+    micro-batches in flight; ``m >= P``), ``gpipe`` (all forwards, then all backwards),
+    ``interleaved_1f1b`` (``virtual_stages`` pieces per rank: a smaller bubble for more traffic);
+    PyTorch only and experimental: ``interleaved_zero_bubble``, ``zbv_zero_bubble`` and
+    ``dualpipev`` (both ``virtual_stages: 2``)."""
+    virtual_stages: int = _opt(1, min=1)
+    """Model pieces per rank (``v``): 1, except for the interleaved and zero-bubble schedules."""
+    split: str | list = "auto"
+    """Where the pieces begin: ``auto`` balances their parameter counts; or a list of the
+    ``P x v - 1`` layers (indices into the model's layer list, or layer names) where the pieces
+    after the first begin."""
+
+
+@dataclass(kw_only=True)
 class CheckpointConfig:
     enabled: bool = True
     """Write checkpoints (rank 0 only)."""
@@ -236,9 +262,14 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        # The sections are built and range-checked by now; what spans sections is checked here.
+        _check_pipeline(self)
 
     @property
     def run_dir(self) -> Path:
@@ -248,6 +279,39 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """The ``pipeline`` section against the schedules and the rest of ``cfg``: a one-line
+    :class:`ConfigError` for what cannot run (see docs/pipeline.md)."""
+    pipe = cfg.pipeline
+    m = check_pipeline(stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,
+                       virtual_stages=pipe.virtual_stages, split=pipe.split,
+                       framework=cfg.framework)
+    if pipe.stages == 1:
+        return
+    for key in ("batch_size", "eval_batch_size"):
+        size = getattr(cfg.data, key)
+        if size % m:
+            raise ConfigError(f"data.{key}={size}: with pipeline stages it is the batch of one "
+                              f"pipeline copy, split into pipeline.microbatches={m}: must be a "
+                              "multiple of it")
+    stages = f"pipeline.stages={pipe.stages}"
+    refused = [
+        (cfg.elastic.enabled, f"elastic.enabled=true with {stages}: elastic mode does not work "
+                              "with pipeline stages (a lost rank breaks its whole pipeline); "
+                              "set elastic.enabled=false or pipeline.stages=1"),
+        (cfg.train.backward_passes_per_step > 1,
+         f"train.backward_passes_per_step={cfg.train.backward_passes_per_step} with {stages}: "
+         "a pipeline accumulates over pipeline.microbatches; set it to 1"),
+        (cfg.train.precision != "fp32", f"train.precision={cfg.train.precision!r} with {stages}: "
+                                        "pipeline stages train in fp32 only"),
+        (cfg.model.sync_batchnorm, f"model.sync_batchnorm=true with {stages}: not supported "
+                                   "with pipeline stages"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(message)
 
 
 ENV_PREFIX = "HVDTRAIN_"

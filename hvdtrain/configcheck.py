@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,7 +42,8 @@ def coerce_value(path: str, value: Any, ftype: type) -> Any:
         return _finite_float(path, value)
     ok = isinstance(value, ftype) and not (ftype is int and isinstance(value, bool))
     if not ok:
-        wanted = _TYPE_NAMES.get(ftype, ftype.__name__)
+        wanted = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in typing.get_args(ftype)
+                             or (ftype,))
         raise ConfigError(f"{path}={shown(value)}: expected {wanted}")
     if isinstance(value, str) and "\0" in value:  # no path or name can hold one
         raise ConfigError(f"{path}={shown(value)}: contains a NUL character")

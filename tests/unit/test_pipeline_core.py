@@ -1,0 +1,177 @@
+"""The framework-free pipeline core: the layout of ranks, the split of the layer list, and the
+config checks that stop an impossible pipeline before anything starts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from hvdtrain.config import load_config
+from hvdtrain.errors import ConfigError
+from hvdtrain.pipeline import SCHEDULES, Layout, balanced_bounds, microbatch_count, stage_bounds
+from hvdtrain.pipeline.split import explicit_bounds, layer_names
+
+
+def test_layout_of_two_stages_by_two_copies():
+    layout = Layout(size=4, stages=2)
+    assert layout.copies == 2
+    assert layout.pipelines() == [[0, 1], [2, 3]]
+    assert layout.stage_groups() == [[0, 2], [1, 3]]
+    assert [(layout.stage_of(r), layout.copy_of(r)) for r in range(4)] == [(0, 0), (1, 0), (0, 1),
+                                                                          (1, 1)]
+    assert [layout.loads_data(r) for r in range(4)] == [True] * 4
+    assert layout.is_first(2) and layout.is_last(3) and not layout.is_last(0)
+
+
+@pytest.mark.parametrize("size, stages", [(1, 1), (4, 1), (4, 4), (6, 3), (12, 4), (8, 2)])
+def test_layout_partitions_the_world_both_ways(size, stages):
+    layout = Layout(size, stages)
+    for groups in (layout.pipelines(), layout.stage_groups()):
+        assert sorted(itertools.chain(*groups)) == list(range(size))
+    for rank in range(size):
+        stage, copy = layout.stage_of(rank), layout.copy_of(rank)
+        assert layout.rank_of(stage, copy) == rank
+        assert rank in layout.pipeline_ranks(copy) and rank in layout.stage_ranks(stage)
+    assert layout.rank_of(0, 0) == 0
+    middle = [r for r in range(size) if not layout.loads_data(r)]
+    assert len(middle) == max(0, stages - 2) * (size // stages)
+
+
+def test_layout_refuses_a_world_the_stages_do_not_divide():
+    with pytest.raises(ConfigError, match=r"pipeline.stages=3 does not divide the world size 4"):
+        Layout(4, 3)
+    with pytest.raises(ValueError, match="rank 4 outside"):
+        Layout(4, 2).stage_of(4)
+
+
+@pytest.mark.parametrize("costs, pieces, bounds", [
+    ([1, 1, 1, 1], 2, [0, 2, 4]),
+    ([8, 0, 8, 0, 1], 2, [0, 2, 5]),         # the mlp: Linear, ReLU, Linear, ReLU, Linear
+    ([10, 1, 1, 1, 1, 1], 2, [0, 1, 6]),
+    ([5, 5, 5], 3, [0, 1, 2, 3]),
+    ([0, 0, 0, 9], 2, [0, 3, 4]),
+    ([3, 1, 4, 1, 5, 9, 2, 6], 3, [0, 5, 7, 8]),  # 14, 11, 6: earlier pieces take more
+    ([7], 1, [0, 1]),
+])
+def test_balanced_bounds(costs, pieces, bounds):
+    assert balanced_bounds(costs, pieces) == bounds
+
+
+@pytest.mark.parametrize("costs, pieces", [([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], k) for k in (1, 2, 3, 4, 5)])
+def test_balanced_bounds_are_optimal_by_brute_force(costs, pieces):
+    n = len(costs)
+    got = balanced_bounds(costs, pieces)
+    assert got[0] == 0 and got[-1] == n and all(a < b for a, b in itertools.pairwise(got))
+
+    def worst(bounds):
+        return max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds))
+
+    best = min(worst([0, *cut, n]) for cut in itertools.combinations(range(1, n), pieces - 1))
+    assert worst(got) == best
+
+
+def test_explicit_bounds_by_index_and_name():
+    names = ["embed", "block0", "block1", "block2", "head"]
+    assert explicit_bounds([2], names, 2) == [0, 2, 5]
+    assert explicit_bounds(["block1", 4], names, 3) == [0, 2, 4, 5]
+    assert stage_bounds("auto", [1, 1, 1, 1, 1], names, 5) == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("split, pieces, message", [
+    ([0], 2, "layer index 0 must lie in 1..4"),
+    ([5], 2, "layer index 5 must lie in 1..4"),
+    (["nope"], 2, "no layer named 'nope'; the layers: embed, block0"),
+    ([3, 2], 3, "the layers must be increasing"),
+    ([2, 2], 3, "the layers must be increasing"),
+    ([1, 2, 3], 3, "3 pieces need 2 layer(s)"),
+])
+def test_explicit_bounds_refusals(split, pieces, message):
+    names = ["embed", "block0", "block1", "block2", "head"]
+    with pytest.raises(ConfigError) as err:
+        explicit_bounds(split, names, pieces)
+    assert message in str(err.value)
+
+
+def test_too_few_layers_for_the_pieces():
+    with pytest.raises(ConfigError, match="the model has 2 layers: too few for 3 pipeline pieces"):
+        stage_bounds("auto", [1, 1], ["a", "b"], 3)
+
+
+def test_layer_names_from_factories():
+    class Named:
+        name = "embed"
+
+    assert layer_names([Named(), lambda: None]) == ["embed", "1"]
+
+
+def test_pieces_of_each_style():
+    assert SCHEDULES["1f1b"].pieces_of(1, 4, 1) == [1]
+    assert SCHEDULES["interleaved_1f1b"].pieces_of(1, 4, 2) == [1, 5]
+    assert SCHEDULES["zbv_zero_bubble"].pieces_of(1, 4, 2) == [1, 6]
+    every = sorted(p for r in range(3) for p in SCHEDULES["dualpipev"].pieces_of(r, 3, 2))
+    assert every == list(range(6))
+
+
+def test_bubble_formulas():
+    assert SCHEDULES["gpipe"].bubble(4, 8) == pytest.approx(3 / 11)
+    assert SCHEDULES["interleaved_1f1b"].bubble(4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_microbatches_default_to_one_per_piece():
+    assert microbatch_count(4, 0, 2) == 8
+    assert microbatch_count(4, 6, 1) == 6
+    cfg = load_config(None, ["pipeline.stages=2"], environ={})
+    assert cfg.pipeline.microbatches == 0 and cfg.pipeline.schedule == "1f1b"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline.stages=2", "pipeline.microbatches=1"],
+     "pipeline.microbatches=1: schedule 1f1b needs at least 2 with 2 stages"),
+    (["pipeline.stages=4", "pipeline.schedule=dualpipev", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=4"], "pipeline.microbatches=4: schedule dualpipev needs at least 8"),
+    (["pipeline.stages=4", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+      "pipeline.microbatches=9"],
+     "pipeline.microbatches=9: schedule interleaved_1f1b needs a multiple of its rounds"),
+    (["pipeline.schedule=interleaved_1f1b"],
+     "pipeline.virtual_stages=1: schedule interleaved_1f1b needs at least 2 model pieces"),
+    (["pipeline.schedule=zbv_zero_bubble", "pipeline.virtual_stages=3"],
+     "schedule zbv_zero_bubble needs exactly 2 model pieces per rank"),
+    (["pipeline.stages=2", "pipeline.virtual_stages=2"],
+     "pipeline.virtual_stages=2: schedule 1f1b needs exactly 1"),
+    (["pipeline.stages=2", "framework=tensorflow", "pipeline.schedule=dualpipev",
+      "pipeline.virtual_stages=2"],
+     "pipeline.schedule='dualpipev': runs with PyTorch only; with tensorflow use one of gpipe"),
+    (["pipeline.stages=2", "pipeline.microbatches=3"],
+     "data.batch_size=32: with pipeline stages it is the batch of one pipeline copy"),
+    (["pipeline.stages=2", "data.eval_batch_size=9"], "data.eval_batch_size=9: with pipeline"),
+    (["pipeline.stages=2", "elastic.enabled=true"],
+     "elastic mode does not work with pipeline stages"),
+    (["pipeline.stages=2", "train.backward_passes_per_step=2"],
+     "a pipeline accumulates over pipeline.microbatches"),
+    (["pipeline.stages=2", "train.precision=bf16"], "pipeline stages train in fp32 only"),
+    (["pipeline.stages=2", "model.sync_batchnorm=true"], "not supported with pipeline stages"),
+    (["pipeline.stages=2", "pipeline.split=[1,2]"], "2 pieces need 1 layer(s)"),
+    (["pipeline.stages=2", "pipeline.split=middle"], "pipeline.split='middle': expected auto"),
+    (["pipeline.stages=2", "pipeline.split=[1.5]"], "1.5 is neither a layer index nor a layer name"),
+    (["pipeline.split=3"], "pipeline.split=3: expected a string or a list"),
+    (["pipeline.stages=0"], "pipeline.stages=0: must be >= 1"),
+])
+def test_config_refuses_pipelines_that_cannot_run(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, environ={})
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["pipeline.stages=2"],
+    ["pipeline.stages=2", "pipeline.schedule=gpipe", "pipeline.microbatches=1"],
+    ["pipeline.stages=2", "pipeline.split=[fc2]"],
+    ["pipeline.stages=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
+    ["pipeline.stages=2", "pipeline.schedule=zbv_zero_bubble", "pipeline.virtual_stages=2"],
+    ["pipeline.stages=2", "framework=tensorflow", "pipeline.schedule=gpipe"],
+    ["elastic.enabled=true", "train.precision=bf16"],  # no stages: nothing is refused
+])
+def test_config_accepts_pipelines_that_can_run(overrides):
+    load_config(None, overrides, environ={})
