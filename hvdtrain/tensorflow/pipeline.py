@@ -3,10 +3,9 @@
 Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces are hvdtrain's:
 
 - **Layers.** The adapter's layer factories (:meth:`hvdtrain.adapters.ModelAdapter.layers`) are cut
-  by ``pipeline.split`` (:mod:`hvdtrain.pipeline.split`); a rank calls only its own stage's
-  factories, so the other stages' weights never exist on it. Each layer's initial weights are drawn
-  from a seed of its global index: they do not depend on the split (the same model at any number
-  of stages).
+  by ``pipeline.split`` (:mod:`hvdtrain.pipeline.split`); a rank builds only its own stage's
+  layers, so the other stages' weights never exist on it (:func:`build_stage`), and its initial
+  weights are those of the whole model: they do not depend on the split.
 - **Messages.** Activations and their gradients travel between neighbouring stages of a pipeline
   copy by Horovod's ``alltoall`` in the pair's two-rank process set (:class:`Link`): the sender's
   splits are ``[0, n]``, the receiver's ``[0, 0]``, so the receiver learns the row count from the
@@ -54,10 +53,6 @@ from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, make_optimizer
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
-SEED_STRIDE = 1_000_003
-"""Layer ``k``'s weights are drawn after ``keras.utils.set_random_seed(seed * SEED_STRIDE + k)``."""
-
-
 # messages ---------------------------------------------------------------------------------------
 
 class Link:
@@ -102,21 +97,41 @@ def describe(shape: Sequence[Any], dtype: Any) -> tuple[tuple[int, ...], str]:
 
 # the stage's model ------------------------------------------------------------------------------
 
-def build_stage(factories: Sequence[Callable[[], Any]], first_index: int, input_shape: Sequence[int],
-                input_dtype: str, seed: int) -> tuple[keras.Model, list[Any]]:
-    """The stage's ``keras.Model`` from its layer factories (global indices from
-    ``first_index``), each layer built under a seed of its global index; and its layers."""
-    inputs = keras.Input(shape=tuple(input_shape), dtype=input_dtype)
-    x, layers = inputs, []
-    for k, factory in enumerate(factories, start=first_index):
-        keras.utils.set_random_seed(seed * SEED_STRIDE + k)
-        layer = factory()
+def make_layers(factories: Sequence[Callable[[], Any]], seed: int) -> list[Any]:
+    """Every layer, made in order under the run's seed (rank 0's, whose weights a whole model's
+    ranks start from), none built yet. A Keras layer draws its initializers' seeds when it is made
+    and its weights only when it is built, so building a stage's layers alone gives them the whole
+    model's initial values whatever the split."""
+    keras.utils.set_random_seed(seed)
+    layers = [factory() for factory in factories]
+    for k, layer in enumerate(layers):
         if not callable(layer):
             raise HvdtrainError(f"pipeline layer {k}: its factory returned {type(layer).__name__}, "
                                 "not a Keras layer")
+    return layers
+
+
+def measure(layers: Sequence[Any], shape: Sequence[int], dtype: str
+            ) -> tuple[list[int], list[tuple[tuple[int, ...], str]]]:
+    """Each layer's parameter count and input (sample shape, dtype), by building the layers one
+    after another on symbolic inputs (``pipeline.split: auto``). The caller keeps its own
+    stage's; the others' weights go with them."""
+    x = keras.Input(shape=tuple(shape), dtype=dtype)
+    costs, inputs = [], []
+    for layer in layers:
+        inputs.append(describe(x.shape[1:], x.dtype))
         x = layer(x)
-        layers.append(layer)
-    return keras.Model(inputs, x), layers
+        costs.append(int(layer.count_params()))
+    return costs, inputs
+
+
+def stage_model(layers: Sequence[Any], shape: Sequence[int], dtype: str) -> keras.Model:
+    """The ``keras.Model`` of a stage's layers, in order, from inputs of this sample shape."""
+    inputs = keras.Input(shape=tuple(shape), dtype=dtype)
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return keras.Model(inputs, x)
 
 
 # the kernels ------------------------------------------------------------------------------------
@@ -343,24 +358,39 @@ class PipelineEngine(TensorFlowEngine):
 
     def _build_stage(self, cfg: Config, links: dict[tuple[int, int], Any]
                      ) -> tuple[keras.Model, list[Any], int]:
-        """This stage's model, its layers and the global index of its first: its input's shape
-        comes from the stage before (the first stage's from the data), its output's goes on."""
+        """This stage's model, its layers and the global index of its first. ``split: auto``
+        measures every layer (built one at a time); a split by name or index builds this
+        stage's alone and learns its input's shape from the stage before."""
+        keras.utils.set_random_seed(cfg.seed)  # a Sequential's build() draws as rank 0's would
         factories = self.adapter.layers(self.spec)
-        bounds = stage_bounds(cfg.pipeline.split, layer_costs(factories), layer_names(factories),
-                              self.layout.stages)
+        if factories is None:
+            raise HvdtrainError(f"model {cfg.model.name!r} cannot be split into pipeline stages: "
+                                "its adapter lists no layers (see hvdtrain.adapters.ModelAdapter"
+                                ".layers)")
+        made = make_layers(factories, cfg.seed)
+        stages, last = self.layout.stages, self.stage == self.layout.stages - 1
+        inputs = None
+        costs = [1] * len(made)
+        if cfg.pipeline.split == "auto":
+            costs, inputs = measure(made, *first_input(self.spec))
+        bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), stages)
         lo, hi = bounds[self.stage], bounds[self.stage + 1]
-        if self.stage == 0:
+        own = made[lo:hi]
+        del made  # the other stages' layers
+        if inputs is not None:
+            shape, dtype = inputs[lo]
+        elif self.stage == 0:
             shape, dtype = first_input(self.spec)
         else:
             shape, dtype = hvd.broadcast_object(
                 None, root_rank=self.rank - 1, name="hvdtrain.pipe.shape",
                 process_set=links[self.copy, self.stage - 1])
-        model, layers = build_stage(factories[lo:hi], lo, shape, dtype, cfg.seed)
-        if self.stage < self.layout.stages - 1:
+        model = stage_model(own, shape, dtype)
+        if inputs is None and not last:
             hvd.broadcast_object(describe(model.output.shape[1:], model.output.dtype),
                                  root_rank=self.rank, name="hvdtrain.pipe.shape",
                                  process_set=links[self.copy, self.stage])
-        return model, layers, lo
+        return model, own, lo
 
     def _link(self, links: dict[tuple[int, int], Any], side: int) -> Link | None:
         """The link to the stage before (``side`` -1) or after (+1), None at the ends."""
@@ -423,8 +453,3 @@ def first_input(spec: DatasetSpec) -> tuple[tuple[int, ...], str]:
                             f"{tree.describe(spec.inputs)}")
     return describe(spec.inputs.shape, spec.inputs.dtype)
 
-
-def layer_costs(factories: Sequence[Any]) -> list[int]:
-    """Each layer's parameter count, for ``pipeline.split: auto``: the factory's ``params`` where
-    it tells, else 1 (layers count alike)."""
-    return [int(getattr(f, "params", 1) or 1) for f in factories]
