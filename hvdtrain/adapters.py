@@ -12,17 +12,60 @@ first), and ``y`` is None for data without targets (see :mod:`hvdtrain.data.cont
 ``hvdtrain.torch.models.ClassifierAdapter`` and ``hvdtrain.tensorflow.models.ClassifierAdapter``
 implement the loss and metrics for classification; a user's classifier usually overrides ``build``
 only. For any other task, subclass :class:`ModelAdapter` and write both methods.
+
+Pipeline stages (``pipeline.stages`` > 1, docs/pipeline.md) need the model as an ordered list of
+layers, so that each rank builds only its own: :meth:`ModelAdapter.layers` returns zero-argument
+factories, one a layer, whose outputs chained in order are the model (each layer takes one tensor
+and returns one tensor; the first takes the batch's inputs), and :meth:`ModelAdapter.output_loss`
+scores the last layer's output against the targets. By default :meth:`~ModelAdapter.layers`
+takes the layers of a ``torch.nn.Sequential`` or ``keras.Sequential`` that ``build`` returns (that
+builds the whole model on every rank: fine for a model that fits one rank; a model that does not
+lists factories that build one layer each, as the built-in ``mlp`` does).
 """
 
 from __future__ import annotations
 
 import abc
 import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A named layer factory, for :meth:`ModelAdapter.layers` (a bare callable works too): the
+    name is what ``pipeline.split`` may give where a stage begins."""
+
+    name: str
+    build: Callable[[], Any]
+    """Makes the layer (a ``torch.nn.Module`` or a Keras layer), with fresh parameters."""
+
+    def __call__(self) -> Any:
+        return self.build()
+
+
+def sequential_layers(model: Any) -> list[Layer] | None:
+    """The layers of a ``torch.nn.Sequential`` or ``keras.Sequential`` as factories of the
+    already-built layers (named as the model names them), or None for any other model. Told
+    apart by class name and module: the core imports no framework."""
+    cls = type(model)
+    if cls.__name__ != "Sequential":
+        return None
+    if cls.__module__.startswith("torch."):
+        return [Layer(name, _built(m)) for name, m in model.named_children()]
+    if "keras" in cls.__module__:
+        return [Layer(m.name, _built(m)) for m in model.layers]
+    return None
+
+
+def _built(layer: Any) -> Callable[[], Any]:
+    """A factory that hands out a layer already built."""
+    return lambda: layer
 
 
 class ModelAdapter(abc.ABC):
@@ -45,6 +88,29 @@ class ModelAdapter(abc.ABC):
         ``training`` is False during evaluation (Keras layers such as dropout need it; a torch model
         is also switched by ``model.train()``/``model.eval()``).
         """
+
+    def layers(self, spec: DatasetSpec) -> Sequence[Callable[[], Any]] | None:
+        """The model as an ordered list of layer factories for pipeline stages, or None when it
+        cannot be split (the default for a model that is not a ``Sequential``).
+
+        Each factory makes one layer with fresh parameters when called (a :class:`Layer` carries
+        a name for ``pipeline.split``); the layers chained in order are the model that
+        :meth:`build` returns, each taking one tensor and returning one, the first taking the
+        batch's inputs ``x``. A rank calls the factories in order under the run's seed and keeps
+        its own stage's layers, so that they start from the values the whole model would have;
+        it never holds another stage's layer beyond that call. Calling them in order should
+        therefore consume the random generator as :meth:`build` does: let :meth:`build` chain the
+        same factories. By default, the layers of the ``Sequential`` that :meth:`build` returns.
+        """
+        return sequential_layers(self.build(spec))
+
+    def output_loss(self, output: Any, y: Any, training: bool = True) -> tuple[Any, dict[str, Any]]:
+        """Returns ``(loss_sum, {metric_name: metric_sum})`` from the last layer's ``output`` and
+        the targets ``y``, as :meth:`loss_and_metrics` does from a whole model's output: what the
+        last pipeline stage computes. Classifier adapters implement it (cross-entropy from
+        logits); another adapter writes it to train with pipeline stages."""
+        raise HvdtrainError(f"model adapter {type(self).__name__} has no output_loss(output, y, "
+                            "training): pipeline stages need one (see hvdtrain.adapters)")
 
 
 def make_adapter(obj: Any, options: dict[str, Any], name: str,

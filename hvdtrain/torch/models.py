@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hvdtrain.adapters import ModelAdapter, classes_and_shape, mlp_hidden
+from hvdtrain.adapters import Layer, ModelAdapter, classes_and_shape, mlp_hidden
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -31,7 +33,11 @@ class ClassifierAdapter(ModelAdapter):
 
     def loss_and_metrics(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = model(x)
+        return self.output_loss(model(x), y, training)
+
+    def output_loss(self, logits: torch.Tensor, y: torch.Tensor,
+                    training: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Summed cross-entropy and the number of correct predictions from the class logits."""
         loss_sum = F.cross_entropy(logits, y, reduction="sum")
         # Detached and compared in place: no autograd bookkeeping for a metric on every step.
         correct = logits.detach().argmax(dim=1).eq_(y).sum()
@@ -46,14 +52,18 @@ class MLP(ClassifierAdapter):
         super().__init__(hidden=self.hidden)
 
     def build(self, spec: DatasetSpec) -> nn.Module:
+        return nn.Sequential(*(make() for make in self.layers(spec)))
+
+    def layers(self, spec: DatasetSpec) -> list[Layer]:
+        """``flatten``, then ``fc1``, ``relu1``, ... and ``head``: each built alone when called."""
         classes, shape = classes_and_shape(spec, "mlp")
-        width = math.prod(shape)
-        layers: list[nn.Module] = [nn.Flatten()]
-        for size in self.hidden:
-            layers += [nn.Linear(width, size), nn.ReLU()]
-            width = size
-        layers.append(nn.Linear(width, classes))
-        return nn.Sequential(*layers)
+        widths = [math.prod(shape), *self.hidden]
+        layers = [Layer("flatten", nn.Flatten)]
+        for i, (inputs, outputs) in enumerate(itertools.pairwise(widths), start=1):
+            layers += [Layer(f"fc{i}", functools.partial(nn.Linear, inputs, outputs)),
+                       Layer(f"relu{i}", nn.ReLU)]
+        layers.append(Layer("head", functools.partial(nn.Linear, widths[-1], classes)))
+        return layers
 
 
 class _BasicBlock(nn.Module):

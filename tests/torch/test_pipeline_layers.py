@@ -1,0 +1,47 @@
+"""The adapter's layer list for pipeline stages: built-in ``mlp`` and a user's ``nn.Sequential``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hvdtrain.adapters import Layer, sequential_layers
+from hvdtrain.data.digits import DigitsDataset as Digits
+from hvdtrain.torch.models import MLP, ClassifierAdapter
+
+
+def test_mlp_layers_chained_in_order_are_its_model_with_the_same_initial_values():
+    spec = Digits().spec()
+    adapter = MLP(hidden=[32, 16])
+    torch.manual_seed(3)
+    whole = adapter.build(spec)
+    torch.manual_seed(3)
+    layers = [make() for make in adapter.layers(spec)]
+    assert [f.name for f in adapter.layers(spec)] == ["flatten", "fc1", "relu1", "fc2", "relu2",
+                                                      "head"]
+    chained = nn.Sequential(*layers)
+    assert whole.state_dict().keys() == chained.state_dict().keys()
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, chained.state_dict()[key]), key
+    x, y = torch.randn(5, 64), torch.tensor([0, 1, 2, 3, 4])
+    loss, metrics = adapter.loss_and_metrics(whole, x, y)
+    loss2, metrics2 = adapter.output_loss(chained(x), y)
+    assert torch.equal(loss, loss2) and torch.equal(metrics["correct"], metrics2["correct"])
+
+
+def test_a_sequential_model_gives_its_layers_and_any_other_model_none():
+    class Seq(ClassifierAdapter):
+        def build(self, spec):
+            return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+
+    class Other(ClassifierAdapter):
+        def build(self, spec):
+            return nn.Linear(64, 10)
+
+    layers = Seq().layers(Digits().spec())
+    assert layers is not None
+    assert [f.name for f in layers] == ["0", "1"]
+    assert isinstance(layers[1](), nn.Linear)
+    assert Other().layers(Digits().spec()) is None
+    assert sequential_layers(nn.ModuleList([nn.ReLU()])) is None
+    assert Layer("x", nn.ReLU)().__class__ is nn.ReLU
