@@ -301,15 +301,16 @@ def check_schedule(schedule: str) -> None:
 # the engine -------------------------------------------------------------------------------------
 
 def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, int], Any]]:
-    """Adds the stage groups (more than one copy) and the two-rank links of every copy to Horovod
-    (a collective, in the same order on every rank): ``(stage sets by stage, link sets by
-    (copy, upstream stage))``. A group of every rank is Horovod's global set."""
+    """Adds the stage groups and the two-rank links of every copy to Horovod (a collective, in
+    the same order on every rank): ``(stage sets by stage, link sets by (copy, upstream
+    stage))``. A group of every rank is Horovod's global set; a stage group of one copy is a set
+    of its one rank, so that its exchange and broadcasts stay within it."""
     everyone = list(range(layout.size))
 
     def add(ranks: list[int]) -> Any:
         return hvd.global_process_set if ranks == everyone else hvd.add_process_set(ranks)
 
-    stages = {s: add(layout.stage_ranks(s)) for s in range(layout.stages) if layout.copies > 1}
+    stages = {s: add(layout.stage_ranks(s)) for s in range(layout.stages)}
     links = {(c, s): add([layout.rank_of(s, c), layout.rank_of(s + 1, c)])
              for c in range(layout.copies) for s in range(layout.stages - 1)}
     return stages, links
@@ -331,7 +332,7 @@ class PipelineEngine(TensorFlowEngine):
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
         self.copies, self.root = self.layout.copies, self.layout.rank_of(self.stage, 0)
         stage_sets, links = register_process_sets(self.layout)
-        self.stage_set = stage_sets.get(self.stage, hvd.global_process_set)
+        self.stage_set = stage_sets[self.stage]
         self.spec = dataset.spec()
         with self.precision.policy():
             self.model, self.layers, self.first_layer = self._build_stage(cfg, links)
