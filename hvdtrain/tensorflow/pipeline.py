@@ -153,7 +153,6 @@ class TensorFlowStageKernels(TensorFlowKernels, stage_step.StageKernels):
         self.metric_keys = list(metric_keys)
         self.variables = [v.value for v in self.model.trainable_variables]
         self._inputs: dict[int, Any] = {}
-        self._targets: dict[int, Any] = {}
         self._outputs: dict[int, tf.Tensor] = {}
         self._tapes: dict[int, tf.GradientTape] = {}
         self._out_grads: dict[int, tf.Tensor] = {}
@@ -164,9 +163,11 @@ class TensorFlowStageKernels(TensorFlowKernels, stage_step.StageKernels):
         grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
         self.apply = tf.function(self._apply, input_signature=[grads], jit_compile=False)
         self.precision.attach(self.optimizer, self.apply, [tuple(g.shape) for g in grads])
-        self._forward_fn = tf.function(functools.partial(self.model, training=True),
-                                       jit_compile=False, reduce_retracing=True)
+        self._forward_fn = tf.function(self._forward, jit_compile=False, reduce_retracing=True)
         self._score_fn = tf.function(self._score, jit_compile=False, reduce_retracing=True)
+
+    def _forward(self, x: tf.Tensor) -> tf.Tensor:
+        return self.model(x, training=True)
 
     def _score(self, out: tf.Tensor, y: Any, weight: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor, dict]:
         loss_sum, metrics = self.adapter.output_loss(out, y, training=True)
