@@ -53,10 +53,9 @@ class NumpyStage(StageKernels):
 
     def backward_pass(self, i):
         out, x = self.outputs.pop(i), self.inputs.pop(i)
-        if self.last:
-            g = 2 * (out - self.data[1][i]) * self.weights.pop(i)
-        else:
-            g = self.out_grads.pop(i)
+        # The last stage's loss gradient, weighted; the others' come from the next stage.
+        g = (2 * (out - self.data[1][i]) * self.weights.pop(i) if self.last
+             else self.out_grads.pop(i))
         pre = g * (1 - out ** 2)
         self.grad += x.T @ pre
         self.in_grads[i] = pre @ self.weight.T
