@@ -186,8 +186,6 @@ def make_engine(cfg: Config, dataset: Dataset) -> Engine:
     data ready. The framework is imported only now, so the core stays framework-free."""
     module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
                    "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[cfg.framework]
-    if cfg.pipeline.stages > 1 and cfg.framework == "tensorflow":
-        module, cls = "hvdtrain.tensorflow.pipeline", "PipelineEngine"
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:

@@ -125,11 +125,9 @@ def total_steps(train: TrainConfig, sampler: ShardedSampler, size: int, pos: Pos
 
 
 def make_sampler(cfg: Config, num_train: int, accumulation: int) -> ShardedSampler:
-    """The global-batch sampler of ``cfg`` over ``num_train`` samples, each data-parallel copy
-    accumulating ``accumulation`` micro-batches a step (:attr:`hvdtrain.world.World.accumulation`;
-    with pipeline stages, ``data.batch_size`` is a copy's step, split into that many)."""
-    batch = cfg.data.batch_size // accumulation if cfg.pipeline.stages > 1 else cfg.data.batch_size
-    return ShardedSampler(num_train, batch, accumulation=accumulation,
+    """The global-batch sampler of ``cfg`` over ``num_train`` samples, each rank accumulating
+    ``accumulation`` micro-batches a step (:attr:`hvdtrain.world.World.accumulation`)."""
+    return ShardedSampler(num_train, cfg.data.batch_size, accumulation=accumulation,
                           seed=cfg.seed, shuffle=cfg.data.shuffle)
 
 
@@ -190,11 +188,9 @@ class Loop:
 
     def _train_epoch(self, epoch: int) -> None:
         window = Window()
-        # By data-parallel copy: with pipeline stages, every stage of a copy gets its indices.
-        steps = self.sampler.steps(epoch, self.world.copy_of(self.engine.rank), self.world.size,
-                                   self.pos.in_epoch)
+        steps = self.sampler.steps(epoch, self.engine.rank, self.engine.size, self.pos.in_epoch)
         for indices in steps:
-            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.world.size,
+            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size,
                        base_lr=self.world.lr)
             self._step(indices, lr, window)
             self._flush()
@@ -316,7 +312,7 @@ class Loop:
     def _evaluate(self) -> dict[str, float]:
         for callback in self.callbacks:
             callback.on_evaluate_start()
-        shards = eval_shards(self.num_test, self.world.copy_of(self.engine.rank), self.world.size,
+        shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,
                              self.cfg.data.eval_batch_size)
         self.local_eval = self.engine.evaluate(shards)
         self.last_eval = means(self.collectives.allreduce_sums(self.local_eval), prefix="eval_")
