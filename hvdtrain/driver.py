@@ -179,8 +179,8 @@ class FixedMode:
         if start.error:
             raise start.error
         engine.broadcast_state()
-        return self.session.run(World.of(self.session.cfg, engine.size), start.position, stop,
-                                heartbeat)
+        return self.session.run(World.of(self.session.cfg, engine.data_size), start.position,
+                                stop, heartbeat)
 
     def finish(self, run_dir: RunDir) -> None:
         """Nothing more to write at a fixed size."""

@@ -162,6 +162,18 @@ class Engine(Step, StateIO):
     """Horovod's cycle time in force, as :func:`hvdtrain.horovod_start.set_cycle_time` left
     ``HOROVOD_CYCLE_TIME``."""
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of each global batch this rank trains on (the sampler's and evaluation's
+        rank): its rank, unless pipeline stages make several ranks one data-parallel copy."""
+        return self.rank
+
+    @property
+    def data_size(self) -> int:
+        """The data-parallel copies the global batch is shared among: the world size, unless
+        pipeline stages make several ranks one copy (then ``size / pipeline.stages``)."""
+        return self.size
+
     @abc.abstractmethod
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         """Follows a new world (elastic mode): this rank's place, the world size, and the
@@ -186,6 +198,8 @@ def make_engine(cfg: Config, dataset: Dataset) -> Engine:
     data ready. The framework is imported only now, so the core stays framework-free."""
     module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
                    "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[cfg.framework]
+    if cfg.pipeline.stages > 1 and cfg.framework == "torch":
+        module, cls = "hvdtrain.torch.pipeline", "PipelineEngine"
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:

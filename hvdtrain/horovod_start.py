@@ -7,6 +7,8 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from hvdtrain.errors import HvdtrainError
+
 
 def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
     """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
@@ -27,14 +29,22 @@ def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.
     return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
-def start_horovod(hvd: Any, configured_ms: float) -> str:
+def start_horovod(hvd: Any, configured_ms: float, process_sets: bool = False) -> str:
     """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
     of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
     and reads its settings then: where it already runs (a second training in one process),
-    nothing is changed."""
+    nothing is changed.
+
+    ``process_sets``: start with dynamic process sets (``hvd.add_process_set`` after the start;
+    pipeline stages average their gradients in one each, and their ranks are known only once
+    Horovod runs). Where Horovod already runs without them, that is an error.
+    """
     if not hvd.is_initialized():
         set_cycle_time(configured_ms)
-        hvd.init()
+        hvd.init(process_sets="dynamic" if process_sets else None)
+    elif process_sets and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+        raise HvdtrainError("Horovod already runs in this process without process sets, which "
+                            "pipeline stages need: train with pipeline stages in a new process")
     return os.environ.get("HOROVOD_CYCLE_TIME", "1")
 
 

@@ -188,9 +188,10 @@ class Loop:
 
     def _train_epoch(self, epoch: int) -> None:
         window = Window()
-        steps = self.sampler.steps(epoch, self.engine.rank, self.engine.size, self.pos.in_epoch)
+        steps = self.sampler.steps(epoch, self.engine.data_rank, self.engine.data_size,
+                                   self.pos.in_epoch)
         for indices in steps:
-            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.size,
+            lr = lr_at(self.pos.step, self.total_steps, self.cfg.optim, self.engine.data_size,
                        base_lr=self.world.lr)
             self._step(indices, lr, window)
             self._flush()
@@ -312,7 +313,7 @@ class Loop:
     def _evaluate(self) -> dict[str, float]:
         for callback in self.callbacks:
             callback.on_evaluate_start()
-        shards = eval_shards(self.num_test, self.engine.rank, self.engine.size,
+        shards = eval_shards(self.num_test, self.engine.data_rank, self.engine.data_size,
                              self.cfg.data.eval_batch_size)
         self.local_eval = self.engine.evaluate(shards)
         self.last_eval = means(self.collectives.allreduce_sums(self.local_eval), prefix="eval_")

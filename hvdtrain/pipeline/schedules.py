@@ -48,6 +48,13 @@ class Schedule:
             return [pipe_rank, 2 * stages - 1 - pipe_rank]
         return [pipe_rank + k * stages for k in range(virtual)]
 
+    def holder(self, piece: int, stages: int) -> int:
+        """The rank of a pipeline (0 to ``stages - 1``) that holds piece ``piece``: piece 0's
+        holder reads the inputs, the last piece's reads the targets and computes the loss."""
+        if self.style == "v":
+            return piece if piece < stages else 2 * stages - 1 - piece
+        return piece % stages
+
     def bubble(self, stages: int, microbatches: int, virtual: int = 1) -> float:
         """The idle fraction of a step that theory gives for this schedule (zero-bubble schedules:
         the 1F1B figure, their upper bound)."""

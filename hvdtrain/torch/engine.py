@@ -47,6 +47,25 @@ def make_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimi
     return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
 
+def read_state(data: bytes, where: str) -> dict[str, Any]:
+    """A checkpoint's entries (``model``, ``optimizer``, ``meta`` and more), read without running
+    anything from it; a one-line error for a file that is not one."""
+    # weights_only: loading a checkpoint must never execute code from the file.
+    try:
+        with warnings.catch_warnings():  # a foreign file's pickle protocol: the error says it
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # objects other than tensors: refused, never built
+        raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was "
+                                      "run") from None
+    except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
+        raise not_a_checkpoint(where, exc) from None
+    if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
+            and isinstance(state["meta"], dict)):
+        raise not_a_checkpoint(where, "no model, optimizer and meta entries")
+    return state
+
+
 class TorchEngine(Engine):
     """Trains a ``torch.nn.Module`` on Horovod; see :class:`hvdtrain.engine.Engine`."""
 
@@ -143,19 +162,7 @@ class TorchEngine(Engine):
         self.exchange.gather()
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
-        # weights_only: loading a checkpoint must never execute code from the file.
-        try:
-            with warnings.catch_warnings():  # a foreign file's pickle protocol: the error says it
-                warnings.simplefilter("ignore")
-                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:  # objects other than tensors: refused, never built
-            raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was "
-                                          "run") from None
-        except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
-            raise not_a_checkpoint(where, exc) from None
-        if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
-                and isinstance(state["meta"], dict)):
-            raise not_a_checkpoint(where, "no model, optimizer and meta entries")
+        state = read_state(data, where)
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline import SCHEDULES, Layout, balanced_bounds, microbatch_count, stage_bounds
 from hvdtrain.pipeline.split import explicit_bounds, layer_names
+from hvdtrain.pipeline.state import merge_parts, misfit, select_part
 
 
 def test_layout_of_two_stages_by_two_copies():
@@ -111,6 +113,11 @@ def test_pieces_of_each_style():
     assert SCHEDULES["zbv_zero_bubble"].pieces_of(1, 4, 2) == [1, 6]
     every = sorted(p for r in range(3) for p in SCHEDULES["dualpipev"].pieces_of(r, 3, 2))
     assert every == list(range(6))
+    for name, v in (("1f1b", 1), ("interleaved_1f1b", 3), ("dualpipev", 2)):
+        schedule = SCHEDULES[name]
+        for rank in range(3):
+            assert all(schedule.holder(p, 3) == rank for p in schedule.pieces_of(rank, 3, v))
+    assert SCHEDULES["zbv_zero_bubble"].holder(3, 2) == 0  # the V: the last piece is on rank 0
 
 
 def test_bubble_formulas():
@@ -151,6 +158,8 @@ def test_microbatches_default_to_one_per_piece():
      "a pipeline accumulates over pipeline.microbatches"),
     (["pipeline.stages=2", "train.precision=bf16"], "pipeline stages train in fp32 only"),
     (["pipeline.stages=2", "model.sync_batchnorm=true"], "not supported with pipeline stages"),
+    (["pipeline.stages=2", "comm.compression=topk"],
+     "comm.compression='topk' with pipeline.stages=2: PyTorch pipeline stages exchange"),
     (["pipeline.stages=2", "pipeline.split=[1,2]"], "2 pieces need 1 layer(s)"),
     (["pipeline.stages=2", "pipeline.split=middle"], "pipeline.split='middle': expected auto"),
     (["pipeline.stages=2", "pipeline.split=[1.5]"], "1.5 is neither a layer index nor a layer name"),
@@ -175,3 +184,43 @@ def test_config_refuses_pipelines_that_cannot_run(overrides, message):
 ])
 def test_config_accepts_pipelines_that_can_run(overrides):
     load_config(None, overrides, environ={})
+
+
+def _part(layers: dict[int, list[str]], step: int) -> dict:
+    """A stage's share: each layer's entries, and optimizer state for each parameter."""
+    model = {f"{i}.{n}": np.full(2, i + 0.5) for i, names in layers.items() for n in names}
+    params = [k for k in model if not k.endswith("running_mean")]
+    return {"model": model, "params": params,
+            "optimizer": {"state": {j: {"momentum": np.full(2, j + 10 * step)} for j in
+                                    range(len(params))},
+                          "param_groups": [{"lr": 0.1, "momentum": 0.9,
+                                            "params": list(range(len(params)))}]}}
+
+
+def test_merged_parts_are_the_whole_model_and_cut_back_into_any_split():
+    layers = {0: ["weight", "bias"], 1: ["weight", "running_mean"], 2: ["weight"]}
+    all_params = ["0.weight", "0.bias", "1.weight", "2.weight"]
+    all_keys = ["0.weight", "0.bias", "1.weight", "1.running_mean", "2.weight"]
+    # Parts arrive in any order: the later piece first.
+    second, first = _part({2: layers[2]}, 1), _part({0: layers[0], 1: layers[1]}, 0)
+    model, optimizer = merge_parts([second, first], all_params)
+    assert list(model) == all_keys
+    assert misfit(model.keys(), optimizer, all_keys, all_params) is None
+    momenta = {i: float(s["momentum"][0]) for i, s in optimizer["state"].items()}
+    assert momenta == {0: 0.0, 1: 1.0, 2: 2.0, 3: 10.0}
+    assert optimizer["param_groups"] == [{"lr": 0.1, "momentum": 0.9, "params": [0, 1, 2, 3]}]
+    # Another split: layer 0 alone, then layers 1 and 2.
+    part_model, part_opt = select_part(model, optimizer, all_params, ["1.weight", "2.weight"],
+                                       {1, 2})
+    assert list(part_model) == ["1.weight", "1.running_mean", "2.weight"]
+    assert {i: float(s["momentum"][0]) for i, s in part_opt["state"].items()} == {0: 2.0, 1: 10.0}
+    assert part_opt["param_groups"][0]["params"] == [0, 1]
+
+
+def test_a_checkpoint_of_another_model_does_not_fit():
+    all_params, all_keys = ["0.weight"], ["0.weight", "0.bias"]
+    optimizer = {"state": {}, "param_groups": [{"params": [0]}]}
+    assert "1 model entries missing" in misfit(["0.weight"], optimizer, all_keys, all_params)
+    assert "not of one group" in misfit(all_keys, {"state": {}, "param_groups": []}, all_keys,
+                                        all_params)
+    assert misfit(all_keys, optimizer, all_keys, all_params) is None

@@ -1,0 +1,365 @@
+"""PyTorch pipeline stages composed with Horovod data parallelism (``pipeline.stages`` > 1).
+
+Each rank builds only its own pieces of the model from the adapter's layer factories
+(:meth:`hvdtrain.adapters.ModelAdapter.layers`), cut by :mod:`hvdtrain.pipeline.split` and placed
+by :class:`hvdtrain.pipeline.layout.Layout` and the schedule. ``torch.distributed.pipelining``
+carries activations and their gradients between the stages of one pipeline copy over a torch
+process group of that copy's ranks (Gloo on CPU, NCCL on GPU); its rendezvous address is chosen by
+rank 0 and handed out by Horovod. Each stage's gradients are averaged over that stage's copies by
+Horovod in a process set (:class:`hvdtrain.torch.stages.StageAllreduce`, the run's gradient
+exchange), once per step after the last micro-batch, so :func:`hvdtrain.step.train_step` runs a
+pipeline step as it runs any other: one "micro-batch" per step whose backward pass is the whole
+schedule.
+
+Shapes never change between steps: a copy's batch is padded to ``data.batch_size`` by repeating
+its samples, and the padded rows are left out of the loss and metrics (weight zero).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+from hvdtrain.adapters import ModelAdapter, make_adapter
+from hvdtrain.config import Config
+from hvdtrain.data import tree
+from hvdtrain.data.contracts import Dataset, DatasetSpec
+from hvdtrain.data.loading import loader_workers
+from hvdtrain.data.sampler import StepIndices
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.horovod_start import compute_threads, start_horovod
+from hvdtrain.pipeline import SCHEDULES, Layout, Schedule, layer_names, stage_bounds
+from hvdtrain.pipeline.schedules import microbatch_count
+from hvdtrain.pipeline.state import layer_of, merge_parts, misfit, select_part
+from hvdtrain.registry import MODELS
+from hvdtrain.step import StepKernels, add_batch_sums, train_step
+from hvdtrain.torch import rng
+from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.data import TorchLoader
+from hvdtrain.torch.device import place, resolve
+from hvdtrain.torch.engine import TorchEngine, make_optimizer, read_state
+from hvdtrain.torch.models import ClassifierAdapter
+from hvdtrain.torch.precision import Precision
+from hvdtrain.torch.stages import (
+    StageAllreduce,
+    build_pieces,
+    describe_layers,
+    pad_rows,
+    pipeline_groups,
+    stage_process_set,
+    start_torch_distributed,
+)
+
+
+class Runner:
+    """One ``torch.distributed.pipelining`` schedule over this rank's pieces for batches of
+    ``rows`` rows: train and evaluation each have one (receive buffers keep their first shape)."""
+
+    def __init__(self, engine: PipelineEngine, rows: int) -> None:
+        self.engine, self.rows = engine, rows
+        plan = engine.schedule
+        stages = [PipelineStage(module, piece, engine.pieces, engine.device, group=engine.group)
+                  for piece, module in sorted(engine.modules.items())]
+        cls = getattr(torch_schedules, plan.torch_class)
+        single = plan.virtual == (1, 1)
+        self.schedule = cls(stages[0] if single else stages, engine.microbatches,
+                            loss_fn=self._loss, scale_grads=False)
+        self.sums: dict[str, float] = {}
+        self.y: Any = None
+        self.real, self.weight, self.training = 0, 0.0, True
+
+    def run(self, x: Any, y: Any, real: int, weight: float, training: bool) -> dict[str, float]:
+        """Runs the schedule over one padded batch (``x`` on the first stage, ``y`` on the last,
+        None elsewhere) whose first ``real`` rows count; returns the loss and metric sums (the
+        last stage's; empty elsewhere)."""
+        self.y, self.real, self.weight, self.training = y, real, weight, training
+        self.sums = {"loss": 0.0, "count": 0.0} if self.engine.last else {}
+        args = (x,) if self.engine.first else ()
+        target = torch.arange(self.rows, device=self.engine.device) if self.engine.last else None
+        if training:
+            self.schedule.step(*args, target=target, return_outputs=False)
+        else:
+            self.schedule.eval(*args, target=target, return_outputs=False)
+        sums, self.y = self.sums, None
+        return sums
+
+    def _loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch (``rows``: its rows' places in the batch):
+        the adapter's summed loss over its real rows, times the step's weight."""
+        keep = rows < self.real
+        y = tree.map_tree(lambda t: t[rows[keep]], self.y)
+        loss_sum, metrics = self.engine.adapter.output_loss(output[keep], y, self.training)
+        add_batch_sums(self.sums, loss_sum.detach(), metrics, int(keep.sum()))
+        return loss_sum * self.weight
+
+
+class PipelineKernels(StepKernels):
+    """The step kernels of a pipeline stage: one batch a step, whose backward pass is the whole
+    schedule over the micro-batches; see :func:`hvdtrain.step.train_step`."""
+
+    def __init__(self, engine: PipelineEngine) -> None:
+        self.engine = engine
+        self.precision = engine.precision
+        self.params = [p for m in engine.modules.values() for p in m.parameters()
+                       if p.requires_grad]
+        self.lr = float("nan")
+
+    def set_lr(self, lr: float) -> None:
+        if lr != self.lr:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = lr
+            self.lr = lr
+
+    def batches(self, step: StepIndices) -> Iterator[Any]:
+        if not self.engine.loads_data:
+            return iter([(None, None, 0)] * len(step.micro))
+        return (self.engine.padded(batch, self.engine.batch_rows)
+                for batch in self.engine.data.batches(step))
+
+    def begin(self) -> None:
+        self.engine.optimizer.zero_grad()
+
+    def backward(self, batch: Any, weight: float, last: bool) -> tuple[Any, dict[str, Any]]:
+        x, y, real = batch
+        sums = self.engine.train_runner.run(x, y, real, weight, training=True)
+        self.engine.last_sums = sums
+        return sums.get("loss", 0.0), {k: v for k, v in sums.items() if k not in ("loss", "count")}
+
+    def gradients(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+
+class PipelineEngine(TorchEngine):
+    """A :class:`~hvdtrain.torch.engine.TorchEngine` whose rank holds one stage of one pipeline
+    copy; see the module docstring. ``data_rank``/``data_size`` are the copy and the copies."""
+
+    def __init__(self, cfg: Config, dataset: Dataset) -> None:
+        self.seed = cfg.seed
+        self.collectives = TorchCollectives()
+        self.adapter: ModelAdapter = make_adapter(
+            MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
+            ClassifierAdapter)
+        kind = resolve(cfg.train.device)
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, process_sets=True)
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        self._place(cfg)
+        torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
+        self.device = place(kind, self.local_rank, self.local_size)
+        start_torch_distributed(self.collectives, self.device, cfg.train.stall_timeout_s)
+        self.group = pipeline_groups(self.layout, self.rank)
+        stage_sets = [stage_process_set(r) if self.layout.copies > 1 else None
+                      for r in self.layout.stage_groups()]
+        self.modules = self._build_pieces(cfg, dataset.spec())
+        torch.manual_seed(cfg.seed + self.rank)
+        for module in self.modules.values():
+            module.to(self.device)
+        self.model = nn.ModuleDict({str(k): m for k, m in self.modules.items()})
+        self.precision = Precision(cfg.train.precision, self.device)
+        self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed,
+                                rank=self.data_rank,
+                                workers=loader_workers(cfg.data.workers, self.local_size),
+                                prefetch=cfg.data.prefetch, device=self.device)
+        self.accumulation = 1
+        self.optimizer = make_optimizer(cfg.optim, self.model)
+        self.stage_set = stage_sets[self.stage]
+        self.exchange = StageAllreduce(self.stage_set, self.copy, self.layout.copies,
+                                       cfg.comm.compression)
+        self.precision.attach(self.optimizer)
+        self.stage_kernels = PipelineKernels(self)
+        self.batch_rows, self.eval_rows = cfg.data.batch_size, cfg.data.eval_batch_size
+        self.train_runner = Runner(self, self.batch_rows)
+        self._eval_runner: Runner | None = None
+        self.own_params = [name for m in self.modules.values() for name, _ in m.named_parameters()]
+        self._restored: dict[str, Any] | None = None
+        self._parts: list[Any] = []
+        self.last_sums: dict[str, float] = {}
+        self._metric_keys: list[str] | None = None
+        self._stats: dict[str, float] = {}
+        self.model.train()
+
+    def _place(self, cfg: Config) -> None:
+        """Where this rank stands: its stage and copy, its pieces, who reads the data."""
+        pipe = cfg.pipeline
+        self.layout = Layout(self.size, pipe.stages)
+        self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
+        self.schedule: Schedule = SCHEDULES[pipe.schedule]
+        self.pieces = pipe.stages * pipe.virtual_stages
+        self.microbatches = microbatch_count(pipe.stages, pipe.microbatches, pipe.virtual_stages)
+        self.mine = self.schedule.pieces_of(self.stage, pipe.stages, pipe.virtual_stages)
+        self.first = 0 in self.mine
+        self.last = self.pieces - 1 in self.mine
+        self.loads_data = self.first or self.last
+        self.last_stage = self.schedule.holder(self.pieces - 1, pipe.stages)
+
+    def _build_pieces(self, cfg: Config, spec: DatasetSpec) -> dict[int, nn.Sequential]:
+        torch.manual_seed(cfg.seed)  # the whole model's seed (rank 0's), before layers() runs
+        factories = self.adapter.layers(spec)
+        if factories is None:
+            raise HvdtrainError(f"model {cfg.model.name!r} cannot be split into pipeline stages: "
+                                "its adapter's layers() gives no layer list (see "
+                                "docs/pipeline.md#your-model-as-layers)")
+        costs, self.all_params, self.all_keys = describe_layers(factories)
+        self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
+        return build_pieces(factories, self.bounds, self.mine, cfg.seed)
+
+    @property
+    def data_rank(self) -> int:
+        return self.copy
+
+    @property
+    def data_size(self) -> int:
+        return self.layout.copies
+
+    def padded(self, batch: Any, rows: int) -> tuple[Any, Any, int]:
+        """A loaded ``(x, y)`` padded to ``rows`` rows, with its count of real rows."""
+        x, y = batch
+        real = tree.leading_size(x)
+        return pad_rows(x, rows), (pad_rows(y, rows) if y is not None else None), real
+
+    def broadcast_state(self) -> None:
+        """Every rank takes its stage's share of rank 0's state: of the checkpoint rank 0 restored
+        (sent to each rank by torch's scatter), or else that of copy 0's rank of its stage (a
+        broadcast in the stage's process set)."""
+        if self.collectives.broadcast_object(self._restored is not None):
+            parts = [self._part_for(r) for r in range(self.size)] if self.rank == 0 else None
+            received: list[Any] = [None]
+            dist.scatter_object_list(received, parts, src=0)
+            if self.rank != 0:
+                self._apply(*received[0])
+            self._restored = None
+            return
+        if self.stage_set is None:
+            return
+        root = self.layout.rank_of(self.stage, 0)
+        for name, tensor in sorted(self.model.state_dict().items()):
+            hvd.broadcast_(tensor, root, name=f"hvdtrain.stage.{name}",
+                           process_set=self.stage_set)
+        state = hvd.broadcast_object(self.optimizer.state_dict(), root, name="hvdtrain.stage.opt",
+                                     process_set=self.stage_set)
+        if self.rank != root:
+            self.optimizer.load_state_dict(state)
+
+    def _layers_of(self, rank: int) -> set[int]:
+        """The global indices of the layers that ``rank`` holds."""
+        pieces = self.schedule.pieces_of(self.layout.stage_of(rank), self.layout.stages,
+                                         self.pieces // self.layout.stages)
+        return {i for p in pieces for i in range(self.bounds[p], self.bounds[p + 1])}
+
+    def _part_for(self, rank: int) -> tuple[dict, dict]:
+        """Rank ``rank``'s share of the restored checkpoint (model entries, optimizer state)."""
+        assert self._restored is not None
+        layers = self._layers_of(rank)
+        own = [name for name in self.all_params if layer_of(name) in layers]
+        return select_part(self._restored["model"], self._restored["optimizer"], self.all_params,
+                           own, layers)
+
+    def _apply(self, model: dict, optimizer: dict) -> None:
+        """Loads this rank's share of a checkpoint into its pieces and optimizer."""
+        for piece, module in self.modules.items():
+            first, end = self.bounds[piece], self.bounds[piece + 1]
+            module.load_state_dict({k: v for k, v in model.items()
+                                    if first <= layer_of(k) < end})
+        self.optimizer.load_state_dict(optimizer)
+
+    def gather_state(self) -> None:
+        """Copy 0's ranks send their shares to rank 0 (torch's gather), which writes them as
+        one checkpoint of the whole model (:mod:`hvdtrain.pipeline.state`)."""
+        part = None
+        if self.copy == 0:
+            part = {"model": {k: v.detach().cpu().clone() for m in self.modules.values()
+                              for k, v in m.state_dict().items()},
+                    "params": self.own_params, "optimizer": self.optimizer.state_dict()}
+        parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(part, parts, dst=0)
+        self._parts = [p for p in parts if p is not None] if parts is not None else []
+
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        model, optimizer = merge_parts(self._parts, self.all_params)
+        self._parts = []
+        buffer = io.BytesIO()
+        torch.save({"model": model, "optimizer": optimizer, "rng": rng.capture(),
+                    "precision": self.precision.state_dict(), "compression": None,
+                    "meta": meta}, buffer)
+        return buffer.getvalue()
+
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        """Rank 0 restores a checkpoint of the whole model (any split, or none) and keeps it
+        until :meth:`broadcast_state` hands every rank its share."""
+        state = read_state(data, where)
+        problem = misfit(state["model"].keys(), state["optimizer"], self.all_keys, self.all_params)
+        if problem:
+            raise HvdtrainError(f"{where} does not fit the model: {problem}")
+        self._restored = state
+        try:
+            self._apply(*self._part_for(self.rank))
+            self.precision.load_state_dict(state.get("precision"))
+        except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
+            first = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise HvdtrainError(f"{where} does not fit the model: {first[0].strip()}") from None
+        if "rng" in state:
+            rng.restore(state["rng"])
+        return state["meta"]
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
+
+    def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
+        result = train_step(self.stage_kernels, self.exchange, step, lr, self.data_size)
+        self._stats = result.stats
+        if self._metric_keys is None:
+            self._metric_keys = self._agreed_keys(self.last_sums)
+        return self._stage_sums(self.last_sums, self._metric_keys)
+
+    def _agreed_keys(self, sums: dict[str, float]) -> list[str]:
+        """The metric names the last stage of copy 0 reports, on every rank (a collective): the
+        loop's cross-rank sum needs the same keys everywhere."""
+        root = self.layout.rank_of(self.last_stage, 0)
+        keys = sorted(sums) if self.rank == root else None
+        return list(self.collectives.broadcast_object(keys, root_rank=root))
+
+    def _stage_sums(self, sums: dict[str, float], keys: Sequence[str]) -> dict[str, float]:
+        """The last stage's sums; zeros on the others, so that the loop's sum over all ranks
+        counts every sample once."""
+        own = sums if self.last else {}
+        return {key: float(own.get(key, 0.0)) for key in keys}
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
+        self.model.eval()
+        if self._eval_runner is None:
+            self._eval_runner = Runner(self, self.eval_rows)
+        shards = list(batches)
+        loaded: Iterable[Any] = (self.data.eval_batches(shards) if self.loads_data
+                                 else [(None, None)] * len(shards))
+        sums: dict[str, float] = {}
+        for batch in loaded:
+            x, y, real = (self.padded(batch, self.eval_rows) if self.loads_data
+                          else (None, None, 0))
+            for key, value in self._eval_runner.run(x, y, real, 1.0, training=False).items():
+                sums[key] = sums.get(key, 0.0) + value
+        self.model.train()
+        return self._stage_sums(sums, self._agreed_keys(sums or {"loss": 0.0, "count": 0.0}))
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """This rank's parameters, named by global layer index as in the whole ``Sequential``."""
+        return {name: p.detach().cpu().numpy().copy()
+                for module in self.modules.values() for name, p in module.named_parameters()}
+
+    def placement(self) -> dict[str, str]:
+        return {**super().placement(), "pipeline": f"{self.layout.stages} stages x "
+                                                   f"{self.layout.copies} copies"}

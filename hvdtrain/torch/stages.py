@@ -1,0 +1,177 @@
+"""The pieces of a PyTorch pipeline stage that do not need the engine: Horovod process sets, the
+``torch.distributed`` rendezvous and groups, building a rank's pieces from the layer list,
+fixed-shape padding, and the stage's gradient exchange (see :mod:`hvdtrain.torch.pipeline`)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hvdtrain.data import tree
+from hvdtrain.driver import launcher_host
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange, empty_stats
+from hvdtrain.pipeline import Layout
+from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.exchange import horovod_compression
+
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
+"""Horovod process sets by their ranks: made once per process (a second training in the same
+process reuses them; Horovod refuses a duplicate)."""
+
+
+def stage_process_set(ranks: Sequence[int]) -> Any:
+    """Horovod's process set of ``ranks``; every rank must ask for every set in the same order."""
+    key = tuple(ranks)
+    if key not in _PROCESS_SETS:
+        _PROCESS_SETS[key] = hvd.add_process_set(list(key))
+    return _PROCESS_SETS[key]
+
+
+def rendezvous_address(collectives: TorchCollectives) -> str:
+    """Rank 0's address as the other ranks can reach it: the loopback where every rank shares
+    its host, else the address of rank 0's route towards another rank's host (``gethostbyname``
+    of the own host name may give 127.0.x.1, which no other host reaches). A collective."""
+    hosts = collectives.allgather_object(launcher_host(os.environ))
+    if collectives.rank() != 0:
+        return ""
+    others = [h for h in hosts if h != hosts[0]]
+    if not others:
+        return "127.0.0.1"
+    try:
+        peer = socket.gethostbyname(others[0])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))  # UDP: no packet is sent; the kernel picks the route
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise HvdtrainError(f"pipeline stages: cannot find rank 0's address towards host "
+                            f"{others[0]!r} ({exc})") from None
+
+
+def free_port() -> int:
+    """A TCP port free on this host now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def start_torch_distributed(collectives: TorchCollectives, device: torch.device,
+                            timeout_s: float) -> None:
+    """Starts ``torch.distributed`` over every rank (ranks as Horovod's), at an address rank 0
+    chose and Horovod's broadcast handed out; once per process. ``timeout_s`` bounds a wait for
+    another stage, so a lost rank ends the job instead of hanging it (0: torch's default)."""
+    if dist.is_initialized():
+        return
+    address = rendezvous_address(collectives)
+    if collectives.rank() == 0:
+        address = f"tcp://{address}:{free_port()}"
+    address = collectives.broadcast_object(address)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address,
+                            rank=collectives.rank(), world_size=collectives.size(),
+                            timeout=timeout)
+
+
+def pipeline_groups(layout: Layout, rank: int) -> Any:
+    """This rank's pipeline process group (every rank creates every copy's, in order)."""
+    mine = None
+    for ranks in layout.pipelines():
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def describe_layers(factories: Sequence[Any]) -> tuple[list[int], list[str], list[str]]:
+    """Each layer's parameter count, and the global names of every parameter and of every
+    entry of the whole model's ``state_dict`` (``"<layer>.<name>"``, in the whole model's order),
+    from each layer built on the meta device (no memory, no random numbers)."""
+    costs, params, keys = [], [], []
+    for index, make in enumerate(factories):
+        with torch.device("meta"):
+            layer = make()
+        if not isinstance(layer, nn.Module):
+            raise HvdtrainError(f"layer {index} of the model is a {type(layer).__name__}, not a "
+                                "torch.nn.Module")
+        costs.append(sum(p.numel() for p in layer.parameters()))
+        params += [f"{index}.{name}" for name, _ in layer.named_parameters()]
+        keys += [f"{index}.{name}" for name in layer.state_dict()]
+        del layer
+    return costs, params, keys
+
+
+def build_pieces(factories: Sequence[Any], bounds: Sequence[int], mine: Sequence[int],
+                 seed: int) -> dict[int, nn.Sequential]:
+    """This rank's pieces, each an ``nn.Sequential`` whose children are named by their global
+    layer index (so a piece's ``state_dict`` keys are the whole ``Sequential``'s).
+
+    Every layer is made in order under ``seed``, as the whole model would be, and the other
+    pieces' layers dropped at once: the rank's layers start from the whole model's values,
+    whatever the split, and no other layer outlives its own construction.
+    """
+    torch.manual_seed(seed)
+    owner = {i: piece for piece in mine for i in range(bounds[piece], bounds[piece + 1])}
+    layers: dict[int, list[tuple[str, nn.Module]]] = {piece: [] for piece in mine}
+    for index, make in enumerate(factories):
+        layer = make()
+        if index in owner:
+            layers[owner[index]].append((str(index), layer))
+        del layer
+    return {piece: nn.Sequential(OrderedDict(named)) for piece, named in layers.items()}
+
+
+def pad_rows(batch: Any, rows: int) -> Any:
+    """``batch`` (a tree of tensors) with ``rows`` rows: its own rows repeated in order, or zeros
+    where it has none; fixed shapes for the pipeline."""
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        have = t.shape[0]
+        if have == rows:
+            return t
+        if have == 0:
+            return t.new_zeros((rows, *t.shape[1:]))
+        return t[torch.arange(rows, device=t.device) % have]
+    return tree.map_tree(pad, batch)
+
+
+class StageAllreduce(GradientExchange):
+    """A pipeline stage's gradient exchange: Horovod's average over that stage's copies, in
+    their process set (nothing to send with one copy). ``comm.compression`` ``fp16`` applies."""
+
+    def __init__(self, process_set: Any, rank: int, size: int, method: str) -> None:
+        self.process_set, self.rank, self.size = process_set, rank, size
+        self.compression = horovod_compression(method)
+        self.stats = empty_stats()
+
+    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.process_set is None:
+            self.stats = empty_stats()
+            return list(grads)
+        waited = time.perf_counter()
+        averaged = hvd.grouped_allreduce(list(grads), op=hvd.Average, name="hvdtrain.stage",
+                                         compression=self.compression,
+                                         process_set=self.process_set)
+        dense = float(sum(g.numel() * g.element_size() for g in grads))
+        wire = dense / 2 if self.compression is hvd.Compression.fp16 else dense
+        self.stats = {"wire_bytes": wire, "dense_bytes": dense,
+                      "comm_s": time.perf_counter() - waited, "compress_s": 0.0}
+        return list(averaged)
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.process_set is None:
+            return flag
+        total = hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="hvdtrain.stage_any",
+                              process_set=self.process_set)
+        return float(total) > 0
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
