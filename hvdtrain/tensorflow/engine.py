@@ -104,7 +104,8 @@ class TensorFlowEngine(Engine):
             MODELS["tensorflow"].get(cfg.model.name), cfg.model.options, cfg.model.name,
             ClassifierAdapter)
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms,
+                                           process_sets=cfg.pipeline.stages > 1)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         _set_threads(compute_threads(cfg.train.threads, self.local_size))

@@ -23,8 +23,9 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline import stage_step
 from hvdtrain.pipeline.actions import ORDERED
 from hvdtrain.pipeline.layout import Layout
+from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.split import layer_names, stage_bounds
 from hvdtrain.pipeline.stage_step import StageRunner
 from hvdtrain.step import add_batch_sums, train_step
@@ -176,9 +178,15 @@ class TensorFlowStageKernels(TensorFlowKernels, stage_step.StageKernels):
     # the kernels of hvdtrain.step and hvdtrain.pipeline.stage_step --------------------------------
 
     def batches(self, step: StepIndices) -> Iterator[Any]:
-        if self.first or self.last:
-            return self.data.batches(step)
-        return iter([None] * len(step.micro))  # a middle stage reads no data
+        if not (self.first or self.last):
+            return iter([None] * len(step.micro))  # a middle stage reads no data
+        # The copy's batch loads as one, as the sampler planned it (the loader prefetches the
+        # plan's batches), and is cut into the micro-batches here.
+        whole = dataclasses.replace(step, micro=[np.concatenate(step.micro)])
+        x, y = next(self.data.batches(whole))
+        bounds = np.cumsum([0, *(len(idx) for idx in step.micro)])
+        return iter([tree.map_tree(lambda t, a=a, b=b: t[a:b], (x, y))
+                     for a, b in itertools.pairwise(bounds)])
 
     def begin(self) -> None:
         self._sums = [tf.zeros_like(v) for v in self.variables]
@@ -326,9 +334,7 @@ class PipelineEngine(TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         check_schedule(cfg.pipeline.schedule)
-        if not hvd.is_initialized():  # the stage groups and links are added once Horovod runs
-            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-        self._start(cfg)
+        self._start(cfg)  # with dynamic process sets: the stage groups and links are added now
         self.layout = Layout(self.size, cfg.pipeline.stages)
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
         self.copies, self.root = self.layout.copies, self.layout.rank_of(self.stage, 0)
@@ -355,6 +361,17 @@ class PipelineEngine(TensorFlowEngine):
             prev=self._link(links, -1), next_=self._link(links, +1))
         self.kernels.follow(self.exchange, 1)
         self.runner = StageRunner(cfg.pipeline.schedule)
+        pipe = cfg.pipeline
+        self.microbatches = microbatch_count(pipe.stages, pipe.microbatches, pipe.virtual_stages)
+        self.micro_size = cfg.data.batch_size // self.microbatches
+
+    @property
+    def data_rank(self) -> int:
+        return self.copy
+
+    @property
+    def data_size(self) -> int:
+        return self.copies
 
     # building -------------------------------------------------------------------------------------
 
@@ -431,8 +448,17 @@ class PipelineEngine(TensorFlowEngine):
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("elastic mode does not work with pipeline stages")
 
+    def micro_batches(self, step: StepIndices) -> StepIndices:
+        """The copy's step (one batch of ``data.batch_size``) cut into the pipeline's
+        micro-batches; those past the samples of a short last step are empty."""
+        (idx,) = step.micro
+        size = self.micro_size
+        micro = [idx[i * size:(i + 1) * size] for i in range(self.microbatches)]
+        return dataclasses.replace(step, micro=micro)
+
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
-        result = train_step(self.kernels, self.exchange, step, lr, self.copies, self.runner)
+        result = train_step(self.kernels, self.exchange, self.micro_batches(step), lr,
+                            self.copies, self.runner)
         self.stats = result.stats
         self.stats["pipe_wait_s"] = self.runner.wait_s
         self.stats["compute_s"] = max(self.stats["compute_s"] - self.runner.wait_s, 0.0)
