@@ -309,6 +309,10 @@ def check_schedule(schedule: str) -> None:
 
 # the engine -------------------------------------------------------------------------------------
 
+_SETS: dict[tuple[int, ...], Any] = {}
+"""The process sets this process added to Horovod, by their ranks (Horovod refuses a second)."""
+
+
 def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, int], Any]]:
     """Adds the stage groups and the two-rank links of every copy to Horovod (a collective, in
     the same order on every rank): ``(stage sets by stage, link sets by (copy, upstream
@@ -317,7 +321,11 @@ def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, 
     everyone = list(range(layout.size))
 
     def add(ranks: list[int]) -> Any:
-        return hvd.global_process_set if ranks == everyone else hvd.add_process_set(ranks)
+        if ranks == everyone:
+            return hvd.global_process_set
+        if tuple(ranks) not in _SETS:  # a second training in this process finds them added
+            _SETS[tuple(ranks)] = hvd.add_process_set(ranks)
+        return _SETS[tuple(ranks)]
 
     stages = {s: add(layout.stage_ranks(s)) for s in range(layout.stages)}
     links = {(c, s): add([layout.rank_of(s, c), layout.rank_of(s + 1, c)])
