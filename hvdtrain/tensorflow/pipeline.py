@@ -342,6 +342,10 @@ class PipelineEngine(TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         check_schedule(cfg.pipeline.schedule)
+        if cfg.checkpoint.enabled:
+            raise HvdtrainError(f"checkpoint.enabled=true with pipeline.stages={cfg.pipeline.stages}: "
+                                "the TensorFlow engine writes no pipeline checkpoints yet; set "
+                                "checkpoint.enabled=false")
         self._start(cfg)  # with dynamic process sets: the stage groups and links are added now
         self.layout = Layout(self.size, cfg.pipeline.stages)
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
