@@ -23,6 +23,9 @@ NP4 = {"gpipe": PIPE.format(b=8, s="gpipe"),
        "qsgd": PIPE.format(b=8, s="1f1b") + ",comm.compression=qsgd"}
 NP2 = {"gpipe": PIPE.format(b=16, s="gpipe"), "1f1b": PIPE.format(b=16, s="1f1b")}
 CONTROLLERS = ["gloo", "mpi"]
+# A test's first launch trains up to three epochs at -np 4 (about 4 minutes under Gloo on 2 busy
+# cores, more under MPI) after the one-process reference.
+pytestmark = pytest.mark.timeout(1500)
 
 
 @pytest.fixture(scope="module")
