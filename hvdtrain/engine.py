@@ -198,8 +198,10 @@ def make_engine(cfg: Config, dataset: Dataset) -> Engine:
     data ready. The framework is imported only now, so the core stays framework-free."""
     module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
                    "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[cfg.framework]
-    if cfg.pipeline.stages > 1 and cfg.framework == "torch":
-        module, cls = "hvdtrain.torch.pipeline", "PipelineEngine"
+    if cfg.pipeline.stages > 1:
+        module = {"torch": "hvdtrain.torch.pipeline",
+                  "tensorflow": "hvdtrain.tensorflow.pipeline"}[cfg.framework]
+        cls = "PipelineEngine"
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:

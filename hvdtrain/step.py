@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,13 +115,23 @@ def add_batch_sums(sums: dict[str, float], loss_sum: Any, metrics: dict[str, Any
         sums[key] = sums.get(key, 0.0) + float(value)
 
 
+MicroBatches = Callable[[StepKernels, GradientExchange, StepIndices, float],
+                        tuple[dict[str, float], float, float | None]]
+"""Step 2 of the module docstring, as :func:`run_micro_batches` runs it: the kernels, the
+exchange, the step and the loss weight in; the rank's sums, the seconds waited for batches and
+the fused exchange's wait (or None) out. A pipeline stage runs its schedule's actions instead
+(:class:`hvdtrain.pipeline.stage_step.StageRunner`)."""
+
+
 def train_step(kernels: StepKernels, exchange: GradientExchange, step: StepIndices, lr: float,
-               size: int) -> StepResult:
-    """Runs one optimizer step of ``size`` ranks; see the module docstring for the sequence."""
+               size: int, micro_batches: MicroBatches | None = None) -> StepResult:
+    """Runs one optimizer step of ``size`` ranks (the copies of the model that the exchange
+    averages over); see the module docstring for the sequence."""
     kernels.set_lr(lr)
     started = time.perf_counter()
     kernels.begin()
-    sums, data_s, fused_comm = run_micro_batches(kernels, exchange, step, size / step.global_count)
+    run = micro_batches or run_micro_batches
+    sums, data_s, fused_comm = run(kernels, exchange, step, size / step.global_count)
     if fused_comm is None:
         stats = exchange_and_update(kernels, exchange)
     else:

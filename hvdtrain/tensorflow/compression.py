@@ -201,8 +201,10 @@ def _by_dtype(tensors: Sequence[tf.Tensor]) -> dict[tf.DType, list[int]]:
     return groups
 
 
-def _collective(tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, Tensors]:
-    """Allgathers ``gather`` and averages ``average`` over the ranks, one grouped op per dtype.
+def _collective(tag: str, gather: Tensors, average: Tensors,
+                process_set: Any = hvd.global_process_set) -> tuple[Tensors, Tensors]:
+    """Allgathers ``gather`` and averages ``average`` over the ranks (of ``process_set``: a
+    pipeline stage's copies), one grouped op per dtype.
 
     Traced once per ``tag`` and input structure; the ops inside run concurrently, and an eager call
     returns when all have finished.
@@ -211,7 +213,8 @@ def _collective(tag: str, gather: Tensors, average: Tensors) -> tuple[Tensors, T
         out: list[Any] = [None] * len(tensors)
         for dtype, where in _by_dtype(tensors).items():
             name = f"hvdtrain.{tag}.{kind}.{dtype.name}"
-            done = collective([tensors[i] for i in where], name=name, **kwargs)
+            done = collective([tensors[i] for i in where], name=name, process_set=process_set,
+                              **kwargs)
             for i, t in zip(where, done, strict=True):
                 out[i] = t
         return out

@@ -70,17 +70,7 @@ class TensorFlowEngine(Engine):
     framework = "tensorflow"
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
-        self.collectives = TensorFlowCollectives()
-        self.adapter: ModelAdapter = make_adapter(
-            MODELS["tensorflow"].get(cfg.model.name), cfg.model.options, cfg.model.name,
-            ClassifierAdapter)
-        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
-        self.rank, self.size = hvd.rank(), hvd.size()
-        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        _set_threads(compute_threads(cfg.train.threads, self.local_size))
-        self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
-        self.precision = Precision(cfg.train.precision)
+        self._start(cfg)
         keras.utils.set_random_seed(cfg.seed + self.rank)
         with self.precision.policy():
             self.model = self._build(cfg, dataset)
@@ -105,6 +95,22 @@ class TensorFlowEngine(Engine):
         self.kernels.follow(self.exchange, self.accumulation)
         self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
                                     jit_compile=False)
+
+    def _start(self, cfg: Config) -> None:
+        """The adapter, Horovod, threads, device and precision: what every TensorFlow engine
+        sets up before its model (the pipeline's too)."""
+        self.collectives = TensorFlowCollectives()
+        self.adapter: ModelAdapter = make_adapter(
+            MODELS["tensorflow"].get(cfg.model.name), cfg.model.options, cfg.model.name,
+            ClassifierAdapter)
+        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms,
+                                           process_sets=cfg.pipeline.stages > 1)
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        _set_threads(compute_threads(cfg.train.threads, self.local_size))
+        self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
+        self.precision = Precision(cfg.train.precision)
 
     def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
         model = self.adapter.build(dataset.spec())

@@ -7,13 +7,15 @@ the same model.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-from hvdtrain.adapters import ModelAdapter, classes_and_shape, mlp_hidden
+from hvdtrain.adapters import Layer, ModelAdapter, classes_and_shape, mlp_hidden
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -36,8 +38,13 @@ class ClassifierAdapter(ModelAdapter):
 
     def loss_and_metrics(self, model: keras.Model, x: tf.Tensor, y: tf.Tensor,
                          training: bool = True) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        return self.output_loss(model(x, training=training), y, training)
+
+    def output_loss(self, output: tf.Tensor, y: tf.Tensor,
+                    training: bool = True) -> tuple[tf.Tensor, dict[str, tf.Tensor]]:
+        """Summed cross-entropy and the number of correct predictions from the class logits."""
         # Under a mixed-precision policy the logits are bf16 or fp16: the loss is taken in float32.
-        logits = tf.cast(model(x, training=training), tf.float32)
+        logits = tf.cast(output, tf.float32)
         losses = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
         correct = tf.cast(tf.equal(tf.argmax(logits, axis=1), y), tf.float32)
         return tf.reduce_sum(losses), {"correct": tf.reduce_sum(correct)}
@@ -60,14 +67,22 @@ class MLP(ClassifierAdapter):
         super().__init__(hidden=self.hidden)
 
     def build(self, spec: DatasetSpec) -> keras.Model:
+        _, shape = classes_and_shape(spec, "mlp")
+        return keras.Sequential([keras.Input(shape=shape), *(make() for make in self.layers(spec))])
+
+    def layers(self, spec: DatasetSpec) -> list[Layer]:
+        """``flatten``, then ``fc1``, ``fc2``, ... (with their ReLU) and ``head``: each made alone
+        when called. A Keras layer draws its initializers' seeds when it is made and its weights
+        when it is built, so making every layer in order and building only a stage's gives that
+        stage the whole model's initial weights."""
         classes, shape = classes_and_shape(spec, "mlp")
-        width = math.prod(shape)
-        layers: list[Any] = [keras.Input(shape=shape), keras.layers.Flatten()]
-        for size in self.hidden:
-            layers.append(_torch_like_dense(width, size, "relu"))
-            width = size
-        layers.append(_torch_like_dense(width, classes, None))
-        return keras.Sequential(layers)
+        widths = [math.prod(shape), *self.hidden]
+        layers = [Layer("flatten", keras.layers.Flatten)]
+        for i, (inputs, outputs) in enumerate(itertools.pairwise(widths), start=1):
+            layers.append(Layer(f"fc{i}", functools.partial(_torch_like_dense, inputs, outputs,
+                                                            "relu")))
+        layers.append(Layer("head", functools.partial(_torch_like_dense, widths[-1], classes, None)))
+        return layers
 
 
 def _conv_bn(x: Any, filters: int, kernel: int, stride: int, relu: bool) -> Any:

@@ -1,0 +1,89 @@
+"""The TensorFlow pipeline's pieces in one process: stages built from the adapter's layers start
+from the whole model's weights whatever the split, the classifier's output_loss is its loss, and
+what the TensorFlow stages do not run is refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from hvdtrain.data.contracts import DatasetSpec
+from hvdtrain.driver import make_dataset
+from hvdtrain.engine import make_engine
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.pipeline.split import balanced_bounds
+from hvdtrain.tensorflow import pipeline
+from hvdtrain.tensorflow.models import MLP
+from tests.conftest import TF_CONFIG, quiet_config
+
+SPEC = DatasetSpec(input_shape=(8, 8), num_classes=10)
+
+
+def whole_model(adapter: MLP, seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)  # as the TensorFlow engine builds rank 0's model
+    return adapter.build(SPEC)
+
+
+@pytest.mark.parametrize("bounds", [[0, 1, 4], [0, 2, 4], [0, 3, 4], [0, 1, 2, 3, 4]])
+def test_stages_hold_the_whole_models_initial_weights(bounds):
+    adapter = MLP(hidden=[16, 12])
+    whole = [v.numpy() for v in whole_model(adapter, 3).trainable_variables]
+    factories = adapter.layers(SPEC)
+    assert [f.name for f in factories] == ["flatten", "fc1", "fc2", "head"]
+    made = pipeline.make_layers(factories, 3)
+    costs, inputs = pipeline.measure(made, (8, 8), "float32")
+    assert costs == [0, 64 * 16 + 16, 16 * 12 + 12, 12 * 10 + 10]
+    assert inputs == [((8, 8), "float32"), ((64,), "float32"), ((16,), "float32"),
+                      ((12,), "float32")]
+    got = []
+    for lo, hi in itertools.pairwise(bounds):  # each stage built alone, as its rank does
+        own = pipeline.make_layers(adapter.layers(SPEC), 3)[lo:hi]
+        model = pipeline.stage_model(own, *inputs[lo])
+        got += [v.numpy() for v in model.trainable_variables]
+    assert len(got) == len(whole)
+    for mine, theirs in zip(got, whole, strict=True):
+        assert np.array_equal(mine, theirs)
+
+
+def test_auto_split_balances_parameters():
+    made = pipeline.make_layers(MLP(hidden=[16, 12]).layers(SPEC), 0)
+    costs, _ = pipeline.measure(made, (8, 8), "float32")
+    assert balanced_bounds(costs, 2) == [0, 2, 4]  # fc1 (1,040) against fc2 + head (334)
+
+
+def test_output_loss_is_the_classifiers_loss():
+    adapter = MLP(hidden=[16])
+    model = whole_model(adapter, 0)
+    x = tf.random.stateless_normal([5, 8, 8], seed=[1, 2])
+    y = tf.constant([0, 3, 9, 3, 1], tf.int64)
+    loss, metrics = adapter.loss_and_metrics(model, x, y, training=False)
+    out_loss, out_metrics = adapter.output_loss(model(x, training=False), y, training=False)
+    assert float(out_loss) == pytest.approx(float(loss)) and set(out_metrics) == {"correct"}
+    assert float(out_metrics["correct"]) == float(metrics["correct"])
+
+
+def test_schedules_the_tensorflow_stages_do_not_run_are_refused():
+    pipeline.check_schedule("1f1b")
+    pipeline.check_schedule("gpipe")
+    with pytest.raises(HvdtrainError, match=r"interleaved_1f1b'.*runs gpipe and 1f1b"):
+        pipeline.check_schedule("interleaved_1f1b")
+
+
+def test_a_stage_output_of_unknown_size_is_refused():
+    with pytest.raises(HvdtrainError, match="fixed sample shape"):
+        pipeline.describe((None, 4), "float32")
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
+      "checkpoint.enabled=false"], r"pipeline.schedule='interleaved_1f1b': the TensorFlow engine"),
+    ([], r"checkpoint.enabled=true with pipeline.stages=2: .* set checkpoint.enabled=false"),
+])
+def test_the_engine_refuses_before_horovod_starts(tmp_path, overrides, message):
+    cfg = quiet_config(TF_CONFIG, tmp_path, "pipeline.stages=2", *overrides)
+    with pytest.raises(HvdtrainError, match=message):
+        make_engine(cfg, make_dataset(cfg))
