@@ -7,6 +7,8 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from hvdtrain.errors import HvdtrainError
+
 
 def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
     """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
@@ -27,14 +29,23 @@ def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.
     return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
-def start_horovod(hvd: Any, configured_ms: float) -> str:
+def start_horovod(hvd: Any, configured_ms: float, comm: Any = None) -> str:
     """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
     of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
     and reads its settings then: where it already runs (a second training in one process),
-    nothing is changed."""
+    nothing is changed.
+
+    ``comm``: an mpi4py communicator to start on (``hvd.init(comm=...)``), the workers' where
+    parameter servers hold the job's last ranks (:func:`hvdtrain.ps.world.horovod_comm`); None
+    for Horovod's own world. A Horovod already running on another world is refused.
+    """
     if not hvd.is_initialized():
         set_cycle_time(configured_ms)
-        hvd.init()
+        hvd.init() if comm is None else hvd.init(comm=comm)
+    elif comm is not None and hvd.size() != comm.Get_size():
+        raise HvdtrainError(f"Horovod already runs on {hvd.size()} rank(s) in this process; "
+                            f"the parameter servers' workers are {comm.Get_size()}: one process "
+                            "cannot train on both")
     return os.environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
