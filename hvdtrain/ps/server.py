@@ -109,9 +109,11 @@ def _waitall(requests: list[Any]) -> None:
 
 @contextmanager
 def _ignoring_stop_signals() -> Iterator[None]:
-    """A stop signal (SIGTERM, SIGINT) reaches every rank of a job; the workers then checkpoint
-    and say ``DONE``, so the server keeps serving them until they have."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    """A stop signal (SIGTERM, SIGUSR1, SIGINT: :mod:`hvdtrain.signals`) reaches every rank of a
+    job; the workers then checkpoint and say ``DONE``, so the server keeps serving them until they
+    have. (A job that must end regardless is ended by the launcher's SIGKILL.)"""
+    stops = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stops}
     try:
         yield
     finally:
@@ -126,7 +128,7 @@ def run_server(world: PSWorld) -> int:
         with _ignoring_stop_signals():
             return serve(world)
     except Exception as exc:
-        print(f"[hvdtrain] error: parameter {world.name(world.rank)} failed: "
+        print(f"hvdtrain: error: parameter {world.name(world.rank)} failed: "
               f"{type(exc).__name__}: {exc}; ending the job", file=sys.stderr, flush=True)
         world.comm.Abort(1)
         raise  # not reached: Abort ends this process too
