@@ -7,8 +7,11 @@ Usage (under mpirun): ps_job.py MODE OUT SERVERS
 - ``hang``: the server stops itself (SIGSTOP) instead of serving: the workers must give up after
   ``ps.timeout_s`` with the one-line error that names it.
 - ``die``: the server kills itself (SIGKILL): the job must end, naming it.
+- ``fail``: every rank trains a config whose dataset does not exist, through the driver: the
+  workers fail before their first message to the servers, and the job must still end.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -48,6 +51,12 @@ def main() -> None:
     cfg = load_config(None, ["comm.topology=ps", f"ps.servers={servers}", "ps.chunk_kib=1",
                              "ps.timeout_s=3", f"log.dir={out}"], environ={})
     world = split(servers)
+    if mode == "fail":
+        try:
+            train(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, name="nope")))
+        except HvdtrainError as exc:  # as the CLI prints it; the driver ends the job at exit
+            print(f"hvdtrain: error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
     if world.is_server:
         if mode in ("hang", "die"):  # before serving: the workers' first pull finds no server
             os.kill(os.getpid(), signal.SIGSTOP if mode == "hang" else signal.SIGKILL)

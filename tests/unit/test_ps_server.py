@@ -86,3 +86,12 @@ def test_a_server_killed_ends_the_job_and_mpirun_names_its_rank(tmp_path):
     proc = mpirun(3, "die", str(tmp_path), "1", timeout=90)
     assert proc.returncode != 0
     assert "process rank 2 with PID" in proc.stderr and "exited on signal 9" in proc.stderr
+
+
+def test_workers_that_fail_before_their_first_message_end_the_job(tmp_path):
+    """Without the driver's MPI_Abort at exit the workers would wait in MPI_Finalize for a server
+    that waits for them: the job would hang."""
+    proc = mpirun(3, "fail", str(tmp_path), "1", timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]  # the CLI's code for a user error
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdtrain: error:")]
+    assert lines and "'nope'" in lines[0], proc.stderr[-2000:]
