@@ -95,3 +95,14 @@ def test_workers_that_fail_before_their_first_message_end_the_job(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]  # the CLI's code for a user error
     lines = [line for line in proc.stderr.splitlines() if line.startswith("hvdtrain: error:")]
     assert lines and "'nope'" in lines[0], proc.stderr[-2000:]
+
+
+def test_one_process_alone_has_no_worker_to_spare(tmp_path):
+    """Without a launcher the job is one rank: a server would leave no worker."""
+    code = ("from hvdtrain.config import load_config; from hvdtrain.driver import train; "
+            f"train(load_config(None, ['comm.topology=ps', 'log.dir={tmp_path}'], environ={{}}))")
+    proc = subprocess.run([sys.executable, "-c", code], env=run_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert ("HvdtrainError: ps.servers=1 with 1 rank(s) in the job leaves no worker: launch more "
+            "ranks than servers (e.g. -np 2)") in proc.stderr, proc.stderr[-2000:]
