@@ -197,9 +197,9 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
         raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
                           "(elastic Horovod needs Gloo, the servers need MPI); set "
                           "elastic.enabled=false or comm.topology=ring")
-    if comm.compression != "none":
+    if comm.compression not in ("none", "fp16"):
         raise ConfigError(f"comm.compression={comm.compression!r} with comm.topology=ps: not "
-                          "available yet; use comm.compression=none")
+                          "available yet; use none or fp16")
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,8 @@ from hvdtrain.ps.world import PSWorld
 
 
 class PSClient:
-    """Pushes and pulls one flat float32 vector of ``total`` elements through the servers.
+    """Pushes and pulls one flat float32 vector of ``total`` elements through the servers, sent
+    as ``wire`` (float32, or float16 for half the bytes).
 
     Every chunk's push and pull are posted at once (``Isend``/``Irecv``), chunks of all servers
     interleaved in index order, so the servers sum early chunks while later ones still travel and
@@ -20,28 +21,31 @@ class PSClient:
     :class:`hvdtrain.ps.protocol.ServerLost` naming it.
     """
 
-    def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float) -> None:
-        self.world, self.timeout_s = world, timeout_s
+    def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
+                 wire: str = "float32") -> None:
+        self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
         self.layout = Layout(total, chunk, len(world.servers))
         self.routes = [(*self.layout.bounds(c), world.servers[owner])
                        for owner in range(len(world.servers)) for c in self.layout.owned(owner)]
         self.routes.sort()  # index order: every server's first chunk leaves early
-        self.summed = np.empty(total, np.float32)
+        self.summed = np.empty(total, self.wire)
         self.step = 0
         self.pushed_bytes = self.pulled_bytes = 0
         """Bytes of gradient sent to and received from the servers by the last step."""
-        message = protocol.hello(total, chunk, len(world.servers), len(world.worker_ranks))
+        message = protocol.hello(total, chunk, len(world.servers), len(world.worker_ranks), wire)
         self._wait([(world.comm.Isend(message, dest=s, tag=protocol.HELLO), s)
                     for s in world.servers], "the start")
 
     def push_pull(self, flat: np.ndarray) -> np.ndarray:
-        """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements). The
-        result lives in a buffer that the next call overwrites."""
+        """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), in the
+        wire dtype. The result lives in a buffer that the next call overwrites."""
+        flat = flat if flat.dtype == self.wire else flat.astype(self.wire)
         comm, requests = self.world.comm, self._controls(protocol.OP_PUSH)
+        summed, sent = protocol.raw(self.summed), protocol.raw(flat)
         for start, stop, server in self.routes:
-            requests.append((comm.Irecv(self.summed[start:stop], source=server,
-                                        tag=protocol.PULL), server))
-            requests.append((comm.Isend(flat[start:stop], dest=server, tag=protocol.PUSH), server))
+            requests.append((comm.Irecv(summed[start:stop], source=server, tag=protocol.PULL),
+                             server))
+            requests.append((comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server))
         self._wait(requests, f"step {self.step}")
         self.step += 1
         self.pushed_bytes = self.pulled_bytes = flat.nbytes

@@ -17,18 +17,24 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.config import PSConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats
 from hvdtrain.ps.client import PSClient
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.ps.world import split
 
+WIRES = {"none": "float32", "fp16": "float16"}
+"""The dtype chunks travel as, by ``comm.compression`` (the two that ``ps`` takes)."""
+
 
 def ps_stats(client: PSClient, comm_s: float, convert_s: float) -> dict[str, float]:
-    """A step's measurements: the ring's keys (``wire_bytes`` counts both directions) and the
-    bytes per direction, ``push_bytes`` and ``pull_bytes``."""
+    """A step's measurements: the ring's keys (``wire_bytes`` and ``dense_bytes``, the float32
+    bytes they stand for, count both directions) and the bytes per direction, ``push_bytes`` and
+    ``pull_bytes``."""
     wire = float(client.pushed_bytes + client.pulled_bytes)
-    return {**empty_stats(), "wire_bytes": wire, "dense_bytes": wire, "comm_s": comm_s,
+    dense = 2.0 * 4 * client.layout.total
+    return {**empty_stats(), "wire_bytes": wire, "dense_bytes": dense, "comm_s": comm_s,
             "compress_s": convert_s, "push_bytes": float(client.pushed_bytes),
             "pull_bytes": float(client.pulled_bytes)}
 
@@ -49,7 +55,8 @@ class PSExchange(GradientExchange):
         sent = time.perf_counter()
         summed = self.client.push_pull(flat)
         pulled = time.perf_counter()
-        # As Horovod's Average: the sum times 1 / size, computed in double, rounded to float32.
+        # As Horovod's Average: the sum times 1 / size, computed in double, rounded to float32
+        # (the sum arrives in the wire dtype: float16 under fp16, as Horovod's fp16 sends it).
         mean = (summed.astype(np.float64) * (1.0 / self.size)).astype(np.float32)
         out = self.unflatten(mean)
         convert = (sent - started) + (time.perf_counter() - pulled)
@@ -79,8 +86,9 @@ class PSExchange(GradientExchange):
         self.client.finish()
 
 
-def make_client(servers: int, chunk_kib: int, timeout_s: float,
-                shapes: Sequence[Sequence[int]]) -> PSClient:
-    """The worker's client for gradients of these shapes (starts the training on the servers)."""
+def make_client(ps: PSConfig, compression: str, shapes: Sequence[Sequence[int]]) -> PSClient:
+    """The worker's client for gradients of these shapes, sent as ``comm.compression`` says
+    (``none`` or ``fp16``); starts the training on the servers."""
     total = sum(int(np.prod(s)) for s in shapes)
-    return PSClient(split(servers), total, chunk_elements(chunk_kib), timeout_s)
+    return PSClient(split(ps.servers), total, chunk_elements(ps.chunk_kib), ps.timeout_s,
+                    WIRES[compression])

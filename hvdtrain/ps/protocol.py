@@ -4,12 +4,14 @@ A server must not unpickle what a worker sends: a pickled ``torch.__version__`` 
 subclass) made a prototype server import torch (docs/parameter-servers.md). Every message is
 therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told apart by its tag:
 
-- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers]``), once per training, from each
-  worker to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.Layout`);
+- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire]``), once per training, from
+  each worker to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.Layout`)
+  and the dtype chunks travel as (an index into :data:`WIRE_DTYPES`);
 - ``CONTROL`` (int64 ``[op, step]``), once per step from each worker to each server: ``PUSH``
   (the step's chunks follow) or ``DONE`` (the training ended; the server returns);
-- ``PUSH`` (float32), one message per chunk the server owns, in ascending chunk order;
-- ``PULL`` (float32), the server's sum of a chunk over all workers, back to each worker.
+- ``PUSH`` (the wire dtype), one message per chunk the server owns, in ascending chunk order;
+- ``PULL`` (the wire dtype), the server's sum of a chunk over all workers, back to each worker.
+  A server sums in float32 whatever the wire dtype.
 
 MPI keeps the order of messages with the same source, tag and communicator, so a chunk needs no
 header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk.
@@ -35,9 +37,20 @@ OP_PUSH, OP_DONE = 1, 2
 """The operations of a ``CONTROL`` message."""
 
 
-def hello(total: int, chunk: int, servers: int, workers: int) -> np.ndarray:
+WIRE_DTYPES = ("float32", "float16")
+"""What chunks travel as: float32, or float16 with ``comm.compression=fp16`` (half the bytes)."""
+
+HELLO_LENGTH = 6
+
+
+def raw(buffer: np.ndarray) -> np.ndarray:
+    """``buffer`` as MPI can carry it: float16 (which MPI has no datatype for) as its bits."""
+    return buffer.view(np.uint16) if buffer.dtype == np.float16 else buffer
+
+
+def hello(total: int, chunk: int, servers: int, workers: int, wire: str) -> np.ndarray:
     """The ``HELLO`` message of a worker."""
-    return np.array([VERSION, total, chunk, servers, workers], np.int64)
+    return np.array([VERSION, total, chunk, servers, workers, WIRE_DTYPES.index(wire)], np.int64)
 
 
 def control(op: int, step: int) -> np.ndarray:

@@ -29,14 +29,15 @@ class ProtocolError(HvdtrainError):
 
 
 class Shard:
-    """This server's chunks of the flat gradient: a receive buffer per worker and chunk, and the
-    chunk sums it sends back."""
+    """This server's chunks of the flat gradient: a receive buffer per worker and chunk (in the
+    wire dtype), the chunk sums (float32) and what it sends back (the sums in the wire dtype)."""
 
-    def __init__(self, layout: Layout, server: int, workers: int) -> None:
+    def __init__(self, layout: Layout, server: int, workers: int, wire: str = "float32") -> None:
         self.chunks = layout.owned(server)
         sizes = [stop - start for start, stop in map(layout.bounds, self.chunks)]
-        self.received = [[np.empty(n, np.float32) for n in sizes] for _ in range(workers)]
+        self.received = [[np.empty(n, wire) for n in sizes] for _ in range(workers)]
         self.sums = [np.empty(n, np.float32) for n in sizes]
+        self.sent = self.sums if wire == "float32" else [np.empty(n, wire) for n in sizes]
 
     @property
     def elements(self) -> int:
@@ -44,21 +45,22 @@ class Shard:
         return sum(s.size for s in self.sums)
 
 
-def read_hello(world: PSWorld) -> Layout:
-    """The layout every worker announced; they must agree with each other and with this server."""
-    messages = np.zeros((len(world.worker_ranks), 5), np.int64)
+def read_hello(world: PSWorld) -> tuple[Layout, str]:
+    """The layout and wire dtype every worker announced; they must agree with each other and with
+    this server."""
+    messages = np.zeros((len(world.worker_ranks), protocol.HELLO_LENGTH), np.int64)
     for i, rank in enumerate(world.worker_ranks):
         world.comm.Recv(messages[i], source=rank, tag=protocol.HELLO)
     first = messages[0]
     if (messages != first).any():
         raise ProtocolError(f"the workers announced different layouts: {messages.tolist()}")
-    version, total, chunk, servers, workers = (int(v) for v in first)
+    version, total, chunk, servers, workers, wire = (int(v) for v in first)
     if version != protocol.VERSION:
         raise ProtocolError(f"the workers speak protocol {version}, this server {protocol.VERSION}")
     if (servers, workers) != (len(world.servers), len(world.worker_ranks)):
         raise ProtocolError(f"the workers count {servers} server(s) and {workers} worker(s), "
                             f"the job has {len(world.servers)} and {len(world.worker_ranks)}")
-    return Layout(total, chunk, servers)
+    return Layout(total, chunk, servers), protocol.WIRE_DTYPES[wire]
 
 
 def read_controls(world: PSWorld, step: int) -> int:
@@ -78,22 +80,24 @@ def read_controls(world: PSWorld, step: int) -> int:
 def sum_step(world: PSWorld, shard: Shard) -> None:
     """Receives one step's chunks from every worker and sends each chunk's sum back."""
     comm, ranks = world.comm, world.worker_ranks
-    arriving = [[comm.Irecv(shard.received[w][i], source=r, tag=protocol.PUSH)
+    arriving = [[comm.Irecv(protocol.raw(shard.received[w][i]), source=r, tag=protocol.PUSH)
                  for w, r in enumerate(ranks)] for i in range(len(shard.sums))]
     leaving = []
-    for i, total in enumerate(shard.sums):
+    for i, (total, sent) in enumerate(zip(shard.sums, shard.sent, strict=True)):
         _waitall(arriving[i])
         np.copyto(total, shard.received[0][i])
         for w in range(1, len(ranks)):
             total += shard.received[w][i]
-        leaving += [comm.Isend(total, dest=r, tag=protocol.PULL) for r in ranks]
+        if sent is not total:
+            np.copyto(sent, total, casting="same_kind")
+        leaving += [comm.Isend(protocol.raw(sent), dest=r, tag=protocol.PULL) for r in ranks]
     _waitall(leaving)
 
 
 def serve(world: PSWorld) -> int:
     """Serves one training until its workers say ``DONE``; returns the steps served."""
-    layout = read_hello(world)
-    shard = Shard(layout, world.server_index, len(world.worker_ranks))
+    layout, wire = read_hello(world)
+    shard = Shard(layout, world.server_index, len(world.worker_ranks), wire)
     step = 0
     while read_controls(world, step) == protocol.OP_PUSH:
         sum_step(world, shard)

@@ -50,7 +50,7 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
     :func:`hvdtrain.exchange.exchange_kind` picks; ``ps``: the parameter servers' settings
     where ``comm.topology=ps``."""
     if ps is not None:
-        client = make_client(ps.servers, ps.chunk_kib, ps.timeout_s, shapes)
+        client = make_client(ps, comm.compression, shapes)
         return TensorFlowPSExchange(client, rank, size, shapes)
     if exchange_kind(comm.compression) == "dense":
         return DenseAllreduce(make_plan(comm, seed, shapes), rank, size)

@@ -92,7 +92,7 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
     parameter servers' settings where ``comm.topology=ps``."""
     shapes = [p.shape for p in model.parameters() if p.requires_grad]
     if ps is not None:
-        client = make_client(ps.servers, ps.chunk_kib, ps.timeout_s, shapes)
+        client = make_client(ps, comm.compression, shapes)
         return TorchPSExchange(client, rank, size, shapes), optimizer
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)

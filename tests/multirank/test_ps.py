@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from tests.conftest import BIN, horovodrun, read_jsonl
+from tests.conftest import BIN, assert_accuracy_near, assert_loss_near, horovodrun, read_jsonl
 from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
 
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])
@@ -38,7 +38,8 @@ def ps_launch(tmp_path_factory) -> Callable[[str, int, int], Launch]:
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ps-{framework}-{workers}w{servers}s")
             run = EQUIV.format(b=32 // workers, lr=0.1 / workers) + "," + PS.format(s=servers)
-            cache[key] = launch_worker(workers + servers, "mpi", framework, out, [f"ps:{run}"])
+            runs = [f"ps:{run}"] + ([f"fp16:{run},comm.compression=fp16"] if servers == 1 else [])
+            cache[key] = launch_worker(workers + servers, "mpi", framework, out, runs)
         return cache[key]
 
     return get
@@ -90,6 +91,17 @@ def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     for rank in (0, 1):
         _, record = launch.rank("ps", rank)
         assert record["summary"]["final"] == summary["final"]
+
+
+@FRAMEWORKS
+def test_fp16_on_the_wire_halves_the_bytes_and_stays_near(ps_launch, framework):
+    launch = ps_launch(framework, 2, 1)
+    fp16, fp32 = launch.summary("fp16")["final"], launch.summary("ps")["final"]
+    assert_accuracy_near(fp16["eval_accuracy"], fp32["eval_accuracy"], "ps with fp16")
+    assert_loss_near(fp16["eval_loss"], fp32["eval_loss"], "ps with fp16")
+    logged = [r for r in read_jsonl(launch.out / "fp16" / "metrics.jsonl") if "wire_bytes" in r]
+    assert logged and {(r["push_bytes"], r["pull_bytes"]) for r in logged} == {(2 * PARAMETERS,) * 2}
+    assert {r["compression_ratio"] for r in logged} == {2.0}
 
 
 def test_cli_servers_exit_zero_and_rank_zero_reports(tmp_path):

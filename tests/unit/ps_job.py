@@ -1,7 +1,7 @@
 """A parameter-server job without any framework: real servers (through ``hvdtrain.driver.train``,
 as ``hvdtrain train`` runs them) and workers that drive the real client with known vectors.
 
-Usage (under mpirun): ps_job.py MODE OUT SERVERS
+Usage (under mpirun): ps_job.py MODE OUT SERVERS [COMPRESSION]
 - ``sum``: workers push 3 steps of vectors made from their rank and check the sums they pull;
   every rank writes OUT/rank<r>.json (its role, the modules it imported, what it checked).
 - ``hang``: the server stops itself (SIGSTOP) instead of serving: the workers must give up after
@@ -31,14 +31,15 @@ FRAMEWORKS = ("torch", "tensorflow", "keras", "horovod")
 
 
 def worker(world, cfg, out: Path) -> dict:
-    client = make_client(cfg.ps.servers, cfg.ps.chunk_kib, cfg.ps.timeout_s, SHAPES)
+    client = make_client(cfg.ps, cfg.comm.compression, SHAPES)
     workers = len(world.worker_ranks)
     total = client.layout.total
     errors = []
     for step in range(3):
-        flat = (np.arange(total, dtype=np.float32) * (world.rank + 1) + step).astype(np.float32)
-        summed = client.push_pull(flat).copy()
-        expected = sum(np.arange(total, dtype=np.float32) * (r + 1) + step for r in range(workers))
+        base = np.arange(total, dtype=np.float32) % 64  # small integers: exact in float16 too
+        flat = (base * (world.rank + 1) + step).astype(np.float32)
+        summed = client.push_pull(flat).astype(np.float32)
+        expected = sum(base * (r + 1) + step for r in range(workers))
         errors.append(float(np.abs(summed - expected).max()))
     client.finish()
     owned = [len(client.layout.owned(s)) for s in range(len(world.servers))]
@@ -48,7 +49,9 @@ def worker(world, cfg, out: Path) -> dict:
 
 def main() -> None:
     mode, out, servers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    compression = sys.argv[4] if len(sys.argv) > 4 else "none"
     cfg = load_config(None, ["comm.topology=ps", f"ps.servers={servers}", "ps.chunk_kib=1",
+                             f"comm.compression={compression}",
                              "ps.timeout_s=3", f"log.dir={out}"], environ={})
     world = split(servers)
     if mode == "fail":

@@ -34,6 +34,7 @@ def test_chunks_cover_the_vector_once_and_spread_by_hash():
     (["comm.topology=ps", "ps.placement=colocated"], "ps.placement='colocated': not available"),
     (["comm.topology=ps", "elastic.enabled=true"], "comm.topology=ps: elastic mode cannot run"),
     (["comm.topology=ps", "comm.compression=topk"], "comm.compression='topk' with comm.topo"),
+    (["comm.topology=ps", "comm.compression=qsgd"], "comm.compression='qsgd' with comm.topo"),
     (["comm.topology=star"], "comm.topology='star': must be one of ring, ps"),
     (["ps.servers=0"], "ps.servers=0: must be >= 1"),
 ])
@@ -58,9 +59,10 @@ def records(out: Path, ranks: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.parametrize(("workers", "servers"), [(2, 1), (2, 2), (1, 1)])
-def test_servers_sum_every_chunk_and_import_no_framework(tmp_path, workers, servers):
-    proc = mpirun(workers + servers, "sum", str(tmp_path), str(servers))
+@pytest.mark.parametrize(("workers", "servers", "compression"),
+                         [(2, 1, "none"), (2, 2, "none"), (1, 1, "none"), (2, 2, "fp16")])
+def test_servers_sum_every_chunk_and_import_no_framework(tmp_path, workers, servers, compression):
+    proc = mpirun(workers + servers, "sum", str(tmp_path), str(servers), compression)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     got = records(tmp_path, workers + servers)
     assert [r["role"] for r in got] == ["worker"] * workers + ["server"] * servers
@@ -68,7 +70,7 @@ def test_servers_sum_every_chunk_and_import_no_framework(tmp_path, workers, serv
         assert record["modules"] == [], record  # not torch, tensorflow, keras nor horovod
     for record in got[:workers]:
         assert record["errors"] == [0.0, 0.0, 0.0]  # small integers: sums are exact
-        assert record["pushed"] == record["pulled"] == 1407 * 4
+        assert record["pushed"] == record["pulled"] == 1407 * (2 if compression == "fp16" else 4)
         assert sum(record["owned"]) == 6 and all(record["owned"])
     assert [r["served"] for r in got[workers:]] == [3] * servers
 
