@@ -39,6 +39,9 @@ def ps_launch(tmp_path_factory) -> Callable[[str, int, int], Launch]:
             out = tmp_path_factory.mktemp(f"ps-{framework}-{workers}w{servers}s")
             run = EQUIV.format(b=32 // workers, lr=0.1 / workers) + "," + PS.format(s=servers)
             runs = [f"ps:{run}"] + ([f"fp16:{run},comm.compression=fp16"] if servers == 1 else [])
+            if (workers, servers) == (2, 2):  # continue the 1-server run's step-100 checkpoint
+                saved = get(framework, 2, 1).out / "ps" / "checkpoints" / "step-00000100.ckpt"
+                runs.append(f"resumed:{run},checkpoint.resume={saved}")
             cache[key] = launch_worker(workers + servers, "mpi", framework, out, runs)
         return cache[key]
 
@@ -91,6 +94,16 @@ def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     for rank in (0, 1):
         _, record = launch.rank("ps", rank)
         assert record["summary"]["final"] == summary["final"]
+
+
+@FRAMEWORKS
+def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framework):
+    """With bsp the servers hold no state: a 1-server run's checkpoint continues on 2 servers to
+    the very parameters the 1-server run ended with."""
+    resumed, _ = ps_launch(framework, 2, 2).rank("resumed", 0)
+    whole, _ = ps_launch(framework, 2, 1).rank("ps", 0)
+    for key in whole:
+        assert np.array_equal(resumed[key], whole[key]), key
 
 
 @FRAMEWORKS
