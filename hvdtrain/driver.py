@@ -151,6 +151,8 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
     summary = {**summary, "hosts": [host for host, _, _ in placements],
                "net_namespaces": [netns for _, netns, _ in placements],
                "startup_s": [startup for _, _, startup in placements]}
+    if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
+        summary |= {"topology": "ps", "ps_servers": cfg.ps.servers}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)

@@ -84,6 +84,7 @@ def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     launch = ps_launch(framework, 2, 2)
     summary = launch.summary("ps")
     assert summary["world_size"] == 2  # the workers: servers are not in Horovod's world
+    assert summary["topology"] == "ps" and summary["ps_servers"] == 2
     assert summary["steps"] == 5 * 23 and summary["final"]["eval_accuracy"] > 0.9
     assert len(summary["hosts"]) == 2
     records = read_jsonl(launch.out / "ps" / "metrics.jsonl")
