@@ -38,7 +38,9 @@ def ps_launch(tmp_path_factory) -> Callable[[str, int, int], Launch]:
         if key not in cache:
             out = tmp_path_factory.mktemp(f"ps-{framework}-{workers}w{servers}s")
             run = EQUIV.format(b=32 // workers, lr=0.1 / workers) + "," + PS.format(s=servers)
-            runs = [f"ps:{run}"] + ([f"fp16:{run},comm.compression=fp16"] if servers == 1 else [])
+            runs = [f"ps:{run}"]
+            if (workers, servers) == (2, 1):
+                runs.append(f"fp16:{run},comm.compression=fp16")
             if (workers, servers) == (2, 2):  # continue the 1-server run's step-100 checkpoint
                 saved = get(framework, 2, 1).out / "ps" / "checkpoints" / "step-00000100.ckpt"
                 runs.append(f"resumed:{run},checkpoint.resume={saved}")
