@@ -124,7 +124,7 @@ def test_cli_servers_exit_zero_and_rank_zero_reports(tmp_path):
     proc = horovodrun(3, "mpi", [str(BIN / "hvdtrain"),
                                  "train", str(CONFIGS["torch"]), "train.epochs=1",
                                  f"log.dir={tmp_path}", "log.wandb=disabled",
-                                 "comm.topology=ps"], timeout=300)
+                                 "comm.topology=ps"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[hvdtrain] done: 23 steps on 2 rank(s)") == 1
 
@@ -132,7 +132,7 @@ def test_cli_servers_exit_zero_and_rank_zero_reports(tmp_path):
 def test_dedicated_servers_refuse_the_gloo_controller(tmp_path):
     proc = horovodrun(2, "gloo", [str(BIN / "hvdtrain"),
                                   "train", str(CONFIGS["torch"]), f"log.dir={tmp_path}",
-                                  "comm.topology=ps"], timeout=300)
+                                  "comm.topology=ps"], timeout=600)
     assert proc.returncode != 0
     assert ("hvdtrain: error: comm.topology=ps with ps.placement=dedicated needs MPI between "
             "workers and servers: launch with horovodrun --mpi") in proc.stderr
