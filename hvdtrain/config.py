@@ -175,9 +175,10 @@ class PSConfig:
     chunk_kib: int = _opt(4096, min=1)
     """The flat gradient travels in chunks of this many KiB (BytePS's partition: 4 MiB), each
     owned by one server picked by hashing its index, so pushes and pulls of chunks overlap."""
-    timeout_s: float = _opt(60.0, min=1.0, max=1e6)
+    timeout_s: float = _opt(300.0, min=1.0, max=1e6)
     """A worker that waits this long for a server's answer stops the job with an error naming that
-    server (dead or hung)."""
+    server (dead or hung). A server answers a step once every worker pushed it, so the wait also
+    covers the slowest worker's lag: keep it well above a step's time."""
 
 
 def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
