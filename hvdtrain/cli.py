@@ -94,7 +94,7 @@ def _train(args: argparse.Namespace) -> int:
     from hvdtrain.driver import train
 
     result = train(load_config(args.config, args.overrides))
-    if result.engine.rank == 0:
+    if result.engine is not None and result.engine.rank == 0:
         final = result.summary["final"]
         print(f"[hvdtrain] done: {result.summary['steps']} steps on {result.summary['world_size']} "
               f"rank(s), eval_accuracy={final.get('eval_accuracy', float('nan')):.4f}, "

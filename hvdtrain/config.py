@@ -164,6 +164,9 @@ class CommConfig:
     ``HOROVOD_CYCLE_TIME`` or ``horovodrun --cycle-time-ms`` already set is kept. Read once, when
     Horovod starts in the process. At most 1000 (a second between looks: every allreduce would wait
     that long)."""
+    topology: str = _opt("ring", choices=("ring", "ps"))
+    """How gradients travel: ``ring`` (Horovod's allreduce among all ranks) or ``ps`` (parameter
+    servers, configured in the ``ps`` section; see docs/parameter-servers.md)."""
 
     def __post_init__(self) -> None:
         # Checked here, before the choices, so that bf16 gets the reason rather than a list.
@@ -171,6 +174,57 @@ class CommConfig:
             raise ConfigError(BF16_REFUSED)
         if not self.ratio > 0.0:
             raise ConfigError(f"comm.ratio={self.ratio!r}: must be > 0 and <= 1")
+
+
+PS_PLACEMENTS = ("dedicated", "colocated")
+PS_CONSISTENCIES = ("bsp", "ssp", "asp")
+
+
+@dataclass(kw_only=True)
+class PSConfig:
+    """Parameter servers, used when ``comm.topology=ps`` (docs/parameter-servers.md)."""
+
+    servers: int = _opt(1, min=1)
+    """Server processes S. ``dedicated``: the last S ranks of the job serve and the others train,
+    so the job needs more than S ranks (launch with ``horovodrun --mpi`` or ``mpirun``)."""
+    placement: str = _opt("dedicated", choices=PS_PLACEMENTS)
+    """``dedicated``: server processes of their own, NumPy and mpi4py only, beside the workers;
+    ``colocated``: every worker serves a share of the parameters (not available yet)."""
+    consistency: str = _opt("bsp", choices=PS_CONSISTENCIES)
+    """``bsp``: every step waits for all workers; the servers sum the gradients and the workers
+    keep their own optimizers, so training equals the ring's. ``ssp`` (bounded staleness) and
+    ``asp`` (asynchronous) are not available yet."""
+    staleness: int = _opt(0, min=0)
+    """``ssp``: how many steps a worker may run ahead of the slowest (0 with ``bsp`` and ``asp``)."""
+    chunk_kib: int = _opt(4096, min=1)
+    """The flat gradient travels in chunks of this many KiB (BytePS's partition: 4 MiB), each
+    owned by one server picked by hashing its index, so pushes and pulls of chunks overlap."""
+    timeout_s: float = _opt(300.0, min=1.0, max=1e6)
+    """A worker that waits this long for a server's answer stops the job with an error naming that
+    server (dead or hung). A server answers a step once every worker pushed it, so the wait also
+    covers the slowest worker's lag: keep it well above a step's time."""
+
+
+def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
+    """The combinations of ``comm.topology=ps`` with the ``ps`` section and other sections that
+    cannot run, as one-line errors (what only the launch can tell, such as the controller and the
+    number of ranks, is checked by :mod:`hvdtrain.ps.world`)."""
+    if ps.staleness and ps.consistency != "ssp":
+        raise ConfigError(f"ps.staleness={ps.staleness}: only ps.consistency=ssp has a staleness "
+                          f"bound (ps.consistency={ps.consistency!r}); leave it 0")
+    if comm.topology != "ps":
+        return
+    if ps.consistency != "bsp":
+        raise ConfigError(f"ps.consistency={ps.consistency!r}: not available yet; use bsp")
+    if ps.placement != "dedicated":
+        raise ConfigError(f"ps.placement={ps.placement!r}: not available yet; use dedicated")
+    if elastic.enabled:
+        raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
+                          "(elastic Horovod needs Gloo, the servers need MPI); set "
+                          "elastic.enabled=false or comm.topology=ring")
+    if comm.compression not in ("none", "fp16"):
+        raise ConfigError(f"comm.compression={comm.compression!r} with comm.topology=ps: not "
+                          "available yet; use none or fp16")
 
 
 @dataclass(kw_only=True)
@@ -286,6 +340,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -294,6 +349,7 @@ class Config:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
         _check_update_rules(self)
+        check_ps(self.comm, self.ps, self.elastic)
 
     @property
     def run_dir(self) -> Path:
@@ -346,6 +402,9 @@ def _check_pipeline(cfg: Config) -> None:
         (cfg.framework == "torch" and cfg.comm.compression not in ("none", "fp16"),
          f"comm.compression={cfg.comm.compression!r} with {stages}: PyTorch pipeline stages "
          "exchange their gradients dense (none or fp16)"),
+        (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {stages}: "
+                                      "pipeline stages average within Horovod process sets; "
+                                      "parameter servers need pipeline.stages=1"),
     ]
     for bad, message in refused:
         if bad:

@@ -1,6 +1,9 @@
 """``train(cfg)``: the one run driver, from plug-in checks to ``summary.json``, elastic or not.
 
-Every rank calls it (under ``horovodrun``, ``srun`` or alone). The path is the same in both modes:
+Every rank calls it (under ``horovodrun``, ``srun`` or alone). With dedicated parameter servers
+(``comm.topology=ps``) the job's last ``ps.servers`` ranks serve instead (:func:`serve`), before
+any framework is imported; the other ranks train as below, among themselves. The path is the same
+in both modes:
 
 1. check the plug-ins, build the dataset and the engine (Horovod starts, nothing is written yet);
 2. rank 0 alone decides where the run starts (:func:`start_on_rank0`: the run directory, the
@@ -26,8 +29,9 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.loop import Callback, Position
+from hvdtrain.loop import Callback, Position, Stopped
 from hvdtrain.observe.watchdog import StallWatchdog
+from hvdtrain.ps.world import dedicated, end_job_at_exit, split
 from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
@@ -43,7 +47,8 @@ class TrainResult:
     run_dir: Path
     local_eval: dict[str, float]
     """This rank's own evaluation sums, before the cross-rank allreduce."""
-    engine: Engine
+    engine: Engine | None
+    """The engine that trained; None on a parameter server's rank, which trains nothing."""
 
 
 def make_dataset(cfg: Config) -> Dataset:
@@ -104,6 +109,23 @@ def train(cfg: Config, callbacks: Sequence[Callback] = (),
     ``engine_factory`` builds the engine (the configured framework's; the unit tests pass a
     framework-free one).
     """
+    if not dedicated(cfg):
+        return _train(cfg, callbacks, engine_factory)
+    world = split(cfg.ps.servers)  # before any framework is imported: servers import none
+    if world.is_server:
+        return serve(cfg)
+    try:
+        return _train(cfg, callbacks, engine_factory)
+    except Stopped:  # every worker stopped at the same step and told the servers
+        raise
+    except BaseException as exc:
+        end_job_at_exit(world, exc)
+        raise
+
+
+def _train(cfg: Config, callbacks: Sequence[Callback],
+           engine_factory: Callable[[Config, Dataset], Engine]) -> TrainResult:
+    """:func:`train` on a rank that trains."""
     DATASETS.check(cfg.data.name)
     MODELS[cfg.framework].check(cfg.model.name)
     run_dir = RunDir(cfg.run_dir)
@@ -117,19 +139,36 @@ def train(cfg: Config, callbacks: Sequence[Callback] = (),
                              before_exit=session.flush_metrics)
     try:
         with StopRequest() as stop, watchdog as dog:
-            summary = mode.run(stop, dog.beat)
+            try:
+                summary = mode.run(stop, dog.beat)
+            except Stopped:  # every rank stopped at the same step: the exchange ends cleanly
+                engine.finish()
+                raise
+            engine.finish()
     finally:
         session.close(summary)
     placements = engine.collectives.allgather_object((*placement(), session.startup_s))
     summary = {**summary, "hosts": [host for host, _, _ in placements],
                "net_namespaces": [netns for _, netns, _ in placements],
                "startup_s": [startup for _, _, startup in placements]}
+    if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
+        summary |= {"topology": "ps", "ps_servers": cfg.ps.servers}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)
     assert session.loop is not None
     return TrainResult(summary=summary, run_dir=run_dir.root, local_eval=session.loop.local_eval,
                        engine=engine)
+
+
+def serve(cfg: Config) -> TrainResult:
+    """A parameter server's part of the training (imports NumPy and mpi4py only): serves the
+    workers until they are done; a failure ends the whole job with a line naming this server."""
+    from hvdtrain.ps.server import run_server
+
+    steps = run_server(split(cfg.ps.servers))
+    return TrainResult(summary={"role": "server", "steps_served": steps}, run_dir=cfg.run_dir,
+                       local_eval={}, engine=None)
 
 
 def placement() -> tuple[str, str]:

@@ -179,6 +179,10 @@ class Engine(Step, StateIO):
         """Follows a new world (elastic mode): this rank's place, the world size, and the
         micro-batches each rank accumulates before its gradients are exchanged."""
 
+    def finish(self) -> None:
+        """After the training's last step (or a requested stop), on every rank: ends the gradient
+        exchange (parameter servers' workers tell the servers they are done). No-op here."""
+
     @abc.abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:
         """The model's parameters by name, as NumPy arrays (for checks and tests)."""

@@ -11,6 +11,9 @@ the config (:func:`exchange_kind`); each framework package builds it (``exchange
   (:attr:`GradientExchange.fusable`).
 - ``compressing``: a method's framework-free plan (:mod:`hvdtrain.compression.exchange`) run with
   the framework's kernels and Horovod's collectives, once per step after the micro-batches.
+- ``ps`` (``comm.topology=ps``): the flat gradient pushed to parameter servers and its sum pulled
+  back (:mod:`hvdtrain.ps.exchange`; ``ps.py`` in each framework package), averaging over the
+  workers.
 
 The interface leaves room for what moves gradients differently: a parameter server's push and
 pull, or a pipeline stage's allreduce within its Horovod process set, are further kinds with the
@@ -30,9 +33,12 @@ import numpy as np
 from hvdtrain.compression import PLANS
 
 
-def exchange_kind(compression: str) -> str:
-    """The exchange that ``comm.compression`` needs: ``dense`` when the method's plan sends every
-    tensor dense (Horovod's own allreduce carries it), else ``compressing``."""
+def exchange_kind(compression: str, topology: str = "ring") -> str:
+    """The exchange that ``comm.compression`` and ``comm.topology`` need: ``ps`` for parameter
+    servers; on the ring ``dense`` when the method's plan sends every tensor dense (Horovod's own
+    allreduce carries it), else ``compressing``."""
+    if topology == "ps":
+        return "ps"
     return "dense" if PLANS.get(compression).dense else "compressing"
 
 
@@ -100,3 +106,7 @@ class GradientExchange(abc.ABC):
 
     def broadcast(self, root_rank: int = 0) -> None:
         """Gives every rank the root's state, re-sharded to the current world (a collective)."""
+
+    def finish(self) -> None:
+        """After a training's last step, on every rank (a parameter server's workers tell the
+        servers they are done)."""

@@ -29,7 +29,8 @@ def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.
     return environ.get("HOROVOD_CYCLE_TIME", "1")
 
 
-def start_horovod(hvd: Any, configured_ms: float, process_sets: bool = False) -> str:
+def start_horovod(hvd: Any, configured_ms: float, process_sets: bool = False,
+                  comm: Any = None) -> str:
     """Starts Horovod (``hvd``: ``horovod.torch`` or ``horovod.tensorflow``) with the cycle time
     of :func:`set_cycle_time`; returns the cycle time in force. Horovod starts once per process
     and reads its settings then: where it already runs (a second training in one process),
@@ -38,13 +39,21 @@ def start_horovod(hvd: Any, configured_ms: float, process_sets: bool = False) ->
     ``process_sets``: start with dynamic process sets (``hvd.add_process_set`` after the start;
     pipeline stages average their gradients in one each, and their ranks are known only once
     Horovod runs). Where Horovod already runs without them, that is an error.
+
+    ``comm``: an mpi4py communicator to start on (``hvd.init(comm=...)``), the workers' where
+    parameter servers hold the job's last ranks (:func:`hvdtrain.ps.world.horovod_comm`); None
+    for Horovod's own world. A Horovod already running on another world is refused.
     """
     if not hvd.is_initialized():
         set_cycle_time(configured_ms)
-        hvd.init(process_sets="dynamic" if process_sets else None)
+        hvd.init(comm=comm, process_sets="dynamic" if process_sets else None)
     elif process_sets and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
         raise HvdtrainError("Horovod already runs in this process without process sets, which "
                             "pipeline stages need: train with pipeline stages in a new process")
+    elif comm is not None and hvd.size() != comm.Get_size():
+        raise HvdtrainError(f"Horovod already runs on {hvd.size()} rank(s) in this process; "
+                            f"the parameter servers' workers are {comm.Get_size()}: one process "
+                            "cannot train on both")
     return os.environ.get("HOROVOD_CYCLE_TIME", "1")
 
 

@@ -17,8 +17,14 @@ from typing import Any
 
 from hvdtrain.observe.system import SystemSampler
 
-STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes")
-"""What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional)."""
+STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes",
+             "push_bytes", "pull_bytes")
+"""What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional;
+``push_bytes`` and ``pull_bytes``: to and from parameter servers, the two parts of
+``wire_bytes``)."""
+DIRECTIONS = ("push_bytes", "pull_bytes")
+"""Per-direction byte counts: in a record only where an exchange reported them (parameter
+servers)."""
 
 TIME_NAMES = {"data_s": "data_wait_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s",
               "compress_s": "compress_time_s"}
@@ -139,6 +145,7 @@ class Monitor:
                           dense_bytes=stats["dense_bytes"] / per_step)
             if stats["wire_bytes"] > 0:
                 record["compression_ratio"] = stats["dense_bytes"] / stats["wire_bytes"]
+            record.update({k: stats[k] / per_step for k in DIRECTIONS if stats[k] > 0})
             for key in self.totals:
                 self.totals[key] += stats[key]
         record.update(self._step_times(pop_ranks(sums, f"{PREFIX}step", self.size), step))

@@ -31,6 +31,7 @@ from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
+from hvdtrain.ps.world import horovod_comm, ps_settings
 from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import rng, syncbn
@@ -85,7 +86,8 @@ class TensorFlowEngine(Engine):
         # state (and, on resume, a restored one) be broadcast before the first step.
         self.optimizer.build(self.model.trainable_variables)
         self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
-                                      [v.shape for v in self.model.trainable_variables])
+                                      [v.shape for v in self.model.trainable_variables],
+                                      ps=ps_settings(cfg))
         self.stats: dict[str, float] = {}
         self.accumulation = cfg.train.backward_passes_per_step
         self.kernels = TensorFlowKernels(
@@ -105,7 +107,8 @@ class TensorFlowEngine(Engine):
             ClassifierAdapter)
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms,
-                                           process_sets=cfg.pipeline.stages > 1)
+                                           process_sets=cfg.pipeline.stages > 1,
+                                           comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         _set_threads(compute_threads(cfg.train.threads, self.local_size))
@@ -138,6 +141,9 @@ class TensorFlowEngine(Engine):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.accumulation = accumulation
         self._follow_world()
+
+    def finish(self) -> None:
+        self.exchange.finish()
 
     def fork_rng(self, seed: int, step: int) -> None:
         rng.fork(seed, self.rank, step)

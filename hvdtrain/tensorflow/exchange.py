@@ -17,8 +17,11 @@ import tensorflow as tf
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.config import PSConfig
 from hvdtrain.exchange import GradientExchange, exchange_kind
+from hvdtrain.ps.exchange import make_client
 from hvdtrain.tensorflow.compression import DTYPES, CompressingExchange, make_compressing
+from hvdtrain.tensorflow.ps import TensorFlowPSExchange
 
 
 class DenseAllreduce(CompressingExchange):
@@ -41,9 +44,14 @@ class DenseAllreduce(CompressingExchange):
 
 
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                  shapes: Sequence[Sequence[int]]) -> GradientExchange:
+                  shapes: Sequence[Sequence[int]], ps: PSConfig | None = None
+                  ) -> GradientExchange:
     """The run's exchange over gradients of these shapes (the model's order), of the kind
-    :func:`hvdtrain.exchange.exchange_kind` picks."""
+    :func:`hvdtrain.exchange.exchange_kind` picks; ``ps``: the parameter servers' settings
+    where ``comm.topology=ps``."""
+    if ps is not None:
+        client = make_client(ps, comm.compression, shapes)
+        return TensorFlowPSExchange(client, rank, size, shapes)
     if exchange_kind(comm.compression) == "dense":
         return DenseAllreduce(make_plan(comm, seed, shapes), rank, size)
     return make_compressing(comm, seed, rank, size, shapes)

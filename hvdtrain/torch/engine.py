@@ -25,6 +25,7 @@ from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
+from hvdtrain.ps.world import horovod_comm, ps_settings
 from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
@@ -78,7 +79,7 @@ class TorchEngine(Engine):
             MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
             ClassifierAdapter)
         kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms)
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
@@ -106,7 +107,8 @@ class TorchEngine(Engine):
     def _make_optimizer(self, cfg: Config) -> None:
         self.exchange, self.optimizer = make_exchange(
             cfg.comm, cfg.seed, self.rank, self.size, self.model,
-            make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step)
+            make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step,
+            ps=ps_settings(cfg))
         self.precision.attach(self.optimizer)
         self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data,
                                     self.precision)
@@ -126,6 +128,9 @@ class TorchEngine(Engine):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.accumulation = accumulation
         self.exchange.resize(rank, size, accumulation)
+
+    def finish(self) -> None:
+        self.exchange.finish()
 
     def fork_rng(self, seed: int, step: int) -> None:
         rng.fork(seed, self.rank, step)

@@ -18,9 +18,12 @@ import torch
 
 from hvdtrain.compression import PLANS
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.config import PSConfig
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
+from hvdtrain.ps.exchange import make_client
 from hvdtrain.torch.collectives import any_rank
 from hvdtrain.torch.compression import CompressingExchange, make_compressing, optimizer_settings, plain_sgd
+from hvdtrain.torch.ps import TorchPSExchange
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
@@ -82,15 +85,20 @@ class DenseAllreduce(GradientExchange):
 
 
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, accumulation: int
-                  ) -> tuple[GradientExchange, torch.optim.Optimizer]:
+                  optimizer: torch.optim.Optimizer, accumulation: int,
+                  ps: PSConfig | None = None) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
     optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
-    compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam)."""
+    compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam).
+    ``ps``: the parameter servers' settings where ``comm.topology=ps``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if ps is not None:
+        shapes = [p.shape for p in params]
+        client = make_client(ps, comm.compression, shapes)
+        return TorchPSExchange(client, rank, size, shapes), optimizer
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
         return dense, dense.optimizer
-    params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer_settings(optimizer)
     compressing: CompressingExchange = make_compressing(comm, seed, rank, size, params, opt)
     if compressing.rule.updates and opt is not None:

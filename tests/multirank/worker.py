@@ -24,6 +24,8 @@ def main() -> None:
         cfg = load_config(config, [f"log.dir={run_dir}", "log.overwrite=true", "name=" + name,
                                    "log.wandb=disabled", *filter(None, overrides.split(","))])
         result = train(cfg)
+        if result.engine is None:  # a parameter server's rank: it trains nothing
+            continue
         rank = result.engine.rank
         run_dir.mkdir(parents=True, exist_ok=True)
         np.savez(run_dir / f"rank{rank}.npz", **result.engine.parameters())

@@ -224,3 +224,9 @@ def test_a_checkpoint_of_another_model_does_not_fit():
     assert "not of one group" in misfit(all_keys, {"state": {}, "param_groups": []}, all_keys,
                                         all_params)
     assert misfit(all_keys, optimizer, all_keys, all_params) is None
+
+
+def test_parameter_servers_are_refused_with_pipeline_stages():
+    with pytest.raises(ConfigError, match=r"comm.topology='ps' with pipeline.stages=2: .*need "
+                                          r"pipeline.stages=1"):
+        load_config(None, ["pipeline.stages=2", "comm.topology=ps"], environ={})

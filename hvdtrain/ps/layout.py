@@ -1,0 +1,50 @@
+"""Which server owns which part of the flat gradient: fixed-size chunks spread by hash.
+
+The model's gradients, flattened and concatenated in model order, form one float32 vector of
+``total`` elements. It is cut into chunks of ``chunk`` elements (the last one shorter); chunk ``c``
+belongs to server ``hash(c) mod S``. Hashing rather than striping is BytePS's choice: the owner of
+a key does not depend on its neighbours, so a key keeps its server when the model grows.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+
+def owner(chunk: int, servers: int) -> int:
+    """The server (0 .. ``servers`` - 1) that owns chunk ``chunk``: CRC-32 of its index, the same
+    in every process (Python's own ``hash`` of an int is the int itself: striping)."""
+    return zlib.crc32(chunk.to_bytes(8, "little")) % servers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The chunks of a flat vector of ``total`` elements and their servers."""
+
+    total: int
+    chunk: int
+    servers: int
+
+    @property
+    def count(self) -> int:
+        """The number of chunks (one, empty, for an empty vector)."""
+        return max(1, -(-self.total // self.chunk))
+
+    def bounds(self, index: int) -> tuple[int, int]:
+        """The [start, stop) elements of chunk ``index``."""
+        start = index * self.chunk
+        return start, min(start + self.chunk, self.total)
+
+    def owned(self, server: int) -> list[int]:
+        """The chunks server ``server`` owns, ascending: the order their messages travel in."""
+        return [c for c in range(self.count) if owner(c, self.servers) == server]
+
+    def elements(self, server: int) -> int:
+        """How many elements server ``server`` holds."""
+        return sum(stop - start for start, stop in map(self.bounds, self.owned(server)))
+
+
+def chunk_elements(chunk_kib: int) -> int:
+    """Float32 elements in a chunk of ``chunk_kib`` KiB."""
+    return max(1, chunk_kib * 1024 // 4)

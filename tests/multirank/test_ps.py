@@ -1,0 +1,138 @@
+"""Parameter servers (``comm.topology=ps``, dedicated, ``bsp``) under ``horovodrun --mpi``: the
+servers sum, the workers keep their optimizers, so training equals the ring's.
+
+Per framework, three launches of the equivalence run of test_engines.py (5 epochs, 2
+micro-batches per step): 2 workers + 1 server (-np 3), 2 workers + 2 servers (-np 4, the 9,610
+parameters of the MLP in 8 KiB chunks: 5 chunks, 2 on one server and 3 on the other), and
+1 worker + 1 server at twice the batch (-np 2). They are compared with the ring's runs of the same
+workers, which test_engines.py launches anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.conftest import BIN, assert_accuracy_near, assert_loss_near, horovodrun, read_jsonl
+from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
+
+FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+PS = "comm.topology=ps,ps.servers={s},ps.chunk_kib=8"
+PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
+"""The digits MLP's parameters (hidden layer of 128)."""
+TOLERANCE = 1e-5
+"""As test_engines.py's -np 2 against -np 1: float32 rounding compounded over 115 steps (the ps
+sums may add in another order than the ring), where one step more or less moves 1e-3 to 1e-2."""
+
+
+@pytest.fixture(scope="session")
+def ps_launch(tmp_path_factory) -> Callable[[str, int, int], Launch]:
+    """``ps_launch(framework, workers, servers)``: the equivalence run with ``servers`` dedicated
+    servers after ``workers`` workers (batch 32 / workers), launched once and shared."""
+    cache: dict[tuple[str, int, int], Launch] = {}
+
+    def get(framework: str, workers: int, servers: int) -> Launch:
+        key = (framework, workers, servers)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ps-{framework}-{workers}w{servers}s")
+            run = EQUIV.format(b=32 // workers, lr=0.1 / workers) + "," + PS.format(s=servers)
+            runs = [f"ps:{run}"]
+            if (workers, servers) == (2, 1):
+                runs.append(f"fp16:{run},comm.compression=fp16")
+            if (workers, servers) == (2, 2):  # continue the 1-server run's step-100 checkpoint
+                saved = get(framework, 2, 1).out / "ps" / "checkpoints" / "step-00000100.ckpt"
+                runs.append(f"resumed:{run},checkpoint.resume={saved}")
+            cache[key] = launch_worker(workers + servers, "mpi", framework, out, runs)
+        return cache[key]
+
+    return get
+
+
+def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str,
+                atol: float = TOLERANCE) -> None:
+    assert got.keys() == want.keys() and len(got) == 4, what
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=f"{what}: {key}")
+
+
+@FRAMEWORKS
+@pytest.mark.parametrize("servers", [1, 2])
+def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
+    launch = ps_launch(framework, 2, servers)
+    p0, _ = launch.rank("ps", 0)
+    p1, _ = launch.rank("ps", 1)
+    for key in p0:  # every worker pulls the same sums: the same bits
+        assert np.array_equal(p0[key], p1[key]), key
+    ring, _ = two_ranks(framework, "mpi").rank("equiv", 0)
+    assert_same(p0, ring, f"{servers} server(s) against the ring")
+    assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
+
+
+@FRAMEWORKS
+def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
+    """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
+    1 server, and the latter against one rank with no server at all."""
+    one, _ = ps_launch(framework, 1, 1).rank("ps", 0)
+    two, _ = ps_launch(framework, 2, 1).rank("ps", 0)
+    assert_same(two, one, "2 workers against 1 worker")
+    alone, _ = one_rank_equiv(framework).rank("one", 0)
+    assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
+
+
+@FRAMEWORKS
+def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
+    launch = ps_launch(framework, 2, 2)
+    summary = launch.summary("ps")
+    assert summary["world_size"] == 2  # the workers: servers are not in Horovod's world
+    assert summary["topology"] == "ps" and summary["ps_servers"] == 2
+    assert summary["steps"] == 5 * 23 and summary["final"]["eval_accuracy"] > 0.9
+    assert len(summary["hosts"]) == 2
+    records = read_jsonl(launch.out / "ps" / "metrics.jsonl")
+    # Per step and worker: the whole float32 gradient pushed, and its sum pulled.
+    logged = [r for r in records if "wire_bytes" in r]
+    assert logged and {r["wire_bytes"] for r in logged} == {2 * 4 * PARAMETERS}
+    assert {(r["push_bytes"], r["pull_bytes"]) for r in logged} == {(4 * PARAMETERS,) * 2}
+    for rank in (0, 1):
+        _, record = launch.rank("ps", rank)
+        assert record["summary"]["final"] == summary["final"]
+
+
+@FRAMEWORKS
+def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framework):
+    """With bsp the servers hold no state: a 1-server run's checkpoint continues on 2 servers to
+    the very parameters the 1-server run ended with."""
+    resumed, _ = ps_launch(framework, 2, 2).rank("resumed", 0)
+    whole, _ = ps_launch(framework, 2, 1).rank("ps", 0)
+    for key in whole:
+        assert np.array_equal(resumed[key], whole[key]), key
+
+
+@FRAMEWORKS
+def test_fp16_on_the_wire_halves_the_bytes_and_stays_near(ps_launch, framework):
+    launch = ps_launch(framework, 2, 1)
+    fp16, fp32 = launch.summary("fp16")["final"], launch.summary("ps")["final"]
+    assert_accuracy_near(fp16["eval_accuracy"], fp32["eval_accuracy"], "ps with fp16")
+    assert_loss_near(fp16["eval_loss"], fp32["eval_loss"], "ps with fp16")
+    logged = [r for r in read_jsonl(launch.out / "fp16" / "metrics.jsonl") if "wire_bytes" in r]
+    assert logged and {(r["push_bytes"], r["pull_bytes"]) for r in logged} == {(2 * PARAMETERS,) * 2}
+    assert {r["compression_ratio"] for r in logged} == {2.0}
+
+
+def test_cli_servers_exit_zero_and_rank_zero_reports(tmp_path):
+    proc = horovodrun(3, "mpi", [str(BIN / "hvdtrain"),
+                                 "train", str(CONFIGS["torch"]), "train.epochs=1",
+                                 f"log.dir={tmp_path}", "log.wandb=disabled",
+                                 "comm.topology=ps"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[hvdtrain] done: 23 steps on 2 rank(s)") == 1
+
+
+def test_dedicated_servers_refuse_the_gloo_controller(tmp_path):
+    proc = horovodrun(2, "gloo", [str(BIN / "hvdtrain"),
+                                  "train", str(CONFIGS["torch"]), f"log.dir={tmp_path}",
+                                  "comm.topology=ps"], timeout=600)
+    assert proc.returncode != 0
+    assert ("hvdtrain: error: comm.topology=ps with ps.placement=dedicated needs MPI between "
+            "workers and servers: launch with horovodrun --mpi") in proc.stderr
