@@ -71,18 +71,11 @@ class TorchEngine(Engine):
     """Trains a ``torch.nn.Module`` on Horovod; see :class:`hvdtrain.engine.Engine`."""
 
     framework = "torch"
+    collectives: TorchCollectives
+    adapter: ModelAdapter
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
-        self.seed = cfg.seed
-        self.collectives = TorchCollectives()
-        self.adapter: ModelAdapter = make_adapter(
-            MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
-            ClassifierAdapter)
-        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, comm=horovod_comm(cfg))
-        self.rank, self.size = hvd.rank(), hvd.size()
-        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
+        kind = self._start(cfg)
         torch.manual_seed(cfg.seed + self.rank)
         self.model = self._build(cfg, dataset)
         self.device = place(kind, self.local_rank, self.local_size)
@@ -98,6 +91,21 @@ class TorchEngine(Engine):
         self._make_optimizer(cfg)
         self.model.train()  # evaluate() switches to eval mode and back
 
+    def _start(self, cfg: Config, process_sets: bool = False) -> str:
+        """The adapter, Horovod and the compute threads: what every torch engine sets up before
+        its model (the pipeline's too, with ``process_sets``). Returns the device kind."""
+        self.seed = cfg.seed
+        self.collectives = TorchCollectives()
+        self.adapter = make_adapter(
+            MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
+            ClassifierAdapter)
+        kind = resolve(cfg.train.device)  # before Horovod starts: a wrong train.device stops here
+        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, process_sets=process_sets,
+                                           comm=horovod_comm(cfg))
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
+        return kind
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
         model = self.adapter.build(dataset.spec())
         if not isinstance(model, torch.nn.Module):

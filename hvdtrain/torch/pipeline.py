@@ -29,25 +29,20 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.config import Config
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.horovod_start import compute_threads, start_horovod
 from hvdtrain.pipeline import SCHEDULES, Layout, Schedule, layer_names, stage_bounds
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.state import layer_of, merge_parts, misfit, select_part
-from hvdtrain.registry import MODELS
 from hvdtrain.step import StepKernels, add_batch_sums, train_step
 from hvdtrain.torch import rng
-from hvdtrain.torch.collectives import TorchCollectives
 from hvdtrain.torch.data import TorchLoader
-from hvdtrain.torch.device import place, resolve
+from hvdtrain.torch.device import place
 from hvdtrain.torch.engine import TorchEngine, make_optimizer, read_state
-from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.stages import (
     StageAllreduce,
@@ -156,17 +151,8 @@ class PipelineEngine(TorchEngine):
     copy; see the module docstring. ``data_rank``/``data_size`` are the copy and the copies."""
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
-        self.seed = cfg.seed
-        self.collectives = TorchCollectives()
-        self.adapter: ModelAdapter = make_adapter(
-            MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
-            ClassifierAdapter)
-        kind = resolve(cfg.train.device)
-        self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, process_sets=True)
-        self.rank, self.size = hvd.rank(), hvd.size()
-        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        kind = self._start(cfg, process_sets=True)
         self._place(cfg)
-        torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         self.device = place(kind, self.local_rank, self.local_size)
         start_torch_distributed(self.collectives, self.device, cfg.train.stall_timeout_s)
         self.group = pipeline_groups(self.layout, self.rank)
