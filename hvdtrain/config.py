@@ -139,8 +139,8 @@ class CommConfig:
     """``topk`` and ``randomk`` with SGD momentum (PyTorch only): Deep Gradient Compression's
     momentum correction. The residual accumulates each rank's velocity, not its gradient, and the
     exchange applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``).
-    Off by default: it has not yet measured better than plain error feedback
-    (docs/benchmarks.md)."""
+    Off by default: its gain so far is single simulated seeds (docs/benchmarks.md), and
+    TensorFlow does not run it."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
     momentum factor masking). Off by default: it cost accuracy on the MNIST-1D CNN
