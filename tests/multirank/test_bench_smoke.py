@@ -140,9 +140,12 @@ def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
     run_driver(doc, "checkpoint.py", "--hidden", "64")
     run_driver(doc, "elastic_recovery.py", "--frameworks", "torch")
     (compression_tables, checkpoint_tables, recovery_tables) = sections(doc).values()
-    rows = {row[0]: row for row in compression_tables[0][1:]}
-    assert set(rows) == {"torch digits none", "torch digits topk", "torch digits powersgd"}
-    assert rows["torch digits none"][5] == "1.0" and float(rows["torch digits topk"][5]) > 10
+    losses, per_method = compression_tables[0], compression_tables[1]
+    assert [row[0] for row in losses[1:]] == ["torch digits sgd topk", "torch digits sgd powersgd"]
+    rows = {row[0]: row for row in per_method[1:]}
+    assert set(rows) == {"torch digits sgd none", "torch digits sgd topk",
+                         "torch digits sgd powersgd"}
+    assert rows["torch digits sgd none"][5] == "1.0" and float(rows["torch digits sgd topk"][5]) > 10
     assert len(checkpoint_tables[0]) == 5 and checkpoint_tables[0][1][5] == "1.000"
     assert [row[0] for row in recovery_tables[0][1:]] == ["torch"]
 
