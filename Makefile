@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export HOROVOD_TESTS
 
-.PHONY: setup demo lint test test-unit test-horovod bench clean
+.PHONY: setup demo lint test test-long test-unit test-horovod bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -37,10 +37,20 @@ test: setup lint
 	bash scripts/slurm_local.sh start && \
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
 	$(BIN)/python -m pytest tests/unit && \
-	$(BIN)/python -m pytest --durations=15 tests --ignore=tests/unit --ignore=tests/tensorflow \
-		--ignore=tests/horovod && \
-	$(BIN)/python -m pytest tests/tensorflow && \
+	$(BIN)/python -m pytest -m "not long" --durations=15 tests --ignore=tests/unit \
+		--ignore=tests/tensorflow --ignore=tests/horovod && \
+	$(BIN)/python -m pytest -m "not long" tests/tensorflow && \
 	$(BIN)/python -m pytest -rs tests/horovod
+
+# The cases marked `long`: the rest of exhaustive matrices (each schedule under each controller, ...)
+# whose representative case runs in `make test`, which they would take well past 30 minutes.
+# They need no cluster: all are multi-rank runs on this machine. pytest exits 5 when a folder has
+# none selected, which is not a failure here.
+test-long: setup
+	status=0; \
+	$(BIN)/python -m pytest -m long --durations=15 tests/multirank || [ $$? -eq 5 ] || status=1; \
+	$(BIN)/python -m pytest -m long tests/tensorflow || [ $$? -eq 5 ] || status=1; \
+	exit $$status
 
 # Horovod's own parallel suites (torch, TensorFlow; Gloo and MPI; 2 ranks) against the installed
 # build, with a table per suite and controller. HOROVOD_TESTS: a folder with v0.28.1's test/
