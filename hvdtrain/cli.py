@@ -89,15 +89,23 @@ def _data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _headline(final: dict[str, float]) -> str:
+    """The final evaluation's figure that says how good the model is: a classifier's accuracy, a
+    language model's perplexity, else the loss (``nan`` when the run never evaluated)."""
+    for key in ("eval_accuracy", "eval_perplexity", "eval_loss"):
+        if key in final:
+            return f"{key}={final[key]:.4f}"
+    return "eval_loss=nan"
+
+
 def _train(args: argparse.Namespace) -> int:
     from hvdtrain.config import load_config
     from hvdtrain.driver import train
 
     result = train(load_config(args.config, args.overrides))
     if result.engine is not None and result.engine.rank == 0:
-        final = result.summary["final"]
         print(f"[hvdtrain] done: {result.summary['steps']} steps on {result.summary['world_size']} "
-              f"rank(s), eval_accuracy={final.get('eval_accuracy', float('nan')):.4f}, "
+              f"rank(s), {_headline(result.summary['final'])}, "
               f"{result.summary['samples_per_sec']:.0f} samples/s; outputs in {result.run_dir}")
         print(json.dumps(result.summary, indent=2, sort_keys=True))
     return 0

@@ -129,7 +129,10 @@ class ConsoleSink(Sink):
     last record of an epoch, which holds the evaluation, stays on its own line.
     """
 
-    KEYS = ("loss", "accuracy", "eval_loss", "eval_accuracy", "lr", "samples_per_sec")
+    # The language models report perplexity where the classifiers report accuracy.
+    TRAIN_KEYS = ("loss", "accuracy", "perplexity")
+    EVAL_KEYS = ("eval_loss", "eval_accuracy", "eval_perplexity")
+    KEYS = TRAIN_KEYS + EVAL_KEYS + ("lr", "samples_per_sec")
     BAR = 24
 
     def __init__(self, total_steps: int, stream: TextIO | None = None, *, epochs: int = 0,
@@ -153,8 +156,7 @@ class ConsoleSink(Sink):
             return
         line = self.bar_line(record)
         if has_eval(record):
-            evals = " ".join(_fmt(k, record[k]) for k in ("eval_loss", "eval_accuracy")
-                             if k in record)
+            evals = " ".join(_fmt(k, record[k]) for k in self.EVAL_KEYS if k in record)
             self._stream.write(f"{line} {evals}".ljust(self._drawn) + "\n")
             self._drawn = 0
         else:
@@ -172,7 +174,7 @@ class ConsoleSink(Sink):
         parts = [f"[hvdtrain] epoch {record['epoch'] + 1}{epochs}",
                  f"|{'#' * filled}{'-' * (self.BAR - filled)}|",
                  f"{step:>{self._width}}/{self._total}", f"ETA {_clock(eta)}"]
-        parts += [_fmt(k, record[k]) for k in ("loss", "accuracy") if k in record]
+        parts += [_fmt(k, record[k]) for k in self.TRAIN_KEYS if k in record]
         if "samples_per_sec" in record:
             parts.append(f"{record['samples_per_sec']:.0f} samples/s")
         return " ".join(parts)

@@ -132,6 +132,15 @@ def test_the_progress_bar_redraws_one_line_and_keeps_the_epoch_end():
     assert out.getvalue().endswith("\r\n")  # closing leaves the cursor on a fresh line
 
 
+def test_the_console_shows_a_language_models_perplexity_where_a_classifier_shows_accuracy():
+    out = io.StringIO()
+    sink = ConsoleSink(100, out)
+    sink.log({"step": 50, "epoch": 0, "loss": 2.0, "perplexity": 7.389, "eval_loss": 2.5,
+              "eval_perplexity": 12.18})
+    assert out.getvalue() == ("[hvdtrain] epoch 0 step  50/100 loss=2.0000 perplexity=7.3890 "
+                              "eval_loss=2.5000 eval_perplexity=12.1800\n")
+
+
 def test_a_throttled_sink_gets_a_record_per_interval_and_never_misses_evaluations_events_or_the_end():
     out = io.StringIO()
     console = ConsoleSink(100, out)
