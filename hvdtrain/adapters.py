@@ -31,8 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hvdtrain.data import tree
-from hvdtrain.data.contracts import DatasetSpec
+from hvdtrain.data.contracts import ArraySpec, DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
 
@@ -139,11 +141,13 @@ def make_adapter(obj: Any, options: dict[str, Any], name: str,
 
 def classes_and_shape(spec: DatasetSpec, model: str) -> tuple[int, tuple[int, ...]]:
     """The number of classes and the input shape of a classification dataset, for a built-in
-    classifier; raises for data that is not classification (several input arrays, no classes)."""
-    if spec.num_classes is None or spec.input_shape is None:
+    classifier; raises for data that is not classification (several input arrays, inputs that are
+    not real numbers such as token ids, no classes)."""
+    floating = isinstance(spec.inputs, ArraySpec) and np.dtype(spec.inputs.dtype).kind == "f"
+    if spec.num_classes is None or spec.input_shape is None or not floating:
         raise HvdtrainError(
-            f"model {model} is a classifier: it needs one input array and num_classes; the dataset "
-            f"gives inputs {tree.describe(spec.inputs)} and "
+            f"model {model} is a classifier: it needs one float input array and num_classes; the "
+            f"dataset gives inputs {tree.describe(spec.inputs)} and "
             f"{'no num_classes' if spec.num_classes is None else f'{spec.num_classes} classes'} "
             f"(write a ModelAdapter for this data)")
     return spec.num_classes, tuple(int(d) for d in spec.input_shape)

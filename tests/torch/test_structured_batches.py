@@ -138,6 +138,6 @@ def test_items_that_cannot_make_one_batch_are_named():
 
 
 def test_a_built_in_classifier_on_token_data_says_what_it_needs(tmp_path):
-    with pytest.raises(HvdtrainError, match=r"model mlp is a classifier: it needs one input array "
+    with pytest.raises(HvdtrainError, match=r"model mlp is a classifier: it needs one float input array "
                        r"and num_classes; the dataset gives inputs int64\[8\] and no num_classes"):
         run(tmp_path, "NextTokens", "TokenModel", "model.name=mlp")

@@ -41,10 +41,13 @@ def test_a_spec_of_any_structure_says_what_a_model_needs_without_classes():
     assert DatasetSpec.of(language_split(4)) == spec
     single = DatasetSpec(inputs=ArraySpec((T,), "int64"), targets=None)
     assert single.input_shape == (T,) and single.targets is None
-    with pytest.raises(HvdtrainError, match=r"model mlp is a classifier: it needs one input array "
+    with pytest.raises(HvdtrainError, match=r"model mlp is a classifier: it needs one float input array "
                        r"and num_classes; the dataset gives inputs \{'mask': bool\[5\], "
                        r"'tokens': int64\[5\]\} and no num_classes"):
         classes_and_shape(spec, "mlp")
+    tokens = DatasetSpec(inputs=ArraySpec((T,), "int64"), num_classes=256)  # a text corpus
+    with pytest.raises(HvdtrainError, match=r"the dataset gives inputs int64\[5\] and 256 classes"):
+        classes_and_shape(tokens, "mlp")
 
 
 @pytest.mark.parametrize("fields, message", [
