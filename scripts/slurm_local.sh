@@ -205,8 +205,10 @@ SlurmdPidFile=$NODES_SPOOL/%n/slurmd.pid
 SlurmctldLogFile=$NODES_SPOOL/log/slurmctld.log
 SlurmdLogFile=$NODES_SPOOL/%n/slurmd.log
 EOF
+        # Two CPUs a node (the machine's cores, which the nodes share): room for two tasks on each,
+        # as a 2 stages x 2 copies pipeline job on two nodes needs.
         for k in $(seq "$n"); do
-            echo "NodeName=node$k NodeAddr=10.77.0.$((10 + k)) NodeHostname=node$k CPUs=1 State=UNKNOWN"
+            echo "NodeName=node$k NodeAddr=10.77.0.$((10 + k)) NodeHostname=node$k CPUs=2 State=UNKNOWN"
         done
         echo "PartitionName=nodes Nodes=node[1-$n] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
     } >"$NODES_CONF.new"

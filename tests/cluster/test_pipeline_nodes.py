@@ -1,0 +1,58 @@
+"""Pipeline stages across hosts: a 2-stage pipeline with its stages on two namespace nodes
+(``horovodrun -H node1:1,node2:1``: every micro-batch's activations and gradients cross the link,
+through the ``torch.distributed`` rendezvous rank 0 hands out), and a 2 stages x 2 copies job on two
+nodes under Slurm (each node one pipeline copy; each stage's Horovod average crosses the link).
+Both train as the same job on one host does."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster.conftest import (
+    HOSTS,
+    NODES,
+    check_on_two_nodes,
+    horovodrun,
+    job_field,
+    job_log,
+    submit,
+    summary,
+    train_argv,
+    wait_state,
+)
+from tests.conftest import run_env
+
+PIPELINE = ("pipeline.stages=2", "pipeline.microbatches=4", "train.epochs=2")
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory) -> dict:
+    """The same 2-stage run, both ranks on the launcher's host."""
+    run = tmp_path_factory.mktemp("pipe-one-host") / "run"
+    proc = horovodrun(run_env(), "-np", "2", "--gloo", *train_argv(run, *PIPELINE))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return summary(run)
+
+
+def test_two_stages_on_two_nodes_train_as_on_one_host(cluster, one_host, tmp_path):
+    run = tmp_path / "run"
+    proc = horovodrun(cluster, "-np", "2", "-H", HOSTS, "--gloo", *train_argv(run, *PIPELINE))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = summary(run)
+    check_on_two_nodes(result)  # stage 0 on node1, stage 1 on node2
+    assert result["samples"] == one_host["samples"] and result["steps"] == one_host["steps"]
+    # the same arithmetic on the same machine's kernels, only the transport differs
+    for key in ("train_loss", "eval_loss", "eval_accuracy"):
+        assert result["final"][key] == pytest.approx(one_host["final"][key], rel=1e-5), key
+
+
+def test_two_stages_by_two_copies_on_two_nodes_under_slurm(cluster, tmp_path):
+    run = tmp_path / "run"
+    job_id = submit(cluster, run, *PIPELINE, "log.console=false", tasks_per_node=2)
+    state = wait_state(cluster, job_id, timeout=300)
+    assert state == "COMPLETED", job_log(run, job_id)
+    result = summary(run)
+    assert result["world_size"] == 4 and job_field(cluster, job_id, "NodeList") == "node[1-2]"
+    # ranks 0, 1 (copy 0: stages 0 and 1) on node1, ranks 2, 3 (copy 1) on node2
+    assert result["hosts"] == [NODES[0], NODES[0], NODES[1], NODES[1]], result["hosts"]
+    assert result["final"]["eval_accuracy"] > 0.5, result["final"]
