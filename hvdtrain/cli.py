@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     slurm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
     for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
                                 ("--time", str, "01:00:00"), ("--partition", str, ""),
-                                ("--account", str, ""), ("--signal-lead", int, 120),
+                                ("--account", str, ""), ("--mem-per-cpu", str, ""),
+                                ("--signal-lead", int, 120),
                                 ("--controller", str, "gloo"), ("--launcher", str, "horovodrun"),
                                 ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
                                 ("--network-interface", str, "")):
@@ -116,7 +117,8 @@ def _slurm(args: argparse.Namespace) -> int:
 
     options = slurm.JobOptions(nodes=args.nodes, tasks_per_node=args.tasks_per_node, time=args.time,
                                partition=args.partition, account=args.account,
-                               signal_lead=args.signal_lead, controller=args.controller,
+                               mem_per_cpu=args.mem_per_cpu, signal_lead=args.signal_lead,
+                               controller=args.controller,
                                launcher=args.launcher, gpus_per_node=args.gpus_per_node,
                                elastic=args.elastic, min_nodes=args.min_nodes,
                                network_interface=args.network_interface)

@@ -18,7 +18,9 @@ in both modes:
 from __future__ import annotations
 
 import os
+import resource
 import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,10 +149,12 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
             engine.finish()
     finally:
         session.close(summary)
-    placements = engine.collectives.allgather_object((*placement(), session.startup_s))
-    summary = {**summary, "hosts": [host for host, _, _ in placements],
-               "net_namespaces": [netns for _, netns, _ in placements],
-               "startup_s": [startup for _, _, startup in placements]}
+    placements = engine.collectives.allgather_object((*placement(), session.startup_s,
+                                                      peak_rss_mb()))
+    summary = {**summary, "hosts": [host for host, _, _, _ in placements],
+               "net_namespaces": [netns for _, netns, _, _ in placements],
+               "startup_s": [startup for _, _, startup, _ in placements],
+               "peak_rss_mb": [peak for _, _, _, peak in placements]}
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
         summary |= {"topology": "ps", "ps_servers": cfg.ps.servers}
     if engine.rank == 0:
@@ -179,6 +183,13 @@ def placement() -> tuple[str, str]:
     except OSError:  # no /proc (not Linux)
         netns = ""
     return launcher_host(os.environ), netns
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (what a memory limit such as Slurm's
+    cgroup compares, less the page cache): the model, optimizer state, activations and runtime."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def launcher_host(environ: Mapping[str, str]) -> str:

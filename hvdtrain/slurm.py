@@ -57,6 +57,7 @@ BASE_STOP_S = 30
 """Seconds a stop needs besides the steps up to the next log interval: writing the checkpoint and
 the launcher shutting the ranks down (a horovodrun start or stop takes seconds)."""
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+_MEMORY = re.compile(r"^[1-9][0-9]*[KMGT]?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _NP = re.compile(r"horovodrun\"? -np (\d+)|srun --mpi=\S+ --ntasks=(\d+)")
 
@@ -75,6 +76,9 @@ class JobOptions:
     """Partition (empty: the cluster's default)."""
     account: str = ""
     """Account to charge (empty: the user's default)."""
+    mem_per_cpu: str = ""
+    """Memory a CPU (a rank) may use, Slurm's ``--mem-per-cpu`` (``1500M``, ``4G``); empty: the
+    cluster's default. Under ``task/cgroup`` a job past it is killed and ends ``OUT_OF_MEMORY``."""
     signal_lead: int = 120
     """Seconds before the end at which Slurm sends USR1 so that the run can checkpoint."""
     controller: str = "gloo"
@@ -102,6 +106,9 @@ class JobOptions:
         for flag, value in (("--partition", self.partition), ("--account", self.account)):
             if value and not _NAME.match(value):
                 raise HvdtrainError(f"{flag}={value!r}: letters, digits, '_', '.' and '-' only")
+        if self.mem_per_cpu and not _MEMORY.match(self.mem_per_cpu):
+            raise HvdtrainError(f"--mem-per-cpu={self.mem_per_cpu!r}: expected a size such as "
+                                "1500M or 4G (K, M, G or T; M when no unit)")
         if self.signal_lead < 0:
             raise HvdtrainError(f"--signal-lead={self.signal_lead}: must be >= 0 seconds")
         if self.controller not in CONTROLLERS:
@@ -172,7 +179,8 @@ def render(config_path: str | Path, overrides: Sequence[str] = (),
         job_name=cfg.name if _NAME.match(cfg.name) else "hvdtrain",
         nodes=options.nodes, tasks_per_node=options.tasks_per_node,
         ntasks=options.nodes * options.tasks_per_node, time=options.time,
-        partition=options.partition, account=options.account, signal_lead=options.signal_lead,
+        partition=options.partition, account=options.account, mem_per_cpu=options.mem_per_cpu,
+        signal_lead=options.signal_lead,
         controller=options.controller, launcher=options.launcher,
         gpus_per_node=options.gpus_per_node, min_np=options.min_nodes * options.tasks_per_node,
         network_interface=options.network_interface,

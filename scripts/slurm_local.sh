@@ -16,6 +16,7 @@
 set -euo pipefail
 
 CONF=/etc/slurm/slurm.conf
+CGROUP_CONF=/etc/slurm/cgroup.conf
 SPOOL=/var/spool/slurm-local
 CLUSTER_DIR=${HVDTRAIN_CLUSTER_DIR:-/run/hvdtrain-cluster}
 NODES_SPOOL=$CLUSTER_DIR/slurm
@@ -63,9 +64,26 @@ install_packages() {
 }
 
 write_config() {
-    local host cpus
+    local host cpus memory changed=0
     host=$(hostname -s)
     cpus=$(nproc)
+    # Memory is a consumable resource and task/cgroup confines each job to what it asked for
+    # (--mem, --mem-per-cpu; by default its CPUs' share of the node), as on a production cluster:
+    # a job over its limit is killed by the kernel and ends OUT_OF_MEMORY. Slurm's own cgroup v1
+    # hierarchy under /sys/fs/cgroup/memory; 1 GiB of the machine left to everything else.
+    memory=$(( $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) - 1024 ))
+    cat >"$CGROUP_CONF.new" <<EOF
+# Written by hvdtrain's scripts/slurm_local.sh: jobs confined to the memory they were given.
+CgroupPlugin=cgroup/v1
+ConstrainRAMSpace=yes
+ConstrainSwapSpace=yes
+AllowedSwapSpace=0
+EOF
+    if ! cmp -s "$CGROUP_CONF.new" "$CGROUP_CONF" 2>/dev/null; then
+        mv "$CGROUP_CONF.new" "$CGROUP_CONF"
+        changed=1
+    fi
+    rm -f "$CGROUP_CONF.new"
     mkdir -p /etc/slurm "$SPOOL/ctld" "$SPOOL/d" "$SPOOL/log"
     # cred_expire also sets how long a requeued job waits before it may start again (default 120 s;
     # 10 s is still far longer than a credential takes to reach slurmd here).
@@ -78,12 +96,13 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/cgroup
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
+SelectTypeParameters=CR_CPU_Memory
+DefMemPerCPU=$((memory / cpus))
 ReturnToService=2
 MinJobAge=3600
 KillWait=10
@@ -94,14 +113,15 @@ SlurmctldPidFile=$SPOOL/slurmctld.pid
 SlurmdPidFile=$SPOOL/slurmd.pid
 SlurmctldLogFile=$SPOOL/log/slurmctld.log
 SlurmdLogFile=$SPOOL/log/slurmd.log
-NodeName=$host CPUs=$cpus State=UNKNOWN
+NodeName=$host CPUs=$cpus RealMemory=$memory State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
     if ! cmp -s "$CONF.new" "$CONF" 2>/dev/null; then
         mv "$CONF.new" "$CONF"
-        return 1  # changed: running daemons must restart
+        changed=1
     fi
     rm -f "$CONF.new"
+    return "$changed"  # 1: changed, running daemons must restart
 }
 
 # A credential round trip, not a process name: a <defunct> munged left by a stop would pass `pgrep`.
