@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                                 ("--signal-lead", int, 120),
                                 ("--controller", str, "gloo"), ("--launcher", str, "horovodrun"),
                                 ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
+                                ("--server-nodes", int, 0),
                                 ("--network-interface", str, "")):
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
     slurm.add_argument("--elastic", action="store_true",
@@ -121,6 +122,7 @@ def _slurm(args: argparse.Namespace) -> int:
                                controller=args.controller,
                                launcher=args.launcher, gpus_per_node=args.gpus_per_node,
                                elastic=args.elastic, min_nodes=args.min_nodes,
+                               server_nodes=args.server_nodes,
                                network_interface=args.network_interface)
     if args.action == "render":
         print(slurm.render(args.config, args.overrides, options), end="")

@@ -91,6 +91,10 @@ class JobOptions:
     """Render ``elastic.sbatch``: elastic Horovod (Gloo) with Slurm-aware host discovery."""
     min_nodes: int = 1
     """Elastic only: the job goes on while at least this many nodes are usable."""
+    server_nodes: int = 0
+    """Parameter servers on nodes of their own (``comm.topology=ps`` with dedicated servers): the
+    job takes ``nodes`` worker nodes plus this many, and the ``ps.servers`` servers (the last
+    ranks) are spread evenly over the extra ones. 0: servers, if any, share the worker nodes."""
     network_interface: str = ""
     """The interface the ranks talk over (empty: Horovod's and Open MPI's choice): horovodrun's
     ``--network-interfaces`` (Gloo, and Open MPI's ``btl_tcp_if_include`` under ``--mpi``), or under
@@ -124,6 +128,10 @@ class JobOptions:
         if not 1 <= self.min_nodes <= self.nodes:
             raise HvdtrainError(f"--min-nodes={self.min_nodes}: "
                                 f"must be between 1 and --nodes={self.nodes}")
+        if self.server_nodes < 0:
+            raise HvdtrainError(f"--server-nodes={self.server_nodes}: must be >= 0")
+        if self.server_nodes and self.elastic:
+            raise HvdtrainError("--server-nodes: parameter servers do not run in elastic mode")
         if self.network_interface and not _NAME.match(self.network_interface):
             raise HvdtrainError(f"--network-interface={self.network_interface!r}: "
                                 "not an interface name")
@@ -171,14 +179,15 @@ def render(config_path: str | Path, overrides: Sequence[str] = (),
 
     options.validate()
     cfg = load_config(config_path, overrides)  # a bad config fails here, not in the queue
+    servers_per_node = _servers_per_node(cfg, options)
     run_dir = run_dir_of(cfg)
     env = jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), autoescape=False,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     template = "elastic.sbatch" if options.elastic else "train.sbatch"
     return env.get_template(template).render(
         job_name=cfg.name if _NAME.match(cfg.name) else "hvdtrain",
-        nodes=options.nodes, tasks_per_node=options.tasks_per_node,
-        ntasks=options.nodes * options.tasks_per_node, time=options.time,
+        nodes=options.nodes, tasks_per_node=options.tasks_per_node, ntasks=total_ranks(cfg, options),
+        server_nodes=options.server_nodes, servers_per_node=servers_per_node, time=options.time,
         partition=options.partition, account=options.account, mem_per_cpu=options.mem_per_cpu,
         signal_lead=options.signal_lead,
         controller=options.controller, launcher=options.launcher,
@@ -193,6 +202,32 @@ def render(config_path: str | Path, overrides: Sequence[str] = (),
         exclude_hosts_q=shlex.quote(str(run_dir.exclude_hosts)),
         config_q=shlex.quote(str(config_path)),
         overrides_q=[shlex.quote(item) for item in _job_overrides(overrides, options)])
+
+
+def _servers_per_node(cfg: Config, options: JobOptions) -> int:
+    """How many parameter servers each of ``--server-nodes`` runs (0 without server nodes); raises
+    for a config those nodes cannot serve."""
+    if not options.server_nodes:
+        return 0
+    if cfg.comm.topology != "ps" or cfg.ps.placement != "dedicated":
+        raise HvdtrainError(f"--server-nodes={options.server_nodes}: needs comm.topology=ps with "
+                            f"ps.placement=dedicated (the config has comm.topology="
+                            f"{cfg.comm.topology})")
+    if options.launcher == "horovodrun" and options.controller != "mpi":
+        raise HvdtrainError("--server-nodes: dedicated parameter servers talk over MPI: use "
+                            "--controller mpi or --launcher srun")
+    per_node, rest = divmod(cfg.ps.servers, options.server_nodes)
+    if rest or not 1 <= per_node <= options.tasks_per_node:
+        raise HvdtrainError(f"--server-nodes={options.server_nodes}: ps.servers={cfg.ps.servers} "
+                            "must be a multiple of it, at most --tasks-per-node="
+                            f"{options.tasks_per_node} servers a node")
+    return per_node
+
+
+def total_ranks(cfg: Config, options: JobOptions) -> int:
+    """The ranks the job starts: the workers on the worker nodes, then the servers on theirs."""
+    servers = cfg.ps.servers if options.server_nodes else 0
+    return options.nodes * options.tasks_per_node + servers
 
 
 def stop_time_estimate(cfg: Config) -> float:
@@ -213,11 +248,12 @@ def check(config_path: str | Path, overrides: Sequence[str] = (),
     problems = []
     found = _NP.search(text)
     launched = int(found.group(1) or found.group(2)) if found else None
-    ntasks = options.nodes * options.tasks_per_node
+    ntasks = total_ranks(cfg, options)
     if launched != ntasks:
+        servers = f" + {cfg.ps.servers} servers" if options.server_nodes else ""
         problems.append(f"process count: the script starts {launched if found else '?'} ranks but "
-                        f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node} = "
-                        f"{ntasks}")
+                        f"--nodes {options.nodes} x --tasks-per-node {options.tasks_per_node}"
+                        f"{servers} = {ntasks}")
     if options.gpus_per_node and options.gpus_per_node != options.tasks_per_node:
         problems.append(f"--gpus-per-node={options.gpus_per_node} but --tasks-per-node="
                         f"{options.tasks_per_node}: hvdtrain runs one rank per GPU")

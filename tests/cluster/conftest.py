@@ -119,10 +119,11 @@ def wait_state(env: dict[str, str], job_id: str, timeout: float) -> str:
     raise AssertionError(f"job {job_id} still {job_field(env, job_id, 'JobState')} after {timeout} s")
 
 
-def submit(env: dict[str, str], run: Path, *args: str, tasks_per_node: int = 1) -> str:
+def submit(env: dict[str, str], run: Path, *args: str, nodes: int = 2,
+           tasks_per_node: int = 1) -> str:
     """``hvdtrain slurm submit`` of a 2-node job (one task per node unless told); the job id."""
     proc = subprocess.run([str(BIN / "hvdtrain"), "slurm", "submit", str(CONFIG), f"log.dir={run}",
-                           "log.wandb=disabled", "--nodes", "2", "--tasks-per-node",
+                           "log.wandb=disabled", "--nodes", str(nodes), "--tasks-per-node",
                            str(tasks_per_node),
                            "--time", "20:00", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=60)

@@ -133,6 +133,33 @@ def test_bad_options_are_user_errors(tmp_path, options, message):
         render(CONFIG, quiet(tmp_path), options)
 
 
+@pytest.mark.parametrize("overrides, options, message", [
+    ((), JobOptions(server_nodes=1, controller="mpi"), "needs comm.topology=ps"),
+    (("comm.topology=ps",), JobOptions(server_nodes=1), "talk over MPI"),
+    (("comm.topology=ps", "ps.servers=3"), JobOptions(server_nodes=2, tasks_per_node=2,
+                                                      launcher="srun"), "must be a multiple of it"),
+    (("comm.topology=ps", "ps.servers=4"), JobOptions(server_nodes=1, tasks_per_node=2,
+                                                      launcher="srun"), "at most --tasks-per-node=2"),
+])
+def test_server_nodes_need_a_config_they_can_serve(tmp_path, overrides, options, message):
+    with pytest.raises(HvdtrainError, match=re.escape(message)):
+        render(CONFIG, quiet(tmp_path, *overrides), options)
+
+
+def test_server_nodes_put_the_servers_last(tmp_path):
+    """Two worker nodes of 2 ranks, one server node of 2 servers: 6 ranks, in host order."""
+    overrides = quiet(tmp_path, "comm.topology=ps", "ps.servers=2")
+    options = JobOptions(nodes=2, tasks_per_node=2, server_nodes=1, controller="mpi")
+    text = render(CONFIG, overrides, options)
+    assert "#SBATCH --nodes=3\n" in text and " -np 6 " in text
+    problems = check(CONFIG, overrides, options, script=text)  # sbatch here has one node: skip it
+    assert [p for p in problems if "sbatch --test-only" not in p] == [], problems
+    script = text[text.index('HOSTS="" SLOTS=()'):text.index("descendants()")]
+    hosts = subprocess.run(["bash", "-c", script + 'echo "$HOSTS"'], capture_output=True, text=True,
+                           env={"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "a,b,c"})
+    assert hosts.stdout.strip() == "a:2,b:2,c:2", hosts.stderr
+
+
 def test_cli_bad_option_exits_2(tmp_path):
     proc = hvdtrain_cli("slurm", "check", str(CONFIG), *quiet(tmp_path), "--time", "soon")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
