@@ -50,14 +50,17 @@ METHODS = {
     "topk-0.1%": ["comm.compression=topk", "comm.ratio=0.001"],
     "topk-plain": ["comm.compression=topk", "comm.momentum_correction=false",
                    "comm.compress_momentum=false"],
+    "topk-dgc": ["comm.compression=topk", "comm.momentum_correction=true",
+                 "comm.compress_momentum=true"],
     "topk-noEF": ["comm.compression=topk", "comm.error_feedback=false"],
     "randomk": ["comm.compression=randomk"],
     "qsgd": ["comm.compression=qsgd"],
     "powersgd": ["comm.compression=powersgd"],
 }
-"""The variants: each method with its defaults (top-k and random-k with SGD momentum: DGC; with
-Adam: compressed momentum), top-k at 0.1%, top-k averaging gradients as before DGC
-(``topk-plain``) and top-k without error feedback as controls."""
+"""The variants: each method with its defaults (the update rules are opt-in, so top-k and
+random-k average compressed gradients with error feedback), top-k at 0.1%, top-k with the update
+rules on (``topk-dgc``: DGC with SGD momentum, compressed momentum with Adam), top-k averaging
+gradients whatever the defaults (``topk-plain``) and top-k without error feedback as controls."""
 DATASETS = {
     "digits": [],
     "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=6"],

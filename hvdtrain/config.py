@@ -136,11 +136,10 @@ class CommConfig:
     bucket: int = _opt(512, min=0)
     """``qsgd``: one scale per bucket of this many consecutive elements (0: one per tensor)."""
     momentum_correction: bool = False
-    """``topk`` and ``randomk`` with SGD momentum (PyTorch only): Deep Gradient Compression's
-    momentum correction. The residual accumulates each rank's velocity, not its gradient, and the
-    exchange applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``).
-    Off by default: its gain so far is single simulated seeds (docs/benchmarks.md), and
-    TensorFlow does not run it."""
+    """``topk`` and ``randomk`` with SGD momentum: Deep Gradient Compression's momentum
+    correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
+    applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``). Off by
+    default: its gain is not yet measured over seeds on every model (docs/benchmarks.md)."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
     momentum factor masking). Off by default: it cost accuracy on the MNIST-1D CNN
@@ -152,7 +151,7 @@ class CommConfig:
     """With ``momentum_correction``: DGC's density warm-up, sending 25%, 6.25%, 1.56%, ... of the
     entries in equal stages over the first this many steps, down to ``ratio`` (0: off)."""
     compress_momentum: bool = False
-    """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (PyTorch only; off by default until
+    """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (off by default until
     measured over seeds in a real run, docs/benchmarks.md): 1-bit Adam's design. Dense
     Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
     momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update."""
@@ -348,7 +347,6 @@ class Config:
     def __post_init__(self) -> None:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
-        _check_update_rules(self)
         check_ps(self.comm, self.ps, self.elastic)
 
     @property
@@ -359,17 +357,6 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
-
-
-def _check_update_rules(cfg: Config) -> None:
-    """The compressing exchange's update rules (DGC, compressed Adam) run in PyTorch only: a
-    TensorFlow run that asks for one is refused rather than silently averaging gradients."""
-    if cfg.framework != "tensorflow":
-        return
-    for key in ("momentum_correction", "compress_momentum"):
-        if getattr(cfg.comm, key):
-            raise ConfigError(f"comm.{key}=true: the update rules run in PyTorch only; TensorFlow "
-                              "averages the compressed gradients (docs/compression.md)")
 
 
 def _check_pipeline(cfg: Config) -> None:

@@ -28,9 +28,12 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.compression import state
 from hvdtrain.compression.kernels import Context, Kernels, Store, Tensor
 from hvdtrain.compression.plans import Message, Plan, Stage, TensorPlan
-from hvdtrain.compression.rules import OptimizerSettings, Rule, make_rule
+from hvdtrain.compression.rules import OptimizerSettings, Phase, Rule, make_rule
 from hvdtrain.compression.state import RESIDUAL, slot_key
 from hvdtrain.exchange import GradientExchange
+
+Scalars = dict[str, Tensor]
+"""An update rule's numbers of the step, as framework scalars (:attr:`Context.scalars`)."""
 
 Carry = tuple[Any, tuple, Any]
 """Per tensor between stages: (``acc`` under error feedback, the plan's carry, the average once
@@ -109,7 +112,8 @@ class Exchange(GradientExchange):
                              for r in range(1, self.plan.rounds + 1)]
 
     def _round_function(self, round_: int) -> Callable[..., Any]:
-        return lambda got, carries: self._advance(round_, got, carries)
+        return lambda got, carries, scalars, phase: self._advance(round_, got, carries, scalars,
+                                                                  phase)
 
     def resize(self, rank: int, size: int, accumulation: int = 1) -> None:
         """Continues as ``rank`` of ``size`` ranks (accumulation does not matter: the exchange
@@ -145,40 +149,46 @@ class Exchange(GradientExchange):
     def _exchange(self, grads: list[Tensor]) -> list[Tensor]:
         if self.plan.dense and self.size == 1:
             return grads  # nothing to average and nothing sent, as Horovod's optimizers at size 1
-        self.rule.begin_step(self.step)
-        host = [self._host(t) for t in self.plan.tensors]
-        sends, carries = self._begin_fn(grads, host)
+        # The stages get the step's phase (a Python value: TensorFlow traces once per phase) and
+        # its numbers (tensors), never the step itself.
+        phase = self.rule.begin_step(self.step)
+        scalars = {name: self._tensor(np.array(value, np.float32))
+                   for name, value in self.rule.scalars(self.step).items()}
+        host = [self._host(t, phase) for t in self.plan.tensors]
+        sends, carries = self._begin_fn(grads, host, scalars, phase)
         for round_, advance in enumerate(self._advance_fns, start=1):
-            sends, carries = advance(self._send(f"{self.method}.{round_}", sends), carries)
+            sends, carries = advance(self._send(f"{self.method}.{round_}", sends), carries,
+                                     scalars, phase)
         return [average for _, _, average in carries]
 
-    def _host(self, t: TensorPlan) -> Any:
-        draw = (self.plan.host(t, self.step, self.rank) if t.compressed
-                and not self.rule.dense_now(self.step) else None)
+    def _host(self, t: TensorPlan, phase: Phase) -> Any:
+        draw = (self.plan.host(t, self.step, self.rank) if self._compressed(t, phase) else None)
         return () if draw is None else self._tensor(draw)
 
-    def _context(self) -> Context:
-        return Context(self.kernels, self.store, self.size, self.rule.feedback(self.step))
+    def _context(self, scalars: Scalars, phase: Phase) -> Context:
+        weights = list(self.weights()) if self.weights is not None else None
+        return Context(self.kernels, self.store, self.size, phase.feedback, weights, scalars)
 
-    def _compressed(self, t: TensorPlan) -> bool:
+    @staticmethod
+    def _compressed(t: TensorPlan, phase: Phase) -> bool:
         """Whether ``t`` is compressed this step (a rule's warm-up sends every tensor dense)."""
-        return t.compressed and not self.rule.dense_now(self.step)
+        return t.compressed and not phase.dense
 
-    def _begin(self, grads: list[Tensor], host: list[Any]) -> tuple[list[Message], list[Carry]]:
+    def _begin(self, grads: list[Tensor], host: list[Any], scalars: Scalars, phase: Phase
+               ) -> tuple[list[Message], list[Carry]]:
         """Stage 0 of every tensor."""
-        k, ctx = self.kernels, self._context()
-        weights = self.weights() if self.weights is not None else None
-        flats = self.rule.prepare(ctx, [k.flat(g) for g in grads], weights)
+        k, ctx = self.kernels, self._context(scalars, phase)
+        flats = self.rule.prepare(ctx, [k.flat(g) for g in grads])
         sends: list[Message] = []
         carries: list[Carry] = []
         for t, flat, draw in zip(self.plan.tensors, flats, host, strict=True):
-            if not self._compressed(t):
+            if not self._compressed(t, phase):
                 dtype = self.plan.dense_dtype if not t.compressed else "float32"
                 sends.append(Message(mean=(k.cast(flat, dtype),)))
                 carries.append(((), (), ()))
                 continue
             residual = self.store.read(slot_key(RESIDUAL, t.index)) if ctx.feedback else None
-            acc = ref.error_feedback(self.rule.accumulate(ctx, t, flat, self.step), residual)
+            acc = ref.error_feedback(self.rule.accumulate(ctx, t, flat), residual)
             stage = self.plan.start(ctx, t, acc, draw)
             self._keep(ctx, t, acc, stage)
             self.rule.sent(ctx, t, stage)
@@ -186,24 +196,24 @@ class Exchange(GradientExchange):
             carries.append((acc if ctx.feedback else (), stage.carry, ()))
         return sends, carries
 
-    def _advance(self, round_: int, got: list[Message], carries: list[Carry]
-                 ) -> tuple[list[Message], list[Carry]]:
+    def _advance(self, round_: int, got: list[Message], carries: list[Carry], scalars: Scalars,
+                 phase: Phase) -> tuple[list[Message], list[Carry]]:
         """Stage ``round_`` of every tensor still under way."""
-        k, ctx = self.kernels, self._context()
+        k, ctx = self.kernels, self._context(scalars, phase)
         sends: list[Message] = []
         out: list[Carry] = []
         for t, message, (acc, carry, average) in zip(self.plan.tensors, got, carries, strict=True):
             if not isinstance(average, tuple):  # finished in an earlier round
                 stage = Stage(out=average)
-            elif not self._compressed(t):
+            elif not self._compressed(t, phase):
                 mean = k.cast(message.mean[0], "float32")
-                result = self.rule.finish(ctx, t, mean, False, self.step)
+                result = self.rule.finish(ctx, t, mean, False)
                 stage = Stage(out=k.reshape(result, t.shape))
             else:
                 stage = self.plan.advance(ctx, t, round_, message, carry)
                 self._keep(ctx, t, acc, stage)
                 if stage.out is not None:
-                    result = self.rule.finish(ctx, t, stage.out, True, self.step)
+                    result = self.rule.finish(ctx, t, stage.out, True)
                     stage = stage._replace(out=k.reshape(result, t.shape))
             sends.append(stage.send)
             out.append((acc, stage.carry, () if stage.out is None else stage.out))

@@ -9,7 +9,7 @@ for arithmetic and these methods for the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -93,3 +93,8 @@ class Context(NamedTuple):
     """The world size (the number of contributions in an allgather)."""
     feedback: bool = False
     """Whether this step keeps error feedback for the compressed tensors (a plan's ``sent``)."""
+    weights: Sequence[Tensor] | None = None
+    """The parameters, in the gradients' order, where an update rule adds weight decay."""
+    scalars: Mapping[str, Tensor] | None = None
+    """An update rule's numbers of this step (:meth:`hvdtrain.compression.rules.Rule.scalars`), as
+    scalar tensors: arguments, not constants, so that a traced stage serves every step."""

@@ -8,14 +8,18 @@ momentum (and Adam's variance) inside the exchange, so they return an update *di
 framework swaps its optimizer for plain SGD (no momentum, no decay) that applies it:
 ``w -= lr d``. The math is in
 :mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
+
+A rule's stages never read the step number itself: what changes the shape of a step's work (the
+density warm-up's ratio, Adam's dense warm-up) is its :class:`Phase`, and the numbers that change
+every step (Adam's bias corrections) are :meth:`Rule.scalars`, handed to the stages as tensors.
+So a framework that traces the stages (TensorFlow) traces once per phase, not once per step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,6 +61,17 @@ class OptimizerSettings:
     eps: float = 1e-8
 
 
+class Phase(NamedTuple):
+    """What a step's stages depend on besides their tensors (hashable: a trace key)."""
+
+    ratio: float | None
+    """The fraction sparse methods send (:attr:`hvdtrain.compression.plans.Plan.ratio`)."""
+    dense: bool
+    """Whether every tensor travels dense (float32) this step."""
+    feedback: bool
+    """Whether compressed tensors keep error-feedback residuals this step."""
+
+
 class Rule:
     """Plain averaging: compress the gradient (plus its residual), return the mean gradient."""
 
@@ -65,7 +80,6 @@ class Rule:
 
     def __init__(self, plan: Plan, comm: RuleSettings, opt: OptimizerSettings) -> None:
         self.plan, self.comm, self.opt = plan, comm, opt
-        self.weights: Sequence[Tensor] | None = None  # this step's, from prepare()
 
     def slots(self) -> list[Slot]:
         """State the rule keeps beside the plan's."""
@@ -79,27 +93,30 @@ class Rule:
         """Whether every tensor travels dense (float32) at ``step``."""
         return False
 
-    def begin_step(self, step: int) -> None:
-        """Host-side preparation of ``step`` (before any stage)."""
+    def begin_step(self, step: int) -> Phase:
+        """Host-side preparation of ``step`` (before any stage); its phase."""
+        return Phase(self.plan.ratio, self.dense_now(step), self.feedback(step))
 
-    def prepare(self, ctx: Context, grads: list[Tensor], weights: Sequence[Tensor] | None
-                ) -> list[Tensor]:
+    def scalars(self, step: int) -> dict[str, float]:
+        """The numbers of ``step`` that the stages read from :attr:`Context.scalars`."""
+        return {}
+
+    def prepare(self, ctx: Context, grads: list[Tensor]) -> list[Tensor]:
         """The flat local gradients as the rule uses them (L2 decay: ``g + wd w``)."""
-        self.weights = weights
         decay = self.opt.weight_decay if self.updates and self.opt.name != "adamw" else 0.0
-        if decay and weights is not None:
-            return [g + ctx.kernels.flat(w) * decay for g, w in zip(grads, weights, strict=True)]
+        if decay and ctx.weights is not None:
+            return [g + ctx.kernels.flat(w) * decay
+                    for g, w in zip(grads, ctx.weights, strict=True)]
         return grads
 
-    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor) -> Tensor:
         """What compressed tensor ``t`` compresses (before its residual is added)."""
         return flat
 
     def sent(self, ctx: Context, t: TensorPlan, stage: Stage) -> None:
         """After stage 0 of compressed tensor ``t`` chose what to send."""
 
-    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
-               ) -> Tensor:
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool) -> Tensor:
         """What the exchange returns for ``t`` from the flat mean over the ranks."""
         return mean
 
@@ -118,18 +135,18 @@ class DGC(Rule):
     def feedback(self, step: int) -> bool:
         return True
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int) -> Phase:
         self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step, self.comm.sparsity_warmup_steps)
+        return super().begin_step(step)
 
-    def prepare(self, ctx: Context, grads: list[Tensor], weights: Sequence[Tensor] | None
-                ) -> list[Tensor]:
-        grads = super().prepare(ctx, grads, weights)
+    def prepare(self, ctx: Context, grads: list[Tensor]) -> list[Tensor]:
+        grads = super().prepare(ctx, grads)
         if self.comm.clip_norm > 0:  # DGC's local threshold: the global one over sqrt(ranks)
             factor = ctx.kernels.clip_factor(grads, self.comm.clip_norm / math.sqrt(ctx.size))
             grads = [g * factor for g in grads]
         return grads
 
-    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor) -> Tensor:
         key = slot_key(VELOCITY, t.index)
         velocity = ctx.store.read(key) * self.opt.momentum + flat
         ctx.store.write(key, velocity)
@@ -140,8 +157,7 @@ class DGC(Rule):
             key = slot_key(VELOCITY, t.index)
             ctx.store.write(key, ctx.kernels.zero_at(ctx.store.read(key), stage.picked))
 
-    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
-               ) -> Tensor:
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool) -> Tensor:
         if compressed:
             return mean  # the velocity was applied before compression
         key = slot_key(MOMENTUM, t.index)
@@ -169,28 +185,34 @@ class CompressedAdam(Rule):
     def dense_now(self, step: int) -> bool:
         return step <= self.comm.adam_warmup_steps
 
-    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor, step: int) -> Tensor:
+    def scalars(self, step: int) -> dict[str, float]:
+        """Adam's bias corrections of ``step``: ``1 / (1 - b1^step)`` and ``1 / (1 - b2^step)``."""
+        o = self.opt
+        return {"m_scale": 1.0 / (1.0 - o.beta1 ** step), "v_scale": 1.0 / (1.0 - o.beta2 ** step)}
+
+    def accumulate(self, ctx: Context, t: TensorPlan, flat: Tensor) -> Tensor:
         b1 = self.opt.beta1
         return ctx.store.read(slot_key(MOMENTUM, t.index)) * b1 + flat * (1.0 - b1)
 
-    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool, step: int
-               ) -> Tensor:
+    def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool) -> Tensor:
         o, m_key, v_key = self.opt, slot_key(MOMENTUM, t.index), slot_key(VARIANCE, t.index)
+        scalars = ctx.scalars or {}
         if compressed:  # the mean of the ranks' compressed momenta; the variance stays frozen
-            m, v, t_v = mean, ctx.store.read(v_key), self.comm.adam_warmup_steps
+            m, v = mean, ctx.store.read(v_key)
+            v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** self.comm.adam_warmup_steps)
         else:
             m = ctx.store.read(m_key) * o.beta1 + mean * (1.0 - o.beta1)
             v = ctx.store.read(v_key) * o.beta2 + mean * mean * (1.0 - o.beta2)
             ctx.store.write(v_key, v)
-            t_v = step
+            v_scale = scalars["v_scale"]
         ctx.store.write(m_key, m)
-        m_hat = m * (1.0 / (1.0 - o.beta1 ** step))
-        direction = m_hat / (ctx.kernels.sqrt(v * (1.0 / (1.0 - o.beta2 ** t_v))) + o.eps)
-        if o.name == "adamw" and o.weight_decay and self.weights is not None:
+        m_hat = m * scalars["m_scale"]
+        direction = m_hat / (ctx.kernels.sqrt(v * v_scale) + o.eps)
+        if o.name == "adamw" and o.weight_decay and ctx.weights is not None:
             # Decoupled decay: w -= lr (d + wd w) is AdamW's update exactly. Here, not as the SGD
             # step's weight_decay: Horovod's broadcast_optimizer_state steps a stateless optimizer
             # once with zero gradients, which would decay the weights an extra time on resume.
-            direction = direction + ctx.kernels.flat(self.weights[t.index]) * o.weight_decay
+            direction = direction + ctx.kernels.flat(ctx.weights[t.index]) * o.weight_decay
         return direction
 
 

@@ -8,6 +8,11 @@ then :meth:`CompressingExchange.run`, then the update. The exchange runs each pl
 whose calls it times: an eager call returns only when the collectives inside have finished, so that
 time is the time this rank waited for the exchange. The dense methods (``none``, ``fp16``) are
 :class:`hvdtrain.tensorflow.exchange.DenseAllreduce`, which the step can also trace whole.
+
+With an update rule (:mod:`hvdtrain.compression.rules`: DGC, compressed Adam) the stages also
+read and write the rule's state variables and the model's weights; they are traced once per
+:class:`~hvdtrain.compression.rules.Phase` (the density warm-up's few ratios, Adam's warm-up and
+after), and the step's numbers (Adam's bias corrections) come in as tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.compression.state import Slot
 from hvdtrain.tensorflow.collectives import any_rank
 
@@ -125,11 +131,7 @@ def clip_factor(tensors: Sequence[tf.Tensor], max_norm: float) -> tf.Tensor:
 
 
 class Kernels:
-    """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`.
-
-    The update rules of :mod:`hvdtrain.compression.rules` (DGC, compressed Adam) are not yet run
-    in TensorFlow (its exchange is built without the optimizer, so it averages gradients); the
-    kernels they use are here and tested against the reference."""
+    """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
 
     zero_at = staticmethod(zero_at)
     clip_factor = staticmethod(clip_factor)
@@ -258,6 +260,10 @@ class CompressingExchange(Exchange):
 
 
 def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
-                     shapes: Sequence[Sequence[int]]) -> CompressingExchange:
-    """The exchange for ``comm.compression`` over gradients of these shapes (the model's order)."""
-    return CompressingExchange(make_plan(comm, seed, shapes), rank, size)
+                     shapes: Sequence[Sequence[int]], opt: OptimizerSettings | None = None,
+                     weights: Callable[[], Sequence[tf.Tensor]] | None = None
+                     ) -> CompressingExchange:
+    """The exchange for ``comm.compression`` over gradients of these shapes (the model's order);
+    ``opt``: the run's optimizer, where the exchange may apply its update rule, which reads the
+    parameters (``weights``, in the same order) for weight decay."""
+    return CompressingExchange(make_plan(comm, seed, shapes), rank, size, opt, weights)

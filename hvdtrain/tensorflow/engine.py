@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
@@ -38,19 +39,36 @@ from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import TensorFlowCollectives
 from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.device import place, resolve, summary
-from hvdtrain.tensorflow.exchange import make_exchange
+from hvdtrain.tensorflow.exchange import applies_update, make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.precision import Precision
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 
-def make_optimizer(o: OptimConfig) -> keras.optimizers.Optimizer:
-    """The configured Keras optimizer, with PyTorch's defaults where Keras's differ (Adam's eps)."""
+def make_optimizer(o: OptimConfig, plain: bool = False) -> keras.optimizers.Optimizer:
+    """The configured Keras optimizer, with PyTorch's defaults where Keras's differ (Adam's eps);
+    ``plain``: SGD without momentum or decay, which applies an exchange's update directions
+    (:func:`hvdtrain.tensorflow.exchange.applies_update`)."""
+    if plain:
+        return keras.optimizers.SGD(learning_rate=o.lr)
     if o.name == "sgd":
         return keras.optimizers.SGD(learning_rate=o.lr, momentum=o.momentum)
     if o.name == "adam":
         return keras.optimizers.Adam(learning_rate=o.lr, epsilon=1e-8)
     return keras.optimizers.AdamW(learning_rate=o.lr, weight_decay=o.weight_decay, epsilon=1e-8)
+
+
+def optimizer_settings(o: OptimConfig) -> OptimizerSettings:
+    """What an exchange's update rule needs of :func:`make_optimizer`'s optimizer (Keras's betas,
+    PyTorch's eps, as there; weight decay as L2 for SGD and Adam, decoupled for AdamW)."""
+    return OptimizerSettings(o.name, momentum=o.momentum if o.name == "sgd" else 0.0,
+                             weight_decay=o.weight_decay, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def l2_decay(o: OptimConfig, plain: bool) -> float:
+    """The weight decay the step adds to the gradients as L2, as torch's SGD and Adam do (AdamW
+    decays the weights itself; an exchange's update rule adds the decay in its directions)."""
+    return 0.0 if plain or o.name == "adamw" else o.weight_decay
 
 
 def _set_threads(count: int) -> None:
@@ -81,19 +99,21 @@ class TensorFlowEngine(Engine):
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
                                      prefetch=cfg.data.prefetch, spec=self.spec)
-        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
+        variables = self.model.trainable_variables
+        self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
+                                      [v.shape for v in variables], ps=ps_settings(cfg),
+                                      opt=optimizer_settings(cfg.optim),
+                                      weights=lambda: [v.value for v in variables])
+        plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
+        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim, plain))
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
-        self.optimizer.build(self.model.trainable_variables)
-        self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
-                                      [v.shape for v in self.model.trainable_variables],
-                                      ps=ps_settings(cfg))
+        self.optimizer.build(variables)
         self.stats: dict[str, float] = {}
         self.accumulation = cfg.train.backward_passes_per_step
         self.kernels = TensorFlowKernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
-            # L2 on the gradient, as torch's SGD and Adam do (AdamW decays the weights itself).
-            l2=cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0)
+            l2=l2_decay(cfg.optim, plain))
         self.kernels.follow(self.exchange, self.accumulation)
         self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
                                     jit_compile=False)

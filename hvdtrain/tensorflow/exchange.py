@@ -10,13 +10,14 @@ once per step after the micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import PSConfig
 from hvdtrain.exchange import GradientExchange, exchange_kind
 from hvdtrain.ps.exchange import make_client
@@ -44,14 +45,23 @@ class DenseAllreduce(CompressingExchange):
 
 
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                  shapes: Sequence[Sequence[int]], ps: PSConfig | None = None
-                  ) -> GradientExchange:
+                  shapes: Sequence[Sequence[int]], ps: PSConfig | None = None,
+                  opt: OptimizerSettings | None = None,
+                  weights: Callable[[], Sequence[tf.Tensor]] | None = None) -> GradientExchange:
     """The run's exchange over gradients of these shapes (the model's order), of the kind
     :func:`hvdtrain.exchange.exchange_kind` picks; ``ps``: the parameter servers' settings
-    where ``comm.topology=ps``."""
+    where ``comm.topology=ps``; ``opt`` and ``weights`` (the parameters in the same order): the
+    run's optimizer, whose update rule the compressing exchange may apply (then
+    :func:`applies_update`)."""
     if ps is not None:
         client = make_client(ps, comm.compression, shapes)
         return TensorFlowPSExchange(client, rank, size, shapes)
     if exchange_kind(comm.compression) == "dense":
         return DenseAllreduce(make_plan(comm, seed, shapes), rank, size)
-    return make_compressing(comm, seed, rank, size, shapes)
+    return make_compressing(comm, seed, rank, size, shapes, opt, weights)
+
+
+def applies_update(exchange: GradientExchange) -> bool:
+    """Whether ``exchange`` returns update directions (DGC, compressed Adam), which the step's
+    optimizer must apply as plain SGD: ``w -= lr d``, no momentum, no decay."""
+    return isinstance(exchange, CompressingExchange) and exchange.rule.updates

@@ -37,6 +37,7 @@ import tensorflow as tf
 from hvdtrain.compression import make_plan
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import Config
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import ArraySpec, Dataset, DatasetSpec
@@ -52,7 +53,8 @@ from hvdtrain.pipeline.stage_step import StageRunner
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import compression
 from hvdtrain.tensorflow.data import TensorFlowLoader
-from hvdtrain.tensorflow.engine import TensorFlowEngine, make_optimizer
+from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
+from hvdtrain.tensorflow.exchange import applies_update
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 # messages ---------------------------------------------------------------------------------------
@@ -270,9 +272,11 @@ class StageExchange(compression.CompressingExchange):
 
     fusable = False  # run eagerly after the schedule, not traced into a step function
 
-    def __init__(self, plan: Any, rank: int, size: int, process_set: Any, root: int) -> None:
+    def __init__(self, plan: Any, rank: int, size: int, process_set: Any, root: int,
+                 opt: OptimizerSettings | None = None,
+                 weights: Callable[[], Sequence[tf.Tensor]] | None = None) -> None:
         self.process_set, self.root = process_set, root
-        super().__init__(plan, rank, size)
+        super().__init__(plan, rank, size, opt, weights)
 
     def _build(self) -> None:
         self._collect_fn = compression._function(
@@ -294,10 +298,15 @@ class StageExchange(compression.CompressingExchange):
 
 
 def make_stage_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                        shapes: Sequence[Sequence[int]], process_set: Any, root: int
+                        shapes: Sequence[Sequence[int]], process_set: Any, root: int,
+                        opt: OptimizerSettings | None = None,
+                        weights: Callable[[], Sequence[tf.Tensor]] | None = None
                         ) -> StageExchange:
-    """The exchange of ``comm.compression`` over one stage's gradients among its copies."""
-    return StageExchange(make_plan(comm, seed, shapes), rank, size, process_set, root)
+    """The exchange of ``comm.compression`` over one stage's gradients among its copies (with
+    the update rule of ``opt`` where one applies, as :func:`~hvdtrain.tensorflow.exchange.
+    make_exchange`)."""
+    return StageExchange(make_plan(comm, seed, shapes), rank, size, process_set, root, opt,
+                         weights)
 
 
 def check_schedule(schedule: str) -> None:
@@ -359,17 +368,20 @@ class PipelineEngine(TensorFlowEngine):
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
                                      prefetch=cfg.data.prefetch, spec=self.spec)
-        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
-        self.optimizer.build(self.model.trainable_variables)
+        variables = self.model.trainable_variables
         self.exchange = make_stage_exchange(cfg.comm, cfg.seed, self.copy, self.copies,
-                                            [v.shape for v in self.model.trainable_variables],
-                                            self.stage_set, self.root)
+                                            [v.shape for v in variables], self.stage_set,
+                                            self.root, optimizer_settings(cfg.optim),
+                                            lambda: [v.value for v in variables])
+        plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
+        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim, plain))
+        self.optimizer.build(variables)
         self.stats: dict[str, float] = {}
         self.accumulation = 1
         self.kernels = self.stage_kernels = TensorFlowStageKernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
-            l2=cfg.optim.weight_decay if cfg.optim.name != "adamw" else 0.0,
-            stage=self.stage, stages=self.layout.stages, metric_keys=self._metric_keys(),
+            l2=l2_decay(cfg.optim, plain), stage=self.stage, stages=self.layout.stages,
+            metric_keys=self._metric_keys(),
             prev=self._link(links, -1), next_=self._link(links, +1))
         self.kernels.follow(self.exchange, 1)
         self.runner = StageRunner(cfg.pipeline.schedule)

@@ -15,15 +15,17 @@ from tests.multirank.conftest import Launch, launch_worker
 
 # min_size=0 compresses the biases too: with them dense (4 bytes per element against top-k's 8 per
 # 100 elements) the digits MLP's overall ratio is capped near 30x whatever the method promises.
-# Random-k runs DGC in PyTorch (SGD momentum; TensorFlow has no update rules, see
-# docs/compression.md); its density warm-up (250 steps by default, most of these runs) is off so
-# that the byte ratios are those of comm.ratio throughout.
+# Random-k runs DGC (SGD momentum, docs/compression.md) in both frameworks, and so does
+# TensorFlow's top-k, whose accuracy is held to uncompressed training's like the others (PyTorch's
+# top-k stays plain error feedback, the default); the density warm-up (250 steps by default, most
+# of these runs) is off so that the byte ratios are those of comm.ratio throughout.
 RUNS = ["qsgd:comm.compression=qsgd",
         "topk:comm.compression=topk,comm.ratio=0.01,comm.min_size=0",
         "powersgd:comm.compression=powersgd,comm.rank=2",
         "randomk:comm.compression=randomk,comm.min_size=0,train.backward_passes_per_step=2,"
-        "data.batch_size=16,train.epochs=3,checkpoint.every_steps=50,comm.sparsity_warmup_steps=0"]
-DGC_TORCH = ",comm.momentum_correction=true"
+        "data.batch_size=16,train.epochs=3,checkpoint.every_steps=50"]
+DGC = ",comm.momentum_correction=true,comm.sparsity_warmup_steps=0"
+DGC_RUNS = {"torch": ("randomk",), "tensorflow": ("randomk", "topk")}
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 
 
@@ -35,7 +37,7 @@ def compressed(tmp_path_factory) -> Callable[[str], Launch]:
     def get(framework: str) -> Launch:
         if framework not in cache:
             out = tmp_path_factory.mktemp(f"np2-compression-{framework}")
-            runs = [run + DGC_TORCH if run.startswith("randomk") and framework == "torch" else run
+            runs = [run + DGC if run.split(":")[0] in DGC_RUNS[framework] else run
                     for run in RUNS]
             cache[framework] = launch_worker(2, "gloo", framework, out, runs)
         return cache[framework]
@@ -102,9 +104,9 @@ def test_ranks_agree_and_checkpoint_holds_each_ranks_state(compressed, framework
     r0, r1 = states[0]["residuals"], states[1]["residuals"]
     assert r0.keys() == r1.keys() and len(r0) == 4
     assert any(not np.array_equal(np.asarray(r0[k]), np.asarray(r1[k])) for k in r0)
-    # PyTorch runs DGC for random-k (DGC_TORCH): each rank's velocity too.
+    # Random-k runs DGC (DGC_RUNS): each rank's velocity too.
     v0, v1 = states[0]["velocities"], states[1]["velocities"]
-    assert len(v0) == (4 if framework == "torch" else 0)
+    assert len(v0) == 4
     assert all(not np.array_equal(v0[k], v1[k]) for k in v0)
 
 

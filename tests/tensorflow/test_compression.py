@@ -15,12 +15,14 @@ import tensorflow as tf
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
+from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import CommConfig
 from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow import compression as tfc
 from hvdtrain.tensorflow import exchange as tfx
 from tests.conftest import TF_CONFIG, quiet_config
+from tests.unit.numpy_world import Hub, NumpyExchange
 
 F32 = np.float32
 # Two matrices that every method compresses, a bias that travels dense (under min_size), and a
@@ -303,20 +305,38 @@ def test_state_round_trip_is_exact():
 
 # the trainer ------------------------------------------------------------------------------------
 
+RESUMED = {"randomk": (), "powersgd": (), "qsgd": (),
+           "topk-dgc": ("comm.momentum_correction=true", "comm.sparsity_warmup_steps=80",
+                        "comm.clip_norm=1", "comm.momentum_masking=true"),
+           "topk-adamw": ("optim.name=adamw", "optim.lr=0.002", "optim.weight_decay=0.01",
+                          "comm.adam_warmup_steps=50", "comm.compress_momentum=true")}
+"""topk-dgc runs DGC with its density warm-up, clipping and masking (the checkpoint at step 60
+falls in the warm-up's last stage); topk-adamw compresses AdamW's momentum after 50 dense steps."""
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["randomk", "powersgd", "qsgd"])
-def test_resume_with_compression_state_is_bit_identical(tmp_path, method):
+@pytest.mark.parametrize("run", RESUMED)
+def test_resume_with_compression_state_is_bit_identical(tmp_path, run):
     """Interrupted at step 60 (mid-epoch, 45 steps each) and resumed with two micro-batches per
-    step: the residuals, Q and the step that seeds random-k and qsgd's noise come back exactly."""
+    step: the residuals, Q, the update rules' velocities, momenta and frozen variance, and the
+    step that seeds random-k and qsgd's noise come back exactly."""
+    method = run.split("-")[0]
     common = ("train.epochs=2", "optim.schedule=constant", "checkpoint.every_steps=30",
               "train.backward_passes_per_step=2", "data.batch_size=16", f"comm.compression={method}",
-              "comm.min_size=512", "log.tensorboard=false")
+              "comm.min_size=512", "log.tensorboard=false", *RESUMED[run])
     straight = train(quiet_config(TF_CONFIG, tmp_path / "a", *common))
     train(quiet_config(TF_CONFIG, tmp_path / "b", *common, "train.max_steps=60"))
     resumed = train(quiet_config(TF_CONFIG, tmp_path / "b", *common, "checkpoint.resume=auto"))
     assert resumed.summary["steps"] == straight.summary["steps"] == 90
     for key, value in straight.engine.parameters().items():
         assert np.array_equal(resumed.engine.parameters()[key], value), f"{method}: {key}"
+    with np.load(tmp_path / "b" / "run" / "checkpoints" / "step-00000060.ckpt") as ckpt:
+        kinds = {k.split("/")[1] for k in ckpt.files if k.startswith("compression/")}
+    rule = {"topk-dgc": {"velocity", "momentum"}, "topk-adamw": {"momentum", "variance"}}.get(run)
+    if rule:  # the exchange applies the rule; the optimizer is plain SGD
+        assert rule <= kinds and "residual" in kinds
+        assert straight.engine.optimizer.get_config()["momentum"] == 0.0
+        assert straight.engine.kernels.l2 == 0.0
     summary = json.loads((tmp_path / "a" / "run" / "summary.json").read_text())
     # It learns; chance is 0.1.
     assert summary["compression"] == method and summary["final"]["eval_accuracy"] >= 0.5
@@ -342,3 +362,49 @@ def test_update_rule_kernels_match_the_reference():
     for max_norm in (0.5, 1e6):
         got = tfc.clip_factor([tf.constant(p) for p in parts], max_norm)
         assert float(got) == pytest.approx(float(ref.clip_factor(parts, max_norm)), rel=1e-6)
+
+
+RULES = {
+    "dgc-topk": (comm("topk", ratio=0.05, clip_norm=2.0, sparsity_warmup_steps=3,
+                      momentum_masking=True, momentum_correction=True),
+                 OptimizerSettings("sgd", 0.9, 0.01)),
+    "dgc-randomk": (comm("randomk", momentum_correction=True, sparsity_warmup_steps=2),
+                    OptimizerSettings("sgd", 0.9)),
+    "adamw-topk": (comm("topk", ratio=0.05, adam_warmup_steps=2, compress_momentum=True),
+                   OptimizerSettings("adamw", weight_decay=0.1)),
+    "adam-qsgd": (comm("qsgd", adam_warmup_steps=2, compress_momentum=True),
+                  OptimizerSettings("adam", weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_update_rules_match_the_reference_exchange(rule):
+    """The TensorFlow exchange with an update rule against the same plan and rule run on the
+    reference kernels, over the rule's phases (density or Adam warm-up, then compressed), with the
+    weights changing between steps; the stages are traced once per phase, not once per step."""
+    c, opt = RULES[rule]
+    weights = [rng(9 + i).standard_normal(s).astype(F32) for i, s in enumerate(SHAPES)]
+    variables = [tf.Variable(w) for w in weights]
+    exchange = tfc.make_compressing(c, 5, 0, 1, SHAPES, opt, lambda: variables)
+    reference = NumpyExchange(make_plan(c, 5, SHAPES), 0, 1, Hub(1), opt, lambda: weights)
+    if c.compression == "qsgd":  # the same noise: the TensorFlow kernel's draw from the same seed
+        reference.kernels = type("Kernels", (type(reference.kernels),), {"uniform": staticmethod(
+            lambda seed, n: tfc.uniform(tf.constant(seed, tf.int64), n).numpy())})()
+    assert exchange.rule.updates and type(exchange.rule) is type(reference.rule)
+    assert tfx.applies_update(exchange)
+    steps = 6
+    for step in range(1, steps + 1):
+        got = [t.numpy() for t in exchange.run([tf.constant(g) for g in grads_of(step)])]
+        want = reference.run(grads_of(step))
+        for i, (x, w) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(x, w, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{rule} step {step} #{i}")
+        for i, d in enumerate(want):  # the SGD step the optimizer takes with the directions
+            weights[i] -= F32(0.1) * d
+            variables[i].assign(weights[i])
+    for key in exchange.store.variables:
+        np.testing.assert_allclose(exchange.store.numpy(key), reference.store.numpy(key),
+                                   rtol=1e-4, atol=1e-5, err_msg=key)
+    phases = {exchange.rule.begin_step(step) for step in range(1, steps + 1)}
+    assert len(phases) >= 2
+    assert exchange._begin_fn.experimental_get_tracing_count() == len(phases)
