@@ -1,0 +1,183 @@
+"""Parameter servers against ring-allreduce on shaped links, beside the formulas.
+
+The nodes are the network-namespace nodes of ``scripts/cluster_local.sh`` (``n + k`` of them,
+started here at each rate and stopped at the end; needs root), one rank a node, so that each rank
+has a link of its own of the shaped rate, as each machine of a real cluster has its NIC. For
+n = 2 and 4 workers: the ring (``comm.topology=ring``, Horovod over MPI) and dedicated parameter
+servers on k = 1..n extra nodes (``comm.topology=ps``, ``ps.servers=k``), each a job of a few
+steps of a communication-bound MLP (64-2048-2048-10: 17.3 MB of float32 gradients a step), one
+job a setting, the settings interleaved in rounds with the ring at n = 4 run twice (A and A', the
+A/A control).
+
+Beside each measured step time, the communication time the formulas give for the gradient bytes
+M and link rate B: the ring's 2(n-1)/n x M/B (Patarasuk & Yuan), BytePS's
+2n(n-1)M / ((n^2 + kn - 2k) B) for k CPU servers (Jiang et al., OSDI 2020; it assumes the workers'
+spare bandwidth serves part of the sum too), and the bound of dedicated servers alone,
+max(1, n/k) x M/B (each worker sends and receives M; each server link carries n M / k each way).
+Target: dedicated servers with k = n at n = 4 take at most 0.75 x the ring's step time.
+
+Usage (from the repository root; about 15 minutes on 2 cores)::
+
+    .venv/bin/python benchmarks/ps_links.py
+    .venv/bin/python benchmarks/ps_links.py --quick --no-write   # 100 Mbit/s, n = 2 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import harness
+
+CLUSTER = harness.ROOT / "scripts" / "cluster_local.sh"
+CLUSTER_DIR = Path(os.environ.get("HVDTRAIN_CLUSTER_DIR", "/run/hvdtrain-cluster"))
+IFACE = "br-hvd"
+RATES = {"1gbit": 1e9, "100mbit": 100e6}
+HIDDEN = 2048
+PARAMS = 64 * HIDDEN + HIDDEN + HIDDEN * HIDDEN + HIDDEN + HIDDEN * 10 + 10
+GRADIENT_BYTES = 4 * PARAMS
+MODEL = [f"model.options.hidden=[{HIDDEN},{HIDDEN}]", "train.threads=1"]
+"""Every namespace node sees the machine's cores: one compute thread a rank everywhere."""
+TARGET = 0.75
+SIZES = {"rounds": (2, 1), "steps": (8, 5)}
+
+
+def ring_s(n: int, rate: float) -> float:
+    """Ring allreduce's bandwidth term, 2 (n - 1) / n x M / B, in seconds."""
+    return 2 * (n - 1) / n * GRADIENT_BYTES / rate
+
+
+def byteps_s(n: int, k: int, rate: float) -> float:
+    """BytePS's communication time with k CPU servers, 2 n (n - 1) M / ((n^2 + k n - 2 k) B)."""
+    return 2 * n * (n - 1) * GRADIENT_BYTES / ((n * n + k * n - 2 * k) * rate)
+
+
+def dedicated_s(n: int, k: int, rate: float) -> float:
+    """Dedicated servers alone: the busier of a worker's link (M each way) and a server's (n M / k
+    each way), full duplex."""
+    return max(1.0, n / k) * GRADIENT_BYTES / rate
+
+
+def cluster(*args: str) -> None:
+    """``scripts/cluster_local.sh ARGS``; raises on failure."""
+    proc = subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise harness.BenchError(f"cluster_local.sh {' '.join(args)}:\n{proc.stderr[-2000:]}")
+
+
+def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi") -> float:
+    """One job of ``n`` workers (and ``k`` servers; 0: the ring), one rank a node: the median
+    step time over its steps after the first two (start-up), in seconds."""
+    hosts = ",".join(f"node{i}:1" for i in range(1, n + k + 1))
+    topology = ["comm.topology=ps", f"ps.servers={k}"] if k else ["comm.topology=ring"]
+    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as out:
+        argv = [harness.horovodrun(), "-np", str(n + k), "-H", hosts, f"--{controller}",
+                "--network-interfaces", IFACE, str(harness.python().parent / "hvdtrain"), "train",
+                str(harness.ROOT / "configs" / "digits_torch.yaml"), f"log.dir={out}",
+                "log.wandb=disabled", "log.console=false", "log.every_steps=1",
+                f"train.max_steps={steps}", "optim.warmup_steps=0", "checkpoint.enabled=false",
+                *MODEL, *topology]
+        proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            raise harness.BenchError(f"n={n} k={k}: exit {proc.returncode}\n"
+                                     f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in records
+             if r.get("step", 0) > 2 and "step_time_s" in r and "eval_loss" not in r]
+    if not times:
+        raise harness.BenchError(f"n={n} k={k}: no step times after step 2 (raise --steps)")
+    return statistics.median(times)
+
+
+def settings(quick: bool) -> list[tuple[str, int, int]]:
+    """(name, n, k) in measuring order: the ring at n = 4 first and again last (A, A'). The ring
+    runs under MPI, as the servers must; "gloo ring" is Horovod's ring under Gloo."""
+    if quick:
+        return [("ring n=2", 2, 0), ("ps n=2 k=2", 2, 2), ("gloo ring n=2", 2, 0),
+                ("ring n=2 ", 2, 0)]
+    return [("ring n=4", 4, 0), ("gloo ring n=4", 4, 0), ("ring n=2", 2, 0),
+            ("gloo ring n=2", 2, 0), ("ps n=2 k=1", 2, 1), ("ps n=2 k=2", 2, 2),
+            *[(f"ps n=4 k={k}", 4, k) for k in range(1, 5)], ("ring n=4 ", 4, 0)]
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Per rate, per setting name: the step times of each round (order reversed on odd rounds)."""
+    found: dict[str, dict[str, list[float]]] = {}
+    chosen = settings(args.quick)
+    nodes = max(n + k for _, n, k in chosen)
+    for rate in args.rates.split(","):
+        cluster("start", str(nodes), "--bandwidth", rate)
+        found[rate] = {name: [] for name, _, _ in chosen}
+        for round_index in range(args.rounds):
+            for name, n, k in harness.round_order(chosen, round_index):
+                controller = "gloo" if name.startswith("gloo") else "mpi"
+                seconds = step_time(n, k, args.steps, args.timeout, controller)
+                harness.log(f"{rate} {name.strip()}: {seconds:.3f} s a step")
+                found[rate][name].append(seconds)
+    return found
+
+
+def table(rate: str, times: dict[str, list[float]], quick: bool) -> tuple[str, dict[str, float]]:
+    """One rate's Markdown table and each setting's median step time."""
+    bps = RATES[rate] / 8
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    rows = ["| setting | step time, s (median) | runs | formula, s | measured / formula | "
+            "BytePS formula, s |", "|---|---|---|---|---|---|"]
+    for name, n, k in settings(quick):
+        formula = dedicated_s(n, k, bps) if k else ring_s(n, bps)
+        byteps = f"{byteps_s(n, k, bps):.3f}" if k else ""
+        label = name.strip() + (" (A/A control)" if name != name.strip() else "")
+        rows.append(f"| {label} | {medians[name]:.3f} | {len(times[name])} | {formula:.3f} | "
+                    f"{medians[name] / formula:.2f} | {byteps} |")
+    return f"At {rate} a link:\n\n" + "\n".join(rows), medians
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measures every rate, prints the section and, unless ``--no-write``, writes it."""
+    p = harness.parser("ps_links.py", __doc__.splitlines()[0], SIZES, timeout=600.0)
+    p.add_argument("--rates", default="100mbit,1gbit", help=f"comma-separated: {', '.join(RATES)}")
+    args = harness.parse(p, argv)
+    if args.quick:
+        args.rates = "100mbit"
+        args.command = harness.command_line(p, args)
+    machine = harness.machine_record()
+    try:
+        found = measure(args)
+    finally:
+        cluster("stop")
+    blocks, verdicts = [], []
+    for rate, times in found.items():
+        block, medians = table(rate, times, args.quick)
+        blocks.append(block)
+        if not args.quick:
+            ratio = medians["ps n=4 k=4"] / medians["ring n=4"]
+            control = medians["ring n=4 "] / medians["ring n=4"]
+            verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f} (A/A {control:.2f})")
+    notes = [f"Gradients: {GRADIENT_BYTES / 1e6:.1f} MB a step (MLP 64-{HIDDEN}-{HIDDEN}-10, "
+             "float32); batch 32 a worker on digits; one job a setting and round, "
+             f"{args.rounds} round(s), the order reversed on odd rounds; the median of steps 3 to "
+             f"{args.steps} of each job.",
+             "The formula column: the ring's bandwidth term for the ring, the dedicated servers' "
+             "bound max(1, n/k) M/B for servers; both count communication only (the step also "
+             "computes, and the ring's latency terms are left out).",
+             "All ranks share this machine's 2 cores: where the link is fast, compute and the "
+             "servers' summing, not the link, set the step time."]
+    verdict = "; ".join(verdicts) or "quick run: no verdict"
+    entry = harness.Entry(label="Parameter servers vs ring on shaped links", script="ps_links.py",
+                          target=f"ps with k = n = 4 <= {TARGET} x ring step time", verdict=verdict)
+    harness.publish(harness.section_text("Parameter servers against the ring on shaped links",
+                                         args.command, machine, blocks, notes, entry=entry), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
