@@ -1,0 +1,99 @@
+"""``hvdtrain plan``: the command's steps (the CLI parses, this runs).
+
+``hvdtrain plan [CONFIG] --cluster CLUSTER.yaml [KEY=VALUE ...] [--profile PROFILE.json]
+[--json OUT.json] [--html OUT.html] [--plot OUT.png]`` prints the ranked table and writes the
+outputs asked for; without ``--profile`` it profiles CONFIG's model on this machine first.
+``hvdtrain plan profile CONFIG --out PROFILE.json [KEY=VALUE ...]`` writes a profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hvdtrain.errors import ConfigError
+from hvdtrain.plan.cluster import load_cluster
+from hvdtrain.plan.predict import Knobs, Plan, plan
+from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
+
+PROFILE_STEPS = 5
+"""Steps ``hvdtrain plan profile`` times (after one untimed step that warms up)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the command line asked for."""
+
+    items: Sequence[str]
+    """``[profile] [CONFIG] [KEY=VALUE ...]`` as given."""
+    cluster: str | None = None
+    profile: str | None = None
+    json: str | None = None
+    html: str | None = None
+    plot: str | None = None
+    out: str | None = None
+
+
+def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    files = [i for i in items if "=" not in i]
+    if len(files) > 1:
+        raise ConfigError(f"hvdtrain plan: one config file, not {len(files)} ({', '.join(files)})")
+    return (files[0] if files else None), [i for i in items if "=" in i]
+
+
+def measure(config: str, overrides: Sequence[str], steps: int = PROFILE_STEPS) -> ModelProfile:
+    """Profiles the config's model on this machine, one rank, with its framework."""
+    from hvdtrain.config import load_config
+
+    cfg = load_config(config, overrides)
+    if cfg.framework != "torch":
+        raise ConfigError(f"framework={cfg.framework!r}: hvdtrain plan profile measures PyTorch "
+                          "models only so far; profile the same model with framework=torch")
+    from hvdtrain.torch.plan_profile import profile_model
+
+    return profile_model(cfg, steps)
+
+
+def run(request: Request) -> Plan | ModelProfile:
+    """Runs the command: writes a profile (``plan profile``), or plans and writes the outputs."""
+    items = list(request.items)
+    if items and items[0] == "profile":
+        config, overrides = _config_and_overrides(items[1:])
+        if config is None or request.out is None:
+            raise ConfigError("hvdtrain plan profile CONFIG --out PROFILE.json: needs both")
+        measured = measure(config, overrides)
+        save_profile(measured, request.out)
+        return measured
+    return _plan(request, items)
+
+
+def _plan(request: Request, items: list[str]) -> Plan:
+    from hvdtrain.plan import html, render
+
+    if request.cluster is None:
+        raise ConfigError("hvdtrain plan: --cluster CLUSTER.yaml is required")
+    config, overrides = _config_and_overrides(items)
+    cluster = load_cluster(request.cluster)
+    knobs: Knobs | None = None
+    if config is not None:
+        from hvdtrain.config import load_config
+
+        cfg = load_config(config, overrides)
+        knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
+                      microbatches=cfg.pipeline.microbatches)
+    if request.profile is not None:
+        model = load_profile(request.profile)
+        if config is not None:
+            check_matches(model, cfg.framework, cfg.model.name, cfg.model.options)
+    elif config is not None:
+        model = measure(config, overrides)
+    else:
+        raise ConfigError("hvdtrain plan: give a CONFIG to profile, or --profile PROFILE.json")
+    result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
+    print(render.table(result))
+    for path, write in ((request.json, render.write_json), (request.html, html.write_html),
+                        (request.plot, render.write_plot)):
+        if path:
+            write(result, path)
+            print(f"[hvdtrain] wrote {path}")
+    return result
