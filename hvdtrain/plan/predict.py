@@ -15,7 +15,7 @@ from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
 from hvdtrain.plan.profile import MethodProfile, ModelProfile
-from hvdtrain.plan.stages import PLANNED_SCHEDULES, pipeline_step
+from hvdtrain.plan.stages import PLANNED_SCHEDULES, PipelineStep, pipeline_step
 
 OVERLAPPED = ("none", "fp16")
 """Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
@@ -249,7 +249,8 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
 def _stage_counts(ctx: _Ctx) -> list[int]:
     most = ctx.cluster.nodes * ctx.cluster.ranks_per_node
     counts, p = [], 2
-    while p <= max(most, 2) and p <= 64:
+    # Up to the ranks, and one count past the layers to say why more stages do not apply.
+    while p <= max(most, 2) and p // 2 <= max(1, len(ctx.profile.layers)):
         counts.append(p)
         p *= 2
     return counts
@@ -270,27 +271,38 @@ def _pipelines(ctx: _Ctx) -> list[Prediction]:
             elif stages > len(layers):
                 pred.reason = f"more stages ({stages}) than the model's layers ({len(layers)})"
             else:
-                def point(n: int, s: int = stages, mb: int = micro, sc: str = schedule) -> Outcome:
-                    return _pipeline_point(ctx, n, s, mb, sc)
+                step = _pipeline_step(ctx, stages, micro, schedule)
+
+                def point(n: int, s: int = stages, st: PipelineStep = step) -> Outcome:
+                    return _pipeline_point(ctx, n, s, st)
                 _sweep(ctx, pred, point)
             out.append(pred)
     return out
 
 
-def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, micro: int,
-                    schedule: str) -> tuple[float, list[Segment]] | str:
+def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str) -> PipelineStep:
+    """One copy's schedule: the same at every node count (a copy's ranks sit on one node when
+    ``P`` divides the ranks per node, else they span nodes)."""
+    c = ctx.cluster
+    link = c.intra if _same_node(ctx, stages) else c.inter
+    share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
+    return pipeline_step(ctx.profile.layers, stages, micro, schedule, share / c.compute_speed,
+                         share, lambda b: costs.send(b, link, c.overhead_s))
+
+
+def _same_node(ctx: _Ctx, stages: int) -> bool:
+    g = ctx.cluster.ranks_per_node
+    return stages <= g and g % stages == 0
+
+
+def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> Outcome:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     ranks = nodes * g
     if ranks < stages or ranks % stages:
         return f"{ranks} ranks do not hold copies of {stages} stages"
-    same_node = stages <= g and g % stages == 0
-    link = c.intra if same_node else c.inter
-    share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
-    step = pipeline_step(ctx.profile.layers, stages, micro, schedule,
-                         share / c.compute_speed, share, lambda b: costs.send(b, link, o))
     copies = ranks // stages
     biggest = max(step.stage_bytes)
-    if same_node:
+    if _same_node(ctx, stages):
         shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / stages,
                       latency_us=c.inter.latency_us)
         dp = costs.hierarchical_allreduce(biggest, nodes, g // stages, c.intra, shared, o)
@@ -298,9 +310,9 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, micro: int,
         shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
         dp = costs.ring_allreduce(biggest, copies, shared, o)
     update = ctx.upd / stages
-    busy = micro * (step.forward_s + step.backward_s)
-    segs = [Segment("compute", f"{micro} micro-batches, slowest stage", 0.0, busy),
-            Segment("bubble", f"bubble {step.bubble:.0%}", busy, step.span_s),
+    micro = round(step.busy_s / (step.forward_s + step.backward_s)) if step.busy_s else 0
+    segs = [Segment("compute", f"{micro} micro-batches, slowest stage", 0.0, step.busy_s),
+            Segment("bubble", f"bubble {step.bubble:.0%}", step.busy_s, step.span_s),
             Segment("comm", f"stage allreduce {biggest / 1e6:.2f} MB over {copies} copies",
                     step.span_s, step.span_s + dp),
             Segment("compute", "update", step.span_s + dp, step.span_s + dp + update)]

@@ -30,6 +30,8 @@ class PipelineStep:
     stage_bytes: list[int]
     transfer_s: float
     """One micro-batch's activation (or its gradient) over the slowest cut."""
+    busy_s: float
+    """The slowest stage's computing (and transfers) over the step: ``m (f + b)``."""
 
 
 def split_layers(layers: list[LayerProfile], stages: int) -> list[list[LayerProfile]]:
@@ -51,4 +53,5 @@ def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule:
     lists = [actions(schedule, s, stages, micro) for s in range(stages)]
     timeline = simulate(lists, forward_s=fwd + xfer, backward_s=bwd + xfer)
     return PipelineStep(max(timeline.finish), timeline.bubble, fwd + xfer, bwd + xfer,
-                        [4 * sum(x.params for x in p) for p in pieces], xfer)
+                        [4 * sum(x.params for x in p) for p in pieces], xfer,
+                        micro * (fwd + bwd + 2 * xfer))
