@@ -75,19 +75,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="predict step time and scaling of every setting on a "
-                          "cluster file; 'plan profile CONFIG --out P.json' measures a profile")
-    plan.add_argument("overrides", nargs="*", metavar="[profile] [CONFIG] [KEY=VALUE]",
-                      help="'profile' to measure one; the config file; dotted overrides")
+                          "cluster file; 'plan profile CONFIG --out P.json' measures a profile, "
+                          "'plan calibrate --out C.yaml' (2 ranks) a cluster file")
+    plan.add_argument("overrides", nargs="*", metavar="[profile|calibrate] [CONFIG] [KEY=VALUE]",
+                      help="'profile' or 'calibrate' to measure; the config file; dotted overrides")
     plan.add_argument("--cluster", help="cluster file (YAML; see docs/planner.md)")
     plan.add_argument("--profile", help="model profile (JSON) written by 'hvdtrain plan profile'"
                       " (default: profile CONFIG's model now)")
     plan.add_argument("--json", help="write the plan as JSON to this file")
     plan.add_argument("--html", help="write a self-contained page with the curves and time-lines")
     plan.add_argument("--plot", help="write the scaling curves as an image (PNG, SVG, PDF)")
-    plan.add_argument("--out", help="plan profile: where to write the profile (JSON)")
+    plan.add_argument("--out", help="plan profile: the profile (JSON) to write; plan calibrate: "
+                      "the cluster file (YAML)")
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from hvdtrain.plan.cluster import Cluster
     from hvdtrain.plan.command import Request, run
     from hvdtrain.plan.profile import ModelProfile
 
@@ -95,6 +98,10 @@ def _plan(args: argparse.Namespace) -> int:
                          args.plot, args.out))
     if isinstance(result, ModelProfile):
         print(f"[hvdtrain] wrote the profile of {result.name} to {args.out}")
+    elif isinstance(result, Cluster):
+        print(f"[hvdtrain] wrote the cluster file {args.out}: {result.inter.bandwidth_gbit_s:.3f} "
+              f"Gbit/s, {result.inter.latency_us:.1f} us, {result.message_overhead_us:.1f} us "
+              "per collective")
     return 0
 
 

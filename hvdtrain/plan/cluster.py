@@ -90,6 +90,9 @@ class Cluster:
     """Fixed cost of each collective call, microseconds, on top of the links' latency."""
     name: str = ""
     """A name for the tables (default: the file's stem)."""
+    calibration: dict = _opt({})
+    """What ``hvdtrain plan calibrate`` measured (hosts, sizes, seconds): kept for the record,
+    not read by the plan."""
 
     def __post_init__(self) -> None:
         checks = [

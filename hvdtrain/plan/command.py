@@ -3,7 +3,8 @@
 ``hvdtrain plan [CONFIG] --cluster CLUSTER.yaml [KEY=VALUE ...] [--profile PROFILE.json]
 [--json OUT.json] [--html OUT.html] [--plot OUT.png]`` prints the ranked table and writes the
 outputs asked for; without ``--profile`` it profiles CONFIG's model on this machine first.
-``hvdtrain plan profile CONFIG --out PROFILE.json [KEY=VALUE ...]`` writes a profile.
+``hvdtrain plan profile CONFIG --out PROFILE.json [KEY=VALUE ...]`` writes a profile;
+``horovodrun -np 2 ... hvdtrain plan calibrate --out CLUSTER.yaml`` writes a cluster file.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hvdtrain.errors import ConfigError
-from hvdtrain.plan.cluster import load_cluster
+from hvdtrain.plan.cluster import Cluster, load_cluster
 from hvdtrain.plan.predict import Knobs, Plan, plan
 from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
 
@@ -54,9 +55,16 @@ def measure(config: str, overrides: Sequence[str], steps: int = PROFILE_STEPS) -
     return profile_model(cfg, steps)
 
 
-def run(request: Request) -> Plan | ModelProfile:
-    """Runs the command: writes a profile (``plan profile``), or plans and writes the outputs."""
+def run(request: Request) -> Plan | ModelProfile | Cluster | None:
+    """Runs the command: writes a profile (``plan profile``) or a cluster file (``plan
+    calibrate``; None on the rank that does not write it), or plans and writes the outputs."""
     items = list(request.items)
+    if items and items[0] == "calibrate":
+        if request.out is None or len(items) > 1:
+            raise ConfigError("hvdtrain plan calibrate --out CLUSTER.yaml: under horovodrun -np 2")
+        from hvdtrain.torch.plan_calibrate import calibrate
+
+        return load_cluster(request.out) if calibrate(request.out) else None
     if items and items[0] == "profile":
         config, overrides = _config_and_overrides(items[1:])
         if config is None or request.out is None:

@@ -99,3 +99,15 @@ def test_pipeline_bubble_from_the_simulator() -> None:
     slow = pipeline_step(layers, 2, 6, "1f1b", 1.0, 0.5, lambda b: b * 1e-4)
     assert slow.transfer_s == pytest.approx(0.05)
     assert slow.span_s == pytest.approx(7 * 0.7)
+
+
+def test_calibration_recovers_the_link() -> None:
+    from hvdtrain.plan.calibrate import SIZES, Sweep, cluster_tree, fit_line, link_of
+
+    assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    b, a, o = 1e9, 1e-4, 5e-5  # bytes/s, s, s: broadcast a + m/B, allreduce o + 2a + m/B
+    sweep = Sweep(SIZES, tuple(a + m / b for m in SIZES), tuple(o + 2 * a + m / b for m in SIZES))
+    gbit, latency_us, overhead_us = link_of(sweep)
+    assert (gbit, latency_us, overhead_us) == pytest.approx((8.0, 100.0, 50.0))
+    tree = cluster_tree(sweep, ["a", "b"], 1)
+    assert tree["nodes"] == 2 and tree["calibration"]["measured"] == "inter"
