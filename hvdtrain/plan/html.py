@@ -1,5 +1,7 @@
-"""``hvdtrain plan --html``: one self-contained page (inline SVG, no script, no network) with the
-predicted scaling curves per setting and the time-line of one step of each setting."""
+"""``hvdtrain plan --html``: one self-contained page (inline SVG and one inline script, nothing
+fetched) with the predicted scaling curves per setting and the time-line of one step of each
+setting. The script measures the drawn curves once the browser has laid them out and says how
+many have a length (``#rendered``): what the browser test reads back."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
            "#7f7f7f", "#bcbd22", "#17becf")
 LANES = {"compute": "#4c78a8", "comm": "#f58518", "bubble": "#bbbbbb"}
 W, H, PAD = 720, 380, 50
+CHECK = ("(function(){var c=document.querySelectorAll('polyline.curve'),n=0;"
+         "for(var i=0;i<c.length;i++){if(c[i].getTotalLength()>0){n++;}}"
+         "document.getElementById('rendered').textContent='curves drawn: '+n+' of '+c.length;})();")
+"""The page's one script: counts the curves the browser drew with a non-zero length."""
 
 
 def _esc(text: str) -> str:
@@ -88,7 +94,7 @@ def page(result: Plan) -> str:
         parts.append(f"<h3>{_esc(pred.setting)}: {best.nodes} node(s), "
                      f"{1e3 * (best.step_s or 0):.2f} ms</h3>")
         parts.append(timeline_svg(pred))
-    parts.append("</body></html>")
+    parts.append(f"<p id='rendered'></p><script>{CHECK}</script></body></html>")
     return "\n".join(parts)
 
 

@@ -94,7 +94,9 @@ def test_outputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert [p["nodes"] for p in ring["points"]] == [1, 2]
     assert ring["points"][1]["samples_per_s"] > ring["points"][0]["samples_per_s"]
     page = Path(out[1]).read_text()
-    assert "<script" not in page and "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    # Self-contained: nothing fetched (no src or href, no address but the SVG namespace).
+    assert "src=" not in page and "href" not in page
+    assert "//" not in page.replace("http://www.w3.org/2000/svg", "")
     svgs = [ET.fromstring(s[:s.index("</svg>") + 6]) for s in page.split("<svg")[1:]
             if s.startswith(" ") for s in ["<svg" + s]]
     curves = [e for svg in svgs for e in svg.iter() if e.get("class") == "curve"]
