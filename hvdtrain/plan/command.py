@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.plan.cluster import Cluster, load_cluster
 from hvdtrain.plan.predict import Knobs, Plan, plan
 from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
+from hvdtrain.plan.stages import PLANNED_SCHEDULES
 
 PROFILE_STEPS = 5
 """Steps ``hvdtrain plan profile`` times (after one untimed step that warms up)."""
@@ -44,8 +46,6 @@ def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def measure(config: str, overrides: Sequence[str], steps: int = PROFILE_STEPS) -> ModelProfile:
     """Profiles the config's model on this machine, one rank, with its framework."""
-    from hvdtrain.config import load_config
-
     cfg = load_config(config, overrides)
     if cfg.framework != "torch":
         raise ConfigError(f"framework={cfg.framework!r}: hvdtrain plan profile measures PyTorch "
@@ -75,6 +75,31 @@ def run(request: Request) -> Plan | ModelProfile | Cluster | None:
     return _plan(request, items)
 
 
+def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
+    """The name of the setting ``cfg`` runs, as the plan names it; a one-line error when it
+    cannot run on ``cluster`` at any node count."""
+    most = cluster.nodes * cluster.ranks_per_node
+    stages = cfg.pipeline.stages
+    if stages > 1:
+        if not any(n * cluster.ranks_per_node % stages == 0
+                   for n in range(1, cluster.nodes + 1)):
+            raise ConfigError(f"pipeline.stages={stages}: no node count of this cluster (1 to "
+                              f"{cluster.nodes} x {cluster.ranks_per_node} ranks) holds whole "
+                              "copies of the pipeline")
+        if cfg.pipeline.schedule not in PLANNED_SCHEDULES:
+            raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule!r}: the plan prices "
+                              f"{' and '.join(PLANNED_SCHEDULES)} only")
+        return f"pipeline P={stages} m={knobs.microbatches or 4 * stages} {cfg.pipeline.schedule}"
+    if cfg.comm.topology == "ps":
+        if not cluster.servers.nodes:
+            raise ConfigError("comm.topology=ps: the cluster file has no server nodes "
+                              "(servers.nodes); add them or plan comm.topology=ring")
+        return f"ps dedicated S={cluster.servers.nodes}"
+    if most < 2:
+        return "ring"
+    return "ring" if cfg.comm.compression == "none" else f"ring {cfg.comm.compression}"
+
+
 def _plan(request: Request, items: list[str]) -> Plan:
     from hvdtrain.plan import html, render
 
@@ -84,8 +109,6 @@ def _plan(request: Request, items: list[str]) -> Plan:
     cluster = load_cluster(request.cluster)
     knobs: Knobs | None = None
     if config is not None:
-        from hvdtrain.config import load_config
-
         cfg = load_config(config, overrides)
         knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
                       microbatches=cfg.pipeline.microbatches)
@@ -98,6 +121,8 @@ def _plan(request: Request, items: list[str]) -> Plan:
     else:
         raise ConfigError("hvdtrain plan: give a CONFIG to profile, or --profile PROFILE.json")
     result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
+    if config is not None:
+        result.configured = configured_setting(cfg, cluster, result.knobs)
     print(render.table(result))
     for path, write in ((request.json, render.write_json), (request.html, html.write_html),
                         (request.plot, render.write_plot)):

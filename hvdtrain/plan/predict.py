@@ -87,6 +87,8 @@ class Plan:
     knobs: Knobs
     base_samples_per_s: float
     predictions: list[Prediction]
+    configured: str = ""
+    """The setting the run config asks for (marked in the table), when a config was given."""
 
 
 Outcome = tuple[float, list[Segment]] | str

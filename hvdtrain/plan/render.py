@@ -24,7 +24,8 @@ def table(result: Plan) -> str:
         if best is None:
             continue
         rank += 1
-        lines.append(f"{rank:>2}  {pred.setting:<34} {best.nodes:>5} {1e3 * (best.step_s or 0):>9.2f} "
+        mark = "*" if pred.setting == result.configured else " "
+        lines.append(f"{rank:>2}{mark} {pred.setting:<34} {best.nodes:>5} {1e3 * (best.step_s or 0):>9.2f} "
                      f"{best.samples_per_s or 0:>11.1f} {best.efficiency or 0:>6.1%} "
                      f"{1e3 * (best.comm_s or 0):>8.2f}  {pred.how}")
     skipped = [p for p in result.predictions if p.best is None]
@@ -33,12 +34,15 @@ def table(result: Plan) -> str:
         for pred in skipped:
             why = pred.reason or next((p.reason for p in pred.points if p.reason), "")
             lines.append(f"    {pred.setting:<34} {why}")
+    if result.configured:
+        lines.append(f"* the config's setting: {result.configured}")
     return "\n".join(lines)
 
 
 def as_dict(result: Plan) -> dict[str, Any]:
     """The plan as plain data: inputs, and every setting's points and time-line."""
-    return {"model": result.model, "cluster": result.cluster.to_dict(),
+    return {"model": result.model, "configured": result.configured,
+            "cluster": result.cluster.to_dict(),
             "knobs": dataclasses.asdict(result.knobs),
             "base_samples_per_s": result.base_samples_per_s,
             "settings": [dataclasses.asdict(p) for p in result.predictions]}

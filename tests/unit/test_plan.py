@@ -103,3 +103,34 @@ def test_outputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert {c.get("data-setting") for c in curves} >= {"ring", "ps dedicated S=1"}
     bars = [e for svg in svgs for e in svg.iter() if (e.get("class") or "").startswith("segment")]
     assert any("bucket" in (b.findtext("{http://www.w3.org/2000/svg}title") or "") for b in bars)
+
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_torch.yaml"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["pipeline.stages=3", "data.batch_size=30", "data.eval_batch_size=30"],
+     "pipeline.stages=3: no node count of this cluster"),
+    (["comm.topology=ps"], "comm.topology=ps: the cluster file has no server nodes"),
+])
+def test_a_setting_the_cluster_cannot_run_is_refused(overrides: list[str], message: str) -> None:
+    from hvdtrain.config import load_config
+    from hvdtrain.plan.command import configured_setting
+
+    cfg = load_config(CONFIG, overrides, environ={})
+    with pytest.raises(ConfigError, match=message):
+        configured_setting(cfg, cluster_from_tree(GOOD), Knobs(32))
+
+
+def test_the_configured_setting_is_marked() -> None:
+    from hvdtrain.config import load_config
+    from hvdtrain.plan.command import configured_setting
+    from hvdtrain.plan.render import table
+
+    cluster = cluster_from_tree(GOOD)
+    cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=gpipe"], environ={})
+    assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=8 gpipe"
+    result = plan(load_profile(PUBLISHED / "resnet101.json"), cluster, Knobs(64))
+    result.configured = configured_setting(load_config(CONFIG, environ={}), cluster, Knobs(64))
+    marked = [line for line in table(result).splitlines() if line[2:3] == "*"]
+    assert len(marked) == 1 and " ring " in marked[0]
