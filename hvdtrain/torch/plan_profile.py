@@ -9,36 +9,22 @@ kernel time (the method's compression kernels on the step's gradients). No Horov
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from hvdtrain.adapters import make_adapter
-from hvdtrain.compression import METHODS, make_plan
-from hvdtrain.compression import reference as ref
 from hvdtrain.config import Config
 from hvdtrain.driver import make_dataset
-from hvdtrain.plan.profile import (
-    LayerProfile,
-    MethodProfile,
-    ModelProfile,
-    TensorProfile,
-    model_key,
-)
+from hvdtrain.plan.measure import medians, method_profiles
+from hvdtrain.plan.profile import LayerProfile, ModelProfile, TensorProfile, model_key
 from hvdtrain.registry import MODELS
-from hvdtrain.torch import compression as kernels
+from hvdtrain.torch.compression import Kernels
 from hvdtrain.torch.data import _as_tensors
 from hvdtrain.torch.engine import make_optimizer
 from hvdtrain.torch.models import ClassifierAdapter
-
-
-def _median(rows: list[list[float]]) -> list[float]:
-    return [statistics.median(col) for col in zip(*rows, strict=True)]
 
 
 def _whole_model(adapter: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, x: Any, y: Any,
@@ -62,7 +48,7 @@ def _whole_model(adapter: Any, model: torch.nn.Module, opt: torch.optim.Optimize
         if step:
             times.append([t1 - t0, t2 - t1, t3 - t2])
             readies.append([r - t1 for r in ready])
-    return _median(times), _median(readies)
+    return medians(times), medians(readies)
 
 
 def _layers(adapter: Any, spec: Any, x: Any, y: Any, steps: int) -> list[LayerProfile]:
@@ -75,8 +61,8 @@ def _layers(adapter: Any, spec: Any, x: Any, y: Any, steps: int) -> list[LayerPr
     for _ in range(steps + 1):
         rows.append(_time_layers(adapter, mods, x, y))
     rows = rows[1:]
-    fwd = _median([r[0] for r in rows])
-    bwd = _median([r[1] for r in rows])
+    fwd = medians([r[0] for r in rows])
+    bwd = medians([r[1] for r in rows])
     acts = rows[0][2]
     return [LayerProfile(n, sum(p.numel() for p in m.parameters()), f, b, a)
             for n, m, f, b, a in zip(names, mods, fwd, bwd, acts, strict=True)]
@@ -107,48 +93,6 @@ def _time_layers(adapter: Any, mods: list[torch.nn.Module], x: Any,
     return fwd, bwd, acts
 
 
-def _kernel(method: str, cfg: Config, grad: torch.Tensor, shape: tuple[int, ...]) -> Callable[[], Any]:
-    """The compression kernel of ``method`` on one flat gradient, ready to time."""
-    comm, n = cfg.comm, grad.numel()
-    k = ref.num_selected(n, comm.ratio)
-    if method == "fp16":
-        return lambda: grad.half()
-    if method == "topk":
-        return lambda: kernels.topk_compress(grad, k)
-    if method == "randomk":
-        idx = torch.from_numpy(ref.randomk_indices(n, k, cfg.seed, 0, 0))
-        return lambda: kernels.randomk_compress(grad, idx, 1.0)
-    if method == "qsgd":
-        noise = torch.rand(n)
-        return lambda: kernels.qsgd_compress(grad, comm.bucket, noise)
-    rows, cols = ref.matrix_shape(shape)
-    m = grad.reshape(rows, cols)
-    q = torch.randn(cols, min(comm.rank, rows, cols))
-    return lambda: m.t() @ kernels.orthogonalize(m @ q)
-
-
-def _methods(cfg: Config, model: torch.nn.Module, steps: int) -> dict[str, MethodProfile]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    shapes = [tuple(p.shape) for p in params]
-    out = {}
-    for method in METHODS:
-        plan = make_plan(dataclasses.replace(cfg.comm, compression=method), cfg.seed, shapes)
-        ratio = plan.dense_bytes() / max(1, plan.wire_bytes())
-        seconds = 0.0
-        for t, p in zip(plan.tensors, params, strict=True):
-            if method == "none" or not (t.compressed or method == "fp16"):
-                continue
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            run = _kernel(method, cfg, grad.detach().flatten(), t.shape)
-            run()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run()
-            seconds += (time.perf_counter() - t0) / steps
-        out[method] = MethodProfile(ratio, seconds, plan.collective)
-    return out
-
-
 def profile_model(cfg: Config, steps: int) -> ModelProfile:
     """Profiles ``cfg``'s model on ``data.batch_size`` training samples for ``steps`` steps."""
     dataset = make_dataset(cfg)
@@ -168,10 +112,14 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
                       zip(names, params, ready, strict=True)), key=lambda t: t.ready_s)
     loss, _ = adapter.loss_and_metrics(model, x, y)
     loss.backward()  # gradients for the compression kernels
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten()
+             for p in params]
+    methods = method_profiles(cfg.comm, cfg.seed, [tuple(p.shape) for p in params], grads,
+                              Kernels(), torch.from_numpy, steps)
     return ModelProfile(
         model=model_key(cfg.framework, cfg.model.name, cfg.model.options),
         batch_size=len(batch.x) if hasattr(batch.x, "__len__") else cfg.data.batch_size,
         forward_s=fwd, backward_s=bwd, update_s=upd, tensors=tensors,
-        layers=_layers(adapter, spec, x, y, steps), compression=_methods(cfg, model, steps),
+        layers=_layers(adapter, spec, x, y, steps), compression=methods,
         source=f"measured by hvdtrain plan profile: {steps} steps, one rank, PyTorch "
                f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
