@@ -47,9 +47,10 @@ def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
 def measure(config: str, overrides: Sequence[str], steps: int = PROFILE_STEPS) -> ModelProfile:
     """Profiles the config's model on this machine, one rank, with its framework."""
     cfg = load_config(config, overrides)
-    if cfg.framework != "torch":
-        raise ConfigError(f"framework={cfg.framework!r}: hvdtrain plan profile measures PyTorch "
-                          "models only so far; profile the same model with framework=torch")
+    if cfg.framework == "tensorflow":
+        from hvdtrain.tensorflow.plan_profile import profile_model as profile_tf
+
+        return profile_tf(cfg, steps)
     from hvdtrain.torch.plan_profile import profile_model
 
     return profile_model(cfg, steps)
