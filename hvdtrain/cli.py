@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``train``, ``data``, ``slurm``, ``report`` and ``doctor``.
+"""The ``hvdtrain`` command: ``train``, ``data``, ``slurm``, ``report``, ``plan`` and ``doctor``.
 
 Errors become one line on stderr and an exit code a job script can act on (docs/elastic.md,
 "Exit codes"): 2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing
@@ -25,7 +25,7 @@ EXIT_ENVIRONMENT = 74
 saved stays valid: fix the cause, then resubmit with ``checkpoint.resume=auto``. 74 is
 ``EX_IOERR`` of sysexits.h."""
 # Subcommands whose KEY=VALUE overrides may come before, between or after the options.
-_WITH_OVERRIDES = ("train", "slurm")
+_WITH_OVERRIDES = ("train", "slurm", "plan")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="render elastic.sbatch (elastic Horovod)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
+    _plan_parser(sub)
     data = sub.add_parser("data", help="data set tools: make-images writes a class-per-folder "
                                        "JPEG set, make-text a tokenized text corpus")
     tools = data.add_subparsers(dest="action", required=True)
@@ -72,6 +73,38 @@ def _parser() -> argparse.ArgumentParser:
     text.add_argument("--val-fraction", type=float, default=0.1,
                       help="the last this fraction of the bytes is val.bin (default: 0.1)")
     return parser
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="predict step time and scaling of every setting on a "
+                          "cluster file; 'plan profile CONFIG --out P.json' measures a profile, "
+                          "'plan calibrate --out C.yaml' (2 ranks) a cluster file")
+    plan.add_argument("overrides", nargs="*", metavar="[profile|calibrate] [CONFIG] [KEY=VALUE]",
+                      help="'profile' or 'calibrate' to measure; the config file; dotted overrides")
+    plan.add_argument("--cluster", help="cluster file (YAML; see docs/planner.md)")
+    plan.add_argument("--profile", help="model profile (JSON) written by 'hvdtrain plan profile'"
+                      " (default: profile CONFIG's model now)")
+    plan.add_argument("--json", help="write the plan as JSON to this file")
+    plan.add_argument("--html", help="write a self-contained page with the curves and time-lines")
+    plan.add_argument("--plot", help="write the scaling curves as an image (PNG, SVG, PDF)")
+    plan.add_argument("--out", help="plan profile: the profile (JSON) to write; plan calibrate: "
+                      "the cluster file (YAML)")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from hvdtrain.plan.cluster import Cluster
+    from hvdtrain.plan.command import Request, run
+    from hvdtrain.plan.profile import ModelProfile
+
+    result = run(Request(args.overrides, args.cluster, args.profile, args.json, args.html,
+                         args.plot, args.out))
+    if isinstance(result, ModelProfile):
+        print(f"[hvdtrain] wrote the profile of {result.name} to {args.out}")
+    elif isinstance(result, Cluster):
+        print(f"[hvdtrain] wrote the cluster file {args.out}: {result.inter.bandwidth_gbit_s:.3f} "
+              f"Gbit/s, {result.inter.latency_us:.1f} us, {result.message_overhead_us:.1f} us "
+              "per collective")
+    return 0
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -171,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _slurm(args)
         if args.command == "data":
             return _data(args)
+        if args.command == "plan":
+            return _plan(args)
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
     except EnvironmentFailure as exc:

@@ -28,7 +28,7 @@ UV_VERSION=0.13.9
 CACHE="${HVDTRAIN_CACHE:-$HOME/.cache/hvdtrain}"
 CUDA="${HVDTRAIN_CUDA:-0}"
 CHANGED=0
-APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make patch python3-dev)
+APT_PACKAGES=(libopenmpi-dev openmpi-bin cmake g++ make patch python3-dev chromium)
 
 say() { printf '==> [setup] %s\n' "$*"; }
 fail() { printf '!!! [setup] step "%s" failed: %s\n' "$1" "$2" >&2; exit 1; }

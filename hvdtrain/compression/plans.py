@@ -80,6 +80,9 @@ class Plan:
     """Collective rounds per step."""
     dense_dtype: ClassVar[str] = "float32"
     """What uncompressed tensors travel as."""
+    collective: ClassVar[str] = "allreduce"
+    """The collective its compressed tensors travel by (``allgather`` where the messages of the
+    ranks cannot be summed): what ``hvdtrain plan`` prices."""
     ratio: float | None = None
     """The fraction sparse methods send this step, where a density warm-up sets it (None:
     ``comm.ratio``)."""
@@ -152,6 +155,8 @@ class _Sparse(Plan):
 class TopK(_Sparse):
     """``topk``, round 1: allgather float32 values and int32 indices; each rank scatter-adds all."""
 
+    collective = "allgather"
+
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         values, indices = ctx.kernels.topk_compress(acc, self.k(t))
         return Stage(Message(gather=(values, indices)),
@@ -190,6 +195,7 @@ class QSGD(Plan):
     """``qsgd``, round 1: allgather int8 codes and float32 scales; every rank decodes, averages."""
 
     dense = False
+    collective = "allgather"
 
     def compressible(self, shape: tuple[int, ...]) -> bool:
         return ref.large_enough(shape, self.comm.min_size)

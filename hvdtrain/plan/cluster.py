@@ -1,0 +1,153 @@
+"""The cluster file: nodes, ranks per node, the links within and between nodes, optional CPU server
+nodes, and each rank's compute speed relative to the machine the model was profiled on.
+
+```yaml
+nodes: 32                 # compute nodes
+ranks_per_node: 4         # ranks (GPUs) per node
+compute_speed: 1.0        # a rank's speed relative to the profiling machine (2.0: twice as fast)
+intra: {bandwidth_gbit_s: 80, latency_us: 2}    # the link between ranks of one node
+inter: {bandwidth_gbit_s: 25, latency_us: 5}    # each node's link to the others (its NIC)
+servers: {nodes: 0, bandwidth_gbit_s: 25, latency_us: 5, sum_gbyte_s: 0}
+message_overhead_us: 0    # fixed cost per collective call (Horovod's negotiation, launches)
+```
+
+Every key is checked as the run config's are (:func:`hvdtrain.config.build`): a missing, unknown or
+impossible value is one :class:`~hvdtrain.errors.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hvdtrain.config import _opt, build
+from hvdtrain.errors import ConfigError, os_failure
+
+REQUIRED = ("nodes", "ranks_per_node", "intra", "inter")
+"""Top-level keys a cluster file must give: no default would describe a real cluster."""
+LINK_REQUIRED = ("bandwidth_gbit_s", "latency_us")
+
+
+@dataclass(kw_only=True)
+class Link:
+    """One kind of link: its bandwidth each way and its one-way latency."""
+
+    bandwidth_gbit_s: float = _opt(0.0, min=0.0)
+    """Bandwidth each way, Gbit/s (10**9 bits per second), as the collectives reach it."""
+    latency_us: float = _opt(0.0, min=0.0)
+    """One-way latency of one message, microseconds (the alpha of the alpha-beta model)."""
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Bandwidth in bytes per second."""
+        return self.bandwidth_gbit_s * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        """Latency in seconds."""
+        return self.latency_us * 1e-6
+
+
+@dataclass(kw_only=True)
+class Servers:
+    """CPU machines that only serve parameters (no rank trains on them)."""
+
+    nodes: int = _opt(0, min=0)
+    """Server machines (0: none; parameter-server settings that need them are not applicable)."""
+    bandwidth_gbit_s: float = _opt(0.0, min=0.0)
+    """A server's link, Gbit/s each way (required when ``nodes`` > 0)."""
+    latency_us: float = _opt(0.0, min=0.0)
+    """A server's one-way latency, microseconds."""
+    sum_gbyte_s: float = _opt(0.0, min=0.0)
+    """The rate a server sums gradients at, GB/s (0: summing never limits)."""
+
+    @property
+    def link(self) -> Link:
+        """The servers' link."""
+        return Link(bandwidth_gbit_s=self.bandwidth_gbit_s, latency_us=self.latency_us)
+
+
+@dataclass(kw_only=True)
+class Cluster:
+    """A cluster as the planner sees it."""
+
+    nodes: int = _opt(1, min=1)
+    """Compute nodes; the plan predicts for 1 to this many."""
+    ranks_per_node: int = _opt(1, min=1)
+    """Ranks (GPUs, or processes) per node."""
+    compute_speed: float = _opt(1.0, min=0.0)
+    """A rank's compute speed relative to the machine the profile was measured on."""
+    intra: Link = field(default_factory=Link)
+    """The link between two ranks of one node."""
+    inter: Link = field(default_factory=Link)
+    """A node's link to the network (shared by its ranks)."""
+    servers: Servers = field(default_factory=Servers)
+    """Optional CPU server nodes for parameter servers."""
+    message_overhead_us: float = _opt(0.0, min=0.0)
+    """Fixed cost of each collective call, microseconds, on top of the links' latency."""
+    name: str = ""
+    """A name for the tables (default: the file's stem)."""
+    calibration: dict = _opt({})
+    """What ``hvdtrain plan calibrate`` measured (hosts, sizes, seconds): kept for the record,
+    not read by the plan."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.compute_speed > 0, "compute_speed", self.compute_speed, "must be > 0"),
+            (self.inter.bandwidth_gbit_s > 0, "inter.bandwidth_gbit_s",
+             self.inter.bandwidth_gbit_s, "must be > 0"),
+            (self.ranks_per_node == 1 or self.intra.bandwidth_gbit_s > 0,
+             "intra.bandwidth_gbit_s", self.intra.bandwidth_gbit_s,
+             "must be > 0 with more than one rank per node"),
+            (not self.servers.nodes or self.servers.bandwidth_gbit_s > 0,
+             "servers.bandwidth_gbit_s", self.servers.bandwidth_gbit_s,
+             "must be > 0 with server nodes"),
+        ]
+        for ok, key, value, why in checks:
+            if not ok:
+                raise ConfigError(f"cluster key {key}={value!r}: {why}")
+
+    @property
+    def overhead_s(self) -> float:
+        """:attr:`message_overhead_us` in seconds."""
+        return self.message_overhead_us * 1e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster as plain data (the JSON output echoes it)."""
+        import dataclasses
+
+        return dataclasses.asdict(self)
+
+
+def cluster_from_tree(tree: Any, where: str = "cluster file") -> Cluster:
+    """A :class:`Cluster` from parsed YAML, every key checked; one-line errors name the key."""
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys at the top")
+    for key in REQUIRED:
+        if key not in tree:
+            raise ConfigError(f"{where}: missing key {key!r} (required: {', '.join(REQUIRED)})")
+    for section in ("intra", "inter"):
+        value = tree[section]
+        missing = [k for k in LINK_REQUIRED if not isinstance(value, dict) or k not in value]
+        if isinstance(value, dict) and missing:
+            raise ConfigError(f"{where}: missing key {section}.{missing[0]!r}")
+    return build(Cluster, tree)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Reads and checks a cluster file; the name defaults to the file's stem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster file {str(path)!r} not found")
+    try:
+        tree = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise os_failure(exc, "cannot read the cluster file", path, "check its permissions") from None
+    except (yaml.YAMLError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    cluster = cluster_from_tree(tree, f"cluster file {path}")
+    cluster.name = cluster.name or path.stem
+    return cluster

@@ -1,0 +1,133 @@
+"""``hvdtrain plan``: the command's steps (the CLI parses, this runs).
+
+``hvdtrain plan [CONFIG] --cluster CLUSTER.yaml [KEY=VALUE ...] [--profile PROFILE.json]
+[--json OUT.json] [--html OUT.html] [--plot OUT.png]`` prints the ranked table and writes the
+outputs asked for; without ``--profile`` it profiles CONFIG's model on this machine first.
+``hvdtrain plan profile CONFIG --out PROFILE.json [KEY=VALUE ...]`` writes a profile;
+``horovodrun -np 2 ... hvdtrain plan calibrate --out CLUSTER.yaml`` writes a cluster file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hvdtrain.config import Config, load_config
+from hvdtrain.errors import ConfigError
+from hvdtrain.plan.cluster import Cluster, load_cluster
+from hvdtrain.plan.predict import Knobs, Plan, plan
+from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
+from hvdtrain.plan.stages import PLANNED_SCHEDULES
+
+PROFILE_STEPS = 5
+"""Steps ``hvdtrain plan profile`` times (after one untimed step that warms up)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the command line asked for."""
+
+    items: Sequence[str]
+    """``[profile] [CONFIG] [KEY=VALUE ...]`` as given."""
+    cluster: str | None = None
+    profile: str | None = None
+    json: str | None = None
+    html: str | None = None
+    plot: str | None = None
+    out: str | None = None
+
+
+def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    files = [i for i in items if "=" not in i]
+    if len(files) > 1:
+        raise ConfigError(f"hvdtrain plan: one config file, not {len(files)} ({', '.join(files)})")
+    return (files[0] if files else None), [i for i in items if "=" in i]
+
+
+def measure(config: str, overrides: Sequence[str], steps: int = PROFILE_STEPS) -> ModelProfile:
+    """Profiles the config's model on this machine, one rank, with its framework."""
+    cfg = load_config(config, overrides)
+    if cfg.framework == "tensorflow":
+        from hvdtrain.tensorflow.plan_profile import profile_model as profile_tf
+
+        return profile_tf(cfg, steps)
+    from hvdtrain.torch.plan_profile import profile_model
+
+    return profile_model(cfg, steps)
+
+
+def run(request: Request) -> Plan | ModelProfile | Cluster | None:
+    """Runs the command: writes a profile (``plan profile``) or a cluster file (``plan
+    calibrate``; None on the rank that does not write it), or plans and writes the outputs."""
+    items = list(request.items)
+    if items and items[0] == "calibrate":
+        if request.out is None or len(items) > 1:
+            raise ConfigError("hvdtrain plan calibrate --out CLUSTER.yaml: under horovodrun -np 2")
+        from hvdtrain.torch.plan_calibrate import calibrate
+
+        return load_cluster(request.out) if calibrate(request.out) else None
+    if items and items[0] == "profile":
+        config, overrides = _config_and_overrides(items[1:])
+        if config is None or request.out is None:
+            raise ConfigError("hvdtrain plan profile CONFIG --out PROFILE.json: needs both")
+        measured = measure(config, overrides)
+        save_profile(measured, request.out)
+        return measured
+    return _plan(request, items)
+
+
+def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
+    """The name of the setting ``cfg`` runs, as the plan names it; a one-line error when it
+    cannot run on ``cluster`` at any node count."""
+    most = cluster.nodes * cluster.ranks_per_node
+    stages = cfg.pipeline.stages
+    if stages > 1:
+        if not any(n * cluster.ranks_per_node % stages == 0
+                   for n in range(1, cluster.nodes + 1)):
+            raise ConfigError(f"pipeline.stages={stages}: no node count of this cluster (1 to "
+                              f"{cluster.nodes} x {cluster.ranks_per_node} ranks) holds whole "
+                              "copies of the pipeline")
+        if cfg.pipeline.schedule not in PLANNED_SCHEDULES:
+            raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule!r}: the plan prices "
+                              f"{' and '.join(PLANNED_SCHEDULES)} only")
+        return f"pipeline P={stages} m={knobs.microbatches or 4 * stages} {cfg.pipeline.schedule}"
+    if cfg.comm.topology == "ps":
+        if not cluster.servers.nodes:
+            raise ConfigError("comm.topology=ps: the cluster file has no server nodes "
+                              "(servers.nodes); add them or plan comm.topology=ring")
+        return f"ps dedicated S={cluster.servers.nodes}"
+    if most < 2:
+        return "ring"
+    return "ring" if cfg.comm.compression == "none" else f"ring {cfg.comm.compression}"
+
+
+def _plan(request: Request, items: list[str]) -> Plan:
+    from hvdtrain.plan import html, render
+
+    if request.cluster is None:
+        raise ConfigError("hvdtrain plan: --cluster CLUSTER.yaml is required")
+    config, overrides = _config_and_overrides(items)
+    cluster = load_cluster(request.cluster)
+    knobs: Knobs | None = None
+    if config is not None:
+        cfg = load_config(config, overrides)
+        knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
+                      microbatches=cfg.pipeline.microbatches)
+    if request.profile is not None:
+        model = load_profile(request.profile)
+        if config is not None:
+            check_matches(model, cfg.framework, cfg.model.name, cfg.model.options)
+    elif config is not None:
+        model = measure(config, overrides)
+    else:
+        raise ConfigError("hvdtrain plan: give a CONFIG to profile, or --profile PROFILE.json")
+    result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
+    if config is not None:
+        result.configured = configured_setting(cfg, cluster, result.knobs)
+    print(render.table(result))
+    for path, write in ((request.json, render.write_json), (request.html, html.write_html),
+                        (request.plot, render.write_plot)):
+        if path:
+            write(result, path)
+            print(f"[hvdtrain] wrote {path}")
+    return result

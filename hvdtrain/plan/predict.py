@@ -1,0 +1,335 @@
+"""Every setting the planner prices, and its step time, samples/s and scaling efficiency on 1 to
+the cluster's nodes (:func:`plan`). A setting the model or the cluster cannot use is kept, with
+the reason, so that the table says why it is missing.
+
+Scaling efficiency is the samples/s of ``n`` ranks over ``n`` times one rank's without any
+communication (the profile's forward, backward and update), as the Horovod paper measures it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hvdtrain.plan import costs
+from hvdtrain.plan.cluster import Cluster, Link
+from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
+from hvdtrain.plan.profile import MethodProfile, ModelProfile
+from hvdtrain.plan.stages import PLANNED_SCHEDULES, PipelineStep, pipeline_step
+
+OVERLAPPED = ("none", "fp16")
+"""Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the run config sets that the prediction depends on."""
+
+    batch_size: int
+    """Samples per rank per step (``data.batch_size``)."""
+    cycle_ms: float = 0.0
+    """``comm.cycle_time_ms`` (0: Horovod's 1 ms)."""
+    microbatches: int = 0
+    """``pipeline.microbatches`` (0: four per stage)."""
+    fusion_threshold: int = FUSION_THRESHOLD
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One bar of the step's time-line: lane, label, start and end (seconds from step start)."""
+
+    lane: str
+    label: str
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class Point:
+    """One setting at one node count; ``reason`` says why it cannot run there (then no times)."""
+
+    nodes: int
+    ranks: int
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    efficiency: float | None = None
+    comm_s: float | None = None
+    """Communication the step waits for beyond its compute."""
+    reason: str | None = None
+
+
+@dataclass
+class Prediction:
+    """One setting on every node count."""
+
+    setting: str
+    how: str
+    """The config overrides (or environment) that run it, or why hvdtrain cannot yet."""
+    points: list[Point] = field(default_factory=list)
+    reason: str | None = None
+    """Why the setting does not apply at all (then ``points`` is empty)."""
+    timeline: list[Segment] = field(default_factory=list)
+    """One step at the largest node count where it runs."""
+
+    @property
+    def best(self) -> Point | None:
+        """The point at the most nodes where the setting runs."""
+        ok = [p for p in self.points if p.reason is None]
+        return ok[-1] if ok else None
+
+
+@dataclass
+class Plan:
+    """The plan: inputs echoed and every setting's prediction, best first."""
+
+    model: str
+    cluster: Cluster
+    knobs: Knobs
+    base_samples_per_s: float
+    predictions: list[Prediction]
+    configured: str = ""
+    """The setting the run config asks for (marked in the table), when a config was given."""
+
+
+Outcome = tuple[float, list[Segment]] | str
+"""A step's seconds and time-line, or the reason it cannot run."""
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    profile: ModelProfile
+    cluster: Cluster
+    knobs: Knobs
+
+    @property
+    def tscale(self) -> float:
+        """Profile seconds -> this cluster's seconds at this batch size."""
+        return self.knobs.batch_size / self.profile.batch_size / self.cluster.compute_speed
+
+    @property
+    def fwd(self) -> float:
+        return self.profile.forward_s * self.tscale
+
+    @property
+    def bwd(self) -> float:
+        return self.profile.backward_s * self.tscale
+
+    @property
+    def upd(self) -> float:
+        return self.profile.update_s / self.cluster.compute_speed
+
+    @property
+    def compute(self) -> float:
+        return self.fwd + self.bwd + self.upd
+
+    @property
+    def cycle_s(self) -> float:
+        return (self.knobs.cycle_ms or DEFAULT_CYCLE_MS) / 1000
+
+    def link_between(self, nodes: int) -> Link:
+        """The link a ring over every rank is limited by (within a node, or between nodes)."""
+        return self.cluster.intra if nodes == 1 else self.cluster.inter
+
+
+def _point(ctx: _Ctx, nodes: int, ranks: int, step: float, samples: float) -> Point:
+    base = ctx.knobs.batch_size / ctx.compute
+    rate = samples / step
+    return Point(nodes, ranks, step, rate, rate / (ranks * base), max(0.0, step - ctx.compute))
+
+
+def _dense(ctx: _Ctx, nodes: int, cost: Callable[[float], float], ratio: float = 1.0,
+           kernel_s: float = 0.0) -> tuple[float, list[Segment]]:
+    """A step whose buckets overlap the backward pass (Horovod's allreduce in backward hooks)."""
+    buckets = fuse(ctx.profile.tensors, lambda b: cost(b / ratio) + kernel_s * b /
+                   max(1, ctx.profile.gradient_bytes), ctx.cycle_s, ctx.knobs.fusion_threshold,
+                   ctx.tscale)
+    end = overlapped_end(buckets, ctx.bwd)
+    f = ctx.fwd
+    segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, f + ctx.bwd)]
+    segs += [Segment("comm", f"bucket {i} ({b.bytes / 1e6:.2f} MB, {len(b.tensors)} tensors)",
+                     f + b.start_s, f + b.end_s) for i, b in enumerate(buckets) if b.end_s > b.start_s]
+    segs.append(Segment("compute", "update", f + end, f + end + ctx.upd))
+    return f + end + ctx.upd, segs
+
+
+def _after(ctx: _Ctx, comm_s: float, kernel_s: float, label: str) -> tuple[float, list[Segment]]:
+    """A step whose exchange runs after the backward pass (compressing methods, hvdtrain's ps)."""
+    f, b = ctx.fwd, ctx.fwd + ctx.bwd
+    segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, b)]
+    if kernel_s:
+        segs.append(Segment("compute", "compression kernels", b, b + kernel_s))
+    segs.append(Segment("comm", label, b + kernel_s, b + kernel_s + comm_s))
+    end = b + kernel_s + comm_s
+    segs.append(Segment("compute", "update", end, end + ctx.upd))
+    return end + ctx.upd, segs
+
+
+def _sweep(ctx: _Ctx, pred: Prediction,
+           step: Callable[[int], Outcome]) -> Prediction:
+    """Fills ``pred.points`` for 1 to the cluster's nodes; ``step`` returns a reason to skip."""
+    g = ctx.cluster.ranks_per_node
+    for nodes in range(1, ctx.cluster.nodes + 1):
+        got = step(nodes)
+        if isinstance(got, str):
+            pred.points.append(Point(nodes, nodes * g, reason=got))
+            continue
+        seconds, segs = got
+        pred.points.append(_point(ctx, nodes, nodes * g, seconds, ctx.knobs.batch_size * nodes * g))
+        pred.timeline = segs
+    return pred
+
+
+def _rings(ctx: _Ctx) -> list[Prediction]:
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    flat = Prediction("ring", "comm.compression=none")
+    _sweep(ctx, flat, lambda n: _dense(ctx, n, lambda m: costs.flat_allreduce(
+        m, n, g, c.intra, c.inter, o)))
+    hier = Prediction("ring hierarchical", "comm.compression=none with "
+                      "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment")
+    _sweep(ctx, hier, lambda n: _dense(ctx, n, lambda m: costs.hierarchical_allreduce(
+        m, n, g, c.intra, c.inter, o)))
+    return [flat, hier]
+
+
+def _compressed(ctx: _Ctx) -> list[Prediction]:
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    out = []
+    for method, prof in ctx.profile.compression.items():
+        if method == "none":
+            continue
+        pred = Prediction(f"ring {method}", f"comm.compression={method}")
+        kernel = prof.kernel_s * ctx.tscale
+        if method in OVERLAPPED:
+            def dense(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
+                return _dense(ctx, n, lambda m: costs.flat_allreduce(m, n, g, c.intra, c.inter, o),
+                              p.ratio, k)
+            _sweep(ctx, pred, dense)
+        else:
+            def step(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
+                wire = ctx.profile.gradient_bytes / p.ratio
+                if p.collective == "allgather":
+                    t = costs.ring_allgather(wire, n * g, ctx.link_between(n), o)
+                else:
+                    t = costs.flat_allreduce(wire, n, g, c.intra, c.inter, o)
+                return _after(ctx, t, k if n * g > 1 else 0.0, f"{p.collective} of "
+                              f"{wire / 1e6:.2f} MB")
+            _sweep(ctx, pred, step)
+        out.append(pred)
+    return out
+
+
+def _servers(ctx: _Ctx) -> list[Prediction]:
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    k, m = c.servers.nodes, ctx.profile.gradient_bytes
+    dedicated = Prediction(f"ps dedicated S={k}", f"comm.topology=ps ps.servers={k} (one server "
+                           "rank on each server node)")
+    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain yet "
+                           "(ps.placement=colocated); BytePS runs it")
+    if not k:
+        dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
+    else:
+        worker = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
+        sum_rate = c.servers.sum_gbyte_s * 1e9
+
+        def dedicated_step(n: int) -> tuple[float, list[Segment]]:
+            t = costs.dedicated_ps(m, n * g, k, worker, c.servers.link, sum_rate, o)
+            return _after(ctx, t, 0.0, f"push + pull of {m / 1e6:.2f} MB")
+        _sweep(ctx, dedicated, dedicated_step)
+
+    def colocated_step(n: int) -> tuple[float, list[Segment]]:
+        def cost(b: float) -> float:  # reduce within the node, BytePS between nodes, broadcast
+            within = costs.hierarchical_allreduce(b, 1, g, c.intra, c.inter) if g > 1 else 0.0
+            link = c.inter if not k else Link(
+                bandwidth_gbit_s=min(c.inter.bandwidth_gbit_s, c.servers.bandwidth_gbit_s),
+                latency_us=max(c.inter.latency_us, c.servers.latency_us))
+            return within + (costs.byteps(b, n, k, link, o) if n > 1 or k else 0.0)
+        return _dense(ctx, n, cost)
+    _sweep(ctx, colocated, colocated_step)
+    return [dedicated, colocated]
+
+
+def _stage_counts(ctx: _Ctx) -> list[int]:
+    most = ctx.cluster.nodes * ctx.cluster.ranks_per_node
+    counts, p = [], 2
+    # Up to the ranks, and one count past the layers to say why more stages do not apply.
+    while p <= max(most, 2) and p // 2 <= max(1, len(ctx.profile.layers)):
+        counts.append(p)
+        p *= 2
+    return counts
+
+
+def _pipelines(ctx: _Ctx) -> list[Prediction]:
+    layers = ctx.profile.layers
+    out = []
+    for stages in _stage_counts(ctx):
+        micro = ctx.knobs.microbatches or 4 * stages
+        for schedule in PLANNED_SCHEDULES:
+            pred = Prediction(f"pipeline P={stages} m={micro} {schedule}",
+                              f"pipeline.stages={stages} pipeline.microbatches={micro} "
+                              f"pipeline.schedule={schedule} data.batch_size="
+                              f"{ctx.knobs.batch_size * stages}")
+            if not layers:
+                pred.reason = "the profile lists no layers (the model is not a layer list)"
+            elif stages > len(layers):
+                pred.reason = f"more stages ({stages}) than the model's layers ({len(layers)})"
+            else:
+                step = _pipeline_step(ctx, stages, micro, schedule)
+
+                def point(n: int, s: int = stages, st: PipelineStep = step) -> Outcome:
+                    return _pipeline_point(ctx, n, s, st)
+                _sweep(ctx, pred, point)
+            out.append(pred)
+    return out
+
+
+def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str) -> PipelineStep:
+    """One copy's schedule: the same at every node count (a copy's ranks sit on one node when
+    ``P`` divides the ranks per node, else they span nodes)."""
+    c = ctx.cluster
+    link = c.intra if _same_node(ctx, stages) else c.inter
+    share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
+    return pipeline_step(ctx.profile.layers, stages, micro, schedule, share / c.compute_speed,
+                         share, lambda b: costs.send(b, link, c.overhead_s))
+
+
+def _same_node(ctx: _Ctx, stages: int) -> bool:
+    g = ctx.cluster.ranks_per_node
+    return stages <= g and g % stages == 0
+
+
+def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> Outcome:
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    ranks = nodes * g
+    if ranks < stages or ranks % stages:
+        return f"{ranks} ranks do not hold copies of {stages} stages"
+    copies = ranks // stages
+    biggest = max(step.stage_bytes)
+    if _same_node(ctx, stages):
+        shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / stages,
+                      latency_us=c.inter.latency_us)
+        dp = costs.hierarchical_allreduce(biggest, nodes, g // stages, c.intra, shared, o)
+    else:
+        shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
+        dp = costs.ring_allreduce(biggest, copies, shared, o)
+    update = ctx.upd / stages
+    micro = round(step.busy_s / (step.forward_s + step.backward_s)) if step.busy_s else 0
+    segs = [Segment("compute", f"{micro} micro-batches, slowest stage", 0.0, step.busy_s),
+            Segment("bubble", f"bubble {step.bubble:.0%}", step.busy_s, step.span_s),
+            Segment("comm", f"stage allreduce {biggest / 1e6:.2f} MB over {copies} copies",
+                    step.span_s, step.span_s + dp),
+            Segment("compute", "update", step.span_s + dp, step.span_s + dp + update)]
+    return step.span_s + dp + update, segs
+
+
+def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs) -> Plan:
+    """Every setting's prediction, ranked by samples/s at the most nodes it runs on."""
+    ctx = _Ctx(profile, cluster, knobs)
+    preds = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), *_pipelines(ctx)]
+
+    def rank(p: Prediction) -> tuple[int, int, float]:
+        best = p.best
+        if best is None:
+            return (1, 0, 0.0)
+        return (0, -best.nodes, -(best.samples_per_s or 0.0))
+    preds.sort(key=rank)
+    return Plan(profile.name, cluster, knobs, knobs.batch_size / ctx.compute, preds)

@@ -1,0 +1,57 @@
+"""Pipeline stages as the planner prices them: the split of the layers (the same balanced split as
+``pipeline.split: auto``), each micro-batch's slowest stage with its stage-to-stage transfer, and
+the step's span from the schedules' own simulator (:func:`hvdtrain.pipeline.actions.simulate`),
+whose bubble is GPipe's ``(P-1)/(m+P-1)`` for balanced stages.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hvdtrain.pipeline.actions import actions, simulate
+from hvdtrain.pipeline.split import balanced_bounds
+from hvdtrain.plan.profile import LayerProfile
+
+PLANNED_SCHEDULES = ("1f1b", "gpipe")
+"""The schedules the planner prices: those written as action lists for the simulator."""
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """One pipeline copy's step: the span of the schedule, its bubble, per-stage parameter bytes."""
+
+    span_s: float
+    bubble: float
+    forward_s: float
+    """The slowest stage's forward pass of one micro-batch, its transfer included."""
+    backward_s: float
+    stage_bytes: list[int]
+    transfer_s: float
+    """One micro-batch's activation (or its gradient) over the slowest cut."""
+    busy_s: float
+    """The slowest stage's computing (and transfers) over the step: ``m (f + b)``."""
+
+
+def split_layers(layers: list[LayerProfile], stages: int) -> list[list[LayerProfile]]:
+    """The layers cut into ``stages`` pieces as ``pipeline.split: auto`` cuts them."""
+    bounds = balanced_bounds([max(1, x.params) for x in layers], stages)
+    return [layers[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule: str,
+                  time_scale: float, byte_scale: float,
+                  transfer: Callable[[float], float]) -> PipelineStep:
+    """The step of one copy: ``time_scale`` turns the profile's layer times into one
+    micro-batch's (its share of the profiled batch over the compute speed), ``byte_scale`` the
+    activation bytes; ``transfer(bytes)`` is one message between neighbouring stages."""
+    pieces = split_layers(layers, stages)
+    xfer = max((transfer(p[-1].activation_bytes * byte_scale) for p in pieces[:-1]), default=0.0)
+    fwd = max(sum(x.forward_s for x in p) for p in pieces) * time_scale
+    bwd = max(sum(x.backward_s for x in p) for p in pieces) * time_scale
+    lists = [actions(schedule, s, stages, micro) for s in range(stages)]
+    timeline = simulate(lists, forward_s=fwd + xfer, backward_s=bwd + xfer)
+    return PipelineStep(max(timeline.finish), timeline.bubble, fwd + xfer, bwd + xfer,
+                        [4 * sum(x.params for x in p) for p in pieces], xfer,
+                        micro * (fwd + bwd + 2 * xfer))

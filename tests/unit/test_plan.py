@@ -1,0 +1,136 @@
+"""``hvdtrain plan`` without a framework: the cluster file's errors, the published profiles'
+predictions, the table, JSON and HTML outputs (docs/planner.md)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from hvdtrain.cli import main
+from hvdtrain.errors import ConfigError
+from hvdtrain.plan.cluster import cluster_from_tree, load_cluster
+from hvdtrain.plan.predict import Knobs, plan
+from hvdtrain.plan.profile import check_matches, load_profile
+
+PUBLISHED = Path(__file__).resolve().parents[2] / "hvdtrain" / "plan" / "published"
+PAPER = PUBLISHED / "horovod_paper.yaml"
+GOOD = {"nodes": 2, "ranks_per_node": 2, "intra": {"bandwidth_gbit_s": 10, "latency_us": 1},
+        "inter": {"bandwidth_gbit_s": 1, "latency_us": 50}}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"nodes": None}, "missing key 'nodes'"),
+    ({"inter": {"bandwidth_gbit_s": 1}}, "missing key inter.'latency_us'"),
+    ({"nodse": 3}, "unknown key 'nodse'"),
+    ({"nodes": 0}, "nodes=0: must be >= 1"),
+    ({"inter": {"bandwidth_gbit_s": 0, "latency_us": 1}}, "inter.bandwidth_gbit_s=0.0: must be > 0"),
+    ({"servers": {"nodes": 2}}, "servers.bandwidth_gbit_s=0.0: must be > 0 with server nodes"),
+    ({"ranks_per_node": "four"}, "ranks_per_node='four': expected an integer"),
+])
+def test_cluster_errors_name_the_key(change: dict, message: str) -> None:
+    tree = {**GOOD, **change}
+    tree = {k: v for k, v in tree.items() if v is not None}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cluster_from_tree(tree)
+
+
+def test_bad_cluster_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "c.yaml"
+    bad.write_text("nodes: 2\nranks_per_node: 1\nintra: {bandwidth_gbit_s: 1, latency_us: 1}\n")
+    assert main(["plan", "--profile", str(PUBLISHED / "vgg16.json"), "--cluster", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "missing key 'inter'" in err
+
+
+def test_profile_of_another_model_is_refused() -> None:
+    with pytest.raises(ConfigError, match="another model"):
+        check_matches(load_profile(PUBLISHED / "vgg16.json"), "torch", "mlp", {"hidden": [128]})
+
+
+def _efficiency(model: str, setting: str = "ring") -> float:
+    result = plan(load_profile(PUBLISHED / f"{model}.json"), load_cluster(PAPER), Knobs(64))
+    pred = next(p for p in result.predictions if p.setting == setting)
+    assert pred.points[-1].ranks == 128
+    return pred.points[-1].efficiency or 0.0
+
+
+def test_published_profiles_match_the_public_sizes() -> None:
+    for model, params in (("vgg16", 138.4e6), ("resnet101", 44.5e6), ("inception_v3", 23.8e6)):
+        assert load_profile(PUBLISHED / f"{model}.json").gradient_bytes == pytest.approx(
+            4 * params, rel=0.01)
+
+
+def test_published_ranking_of_the_horovod_paper() -> None:
+    """What the plan reproduces of the Horovod paper at 128 GPUs: VGG-16 (bandwidth-bound)
+    scales worst, well below the two compute-bound models (docs/planner.md, "A published
+    result", for the gap to the reported figures)."""
+    vgg, resnet, inception = (_efficiency(m) for m in ("vgg16", "resnet101", "inception_v3"))
+    assert vgg < 0.9 and resnet > vgg + 0.1 and inception > vgg + 0.1
+    # The reported 68% for VGG-16: the plan's figure is within 20 points (not within 10: see docs)
+    assert abs(vgg - 0.68) < 0.2
+
+
+def test_not_applicable_settings_say_why() -> None:
+    result = plan(load_profile(PUBLISHED / "vgg16.json"), load_cluster(PAPER), Knobs(64))
+    why = {p.setting: p.reason for p in result.predictions if p.best is None}
+    assert "more stages (32) than the model's layers (16)" in why["pipeline P=32 m=128 1f1b"]
+    assert "no server nodes" in why["ps dedicated S=0"]
+
+
+def test_outputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cluster = tmp_path / "c.yaml"
+    fast = {"bandwidth_gbit_s": 100, "latency_us": 5}
+    cluster.write_text(json.dumps({**GOOD, "inter": fast, "servers": {"nodes": 1, **fast}}))
+    out = [str(tmp_path / f) for f in ("p.json", "p.html")]
+    assert main(["plan", "--profile", str(PUBLISHED / "resnet101.json"), "--cluster",
+                 str(cluster), "--json", out[0], "--html", out[1]]) == 0
+    table = capsys.readouterr().out
+    assert " 1  " in table and "ps dedicated S=1" in table
+    data = json.loads(Path(out[0]).read_text())
+    ring = next(s for s in data["settings"] if s["setting"] == "ring")
+    assert [p["nodes"] for p in ring["points"]] == [1, 2]
+    assert ring["points"][1]["samples_per_s"] > ring["points"][0]["samples_per_s"]
+    page = Path(out[1]).read_text()
+    # Self-contained: nothing fetched (no src or href, no address but the SVG namespace).
+    assert "src=" not in page and "href" not in page
+    assert "//" not in page.replace("http://www.w3.org/2000/svg", "")
+    svgs = [ET.fromstring(s[:s.index("</svg>") + 6]) for s in page.split("<svg")[1:]
+            if s.startswith(" ") for s in ["<svg" + s]]
+    curves = [e for svg in svgs for e in svg.iter() if e.get("class") == "curve"]
+    assert {c.get("data-setting") for c in curves} >= {"ring", "ps dedicated S=1"}
+    bars = [e for svg in svgs for e in svg.iter() if (e.get("class") or "").startswith("segment")]
+    assert any("bucket" in (b.findtext("{http://www.w3.org/2000/svg}title") or "") for b in bars)
+
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_torch.yaml"
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["pipeline.stages=3", "data.batch_size=30", "data.eval_batch_size=30"],
+     "pipeline.stages=3: no node count of this cluster"),
+    (["comm.topology=ps"], "comm.topology=ps: the cluster file has no server nodes"),
+])
+def test_a_setting_the_cluster_cannot_run_is_refused(overrides: list[str], message: str) -> None:
+    from hvdtrain.config import load_config
+    from hvdtrain.plan.command import configured_setting
+
+    cfg = load_config(CONFIG, overrides, environ={})
+    with pytest.raises(ConfigError, match=message):
+        configured_setting(cfg, cluster_from_tree(GOOD), Knobs(32))
+
+
+def test_the_configured_setting_is_marked() -> None:
+    from hvdtrain.config import load_config
+    from hvdtrain.plan.command import configured_setting
+    from hvdtrain.plan.render import table
+
+    cluster = cluster_from_tree(GOOD)
+    cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=gpipe"], environ={})
+    assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=8 gpipe"
+    result = plan(load_profile(PUBLISHED / "resnet101.json"), cluster, Knobs(64))
+    result.configured = configured_setting(load_config(CONFIG, environ={}), cluster, Knobs(64))
+    marked = [line for line in table(result).splitlines() if line[2:3] == "*"]
+    assert len(marked) == 1 and " ring " in marked[0]

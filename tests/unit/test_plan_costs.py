@@ -1,0 +1,113 @@
+"""The planner's formulas against hand-computed values and their limits (docs/planner.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hvdtrain.pipeline.actions import bubble
+from hvdtrain.plan import costs
+from hvdtrain.plan.cluster import Link
+from hvdtrain.plan.fusion import fuse
+from hvdtrain.plan.profile import LayerProfile, TensorProfile
+from hvdtrain.plan.stages import pipeline_step
+
+GB = Link(bandwidth_gbit_s=8.0, latency_us=10.0)  # 1e9 bytes/s, 10 us
+FAST = Link(bandwidth_gbit_s=80.0, latency_us=1.0)
+
+
+def test_ring_allreduce_by_hand() -> None:
+    # 4 ranks, 1e8 bytes: 2*3*10us + 2*3/4 * 0.1 s = 60 us + 0.15 s
+    assert costs.ring_allreduce(1e8, 4, GB) == pytest.approx(0.15006)
+    assert costs.ring_allreduce(1e8, 1, GB) == 0.0
+    # Many ranks: the bandwidth term tends to 2 M/B (Patarasuk & Yuan's bound)
+    big = costs.ring_allreduce(1e8, 10_000, Link(bandwidth_gbit_s=8.0, latency_us=0.0))
+    assert big == pytest.approx(0.2, rel=1e-3)
+    assert costs.ring_allreduce(1e8, 4, GB, overhead_s=0.01) == pytest.approx(0.16006)
+
+
+def test_allgather_by_hand() -> None:
+    # 3 ranks each 1e6 bytes: 2 * (10 us + 1 ms)
+    assert costs.ring_allgather(1e6, 3, GB) == pytest.approx(2 * 0.00101)
+    assert costs.ring_allgather(1e6, 1, GB) == 0.0
+
+
+def test_flat_and_hierarchical() -> None:
+    # One node of 4: a ring on the fast link.
+    assert costs.flat_allreduce(1e8, 1, 4, FAST, GB) == pytest.approx(
+        costs.ring_allreduce(1e8, 4, FAST))
+    # 2 nodes x 2: 2*(4-1) steps of 1e8/4 bytes over the slower (inter) link.
+    assert costs.flat_allreduce(1e8, 2, 2, FAST, GB) == pytest.approx(6 * (10e-6 + 0.025))
+    # Hierarchical: within 2*(1)*1us + 2*(1/2)*1e8/1e10; between 2*(1)*10us + 2*(1/2)*0.1
+    expect = 2e-6 + 0.01 + 20e-6 + 0.1
+    assert costs.hierarchical_allreduce(1e8, 2, 2, FAST, GB) == pytest.approx(expect)
+    # One rank per node: hierarchical is the ring between nodes.
+    assert costs.hierarchical_allreduce(1e8, 5, 1, FAST, GB) == pytest.approx(
+        costs.ring_allreduce(1e8, 5, GB))
+
+
+def test_byteps_limits() -> None:
+    nolat = Link(bandwidth_gbit_s=8.0, latency_us=0.0)
+    n, m = 8, 1e8
+    # k = 0: the ring's bandwidth term; k = n: M/B (BytePS, section 3.2)
+    assert costs.byteps(m, n, 0, nolat) == pytest.approx(2 * (n - 1) / n * m / 1e9)
+    assert costs.byteps(m, n, n, nolat) == pytest.approx(m / 1e9)
+    # n = 4, k = 4: 2*4*3 / (16+16-8) = 1 -> M/B; the docs' 0.67 of the ring's 1.5 M/B
+    assert costs.byteps(m, 4, 4, nolat) / costs.byteps(m, 4, 0, nolat) == pytest.approx(2 / 3)
+    assert costs.byteps(m, 1, 0, nolat) == 0.0
+
+
+def test_dedicated_ps_by_hand() -> None:
+    nolat = Link(bandwidth_gbit_s=8.0, latency_us=0.0)
+    # The docs' table in units of M/B: N=4, S=1 -> 4; S=2 -> 2; S=4 -> 1
+    for servers, units in ((1, 4.0), (2, 2.0), (4, 1.0)):
+        assert costs.dedicated_ps(1e9, 4, servers, nolat, nolat) == pytest.approx(units)
+    # Summing at 2e9 bytes/s adds N M / (S R) = 4e9 / 8e9
+    assert costs.dedicated_ps(1e9, 4, 4, nolat, nolat, 2e9) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        costs.dedicated_ps(1e9, 4, 0, nolat, nolat)
+
+
+def _tensors(*pairs: tuple[int, float]) -> list[TensorProfile]:
+    return [TensorProfile(f"t{i}", b, r) for i, (b, r) in enumerate(pairs)]
+
+
+def test_fusion_cycles_and_threshold() -> None:
+    tensors = _tensors((100, 0.0005), (100, 0.0015), (100, 0.0016), (300, 0.0100))
+    buckets = fuse(tensors, lambda b: b * 1e-5, cycle_s=0.001, threshold=250)
+    # cycle at 1 ms takes t0 (1 ms of comm: ends 2 ms); at 2 ms t1+t2 fused (ends 4 ms);
+    # t3 at 10 ms, alone (larger than the threshold): ends 13 ms.
+    assert [b.tensors for b in buckets] == [("t0",), ("t1", "t2"), ("t3",)]
+    assert [round(b.start_s, 6) for b in buckets] == [0.001, 0.002, 0.010]
+    assert buckets[-1].end_s == pytest.approx(0.013)
+    # A threshold below two tensors splits one cycle's tensors into two buffers, back to back.
+    split = fuse(_tensors((100, 0.0), (100, 0.0)), lambda b: 0.001, cycle_s=0.001, threshold=150)
+    assert [(b.start_s, b.end_s) for b in split] == [(0.0, 0.001), (0.001, 0.002)]
+    # Cycle time 0: each tensor as soon as ready and the link free.
+    eager = fuse(_tensors((1, 0.5), (1, 1.0)), lambda b: 0.1, cycle_s=0.0)
+    assert [b.start_s for b in eager] == [0.5, 1.0]
+
+
+def test_pipeline_bubble_from_the_simulator() -> None:
+    layers = [LayerProfile(f"l{i}", 10, 0.1, 0.2, 1000) for i in range(4)]
+    for schedule in ("gpipe", "1f1b"):
+        step = pipeline_step(layers, 2, 6, schedule, 1.0, 1.0, lambda b: 0.0)
+        # 2 layers per stage: forward 0.2, backward 0.4 per micro-batch; span (m+P-1)(f+b)
+        assert step.span_s == pytest.approx(7 * 0.6)
+        assert step.bubble == pytest.approx(bubble(2, 6))
+        assert step.stage_bytes == [80, 80]
+    # A transfer adds to each micro-batch's forward and backward on the slowest cut.
+    slow = pipeline_step(layers, 2, 6, "1f1b", 1.0, 0.5, lambda b: b * 1e-4)
+    assert slow.transfer_s == pytest.approx(0.05)
+    assert slow.span_s == pytest.approx(7 * 0.7)
+
+
+def test_calibration_recovers_the_link() -> None:
+    from hvdtrain.plan.calibrate import SIZES, Sweep, cluster_tree, fit_line, link_of
+
+    assert fit_line([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    b, a, o = 1e9, 1e-4, 5e-5  # bytes/s, s, s: broadcast a + m/B, allreduce o + 2a + m/B
+    sweep = Sweep(SIZES, tuple(a + m / b for m in SIZES), tuple(o + 2 * a + m / b for m in SIZES))
+    gbit, latency_us, overhead_us = link_of(sweep)
+    assert (gbit, latency_us, overhead_us) == pytest.approx((8.0, 100.0, 50.0))
+    tree = cluster_tree(sweep, ["a", "b"], 1)
+    assert tree["nodes"] == 2 and tree["calibration"]["measured"] == "inter"
