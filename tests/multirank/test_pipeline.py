@@ -6,6 +6,9 @@ after one epoch equal one process trained on the global batch (to float toleranc
 samples: its 29 leave one copy 15 and the other 14 of 32 rows, two of four micro-batches empty),
 the loss weighting and the stage's Horovod average in its process set all have to be right. All
 schedules run back to back in one launch per controller.
+
+`make test` runs Gloo's launch (every schedule) and the 2-rank pipeline with 1F1B; MPI's launch and
+the 2-rank GPipe are `long` (`make test-long`): each launch trains every one of its runs.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ SCHEDULES = {"gpipe": "pipeline.schedule=gpipe", "1f1b": "pipeline.schedule=1f1b
 # 2 copies x 32 samples at lr 0.05 (scaled by the 2 copies) against one process with 64 at 0.1.
 PER_COPY = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON
 WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON
+# Gloo in `make test`; MPI, the same checks again, in `make test-long`.
+CONTROLLERS = ["gloo", pytest.param("mpi", marks=pytest.mark.long)]
 ATOL = 1e-5  # float32 sums in another order over 23 steps; a wrong weight moves them by 1e-3
 
 
@@ -78,7 +83,7 @@ def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray], a
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", CONTROLLERS)
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, controller, schedule):
     launched = four_ranks(controller)
@@ -95,17 +100,16 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
     assert final["train_loss"] == pytest.approx(ref_final["train_loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", CONTROLLERS)
 def test_only_the_last_stage_reports_and_every_test_sample_counts_once(four_ranks, controller):
     counts = [four_ranks(controller).rank("1f1b", r)[1]["local_eval"]["count"] for r in range(4)]
     assert counts == [0, 180, 0, 180]
 
 
-def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory):
-    runs = [f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},{extra}"
-            for name, extra in SCHEDULES.items() if name != "interleaved"]
-    launch2 = launch(2, "gloo", tmp_path_factory.mktemp("pipe2"), runs)
+@pytest.mark.parametrize("name", ["1f1b", pytest.param("gpipe", marks=pytest.mark.long)])
+def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory, name):
+    run = f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},{SCHEDULES[name]}"
+    launch2 = launch(2, "gloo", tmp_path_factory.mktemp(f"pipe2-{name}"), [run])
     want, _ = reference.rank("ref", 0)
-    for name in ("gpipe", "1f1b"):
-        assert_same_model(whole_model(launch2, name, [0, 1]), want, ATOL)
-        assert launch2.summary(name)["pipeline"] == "2 stages x 1 copies"
+    assert_same_model(whole_model(launch2, name, [0, 1]), want, ATOL)
+    assert launch2.summary(name)["pipeline"] == "2 stages x 1 copies"

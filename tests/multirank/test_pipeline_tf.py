@@ -6,6 +6,9 @@ Digits' 1,437 training samples in steps of 16 (a copy's 8, in 4 micro-batches of
 step of 13: the last micro-batch holds one sample of copy 0 and none of copy 1, whose stages then
 run three micro-batches to copy 0's four. Several trainings share each launch: TensorFlow's
 start-up is most of a launch's time.
+
+`make test` runs the one-process reference and Gloo's -np 4 launch (gpipe, 1f1b with a split by
+index, qsgd); the -np 2 launches and everything under MPI are `long` (`make test-long`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ NP4 = {"gpipe": PIPE.format(b=8, s="gpipe"),
        "1f1b": PIPE.format(b=8, s="1f1b") + ",pipeline.split=[2]",  # by index: shapes by message
        "qsgd": PIPE.format(b=8, s="1f1b") + ",comm.compression=qsgd"}
 NP2 = {"gpipe": PIPE.format(b=16, s="gpipe"), "1f1b": PIPE.format(b=16, s="1f1b")}
-CONTROLLERS = ["gloo", "mpi"]
+LONG = pytest.mark.long
+CONTROLLERS = ["gloo", pytest.param("mpi", marks=LONG)]
+# (controller, np, run): one launch in `make test`, the rest of the matrix in `make test-long`.
+MATRIX = [("gloo", 4, "gpipe"), ("gloo", 4, "1f1b")] + [
+    pytest.param(c, n, r, marks=LONG) for c, n, r in
+    [("gloo", 2, "gpipe"), ("gloo", 2, "1f1b"), ("mpi", 4, "gpipe"), ("mpi", 4, "1f1b"),
+     ("mpi", 2, "gpipe"), ("mpi", 2, "1f1b")]]
 # A test's first launch trains up to three epochs at -np 4 (about 4 minutes under Gloo on 2 busy
 # cores, more under MPI) after the one-process reference.
 pytestmark = pytest.mark.timeout(1500)
@@ -60,8 +69,7 @@ def reference(launches) -> tuple[list[np.ndarray], dict]:
     return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))], record
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
-@pytest.mark.parametrize(("np_", "run"), [(4, "gpipe"), (4, "1f1b"), (2, "gpipe"), (2, "1f1b")])
+@pytest.mark.parametrize(("controller", "np_", "run"), MATRIX)
 def test_stages_train_as_one_process_on_the_global_batch(launches, controller, np_, run):
     expected, one = reference(launches)
     launch = launches(np_, controller)
