@@ -13,14 +13,18 @@ the 2-rank GPipe are `long` (`make test-long`): each launch trains every one of 
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import CONFIG, horovodrun
+from tests.conftest import BIN, CONFIG, horovodrun, run_env
 from tests.multirank.conftest import PYTHON, WORKER, Launch
+from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
           "train.stall_timeout_s=120")
@@ -113,3 +117,29 @@ def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory, name
     want, _ = reference.rank("ref", 0)
     assert_same_model(whole_model(launch2, name, [0, 1]), want, ATOL)
     assert launch2.summary(name)["pipeline"] == "2 stages x 1 copies"
+
+
+STALL_S = 20  # the configured timeout of the lost-rank test: process groups and stall watchdog
+
+
+@pytest.mark.timeout(600)
+def test_a_stage_rank_killed_ends_every_rank_nonzero(tmp_path):
+    """Without elastic mode, SIGKILL of stage 1 of copy 0 (rank 1) leaves rank 0 waiting on its
+    send/receive, rank 3 (stage 1 of copy 1) in the stage's Horovod average and rank 2 on rank 3:
+    every one must end, and the job exit nonzero, within the configured timeout (the bound below is
+    generous: the stacks dump and horovodrun's teardown on 2 busy cores), never hang."""
+    run = tmp_path / "run"
+    cmd = [str(BIN / "horovodrun"), "-np", "4", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
+           "train", str(CONFIG), "train.epochs=200", "log.every_steps=5", "log.wandb=disabled",
+           "pipeline.stages=2", "pipeline.microbatches=4", "checkpoint.enabled=false",
+           f"train.stall_timeout_s={STALL_S}", f"log.dir={run}"]
+    proc = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_records(run / "metrics.jsonl", 3, timeout=400)
+        os.kill(pid_of_rank(1, str(run)), signal.SIGKILL)
+        code = proc.wait(timeout=3 * STALL_S + 120)
+    finally:
+        proc.kill()
+    assert code != 0
+    assert not (run / "summary.json").exists()
