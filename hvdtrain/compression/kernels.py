@@ -61,6 +61,9 @@ class Kernels(Protocol):
     def zero_at(self, x: Tensor, indices: Tensor) -> Tensor:
         """:func:`~hvdtrain.compression.reference.zero_at`."""
 
+    def fill_zeros(self, x: Tensor, y: Tensor) -> Tensor:
+        """:func:`~hvdtrain.compression.reference.fill_zeros`."""
+
     def clip_factor(self, tensors: Sequence[Tensor], max_norm: float) -> Tensor:
         """:func:`~hvdtrain.compression.reference.clip_factor` (a scalar tensor)."""
 

@@ -65,7 +65,11 @@ momentum itself, it returns an update *direction* ``d`` that plain SGD applies (
   is Adam's (:func:`adam_direction`, bias-corrected, ``g + wd w`` for Adam's L2). Then each
   compressed tensor's variance ``v`` is frozen; each rank compresses its local momentum
   ``b1 m + (1 - b1) g`` plus its residual (error feedback), the mean of what the ranks sent is the
-  new shared ``m``, and the direction uses the frozen ``v``. AdamW's decoupled decay is added to
+  new shared ``m``, and the direction uses the frozen ``v``. An entry of ``v`` that is exactly 0
+  (its gradient was 0 through the warm-up) freezes at the first step whose exchanged gradient
+  ``g = (m - b1 m_old) / (1 - b1)`` is nonzero, as ``v = (1 - b2) g^2`` (Adam's first update; a
+  first direction of at most Kingma and Ba's bound ``(1 - b1) / sqrt(1 - b2)``), not at ``v = 0``,
+  whose direction would be ``m / eps`` (:func:`fill_zeros`). AdamW's decoupled decay is added to
   the direction, ``d + wd w`` (plain SGD's ``w -= lr (d + wd w)`` is AdamW's update exactly).
 """
 
@@ -170,6 +174,12 @@ def zero_at(x: np.ndarray, indices: np.ndarray) -> np.ndarray:
     out = x.reshape(-1).copy()
     out[indices] = 0
     return out
+
+
+def fill_zeros(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``x`` with its entries that are exactly 0 taken from ``y`` (compressed Adam's variance of
+    entries that had none to freeze)."""
+    return np.where(x != 0, x, y).astype(np.float32)
 
 
 def adam_direction(m: np.ndarray, v: np.ndarray, t_m: int, t_v: int, beta1: float,

@@ -194,11 +194,27 @@ class CompressedAdam(Rule):
         b1 = self.opt.beta1
         return ctx.store.read(slot_key(MOMENTUM, t.index)) * b1 + flat * (1.0 - b1)
 
+    def frozen_variance(self, ctx: Context, t: TensorPlan, m: Tensor) -> Tensor:
+        """The variance of compressed tensor ``t`` after the warm-up, given its new shared momentum.
+
+        An entry whose gradient was exactly 0 through the whole warm-up has no variance to freeze
+        (``v = 0``), and its direction would be ``m / eps`` once its gradient turns nonzero. Such an
+        entry freezes later instead: at the first step whose exchanged gradient ``g`` (the shared
+        momentum's increment, ``(m - b1 m_old) / (1 - b1)``, the same on every rank) is nonzero,
+        it takes Adam's first update, ``v = (1 - b2) g^2``, and keeps it. Entries with a variance
+        keep theirs.
+        """
+        o, v_key = self.opt, slot_key(VARIANCE, t.index)
+        grad = (m - ctx.store.read(slot_key(MOMENTUM, t.index)) * o.beta1) * (1.0 / (1.0 - o.beta1))
+        v = ctx.kernels.fill_zeros(ctx.store.read(v_key), grad * grad * (1.0 - o.beta2))
+        ctx.store.write(v_key, v)
+        return v
+
     def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool) -> Tensor:
         o, m_key, v_key = self.opt, slot_key(MOMENTUM, t.index), slot_key(VARIANCE, t.index)
         scalars = ctx.scalars or {}
         if compressed:  # the mean of the ranks' compressed momenta; the variance stays frozen
-            m, v = mean, ctx.store.read(v_key)
+            m, v = mean, self.frozen_variance(ctx, t, mean)
             v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** self.comm.adam_warmup_steps)
         else:
             m = ctx.store.read(m_key) * o.beta1 + mean * (1.0 - o.beta1)

@@ -122,6 +122,11 @@ def zero_at(x: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))
 
 
+def fill_zeros(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """``x`` with its entries that are exactly 0 taken from ``y``."""
+    return tf.where(tf.not_equal(x, 0.0), x, y)
+
+
 def clip_factor(tensors: Sequence[tf.Tensor], max_norm: float) -> tf.Tensor:
     """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
     total = tf.zeros((), tf.float32)
@@ -134,6 +139,7 @@ class Kernels:
     """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
 
     zero_at = staticmethod(zero_at)
+    fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)
     sqrt = staticmethod(tf.sqrt)
 

@@ -106,6 +106,11 @@ def zero_at(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1).index_fill(0, indices.long(), 0.0)
 
 
+def fill_zeros(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x`` with its entries that are exactly 0 taken from ``y``."""
+    return torch.where(x != 0, x, y)
+
+
 def clip_factor(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
     total = torch.zeros((), dtype=torch.float32)
@@ -118,6 +123,7 @@ class Kernels:
     """The torch kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
 
     zero_at = staticmethod(zero_at)
+    fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)
     sqrt = staticmethod(torch.sqrt)
 

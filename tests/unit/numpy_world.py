@@ -39,6 +39,7 @@ class NumpyKernels:
     qsgd_compress = staticmethod(ref.qsgd_compress)
     orthogonalize = staticmethod(ref.orthogonalize)
     zero_at = staticmethod(ref.zero_at)
+    fill_zeros = staticmethod(ref.fill_zeros)
     clip_factor = staticmethod(ref.clip_factor)
     sqrt = staticmethod(np.sqrt)
 

@@ -116,7 +116,10 @@ def adam_by_hand(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -
                     values, idx = ref.topk_compress(acc, ref.num_selected(n, c.ratio))
                     e[r, i] = acc - ref.scatter(values, idx, n)
                     pairs.append((values, idx))
-                m[i], t_v = ref.sparse_mean(pairs, n), warm
+                new_m = ref.sparse_mean(pairs, n)
+                g = (new_m - m[i] * F32(b1)) / F32(1 - b1)  # entries with no variance take one
+                v[i] = np.where(v[i] == 0, g * g * F32(1 - b2), v[i])
+                m[i], t_v = new_m, warm
             row.append(ref.adam_direction(m[i], v[i], step, t_v, b1, b2, opt.eps).reshape(t.shape))
         out.append(row)
     return out
@@ -130,6 +133,40 @@ def test_compressed_adam_is_1bit_adams_algorithm_with_top_k():
             for i, (g, w) in enumerate(zip(got, want, strict=True)):
                 np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5,
                                            err_msg=f"rank {r} step {step} #{i}")
+
+
+def test_an_entry_with_no_variance_to_freeze_gets_adams_first_step_not_m_over_eps():
+    """An entry whose gradient is 0 through the warm-up (issue 36: digits pixels no warm-up batch
+    lit, NaN under fp16) freezes at its first nonzero exchanged gradient with Adam's first
+    variance, so its direction stays within Kingma and Ba's bound; the others keep theirs."""
+    warm, size, n = 3, 2, 100
+    c, opt = comm("qsgd", adam_warmup_steps=warm), OptimizerSettings("adam")
+    silent = np.arange(5)
+
+    def rank(r: int, hub: Hub) -> tuple[list, list]:
+        exchange = NumpyExchange(make_plan(c, SEED, [(n,)]), r, size, hub, opt)
+        directions, variances = [], []
+        for step in range(1, 9):
+            g = np.random.default_rng(10 * step + r).standard_normal(n).astype(F32)
+            if step <= warm:
+                g[silent] = 0
+            directions.append(exchange.run([g])[0])
+            variances.append(exchange.store.numpy("variance/0"))
+        return directions, variances
+
+    (directions, variances), _ = on_ranks(size, rank)
+    b1, b2 = opt.beta1, opt.beta2
+    assert not variances[warm - 1][silent].any()
+    first = directions[warm][silent]  # the first compressed step: m = (1 - b1) g, v = (1 - b2) g^2
+    m_scale, v_scale = 1 / (1 - b1 ** (warm + 1)), 1 / (1 - b2 ** warm)
+    np.testing.assert_allclose(np.abs(first[first != 0]),
+                               m_scale * (1 - b1) / np.sqrt((1 - b2) * v_scale), rtol=1e-3)
+    assert (first != 0).sum() >= 3
+    for step, (d, v) in enumerate(zip(directions, variances, strict=True), start=1):
+        assert np.all(np.abs(d[silent]) <= (1 - b1) / np.sqrt(1 - b2)), step
+        if step > warm:  # frozen: the warm-up's variance, or the one taken at the first step
+            np.testing.assert_array_equal(v, variances[warm])
+            assert variances[warm][silent][first != 0].all()
 
 
 def test_adamw_decay_is_added_to_the_direction_and_adams_l2_to_the_gradient():
