@@ -74,7 +74,7 @@ def dedicated_ps(m: float, n: int, servers: int, worker: Link, server: Link,
     """hvdtrain's dedicated parameter servers (``ps.placement=dedicated``): each of ``n`` workers
     pushes ``m`` and pulls ``m`` at once (full duplex), each of ``S`` servers receives and sends
     ``n m / S``, and sums ``n m / S`` at ``R`` bytes/s: ``2 alpha + max(m/B_w, n m/(S B_s)) +
-    n m/(S R)`` (DESIGN.md section 7; the chunks pipeline the sum behind the transfers only in
+    n m/(S R)`` (:mod:`hvdtrain.ps.server`; the chunks pipeline the sum behind the transfers only in
     part, so it is added)."""
     if servers < 1:
         raise ValueError("dedicated parameter servers need at least one server")
