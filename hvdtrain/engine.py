@@ -183,6 +183,10 @@ class Engine(Step, StateIO):
         """After the training's last step (or a requested stop), on every rank: ends the gradient
         exchange (parameter servers' workers tell the servers they are done). No-op here."""
 
+    def pipeline_stages(self) -> list[int] | None:
+        """The pipeline stage each rank holds, by rank; None without pipeline stages."""
+        return None
+
     @abc.abstractmethod
     def parameters(self) -> dict[str, np.ndarray]:
         """The model's parameters by name, as NumPy arrays (for checks and tests)."""

@@ -182,7 +182,8 @@ class Loop:
         log = cfg.log
         self.monitor = Monitor(engine.rank, engine.size, engine.local_rank, system=log.system,
                                straggler_factor=log.straggler_factor,
-                               straggler_logs=log.straggler_steps, warn=logger.warn)
+                               straggler_logs=log.straggler_steps, warn=logger.warn,
+                               stages=engine.pipeline_stages())
         self.controls = Controls(engine.rank, engine.size, self.monitor,
                                  stop_requested=stop_requested, write_failed=checkpoints.failed)
 

@@ -21,7 +21,8 @@ STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense
              "push_bytes", "pull_bytes")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional;
 ``push_bytes`` and ``pull_bytes``: to and from parameter servers, the two parts of
-``wire_bytes``)."""
+``wire_bytes``). A pipeline stage also reports ``pipe_wait_s``, its wait for its neighbours, apart
+from its ``compute_s``: :meth:`Monitor.outgoing` sends both per rank, for the per-stage figures."""
 DIRECTIONS = ("push_bytes", "pull_bytes")
 """Per-direction byte counts: in a record only where an exchange reported them (parameter
 servers)."""
@@ -66,8 +67,23 @@ class StepCosts:
         self.reported = self.reported or bool(stats)
 
     def own_time(self) -> float:
-        """Time in ``train_step`` less the wait for other ranks: what makes a rank slow."""
-        return max(self.wall_s - self.stats.get("comm_s", 0.0), 0.0)
+        """Time in ``train_step`` less the wait for other ranks (the exchange, a pipeline's
+        neighbours): what makes a rank slow."""
+        waited = self.stats.get("comm_s", 0.0) + self.stats.get("pipe_wait_s", 0.0)
+        return max(self.wall_s - waited, 0.0)
+
+    def wait_fraction(self) -> float:
+        """The share of time in ``train_step`` a pipeline stage waited for its neighbours."""
+        return min(self.stats.get("pipe_wait_s", 0.0) / self.wall_s, 1.0) if self.wall_s > 0 else 0.0
+
+
+def stage_means(values: Sequence[float], stages: Sequence[int], name: str) -> dict[str, float]:
+    """``{name_stage<k>: mean of values over stage k's ranks}`` (``stages``: each rank's stage)."""
+    out = {}
+    for stage in sorted(set(stages)):
+        mine = [v for v, s in zip(values, stages) if s == stage]
+        out[f"{name}_stage{stage}"] = sum(mine) / len(mine)
+    return out
 
 
 @dataclass(frozen=True)
@@ -90,18 +106,22 @@ class StragglerDetector:
     median of the other ranks; reports a rank once per streak, when the streak reaches ``logs``.
 
     The median of the *other* ranks, not of all: with two ranks the median of all is their mean,
-    which a slow rank drags up with it.
+    which a slow rank drags up with it. With pipeline stages (``groups``: each rank's stage) only
+    the other ranks of the same stage count, since stages do different work; a stage of one copy
+    has no one to compare with.
     """
 
-    def __init__(self, factor: float, logs: int) -> None:
+    def __init__(self, factor: float, logs: int, groups: Sequence[int] | None = None) -> None:
         self.factor, self.logs = factor, logs
+        self.groups = groups
         self._streak: dict[int, int] = {}
 
     def update(self, times: Sequence[float]) -> list[Straggler]:
         """Takes one interval's step time of every rank; returns the ranks that just qualified."""
+        groups = self.groups or [0] * len(times)
         found = []
         for rank, own in enumerate(times):
-            others = [t for r, t in enumerate(times) if r != rank]
+            others = [t for r, t in enumerate(times) if r != rank and groups[r] == groups[rank]]
             median = statistics.median(others) if others else 0.0
             slow = median > 0 and own > self.factor * median
             self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
@@ -115,10 +135,12 @@ class Monitor:
 
     def __init__(self, rank: int, size: int, local_rank: int, *, system: bool,
                  straggler_factor: float, straggler_logs: int,
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], stages: Sequence[int] | None = None) -> None:
         self.rank, self.size = rank, size
+        self.stages = stages
+        """Each rank's pipeline stage (:meth:`hvdtrain.engine.Engine.pipeline_stages`) or None."""
         self.sampler = SystemSampler(local_rank) if system else None
-        self.stragglers = StragglerDetector(straggler_factor, straggler_logs)
+        self.stragglers = StragglerDetector(straggler_factor, straggler_logs, stages)
         self.warn = warn
         self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0, "compress_s": 0.0}
 
@@ -127,6 +149,11 @@ class Monitor:
         out = {f"{PREFIX}{key}": costs.stats.get(key, 0.0) for key in STAT_KEYS}
         out[f"{PREFIX}reported"] = float(costs.reported)
         out.update(rank_keys(f"{PREFIX}step", self.rank, self.size, costs.own_time() / max(steps, 1)))
+        if self.stages is not None:
+            for key in ("compute_s", "pipe_wait_s"):
+                out.update(rank_keys(f"{PREFIX}stage.{key}", self.rank, self.size,
+                                     costs.stats.get(key, 0.0) / max(steps, 1)))
+            out[f"{PREFIX}bubble"] = costs.wait_fraction()
         if self.sampler is not None:
             sample = self.sampler.sample()
             out[f"{PREFIX}gpus"] = float("gpu" in sample)
@@ -149,6 +176,8 @@ class Monitor:
             for key in self.totals:
                 self.totals[key] += stats[key]
         record.update(self._step_times(pop_ranks(sums, f"{PREFIX}step", self.size), step))
+        if self.stages is not None:
+            record.update(self._stages(sums))
         if f"{PREFIX}gpus" in sums:
             record.update(self._system(sums))
         return record
@@ -165,6 +194,16 @@ class Monitor:
                                 "logs": s.logs} for s in found])
             for straggler in found:
                 self.warn(straggler.message(step))
+        return out
+
+    def _stages(self, sums: dict[str, float]) -> dict[str, float]:
+        """Per stage, the mean over its copies of a step's compute and wait; the bubble fraction:
+        the mean over ranks of the share of the step spent waiting."""
+        assert self.stages is not None
+        out = {"bubble_fraction": sums.pop(f"{PREFIX}bubble") / self.size}
+        for key, name in (("compute_s", "stage_compute_s"), ("pipe_wait_s", "stage_wait_s")):
+            values = pop_ranks(sums, f"{PREFIX}stage.{key}", self.size)
+            out.update(stage_means(values, self.stages, name))
         return out
 
     def _system(self, sums: dict[str, float]) -> dict[str, float]:

@@ -491,6 +491,9 @@ class PipelineEngine(TensorFlowEngine):
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
         return self.stage_kernels.evaluate(batches)
 
+    def pipeline_stages(self) -> list[int]:
+        return [self.layout.stage_of(r) for r in range(self.size)]
+
     def parameters(self) -> dict[str, np.ndarray]:
         # By global layer index: the same names whatever the split.
         return {f"{k}.{j}.{v.name}": v.numpy().copy()

@@ -17,8 +17,10 @@ its samples, and the padded rows are left out of the loss and metrics (weight ze
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import horovod.torch as hvd
@@ -66,8 +68,12 @@ class Runner:
                   for piece, module in sorted(engine.modules.items())]
         cls = getattr(torch_schedules, plan.torch_class)
         single = plan.virtual == (1, 1)
+        for stage in stages:  # the stage's own compute: its chunks' passes, timed in place
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._timed(getattr(stage, name)))
         self.schedule = cls(stages[0] if single else stages, engine.microbatches,
-                            loss_fn=self._loss, scale_grads=False)
+                            loss_fn=self._timed(self._loss), scale_grads=False)
+        self.compute_s = self.step_s = 0.0
         self.calls: list[tuple[torch.Tensor, dict[str, Any], int]] = []
         self.y: Any = None
         self.real, self.weight, self.training = 0, 0.0, True
@@ -80,10 +86,12 @@ class Runner:
         self.calls = []
         args = (x,) if self.engine.first else ()
         target = torch.arange(self.rows, device=self.engine.device) if self.engine.last else None
+        self.compute_s, started = 0.0, time.perf_counter()
         if training:
             self.schedule.step(*args, target=target, return_outputs=False)
         else:
             self.schedule.eval(*args, target=target, return_outputs=False)
+        self.step_s = time.perf_counter() - started
         self.y = None
         if not self.engine.last:
             return {}
@@ -94,6 +102,27 @@ class Runner:
             add_batch_sums(sums, loss_sum, metrics, count)
         self.calls = []
         return sums
+
+    def wait_s(self) -> float:
+        """The last schedule's seconds outside this stage's compute: waiting for and moving
+        activations and gradients (the pipeline's bubble, as this rank saw it)."""
+        return max(self.step_s - self.compute_s, 0.0)
+
+    def _timed(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func``, its seconds added to :attr:`compute_s` (on a GPU after its kernels end, so
+        that they are not counted as the wait that follows)."""
+        cuda = self.engine.device.type == "cuda"
+
+        @functools.wraps(func)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = func(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize(self.engine.device)
+            self.compute_s += time.perf_counter() - started
+            return result
+
+        return timed
 
     def _loss(self, output: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch (``rows``: its rows' places in the batch):
@@ -327,6 +356,10 @@ class PipelineEngine(TorchEngine):
     def train_step(self, step: StepIndices, lr: float) -> dict[str, float]:
         result = train_step(self.stage_kernels, self.exchange, step, lr, self.data_size)
         self._stats = result.stats
+        # As TensorFlow's stages report it: the wait apart, the rest of the step is compute.
+        wait = self.train_runner.wait_s()
+        self._stats["pipe_wait_s"] = wait
+        self._stats["compute_s"] = max(self._stats["compute_s"] - wait, 0.0)
         if self._metric_keys is None:
             self._metric_keys = self._agreed_keys(self.last_sums)
         return self._stage_sums(self.last_sums, self._metric_keys)
@@ -366,6 +399,9 @@ class PipelineEngine(TorchEngine):
         """This rank's parameters, named by global layer index as in the whole ``Sequential``."""
         return {name: p.detach().cpu().numpy().copy()
                 for module in self.modules.values() for name, p in module.named_parameters()}
+
+    def pipeline_stages(self) -> list[int]:
+        return [self.layout.stage_of(r) for r in range(self.size)]
 
     def placement(self) -> dict[str, str]:
         return {**super().placement(), "pipeline": f"{self.layout.stages} stages x "

@@ -114,6 +114,41 @@ def test_a_straggler_is_reported_once_per_streak_against_the_others_median():
     assert [len(detector.update([1.0, 1.4, 1.0])) for _ in range(3)] == [0, 0, 0]  # under 1.5x
 
 
+def test_pipeline_stages_get_their_compute_wait_and_bubble_and_stragglers_within_a_stage():
+    # 2 stages x 2 copies (ranks 0 and 2 hold stage 0, 1 and 3 stage 1), 2 steps of 1 s each.
+    # Stage 0 computes 0.25 s (rank 2: 0.75 s, a straggler within its stage), stage 1 0.5 s.
+    stages = [0, 1, 0, 1]
+    warnings: list[str] = []
+    monitors = [Monitor(r, 4, r, system=False, straggler_factor=1.5, straggler_logs=1,
+                        warn=warnings.append, stages=stages) for r in range(4)]
+    compute = [0.25, 0.5, 0.75, 0.5]
+    costs = []
+    for rank in range(4):
+        cost = StepCosts()
+        for _ in range(2):
+            cost.add(1.0, {"compute_s": compute[rank], "comm_s": 0.0,
+                           "pipe_wait_s": 1.0 - compute[rank]})
+        costs.append(cost)
+    sums = summed(monitors, costs, 2)
+    records = [m.incoming(dict(sums), 2, 2) for m in monitors]
+    record = records[0]
+    assert records[1] == record
+    assert record["stage_compute_s_stage0"] == pytest.approx(0.5)  # (0.25 + 0.75) / 2
+    assert record["stage_compute_s_stage1"] == pytest.approx(0.5)
+    assert record["stage_wait_s_stage0"] == pytest.approx(0.5)
+    assert record["stage_wait_s_stage1"] == pytest.approx(0.5)
+    assert record["bubble_fraction"] == pytest.approx((0.75 + 0.5 + 0.25 + 0.5) / 4)
+    # Rank 2 is 3x its stage's other copy; against every other rank's median (0.5) only 1.5x.
+    assert record["straggler_rank"] == 2 and record["straggler_factor"] == pytest.approx(3.0)
+    assert [e["rank"] for e in record["events"]] == [2]
+    assert not [k for k in record if k.startswith("mon.")]
+
+
+def test_a_stage_of_one_copy_has_no_one_to_straggle_behind():
+    detector = StragglerDetector(factor=1.5, logs=1, groups=[0, 1])
+    assert detector.update([1.0, 5.0]) == []  # stage 1 does other work than stage 0
+
+
 def test_the_progress_bar_redraws_one_line_and_keeps_the_epoch_end():
     out = io.StringIO()
     sink = ConsoleSink(100, out, epochs=2, bar=True)
