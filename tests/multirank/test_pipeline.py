@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import BIN, CONFIG, horovodrun, run_env
+from tests.conftest import BIN, CONFIG, horovodrun, read_jsonl, run_env
 from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 
@@ -102,6 +102,21 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
     assert final["eval_loss"] == pytest.approx(ref_final["eval_loss"], rel=1e-4)
     assert abs(final["eval_accuracy"] - ref_final["eval_accuracy"]) <= 1 / 360
     assert final["train_loss"] == pytest.approx(ref_final["train_loss"], rel=1e-4)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(four_ranks, schedule):
+    """Gloo's launch: every train record carries both stages' figures and the measured bubble
+    (their sizes are timings, not asserted, beyond their ranges)."""
+    path = four_ranks("gloo").out / schedule / "metrics.jsonl"
+    records = [r for r in read_jsonl(path) if "step_time_median_s" in r]
+    assert records
+    for record in records:
+        assert 0 <= record["bubble_fraction"] < 1
+        for stage in (0, 1):
+            assert record[f"stage_compute_s_stage{stage}"] > 0
+            assert record[f"stage_wait_s_stage{stage}"] >= 0
+        assert "stage_compute_s_stage2" not in record
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
