@@ -318,8 +318,9 @@ class LogConfig:
     """Log CPU utilisation and resident memory per rank, and GPU utilisation and memory via NVML
     where a GPU and ``pynvml`` are present (sampled once per log interval)."""
     straggler_factor: float = _opt(1.5, min=1.0)
-    """A rank whose step time (less its wait for other ranks) exceeds the median of all ranks by
-    this factor for ``straggler_steps`` consecutive logs is reported as a straggler."""
+    """A rank whose step time (less its wait for other ranks) exceeds the median of the other ranks
+    (with pipeline stages: of its stage's other copies) by this factor for ``straggler_steps``
+    consecutive logs is reported as a straggler."""
     straggler_steps: int = _opt(3, min=1)
     """Consecutive logs a rank must be slow before it is reported."""
 

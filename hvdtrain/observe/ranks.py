@@ -81,7 +81,7 @@ def stage_means(values: Sequence[float], stages: Sequence[int], name: str) -> di
     """``{name_stage<k>: mean of values over stage k's ranks}`` (``stages``: each rank's stage)."""
     out = {}
     for stage in sorted(set(stages)):
-        mine = [v for v, s in zip(values, stages) if s == stage]
+        mine = [v for v, s in zip(values, stages, strict=True) if s == stage]
         out[f"{name}_stage{stage}"] = sum(mine) / len(mine)
     return out
 

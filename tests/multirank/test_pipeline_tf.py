@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.conftest import read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 COMMON = ("model.options.hidden=[32],optim.lr=0.05,optim.scale_lr=false,optim.warmup_steps=0,"
@@ -85,6 +86,19 @@ def test_stages_train_as_one_process_on_the_global_batch(launches, controller, n
     assert summary["steps"] == one["summary"]["steps"] == 90
     for key in ("eval_loss", "eval_accuracy", "train_loss"):
         assert summary["final"][key] == pytest.approx(one["summary"]["final"][key], rel=1e-4), key
+
+
+def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(launches):
+    """Gloo's -np 4 launch: the train records carry both stages' figures and the measured bubble
+    (timings: only their ranges are checked)."""
+    records = [r for r in read_jsonl(launches(4, "gloo").out / "1f1b" / "metrics.jsonl")
+               if "step_time_median_s" in r]
+    assert records
+    for record in records:
+        assert 0 <= record["bubble_fraction"] < 1
+        for stage in (0, 1):
+            assert record[f"stage_compute_s_stage{stage}"] > 0
+            assert record[f"stage_wait_s_stage{stage}"] >= 0
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
