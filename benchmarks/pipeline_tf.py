@@ -88,7 +88,7 @@ def bubble_worker(args: argparse.Namespace) -> None:
     for schedule in args.schedules:
         for m in args.micro:
             cfg = load_config(ROOT / "configs" / "digits_tf.yaml", [
-                "model.name=bench_balanced", f"model.options.width={args.width}",
+                "model.name=bench_balanced", "model.options={}", f"model.options.width={args.width}",
                 f"model.options.layers={2 * args.stages}", "data.name=synthetic_images",
                 "data.options.channels=1", "data.options.height=1",
                 f"data.options.width={args.width}", "data.options.train_samples=8192",
