@@ -1,11 +1,15 @@
 """Parameter servers (``comm.topology=ps``, dedicated, ``bsp``) under ``horovodrun --mpi``: the
 servers sum, the workers keep their optimizers, so training equals the ring's.
 
-Per framework, three launches of the equivalence run of test_engines.py (5 epochs, 2
+Per framework, up to three launches of the equivalence run of test_engines.py (5 epochs, 2
 micro-batches per step): 2 workers + 1 server (-np 3), 2 workers + 2 servers (-np 4, the 9,610
 parameters of the MLP in 8 KiB chunks: 5 chunks, 2 on one server and 3 on the other), and
 1 worker + 1 server at twice the batch (-np 2). They are compared with the ring's runs of the same
 workers, which test_engines.py launches anyway.
+
+Every check runs once by default, in one framework, so that the default run needs four launches
+(PyTorch: -np 3 and -np 4; TensorFlow: -np 3 and -np 2) and both frameworks are shown equal to the
+ring; the same check in the other framework is marked ``long`` (``make test-long``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import pytest
 from tests.conftest import BIN, assert_accuracy_near, assert_loss_near, horovodrun, read_jsonl
 from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
 
-FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+
+def frameworks(default: str) -> pytest.MarkDecorator:
+    """Both frameworks, the one that is not ``default`` marked ``long``."""
+    return pytest.mark.parametrize("framework", [
+        name if name == default else pytest.param(name, marks=pytest.mark.long)
+        for name in ("torch", "tensorflow")])
+
+
 PS = "comm.topology=ps,ps.servers={s},ps.chunk_kib=8"
 PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
 """The digits MLP's parameters (hidden layer of 128)."""
@@ -57,8 +68,10 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: s
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=f"{what}: {key}")
 
 
-@FRAMEWORKS
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize(("framework", "servers"), [
+    ("torch", 2), ("tensorflow", 1),
+    pytest.param("torch", 1, marks=pytest.mark.long),
+    pytest.param("tensorflow", 2, marks=pytest.mark.long)])
 def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
     launch = ps_launch(framework, 2, servers)
     p0, _ = launch.rank("ps", 0)
@@ -70,7 +83,7 @@ def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
     assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
 
 
-@FRAMEWORKS
+@frameworks("tensorflow")
 def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
     """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
     1 server, and the latter against one rank with no server at all."""
@@ -81,7 +94,7 @@ def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, fram
     assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
 
 
-@FRAMEWORKS
+@frameworks("torch")
 def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     launch = ps_launch(framework, 2, 2)
     summary = launch.summary("ps")
@@ -99,7 +112,7 @@ def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
         assert record["summary"]["final"] == summary["final"]
 
 
-@FRAMEWORKS
+@frameworks("torch")
 def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framework):
     """With bsp the servers hold no state: a 1-server run's checkpoint continues on 2 servers to
     the very parameters the 1-server run ended with."""
@@ -109,7 +122,7 @@ def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framewor
         assert np.array_equal(resumed[key], whole[key]), key
 
 
-@FRAMEWORKS
+@frameworks("tensorflow")
 def test_fp16_on_the_wire_halves_the_bytes_and_stays_near(ps_launch, framework):
     launch = ps_launch(framework, 2, 1)
     fp16, fp32 = launch.summary("fp16")["final"], launch.summary("ps")["final"]
