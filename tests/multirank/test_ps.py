@@ -9,7 +9,8 @@ workers, which test_engines.py launches anyway.
 
 Every check runs once by default, in one framework, so that the default run needs four launches
 (PyTorch: -np 3 and -np 4; TensorFlow: -np 3 and -np 2) and both frameworks are shown equal to the
-ring; the same check in the other framework is marked ``long`` (``make test-long``).
+ring; the same check in the other framework is marked ``long`` (``make test-long``). The tests
+are ordered so that none starts more than two launches (pytest-timeout's 600 s is per test).
 """
 
 from __future__ import annotations
@@ -68,32 +69,6 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: s
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=f"{what}: {key}")
 
 
-@pytest.mark.parametrize(("framework", "servers"), [
-    ("torch", 2), ("tensorflow", 1),
-    pytest.param("torch", 1, marks=pytest.mark.long),
-    pytest.param("tensorflow", 2, marks=pytest.mark.long)])
-def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
-    launch = ps_launch(framework, 2, servers)
-    p0, _ = launch.rank("ps", 0)
-    p1, _ = launch.rank("ps", 1)
-    for key in p0:  # every worker pulls the same sums: the same bits
-        assert np.array_equal(p0[key], p1[key]), key
-    ring, _ = two_ranks(framework, "mpi").rank("equiv", 0)
-    assert_same(p0, ring, f"{servers} server(s) against the ring")
-    assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
-
-
-@frameworks("tensorflow")
-def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
-    """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
-    1 server, and the latter against one rank with no server at all."""
-    one, _ = ps_launch(framework, 1, 1).rank("ps", 0)
-    two, _ = ps_launch(framework, 2, 1).rank("ps", 0)
-    assert_same(two, one, "2 workers against 1 worker")
-    alone, _ = one_rank_equiv(framework).rank("one", 0)
-    assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
-
-
 @frameworks("torch")
 def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     launch = ps_launch(framework, 2, 2)
@@ -120,6 +95,32 @@ def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framewor
     whole, _ = ps_launch(framework, 2, 1).rank("ps", 0)
     for key in whole:
         assert np.array_equal(resumed[key], whole[key]), key
+
+
+@pytest.mark.parametrize(("framework", "servers"), [
+    ("torch", 2), ("tensorflow", 1),
+    pytest.param("torch", 1, marks=pytest.mark.long),
+    pytest.param("tensorflow", 2, marks=pytest.mark.long)])
+def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
+    launch = ps_launch(framework, 2, servers)
+    p0, _ = launch.rank("ps", 0)
+    p1, _ = launch.rank("ps", 1)
+    for key in p0:  # every worker pulls the same sums: the same bits
+        assert np.array_equal(p0[key], p1[key]), key
+    ring, _ = two_ranks(framework, "mpi").rank("equiv", 0)
+    assert_same(p0, ring, f"{servers} server(s) against the ring")
+    assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
+
+
+@frameworks("tensorflow")
+def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
+    """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
+    1 server, and the latter against one rank with no server at all."""
+    one, _ = ps_launch(framework, 1, 1).rank("ps", 0)
+    two, _ = ps_launch(framework, 2, 1).rank("ps", 0)
+    assert_same(two, one, "2 workers against 1 worker")
+    alone, _ = one_rank_equiv(framework).rank("one", 0)
+    assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
 
 
 @frameworks("tensorflow")
