@@ -1,11 +1,16 @@
 """Parameter servers (``comm.topology=ps``, dedicated, ``bsp``) under ``horovodrun --mpi``: the
 servers sum, the workers keep their optimizers, so training equals the ring's.
 
-Per framework, three launches of the equivalence run of test_engines.py (5 epochs, 2
+Per framework, up to three launches of the equivalence run of test_engines.py (5 epochs, 2
 micro-batches per step): 2 workers + 1 server (-np 3), 2 workers + 2 servers (-np 4, the 9,610
 parameters of the MLP in 8 KiB chunks: 5 chunks, 2 on one server and 3 on the other), and
 1 worker + 1 server at twice the batch (-np 2). They are compared with the ring's runs of the same
 workers, which test_engines.py launches anyway.
+
+Every check runs once by default, in one framework, so that the default run needs four launches
+(PyTorch: -np 3 and -np 4; TensorFlow: -np 3 and -np 2) and both frameworks are shown equal to the
+ring; the same check in the other framework is marked ``long`` (``make test-long``). The tests
+are ordered so that none starts more than two launches (pytest-timeout's 600 s is per test).
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import pytest
 from tests.conftest import BIN, assert_accuracy_near, assert_loss_near, horovodrun, read_jsonl
 from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
 
-FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+
+def frameworks(default: str) -> pytest.MarkDecorator:
+    """Both frameworks, the one that is not ``default`` marked ``long``."""
+    return pytest.mark.parametrize("framework", [
+        name if name == default else pytest.param(name, marks=pytest.mark.long)
+        for name in ("torch", "tensorflow")])
+
+
 PS = "comm.topology=ps,ps.servers={s},ps.chunk_kib=8"
 PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
 """The digits MLP's parameters (hidden layer of 128)."""
@@ -57,31 +69,7 @@ def assert_same(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: s
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=f"{what}: {key}")
 
 
-@FRAMEWORKS
-@pytest.mark.parametrize("servers", [1, 2])
-def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
-    launch = ps_launch(framework, 2, servers)
-    p0, _ = launch.rank("ps", 0)
-    p1, _ = launch.rank("ps", 1)
-    for key in p0:  # every worker pulls the same sums: the same bits
-        assert np.array_equal(p0[key], p1[key]), key
-    ring, _ = two_ranks(framework, "mpi").rank("equiv", 0)
-    assert_same(p0, ring, f"{servers} server(s) against the ring")
-    assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
-
-
-@FRAMEWORKS
-def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
-    """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
-    1 server, and the latter against one rank with no server at all."""
-    one, _ = ps_launch(framework, 1, 1).rank("ps", 0)
-    two, _ = ps_launch(framework, 2, 1).rank("ps", 0)
-    assert_same(two, one, "2 workers against 1 worker")
-    alone, _ = one_rank_equiv(framework).rank("one", 0)
-    assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
-
-
-@FRAMEWORKS
+@frameworks("torch")
 def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
     launch = ps_launch(framework, 2, 2)
     summary = launch.summary("ps")
@@ -99,7 +87,7 @@ def test_workers_write_and_count_bytes_each_way(ps_launch, framework):
         assert record["summary"]["final"] == summary["final"]
 
 
-@FRAMEWORKS
+@frameworks("torch")
 def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framework):
     """With bsp the servers hold no state: a 1-server run's checkpoint continues on 2 servers to
     the very parameters the 1-server run ended with."""
@@ -109,7 +97,33 @@ def test_a_checkpoint_resumes_with_another_number_of_servers(ps_launch, framewor
         assert np.array_equal(resumed[key], whole[key]), key
 
 
-@FRAMEWORKS
+@pytest.mark.parametrize(("framework", "servers"), [
+    ("torch", 2), ("tensorflow", 1),
+    pytest.param("torch", 1, marks=pytest.mark.long),
+    pytest.param("tensorflow", 2, marks=pytest.mark.long)])
+def test_two_workers_equal_the_ring(ps_launch, two_ranks, framework, servers):
+    launch = ps_launch(framework, 2, servers)
+    p0, _ = launch.rank("ps", 0)
+    p1, _ = launch.rank("ps", 1)
+    for key in p0:  # every worker pulls the same sums: the same bits
+        assert np.array_equal(p0[key], p1[key]), key
+    ring, _ = two_ranks(framework, "mpi").rank("equiv", 0)
+    assert_same(p0, ring, f"{servers} server(s) against the ring")
+    assert not (launch.out / "ps" / "rank2.npz").exists()  # a server trains nothing
+
+
+@frameworks("tensorflow")
+def test_one_worker_equals_two_at_half_the_batch(ps_launch, one_rank_equiv, framework):
+    """-np 2 == -np 1 at double the batch, under ps: 2 workers + 1 server against 1 worker +
+    1 server, and the latter against one rank with no server at all."""
+    one, _ = ps_launch(framework, 1, 1).rank("ps", 0)
+    two, _ = ps_launch(framework, 2, 1).rank("ps", 0)
+    assert_same(two, one, "2 workers against 1 worker")
+    alone, _ = one_rank_equiv(framework).rank("one", 0)
+    assert_same(one, alone, "1 worker + 1 server against 1 rank", atol=0.0)
+
+
+@frameworks("tensorflow")
 def test_fp16_on_the_wire_halves_the_bytes_and_stays_near(ps_launch, framework):
     launch = ps_launch(framework, 2, 1)
     fp16, fp32 = launch.summary("fp16")["final"], launch.summary("ps")["final"]
