@@ -151,10 +151,10 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
         session.close(summary)
     placements = engine.collectives.allgather_object((*placement(), session.startup_s,
                                                       peak_rss_mb()))
-    summary = {**summary, "hosts": [host for host, _, _, _ in placements],
-               "net_namespaces": [netns for _, netns, _, _ in placements],
-               "startup_s": [startup for _, _, startup, _ in placements],
-               "peak_rss_mb": [peak for _, _, _, peak in placements]}
+    keys = ("hosts", "net_namespaces", "startup_s", "peak_rss_mb")  # one list a key, by rank
+    summary = {**summary, **{key: list(column)
+                             for key, column in zip(keys, zip(*placements, strict=True),
+                                                    strict=True)}}
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
         summary |= {"topology": "ps", "ps_servers": cfg.ps.servers}
     if engine.rank == 0:
