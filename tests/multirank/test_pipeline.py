@@ -105,7 +105,7 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(four_ranks, schedule):
+def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(four_ranks, schedule):
     """Gloo's launch: every train record carries both stages' figures and the measured bubble
     (their sizes are timings, not asserted, beyond their ranges)."""
     path = four_ranks("gloo").out / schedule / "metrics.jsonl"
@@ -116,6 +116,7 @@ def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(four
         for stage in (0, 1):
             assert record[f"stage_compute_s_stage{stage}"] > 0
             assert record[f"stage_wait_s_stage{stage}"] >= 0
+            assert record[f"stage_rss_mb_stage{stage}"] > 0
         assert "stage_compute_s_stage2" not in record
 
 
