@@ -77,6 +77,8 @@ def test_not_applicable_settings_say_why() -> None:
     result = plan(load_profile(PUBLISHED / "vgg16.json"), load_cluster(PAPER), Knobs(64))
     why = {p.setting: p.reason for p in result.predictions if p.best is None}
     assert "more stages (32) than the model's layers (16)" in why["pipeline P=32 m=128 1f1b"]
+    assert "more 16 x 2 pieces than the model's layers (16)" in why[
+        "pipeline P=16 m=64 interleaved_1f1b v=2"]
     assert "no server nodes" in why["ps dedicated S=0"]
 
 
@@ -130,6 +132,10 @@ def test_the_configured_setting_is_marked() -> None:
     cluster = cluster_from_tree(GOOD)
     cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=gpipe"], environ={})
     assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=8 gpipe"
+    cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=interleaved_1f1b",
+                               "pipeline.virtual_stages=4", "pipeline.microbatches=8"], environ={})
+    assert configured_setting(cfg, cluster, Knobs(32, microbatches=8, virtual_stages=4)) == (
+        "pipeline P=2 m=8 interleaved_1f1b v=4")
     result = plan(load_profile(PUBLISHED / "resnet101.json"), cluster, Knobs(64))
     result.configured = configured_setting(load_config(CONFIG, environ={}), cluster, Knobs(64))
     marked = [line for line in table(result).splitlines() if line[2:3] == "*"]
