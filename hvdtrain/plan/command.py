@@ -93,6 +93,8 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
         schedule = cfg.pipeline.schedule
         return pipeline_name(stages, knobs.microbatches or 4 * stages, schedule,
                              pieces_per_rank(schedule, knobs))
+    if cfg.comm.topology == "ps" and cfg.ps.placement == "colocated":
+        return "ps sharded update"
     if cfg.comm.topology == "ps":
         if not cluster.servers.nodes:
             raise ConfigError("comm.topology=ps: the cluster file has no server nodes "

@@ -226,8 +226,9 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     k, m = c.servers.nodes, ctx.profile.gradient_bytes
     dedicated = Prediction(f"ps dedicated S={k}", f"comm.topology=ps ps.servers={k} (one server "
                            "rank on each server node)")
-    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain yet "
-                           "(ps.placement=colocated); BytePS runs it")
+    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain: BytePS's summation "
+                           "on every worker (hvdtrain's ps.placement=colocated is the sharded "
+                           "update)")
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
     else:
@@ -248,7 +249,29 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
             return within + (costs.byteps(b, n, k, link, o) if n > 1 or k else 0.0)
         return _dense(ctx, n, cost)
     _sweep(ctx, colocated, colocated_step)
-    return [dedicated, colocated]
+    return [dedicated, colocated, _sharded(ctx)]
+
+
+def _sharded(ctx: _Ctx) -> Prediction:
+    """hvdtrain's colocated servers (the sharded update, ZeRO stage 1's): after the backward pass
+    a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
+    this rank's 1/N of the parameters."""
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    pred = Prediction("ps sharded update", "comm.topology=ps ps.placement=colocated")
+    framework = str(ctx.profile.model.get("framework", ""))
+    if framework == "tensorflow":
+        pred.reason = "the sharded update (ps.placement=colocated) runs with PyTorch only"
+        return pred
+
+    def step(n: int) -> tuple[float, list[Segment]]:
+        half = costs.flat_allreduce(ctx.profile.gradient_bytes, n, g, c.intra, c.inter, o) / 2
+        f, b, upd = ctx.fwd, ctx.fwd + ctx.bwd, ctx.upd / (n * g)
+        segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, b),
+                Segment("comm", "reduce-scatter", b, b + half),
+                Segment("compute", "update of this rank's shard", b + half, b + half + upd),
+                Segment("comm", "allgather", b + half + upd, b + 2 * half + upd)]
+        return b + 2 * half + upd, segs
+    return _sweep(ctx, pred, step)
 
 
 def _stage_counts(ctx: _Ctx) -> list[int]:

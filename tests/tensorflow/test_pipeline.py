@@ -79,8 +79,6 @@ def test_a_stage_output_of_unknown_size_is_refused():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
-      "checkpoint.enabled=false"], r"pipeline.schedule='interleaved_1f1b': the TensorFlow engine"),
     ([], r"checkpoint.enabled=true with pipeline.stages=2: .* set checkpoint.enabled=false"),
 ])
 def test_the_engine_refuses_before_horovod_starts(tmp_path, overrides, message):

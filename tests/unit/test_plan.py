@@ -3,6 +3,7 @@ predictions, the table, JSON and HTML outputs (docs/planner.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -71,6 +72,26 @@ def test_published_ranking_of_the_horovod_paper() -> None:
     assert vgg < 0.9 and resnet > vgg + 0.1 and inception > vgg + 0.1
     # The reported 68% for VGG-16: the plan's figure is within 20 points (not within 10: see docs)
     assert abs(vgg - 0.68) < 0.2
+
+
+def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
+    from hvdtrain.plan import costs
+
+    profile, cluster = load_profile(PUBLISHED / "resnet101.json"), cluster_from_tree(GOOD)
+    result = plan(profile, cluster, Knobs(profile.batch_size))
+    pred = next(p for p in result.predictions if p.setting == "ps sharded update")
+    assert pred.how == "comm.topology=ps ps.placement=colocated"
+    ring = costs.flat_allreduce(profile.gradient_bytes, 2, 2, cluster.intra, cluster.inter)
+    # Not overlapped with the backward pass; each rank updates a quarter of the parameters.
+    want = profile.forward_s + profile.backward_s + ring + profile.update_s / 4
+    assert pred.points[-1].step_s == pytest.approx(want)
+    assert [s.label for s in pred.timeline][2:] == [
+        "reduce-scatter", "update of this rank's shard", "allgather"]
+    keras = dataclasses.replace(profile, model={**profile.model, "framework": "tensorflow"})
+    why = {p.setting: p.reason for p in plan(keras, cluster, Knobs(64)).predictions}
+    assert why["ps sharded update"] == "the sharded update (ps.placement=colocated) runs with " \
+        "PyTorch only"
+    assert why["pipeline P=2 m=8 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
 
 
 def test_not_applicable_settings_say_why() -> None:
