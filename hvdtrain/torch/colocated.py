@@ -1,0 +1,238 @@
+"""Colocated parameter servers for PyTorch (``ps.placement=colocated``): the sharded update.
+
+Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.shards` says which): a step
+reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ColocatedExchange`), each
+rank's optimizer steps its own shard only, so its optimizer state covers 1/N of the model, and
+the updated shards are allgathered back into every rank's parameters in pieces of
+``ps.chunk_kib`` (:class:`ShardedOptimizer`). That is ZeRO stage 1's memory saving; the
+arithmetic is the ring's (an average, then the same element-wise update), so a colocated run
+trains as a ring run of the same ranks.
+
+Checkpoints hold the optimizer state in the whole model's layout, the one Horovod's
+``DistributedOptimizer`` writes on the ring: rank 0 gathers the shards before it writes, and a
+restored state is cut into the shards of the current world. So a checkpoint moves between the
+ring, colocated servers and other numbers of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
+from hvdtrain.ps.shards import piece_bounds, pieces, segments, shard_bounds, shard_sizes
+from hvdtrain.torch.collectives import any_rank
+
+_WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+Targets = Callable[[int], torch.Tensor | None]
+"""Parameter index -> the flat tensor a gathered piece is written into (None: dropped)."""
+
+
+def sharded(value: Any) -> bool:
+    """Whether an optimizer state entry is per element (sharded) rather than per parameter (a
+    0-dim ``step``, a None buffer: copied whole)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The run's optimizer, stepping this rank's shard of the flat parameters only.
+
+    It stands where the run's optimizer stood for the step (``param_groups`` for the learning
+    rate and the precision, ``zero_grad``, ``step``) and for checkpoints (``state_dict`` and
+    ``load_state_dict`` in the whole model's layout). Its ``step`` writes the updated shard
+    back into every rank's parameters (a collective). The update itself is an optimizer of the
+    run's class and settings over the shard alone (``inner``), whose groups and state these are.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
+                 size: int, chunk: int) -> None:
+        every = list(model.parameters())
+        self.params = [p for p in every if p.requires_grad]
+        self.indices = [i for i, p in enumerate(every) if p.requires_grad]
+        self.count = len(every)  # the ring's param_groups name every parameter
+        for p in self.params:
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise HvdtrainError("ps.placement=colocated: every trainable parameter must be "
+                                    "a contiguous float32 tensor")
+        self.sizes = [p.numel() for p in self.params]
+        self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
+        self.start, self.stop = shard_bounds(self.total, size, rank)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.shard = torch.nn.Parameter(torch.zeros(self.stop - self.start, device=device))
+        super().__init__([self.shard], dict(optimizer.defaults))
+        # The same class and settings as the run's optimizer, over the shard alone.
+        self.inner = type(optimizer)([self.shard], **optimizer.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self.stats: dict[str, float] = {"comm_s": 0.0}  # the exchange's: the allgather adds
+        self._full: dict[str, Any] | None = None  # rank 0: the state gathered or restored
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the model's gradients (they accumulate over micro-batches) and the shard's."""
+        for p in [*self.params, self.shard]:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Steps the shard (its gradient set from the exchange), then allgathers every shard back
+        into the parameters (a collective)."""
+        self._load_shard()
+        self.inner.step()
+        began = time.perf_counter()
+        flat = [p.view(-1) for p in self.params]
+        self.allgather(self.shard.detach(), flat.__getitem__, "params")
+        self.stats["comm_s"] += time.perf_counter() - began
+
+    def _load_shard(self) -> None:
+        # From the parameters each step: a broadcast or restore of the model reaches the shard.
+        for seg in segments(self.sizes, self.start, self.stop):
+            src = self.params[seg.param].view(-1)[seg.offset:seg.offset + seg.length]
+            self.shard.data[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+
+    def allgather(self, shard: torch.Tensor, targets: Targets, tag: str) -> None:
+        """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
+        ``targets`` by parameter, in :func:`~hvdtrain.ps.shards.pieces` rounds of at most
+        ``chunk`` elements per rank (a collective)."""
+        sizes = shard_sizes(self.total, self.size)
+        starts = [shard_bounds(self.total, self.size, r)[0] for r in range(self.size)]
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            a, b = piece_bounds(sizes[self.rank], self.chunk, k)
+            got = hvd.allgather(shard[a:b].contiguous(), name=f"hvdtrain.colocated.{tag}.{k}")
+            at = 0
+            for r in range(self.size):
+                lo, hi = piece_bounds(sizes[r], self.chunk, k)
+                self._write(got[at:at + hi - lo], starts[r] + lo, starts[r] + hi, targets)
+                at += hi - lo
+
+    def _write(self, piece: torch.Tensor, lo: int, hi: int, targets: Targets) -> None:
+        for seg in segments(self.sizes, lo, hi):
+            target = targets(seg.param)
+            if target is not None:
+                target[seg.offset:seg.offset + seg.length] = piece[seg.flat - lo:
+                                                                   seg.flat - lo + seg.length]
+
+    # checkpoints: the whole model's layout ----------------------------------------------------
+
+    def gather(self) -> None:
+        """Collects every shard's optimizer state onto rank 0 in the whole model's layout, for
+        :meth:`state_dict` (a collective)."""
+        own = self.inner.state_dict()
+        entry = own["state"].get(0, {})
+        state: dict[int, dict[str, Any]] = {i: {} for i in self.indices}
+        for key in sorted(entry):
+            value = entry[key]
+            if not sharded(value):
+                for i in self.indices:
+                    state[i][key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            # Only rank 0 keeps the whole state; the others pass their shard on and drop the rest.
+            full = [torch.zeros(n, dtype=value.dtype) for n in self.sizes] if self.rank == 0 else []
+            kept: Targets = full.__getitem__ if self.rank == 0 else (lambda _: None)
+            self.allgather(value.detach(), kept, f"state.{key}")
+            for i, p, flat in zip(self.indices, self.params, full, strict=False):
+                state[i][key] = flat.reshape(p.shape)
+        groups = [{**group, "params": list(range(self.count))} for group in own["param_groups"]]
+        self._full = ({"state": state if entry else {}, "param_groups": groups}
+                      if self.rank == 0 else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state :meth:`gather` collected (rank 0), in the ring's layout."""
+        if self._full is None:
+            raise HvdtrainError("ps.placement=colocated: the optimizer state is written after "
+                                "gather() only, on rank 0")
+        full, self._full = self._full, None
+        return full
+
+    def load_state_dict(self, full: Mapping[str, Any]) -> None:
+        """Takes this rank's shard of a state in the whole model's layout (written by the ring,
+        or by colocated servers at any number of ranks); kept for :meth:`broadcast`."""
+        self._full = dict(full)
+        self._apply(full)
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """Gives every rank its shard of the state rank ``root_rank`` restored (a collective; a
+        no-op on a fresh start)."""
+        full = hvd.broadcast_object(self._full if self.rank == root_rank else None,
+                                    root_rank=root_rank, name="hvdtrain.colocated.state")
+        self._full = None
+        if full is not None:
+            self._apply(full)
+
+    def _apply(self, full: Mapping[str, Any]) -> None:
+        groups = full["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != self.count:
+            raise HvdtrainError(f"the optimizer state has {len(groups)} group(s) of "
+                                f"{[len(g['params']) for g in groups]} parameters; this model "
+                                f"has one group of {self.count}")
+        entries = [full["state"].get(i, {}) for i in self.indices]
+        own: dict[str, Any] = {}
+        for key, value in (entries[0] if entries else {}).items():
+            own[key] = self._cut([e[key] for e in entries]) if sharded(value) else value
+        self.inner.load_state_dict({"state": {0: own} if own else {},
+                                    "param_groups": [{**groups[0], "params": [0]}]})
+
+    def _cut(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(self.stop - self.start, dtype=tensors[0].dtype)
+        for seg in segments(self.sizes, self.start, self.stop):
+            src = tensors[seg.param].reshape(-1)[seg.offset:seg.offset + seg.length]
+            out[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer state this rank holds (its shard's)."""
+        entry = self.inner.state.get(self.shard, {})
+        return sum(v.numel() * v.element_size() for v in entry.values() if torch.is_tensor(v))
+
+
+class ColocatedExchange(GradientExchange):
+    """Horovod's ``reducescatter`` of the flat gradient: each rank gets the average of its own
+    shard, which :class:`ShardedOptimizer` steps and allgathers back."""
+
+    def __init__(self, optimizer: ShardedOptimizer, compression: str) -> None:
+        self.optimizer, self.rank, self.size = optimizer, optimizer.rank, optimizer.size
+        self.wire = _WIRE[compression]
+        wire_item = 2 if compression == "fp16" else 4
+        own = optimizer.stop - optimizer.start
+        # Handed to Horovod per step: the whole gradient to reducescatter, the shard to allgather.
+        self._bytes = (float(wire_item * optimizer.total + 4 * own),
+                       float(4 * optimizer.total + 4 * own))
+        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
+
+    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        began = time.perf_counter()
+        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
+        mine = hvd.reducescatter(flat, name="hvdtrain.colocated.grads", op=hvd.Average,
+                                 compression=self.wire)
+        wire, dense = self._bytes
+        # Shared with the optimizer, whose allgather adds its wait before the step reads them.
+        self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
+                      "comm_s": time.perf_counter() - began}
+        self.optimizer.stats = self.stats
+        return [mine.to(torch.float32)]
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        if (rank, size) != (self.rank, self.size):
+            raise HvdtrainError("ps.placement=colocated cannot change its number of ranks")
+
+    def gather(self) -> None:
+        self.optimizer.gather()
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        self.optimizer.broadcast(root_rank)
+
+
+def make_colocated(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
+                   size: int, chunk: int, compression: str
+                   ) -> tuple[ColocatedExchange, ShardedOptimizer]:
+    """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
+    settings it keeps); ``chunk``: elements per rank in one allgather round."""
+    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
+    return ColocatedExchange(sharded_opt, compression), sharded_opt
