@@ -162,6 +162,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._full = None
         if full is not None:
             self._apply(full)
+        elif not self.inner.state:
+            self._zero_step()
+
+    def _zero_step(self) -> None:
+        # As Horovod's broadcast_optimizer_state on the ring: a fresh optimizer makes its state
+        # with one zero-gradient step, which changes the weights too where weight decay or Adam's
+        # momentum acts (the ring then broadcasts rank 0's changed weights). Done the same way,
+        # a colocated run trains as the ring's (Adam's step count starts at 1 in both).
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.step()
+        self.shard.grad = None
 
     def _apply(self, full: Mapping[str, Any]) -> None:
         groups = full["param_groups"]
@@ -175,6 +186,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             own[key] = self._cut([e[key] for e in entries]) if sharded(value) else value
         self.inner.load_state_dict({"state": {0: own} if own else {},
                                     "param_groups": [{**groups[0], "params": [0]}]})
+        # Torch's load replaces the groups and the state: this optimizer must show the new ones.
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
     def _cut(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         out = torch.zeros(self.stop - self.start, dtype=tensors[0].dtype)
