@@ -4,8 +4,9 @@ numbers of ranks.
 
 One launch by default: -np 2 under Gloo, with the equivalence run of test_engines.py (5 epochs,
 2 micro-batches per step; SGD with momentum), Adam with weight decay on the ring and colocated
-(2 epochs, a checkpoint every epoch), and two resumed runs: the ring from the colocated run's
-step-100 checkpoint, and colocated servers from the Adam ring's step-23 checkpoint. The 9,610
+(2 epochs, a checkpoint every epoch), two resumed runs (the ring from the colocated run's
+step-100 checkpoint, colocated servers from the Adam ring's step-23 checkpoint) and fp16 on the
+wire. The 9,610
 parameters in 8 KiB pieces (2,048 elements) come back from each rank's shard of 4,805 in three
 allgather rounds. They are compared with the ring's run of test_engines.py, launched anyway.
 The MPI controller and 4 ranks are marked ``long``.
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import read_jsonl
+from tests.conftest import assert_accuracy_near, assert_loss_near, read_jsonl
 from tests.multirank.conftest import EQUIV, Launch, launch_worker
 
 COLOCATED = "comm.topology=ps,ps.placement=colocated,ps.chunk_kib=8"
@@ -57,7 +58,8 @@ def colocated(tmp_path_factory) -> Callable[[str, int], Launch]:
                          f"{out / 'coloc' / 'checkpoints' / 'step-00000100.ckpt'}",
                          f"adam_ring:{run(2)},{ADAM}", f"adam_coloc:{run(2)},{ADAM},{COLOCATED}",
                          f"adam_coloc_from_ring:{run(2)},{ADAM},{COLOCATED},checkpoint.resume="
-                         f"{out / 'adam_ring' / 'checkpoints' / 'step-00000023.ckpt'}"]
+                         f"{out / 'adam_ring' / 'checkpoints' / 'step-00000023.ckpt'}",
+                         f"fp16:{run(2)},{COLOCATED},comm.compression=fp16"]
             else:
                 saved = checkpoint(get(controller, 2), "coloc", 100)
                 runs += [f"ring:{run(ranks)}", f"resumed:{run(ranks)},{COLOCATED},"
@@ -104,8 +106,9 @@ def test_two_ranks_equal_the_ring_bitwise_and_write_its_checkpoint(colocated, tw
     assert logged and {r["wire_bytes"] for r in logged} == {4 * PARAMETERS + 4 * PARAMETERS // 2}
 
 
-def test_checkpoints_move_between_the_ring_and_colocated_servers(colocated):
-    launch = colocated("gloo", 2)
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.long)])
+def test_checkpoints_move_between_the_ring_and_colocated_servers(colocated, controller):
+    launch = colocated(controller, 2)
     whole, _ = launch.rank("coloc", 0)
     assert_equal(launch.rank("ring_from_coloc", 0)[0], whole, "the ring from a colocated checkpoint")
     adam, _ = launch.rank("adam_ring", 0)
@@ -115,6 +118,15 @@ def test_checkpoints_move_between_the_ring_and_colocated_servers(colocated):
     state = optimizer_state(checkpoint(launch, "adam_coloc", 46))["state"]
     assert {key for entry in state.values() for key in entry} == {"step", "exp_avg", "exp_avg_sq"}
     assert float(state[0]["step"]) == 47  # the ring's count: its zero-gradient step included
+
+
+def test_fp16_on_the_wire_halves_the_reduce_scatter_and_stays_near(colocated):
+    launch = colocated("gloo", 2)
+    fp16, fp32 = launch.summary("fp16")["final"], launch.summary("coloc")["final"]
+    assert_accuracy_near(fp16["eval_accuracy"], fp32["eval_accuracy"], "colocated with fp16")
+    assert_loss_near(fp16["eval_loss"], fp32["eval_loss"], "colocated with fp16")
+    logged = [r for r in read_jsonl(launch.out / "fp16" / "metrics.jsonl") if "wire_bytes" in r]
+    assert logged and {r["wire_bytes"] for r in logged} == {2 * PARAMETERS + 4 * PARAMETERS // 2}
 
 
 @pytest.mark.long
