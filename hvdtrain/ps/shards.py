@@ -5,8 +5,11 @@ The trainable parameters, flattened and concatenated in model order, form one ve
 ranks so that the first ``total % size`` ranks get one element more; every place that needs a
 shard's bounds (the update, the allgather back, checkpoints) uses :func:`shard_bounds`, so they
 agree with Horovod's split. A shard then maps back onto the parameters it overlaps
-(:func:`segments`), and travels back in pieces of at most ``chunk`` elements (:func:`pieces`),
-so that no allgather holds more than ``size x chunk`` elements at once.
+(:func:`segments`). Both collectives run in rounds (:func:`pieces`): in round ``k`` every rank's
+``k``-th piece of at most ``chunk`` elements of its shard (:func:`round_ranges`), so that no
+reduce-scatter or allgather holds more than ``size x chunk`` elements at once. The pieces of a
+round are again split as Horovod splits their sum (shards differ by one element at most), so a
+round's reduce-scatter hands each rank its own piece.
 """
 
 from __future__ import annotations
@@ -67,3 +70,15 @@ def piece_bounds(shard: int, chunk: int, index: int) -> tuple[int, int]:
     end: a shorter shard's last round sends nothing)."""
     start = min(index * chunk, shard)
     return start, min(start + chunk, shard)
+
+
+def round_ranges(total: int, size: int, chunk: int, index: int) -> list[tuple[int, int]]:
+    """The [start, stop) of the flat vector that each rank's piece of round ``index`` covers,
+    in rank order: concatenated, what that round's collective carries."""
+    sizes = shard_sizes(total, size)
+    out, start = [], 0
+    for n in sizes:
+        a, b = piece_bounds(n, chunk, index)
+        out.append((start + a, start + b))
+        start += n
+    return out

@@ -16,6 +16,7 @@ ring, colocated servers and other numbers of ranks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.ps.shards import piece_bounds, pieces, segments, shard_bounds, shard_sizes
+from hvdtrain.ps.shards import pieces, round_ranges, segments, shard_bounds
 from hvdtrain.torch.collectives import any_rank
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -64,6 +65,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
         self.start, self.stop = shard_bounds(self.total, size, rank)
         device = self.params[0].device if self.params else torch.device("cpu")
+        # The gradients live in one flat buffer (as DDP's gradient_as_bucket_view): backward
+        # accumulates into these views in place, and the reduce-scatter sends the buffer itself
+        # rather than a concatenated copy of the whole gradient.
+        self.flat_grad = torch.zeros(self.total, device=device)
+        bounds = [0, *itertools.accumulate(self.sizes)]
+        self.grad_views = [self.flat_grad[a:b].view(p.shape)
+                           for a, b, p in zip(bounds, bounds[1:], self.params, strict=False)]
         self.shard = torch.nn.Parameter(torch.zeros(self.stop - self.start, device=device))
         super().__init__([self.shard], dict(optimizer.defaults))
         # The same class and settings as the run's optimizer, over the shard alone.
@@ -73,9 +81,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._full: dict[str, Any] | None = None  # rank 0: the state gathered or restored
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears the model's gradients (they accumulate over micro-batches) and the shard's."""
-        for p in [*self.params, self.shard]:
-            p.grad = None
+        """Zeroes the model's gradients (they accumulate over micro-batches) in the flat buffer
+        and clears the shard's."""
+        self.flat_grad.zero_()
+        for p, view in zip(self.params, self.grad_views, strict=True):
+            p.grad = view
+        self.shard.grad = None
+
+    def flat_gradient(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``grads`` as one flat float32 vector: the buffer itself where they are its views (as
+        :meth:`zero_grad` left them), else a concatenated copy."""
+        if all(g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.grad_views, strict=True)):
+            return self.flat_grad
+        return torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -98,16 +116,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
         ``targets`` by parameter, in :func:`~hvdtrain.ps.shards.pieces` rounds of at most
         ``chunk`` elements per rank (a collective)."""
-        sizes = shard_sizes(self.total, self.size)
-        starts = [shard_bounds(self.total, self.size, r)[0] for r in range(self.size)]
         for k in range(pieces(self.total, self.size, self.chunk)):
-            a, b = piece_bounds(sizes[self.rank], self.chunk, k)
-            got = hvd.allgather(shard[a:b].contiguous(), name=f"hvdtrain.colocated.{tag}.{k}")
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            a, b = ranges[self.rank]
+            got = hvd.allgather(shard[a - self.start:b - self.start].contiguous(),
+                                name=f"hvdtrain.colocated.{tag}.{k}")
             at = 0
-            for r in range(self.size):
-                lo, hi = piece_bounds(sizes[r], self.chunk, k)
-                self._write(got[at:at + hi - lo], starts[r] + lo, starts[r] + hi, targets)
+            for lo, hi in ranges:
+                self._write(got[at:at + hi - lo], lo, hi, targets)
                 at += hi - lo
+
+    def reducescatter(self, flat: torch.Tensor, wire: Any) -> torch.Tensor:
+        """The average over the ranks of this rank's shard of ``flat`` (the whole flat gradient),
+        in the same rounds as :meth:`allgather` (a collective)."""
+        mine = torch.empty(self.stop - self.start, device=flat.device)
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            send = torch.cat([flat[lo:hi] for lo, hi in ranges])
+            got = hvd.reducescatter(send, name=f"hvdtrain.colocated.grads.{k}", op=hvd.Average,
+                                    compression=wire)
+            a, b = ranges[self.rank]
+            mine[a - self.start:b - self.start] = got
+        return mine
 
     def _write(self, piece: torch.Tensor, lo: int, hi: int, targets: Targets) -> None:
         for seg in segments(self.sizes, lo, hi):
@@ -218,15 +248,14 @@ class ColocatedExchange(GradientExchange):
 
     def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         began = time.perf_counter()
-        flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
-        mine = hvd.reducescatter(flat, name="hvdtrain.colocated.grads", op=hvd.Average,
-                                 compression=self.wire)
+        flat = self.optimizer.flat_gradient(grads)
+        mine = self.optimizer.reducescatter(flat, self.wire)
         wire, dense = self._bytes
         # Shared with the optimizer, whose allgather adds its wait before the step reads them.
         self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
                       "comm_s": time.perf_counter() - began}
         self.optimizer.stats = self.stats
-        return [mine.to(torch.float32)]
+        return [mine]
 
     def any_rank(self, flag: bool) -> bool:
         return any_rank(flag)

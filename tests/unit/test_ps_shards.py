@@ -11,7 +11,15 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.ps.shards import Segment, piece_bounds, pieces, segments, shard_bounds, shard_sizes
+from hvdtrain.ps.shards import (
+    Segment,
+    piece_bounds,
+    pieces,
+    round_ranges,
+    segments,
+    shard_bounds,
+    shard_sizes,
+)
 
 MLP = [64 * 128, 128, 128 * 10, 10]
 """The digits MLP's parameters (9,610 elements)."""
@@ -70,3 +78,20 @@ def test_colocated_is_accepted_for_torch():
     cfg = load_config(None, ["comm.topology=ps", "ps.placement=colocated",
                              "train.precision=bf16"], environ={})
     assert cfg.ps.placement == "colocated"
+
+
+@pytest.mark.parametrize(("total", "size", "chunk"), [
+    (9610, 2, 2048), (9610, 3, 2048), (9610, 4, 1000), (9, 2, 4), (5, 8, 1), (4097, 4, 1024)])
+def test_each_round_splits_as_reducescatter_hands_each_rank_its_piece(total, size, chunk):
+    covered = []
+    for k in range(pieces(total, size, chunk)):
+        ranges = round_ranges(total, size, chunk, k)
+        lengths = [hi - lo for lo, hi in ranges]
+        assert lengths == shard_sizes(sum(lengths), size)  # Horovod's split of the round
+        assert all(0 < n <= chunk for n in lengths[:1])
+        covered += [i for lo, hi in ranges for i in range(lo, hi)]
+    assert sorted(covered) == list(range(total))  # every element in exactly one round
+    for r in range(size):  # each rank's pieces lie inside its shard, in order
+        start, stop = shard_bounds(total, size, r)
+        mine = [round_ranges(total, size, chunk, k)[r] for k in range(pieces(total, size, chunk))]
+        assert mine[0][0] == start and mine[-1][1] == stop
