@@ -104,9 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"parameters), Adam (two float32 moments and a step count a tensor), "
              f"{args.steps} steps of 8 samples a rank, {args.rounds} round(s), each setting a "
              "job of its own.",
-             "Peak RSS counts the runtime (torch, Horovod, the data set), the parameters, their "
-             "gradients and the flat gradient the reduce-scatter sends, so it falls by less than "
-             "the optimizer state does.",
+             "Peak RSS counts the runtime (torch, Horovod, the data set), the parameters and their "
+             "gradients, which stay whole on every rank, so it falls by less than the optimizer "
+             "state does.",
              f"Result: {verdict}."]
     entry = harness.Entry(label="Optimizer memory, ring against colocated servers",
                           script="ps_memory.py",

@@ -3,9 +3,11 @@
 Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.shards` says which): a step
 reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ColocatedExchange`), each
 rank's optimizer steps its own shard only, so its optimizer state covers 1/N of the model, and
-the updated shards are allgathered back into every rank's parameters in pieces of
-``ps.chunk_kib`` (:class:`ShardedOptimizer`). That is ZeRO stage 1's memory saving; the
-arithmetic is the ring's (an average, then the same element-wise update), so a colocated run
+the updated shards are allgathered back into every rank's parameters (:class:`ShardedOptimizer`).
+Both collectives run in rounds of at most ``ps.chunk_kib`` per rank, so that neither Horovod nor
+this module holds a second copy of the whole gradient (Horovod's Gloo reduce-scatter copies its
+input); the gradients themselves live in one flat buffer. That is ZeRO stage 1's memory saving;
+the arithmetic is the ring's (an average, then the same element-wise update), so a colocated run
 trains as a ring run of the same ranks.
 
 Checkpoints hold the optimizer state in the whole model's layout, the one Horovod's
@@ -233,8 +235,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 class ColocatedExchange(GradientExchange):
-    """Horovod's ``reducescatter`` of the flat gradient: each rank gets the average of its own
-    shard, which :class:`ShardedOptimizer` steps and allgathers back."""
+    """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
+    its own shard, which :class:`ShardedOptimizer` steps and allgathers back. ``wire_bytes``
+    counts what a rank hands Horovod a step: the whole gradient (float16 under ``fp16``) and its
+    float32 shard; ``dense_bytes`` the same in float32."""
 
     def __init__(self, optimizer: ShardedOptimizer, compression: str) -> None:
         self.optimizer, self.rank, self.size = optimizer, optimizer.rank, optimizer.size
@@ -275,6 +279,6 @@ def make_colocated(optimizer: torch.optim.Optimizer, model: torch.nn.Module, ran
                    size: int, chunk: int, compression: str
                    ) -> tuple[ColocatedExchange, ShardedOptimizer]:
     """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
-    settings it keeps); ``chunk``: elements per rank in one allgather round."""
+    settings it keeps); ``chunk``: elements per rank in one round of either collective."""
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
     return ColocatedExchange(sharded_opt, compression), sharded_opt
