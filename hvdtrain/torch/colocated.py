@@ -228,11 +228,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             out[seg.flat - self.start:seg.flat - self.start + seg.length] = src
         return out
 
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer state this rank holds (its shard's)."""
-        entry = self.inner.state.get(self.shard, {})
-        return sum(v.numel() * v.element_size() for v in entry.values() if torch.is_tensor(v))
-
 
 class ColocatedExchange(GradientExchange):
     """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
