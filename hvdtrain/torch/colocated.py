@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import horovod.torch as hvd
@@ -41,6 +42,22 @@ def sharded(value: Any) -> bool:
     """Whether an optimizer state entry is per element (sharded) rather than per parameter (a
     0-dim ``step``, a None buffer: copied whole)."""
     return torch.is_tensor(value) and value.dim() > 0
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """Stands for a per-element tensor in a state's outline: what a rank allocates to receive it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _outline(full: Mapping[str, Any]) -> dict[str, Any]:
+    """``full`` with its per-element tensors replaced by their shapes and dtypes."""
+    return {"param_groups": full["param_groups"],
+            "state": {index: {key: _Whole(tuple(v.shape), v.dtype) if sharded(v) else v
+                              for key, v in entry.items()}
+                      for index, entry in full["state"].items()}}
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -188,14 +205,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def broadcast(self, root_rank: int = 0) -> None:
         """Gives every rank its shard of the state rank ``root_rank`` restored (a collective; a
-        no-op on a fresh start)."""
-        full = hvd.broadcast_object(self._full if self.rank == root_rank else None,
-                                    root_rank=root_rank, name="hvdtrain.colocated.state")
+        fresh start makes the state instead, see :meth:`_zero_step`). The per-element tensors
+        travel one at a time, so no rank ever holds more than one parameter's of them whole."""
+        full = self._full if self.rank == root_rank else None
         self._full = None
-        if full is not None:
-            self._apply(full)
-        elif not self.inner.state:
-            self._zero_step()
+        outline = hvd.broadcast_object(None if full is None else _outline(full),
+                                       root_rank=root_rank, name="hvdtrain.colocated.outline")
+        if outline is None:
+            if not self.inner.state:
+                self._zero_step()
+            return
+
+        def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
+            mine = (full["state"][index][key] if full is not None
+                    else torch.empty(value.shape, dtype=value.dtype))
+            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.colocated.{index}.{key}")
+
+        self._apply(outline, fetch)
 
     def _zero_step(self) -> None:
         # As Horovod's broadcast_optimizer_state on the ring: a fresh optimizer makes its state
@@ -206,27 +232,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.step()
         self.shard.grad = None
 
-    def _apply(self, full: Mapping[str, Any]) -> None:
+    def _apply(self, full: Mapping[str, Any],
+               fetch: Callable[[int, str, Any], torch.Tensor] | None = None) -> None:
+        """Loads this rank's shard of ``full`` (the whole model's layout) into the shard's
+        optimizer; ``fetch`` gives each per-element tensor whole where ``full`` holds only its
+        outline (:meth:`broadcast`), one parameter's at a time."""
         groups = full["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != self.count:
             raise HvdtrainError(f"the optimizer state has {len(groups)} group(s) of "
                                 f"{[len(g['params']) for g in groups]} parameters; this model "
                                 f"has one group of {self.count}")
-        entries = [full["state"].get(i, {}) for i in self.indices]
         own: dict[str, Any] = {}
-        for key, value in (entries[0] if entries else {}).items():
-            own[key] = self._cut([e[key] for e in entries]) if sharded(value) else value
+        for j, index in enumerate(self.indices):
+            for key, value in full["state"].get(index, {}).items():
+                if not (sharded(value) or isinstance(value, _Whole)):
+                    own.setdefault(key, value)  # the same for every parameter: the first's
+                    continue
+                tensor = fetch(index, key, value) if fetch else value
+                part = own.setdefault(key, torch.zeros(self.stop - self.start, dtype=tensor.dtype))
+                self._put(part, j, tensor)
         self.inner.load_state_dict({"state": {0: own} if own else {},
                                     "param_groups": [{**groups[0], "params": [0]}]})
         # Torch's load replaces the groups and the state: this optimizer must show the new ones.
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
 
-    def _cut(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = torch.zeros(self.stop - self.start, dtype=tensors[0].dtype)
+    def _put(self, part: torch.Tensor, param: int, tensor: torch.Tensor) -> None:
+        """Copies the elements of parameter ``param``'s ``tensor`` that this shard owns into
+        ``part`` (a per-element tensor of the shard)."""
         for seg in segments(self.sizes, self.start, self.stop):
-            src = tensors[seg.param].reshape(-1)[seg.offset:seg.offset + seg.length]
-            out[seg.flat - self.start:seg.flat - self.start + seg.length] = src
-        return out
+            if seg.param == param:
+                src = tensor.reshape(-1)[seg.offset:seg.offset + seg.length]
+                part[seg.flat - self.start:seg.flat - self.start + seg.length] = src
 
 
 class ColocatedExchange(GradientExchange):
