@@ -223,9 +223,8 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     k, m = c.servers.nodes, ctx.profile.gradient_bytes
     dedicated = Prediction(f"ps dedicated S={k}", f"comm.topology=ps ps.servers={k} (one server "
                            "rank on each server node)")
-    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain (its "
-                           "ps.placement=colocated is the sharded update, with no extra servers); "
-                           "BytePS runs it")
+    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain yet "
+                           "(ps.placement=colocated); BytePS runs it")
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
     else:
