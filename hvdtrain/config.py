@@ -188,7 +188,8 @@ class PSConfig:
     so the job needs more than S ranks (launch with ``horovodrun --mpi`` or ``mpirun``)."""
     placement: str = _opt("dedicated", choices=PS_PLACEMENTS)
     """``dedicated``: server processes of their own, NumPy and mpi4py only, beside the workers;
-    ``colocated``: every worker serves a share of the parameters (not available yet)."""
+    ``colocated``: no server processes; every worker owns 1/N of the flat parameters and keeps
+    the optimizer state of that shard only (PyTorch; ``ps.servers`` is not read)."""
     consistency: str = _opt("bsp", choices=PS_CONSISTENCIES)
     """``bsp``: every step waits for all workers; the servers sum the gradients and the workers
     keep their own optimizers, so training equals the ring's. ``ssp`` (bounded staleness) and
@@ -215,8 +216,6 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
         return
     if ps.consistency != "bsp":
         raise ConfigError(f"ps.consistency={ps.consistency!r}: not available yet; use bsp")
-    if ps.placement != "dedicated":
-        raise ConfigError(f"ps.placement={ps.placement!r}: not available yet; use dedicated")
     if elastic.enabled:
         raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
                           "(elastic Horovod needs Gloo, the servers need MPI); set "
@@ -224,6 +223,22 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
     if comm.compression not in ("none", "fp16"):
         raise ConfigError(f"comm.compression={comm.compression!r} with comm.topology=ps: not "
                           "available yet; use none or fp16")
+
+
+def check_colocated(cfg: Config) -> None:
+    """``ps.placement=colocated`` (the sharded update, docs/parameter-servers.md) where it cannot
+    run, as one-line errors."""
+    if cfg.comm.topology != "ps" or cfg.ps.placement != "colocated":
+        return
+    if cfg.framework != "torch":
+        raise ConfigError(f"ps.placement=colocated with framework={cfg.framework!r}: the sharded "
+                          "update is PyTorch only; use framework=torch or ps.placement=dedicated")
+    if cfg.ps.consistency != "bsp":
+        raise ConfigError(f"ps.consistency={cfg.ps.consistency!r} with ps.placement=colocated: "
+                          "the sharded update is bulk-synchronous; use bsp")
+    if cfg.train.precision == "fp16":
+        raise ConfigError("train.precision='fp16' with ps.placement=colocated: a shard's overflow "
+                          "would skip the step on one rank only; use fp32 or bf16")
 
 
 @dataclass(kw_only=True)
@@ -349,6 +364,7 @@ class Config:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
         check_ps(self.comm, self.ps, self.elastic)
+        check_colocated(self)
 
     @property
     def run_dir(self) -> Path:

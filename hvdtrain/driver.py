@@ -156,7 +156,8 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
                              for key, column in zip(keys, zip(*placements, strict=True),
                                                     strict=True)}}
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
-        summary |= {"topology": "ps", "ps_servers": cfg.ps.servers}
+        servers = cfg.ps.servers if cfg.ps.placement == "dedicated" else engine.size
+        summary |= {"topology": "ps", "ps_placement": cfg.ps.placement, "ps_servers": servers}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)

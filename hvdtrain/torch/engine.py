@@ -30,6 +30,7 @@ from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.colocated import ShardedOptimizer
 from hvdtrain.torch.compression import to_torch
 from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.device import place, resolve, summary
@@ -125,7 +126,9 @@ class TorchEngine(Engine):
     def broadcast_state(self) -> None:
         # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
         # which weight decay would turn into a change of the weights that the broadcast then undoes.
-        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        # A sharded optimizer's ranks hold different shards: its exchange's broadcast cuts them.
+        if not isinstance(self.optimizer, ShardedOptimizer):
+            hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # Each rank's own residuals, re-sharded if the size changed.
         self.exchange.resize(self.rank, self.size, self.accumulation)

@@ -21,7 +21,9 @@ from hvdtrain.compression.plans import CommSettings
 from hvdtrain.config import PSConfig
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.ps.exchange import make_client
+from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.torch.collectives import any_rank
+from hvdtrain.torch.colocated import make_colocated
 from hvdtrain.torch.compression import CompressingExchange, make_compressing, optimizer_settings, plain_sgd
 from hvdtrain.torch.ps import TorchPSExchange
 
@@ -90,8 +92,12 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
     """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
     optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
     compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam).
-    ``ps``: the parameter servers' settings where ``comm.topology=ps``."""
+    ``ps``: the parameter servers' settings where ``comm.topology=ps``; colocated servers get
+    the sharded optimizer of :mod:`hvdtrain.torch.colocated` in the optimizer's place."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if ps is not None and ps.placement == "colocated":
+        return make_colocated(optimizer, model, rank, size, chunk_elements(ps.chunk_kib),
+                              comm.compression)
     if ps is not None:
         shapes = [p.shape for p in params]
         client = make_client(ps, comm.compression, shapes)

@@ -167,3 +167,14 @@ def test_tensorflow_resnet18_matches_the_torch_parameter_count():
     model = MODELS["tensorflow"].get("resnet18")().build(data.spec())
     assert sum(int(np.prod(v.shape)) for v in model.trainable_variables) == 11_181_642
     assert tuple(model(data.train().x).shape) == (4, 10)
+
+
+@pytest.mark.long
+def test_ps_memory_smallest_run_shards_the_optimizer_state(tmp_path):
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "ps_memory.py")
+    (table,) = next(iter(sections(doc).values()))
+    rows = {(row[0], row[1]): float(row[2].split()[0]) for row in table[1:]}
+    assert set(rows) == {(n, p) for n in ("2", "4") for p in ("ring", "colocated")}
+    for n in (2, 4):  # the whole state on the ring, 1/N of it colocated (rounded to 0.01 MB)
+        assert rows[str(n), "colocated"] == pytest.approx(rows[str(n), "ring"] / n, abs=0.01)

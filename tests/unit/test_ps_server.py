@@ -31,7 +31,6 @@ def test_chunks_cover_the_vector_once_and_spread_by_hash():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["ps.staleness=2"], "ps.staleness=2: only ps.consistency=ssp has a staleness bound"),
     (["comm.topology=ps", "ps.consistency=asp"], "ps.consistency='asp': not available yet"),
-    (["comm.topology=ps", "ps.placement=colocated"], "ps.placement='colocated': not available"),
     (["comm.topology=ps", "elastic.enabled=true"], "comm.topology=ps: elastic mode cannot run"),
     (["comm.topology=ps", "comm.compression=topk"], "comm.compression='topk' with comm.topo"),
     (["comm.topology=ps", "comm.compression=qsgd"], "comm.compression='qsgd' with comm.topo"),

@@ -1,0 +1,84 @@
+"""Which worker owns which slice of the flat parameters (``ps.placement=colocated``).
+
+The trainable parameters, flattened and concatenated in model order, form one vector of
+``total`` elements. Horovod's ``reducescatter`` cuts a tensor's first dimension among ``size``
+ranks so that the first ``total % size`` ranks get one element more; every place that needs a
+shard's bounds (the update, the allgather back, checkpoints) uses :func:`shard_bounds`, so they
+agree with Horovod's split. A shard then maps back onto the parameters it overlaps
+(:func:`segments`). Both collectives run in rounds (:func:`pieces`): in round ``k`` every rank's
+``k``-th piece of at most ``chunk`` elements of its shard (:func:`round_ranges`), so that no
+reduce-scatter or allgather holds more than ``size x chunk`` elements at once. The pieces of a
+round are again split as Horovod splits their sum (shards differ by one element at most), so a
+round's reduce-scatter hands each rank its own piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def shard_sizes(total: int, size: int) -> list[int]:
+    """Elements per rank, as Horovod's ``reducescatter`` splits ``total``: the first ``total %
+    size`` ranks get one more."""
+    base, extra = divmod(total, size)
+    return [base + (r < extra) for r in range(size)]
+
+
+def shard_bounds(total: int, size: int, rank: int) -> tuple[int, int]:
+    """The [start, stop) elements of the flat vector that ``rank`` of ``size`` owns."""
+    sizes = shard_sizes(total, size)
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where a run of consecutive flat elements lies in one parameter."""
+
+    param: int
+    """The parameter's index, in the order of the sizes given."""
+    offset: int
+    """The first element within the (flattened) parameter."""
+    flat: int
+    """The first element within the flat vector."""
+    length: int
+    """How many elements."""
+
+
+def segments(sizes: Sequence[int], start: int, stop: int) -> list[Segment]:
+    """The pieces of the flat range [start, stop) in the parameters of these element counts, in
+    order (parameters without elements in the range are left out)."""
+    out, begin = [], 0
+    for index, n in enumerate(sizes):
+        lo, hi = max(start, begin), min(stop, begin + n)
+        if lo < hi:
+            out.append(Segment(param=index, offset=lo - begin, flat=lo, length=hi - lo))
+        begin += n
+    return out
+
+
+def pieces(total: int, size: int, chunk: int) -> int:
+    """Allgather rounds that bring every shard back in pieces of at most ``chunk`` elements: the
+    same on every rank (set by the largest shard; at least one)."""
+    largest = shard_sizes(total, size)[0]
+    return max(1, -(-largest // chunk))
+
+
+def piece_bounds(shard: int, chunk: int, index: int) -> tuple[int, int]:
+    """The [start, stop) of piece ``index`` within a shard of ``shard`` elements (empty past its
+    end: a shorter shard's last round sends nothing)."""
+    start = min(index * chunk, shard)
+    return start, min(start + chunk, shard)
+
+
+def round_ranges(total: int, size: int, chunk: int, index: int) -> list[tuple[int, int]]:
+    """The [start, stop) of the flat vector that each rank's piece of round ``index`` covers,
+    in rank order: concatenated, what that round's collective carries."""
+    sizes = shard_sizes(total, size)
+    out, start = [], 0
+    for n in sizes:
+        a, b = piece_bounds(n, chunk, index)
+        out.append((start + a, start + b))
+        start += n
+    return out

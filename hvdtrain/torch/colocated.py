@@ -1,0 +1,315 @@
+"""Colocated parameter servers for PyTorch (``ps.placement=colocated``): the sharded update.
+
+Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.shards` says which): a step
+reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ColocatedExchange`), each
+rank's optimizer steps its own shard only, so its optimizer state covers 1/N of the model, and
+the updated shards are allgathered back into every rank's parameters (:class:`ShardedOptimizer`).
+Both collectives run in rounds of at most ``ps.chunk_kib`` per rank, so that neither Horovod nor
+this module holds a second copy of the whole gradient (Horovod's Gloo reduce-scatter copies its
+input); the gradients themselves live in one flat buffer. That is ZeRO stage 1's memory saving;
+the arithmetic is the ring's (an average, then the same element-wise update), so a colocated run
+trains as a ring run of the same ranks.
+
+Checkpoints hold the optimizer state in the whole model's layout, the one Horovod's
+``DistributedOptimizer`` writes on the ring: rank 0 gathers the shards before it writes, and a
+restored state is cut into the shards of the current world. So a checkpoint moves between the
+ring, colocated servers and other numbers of ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
+from hvdtrain.ps.shards import pieces, round_ranges, segments, shard_bounds
+from hvdtrain.torch.collectives import any_rank
+
+_WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+Targets = Callable[[int], torch.Tensor | None]
+"""Parameter index -> the flat tensor a gathered piece is written into (None: dropped)."""
+
+
+def sharded(value: Any) -> bool:
+    """Whether an optimizer state entry is per element (sharded) rather than per parameter (a
+    0-dim ``step``, a None buffer: copied whole)."""
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """Stands for a per-element tensor in a state's outline: what a rank allocates to receive it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _outline(full: Mapping[str, Any]) -> dict[str, Any]:
+    """``full`` with its per-element tensors replaced by their shapes and dtypes."""
+    return {"param_groups": full["param_groups"],
+            "state": {index: {key: _Whole(tuple(v.shape), v.dtype) if sharded(v) else v
+                              for key, v in entry.items()}
+                      for index, entry in full["state"].items()}}
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """The run's optimizer, stepping this rank's shard of the flat parameters only.
+
+    It stands where the run's optimizer stood for the step (``param_groups`` for the learning
+    rate and the precision, ``zero_grad``, ``step``) and for checkpoints (``state_dict`` and
+    ``load_state_dict`` in the whole model's layout). Its ``step`` writes the updated shard
+    back into every rank's parameters (a collective). The update itself is an optimizer of the
+    run's class and settings over the shard alone (``inner``), whose groups and state these are.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
+                 size: int, chunk: int) -> None:
+        every = list(model.parameters())
+        self.params = [p for p in every if p.requires_grad]
+        self.indices = [i for i, p in enumerate(every) if p.requires_grad]
+        self.count = len(every)  # the ring's param_groups name every parameter
+        for p in self.params:
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise HvdtrainError("ps.placement=colocated: every trainable parameter must be "
+                                    "a contiguous float32 tensor")
+        self.sizes = [p.numel() for p in self.params]
+        self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
+        self.start, self.stop = shard_bounds(self.total, size, rank)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # The gradients live in one flat buffer (as DDP's gradient_as_bucket_view): backward
+        # accumulates into these views in place, and the reduce-scatter sends the buffer itself
+        # rather than a concatenated copy of the whole gradient.
+        self.flat_grad = torch.zeros(self.total, device=device)
+        bounds = [0, *itertools.accumulate(self.sizes)]
+        self.grad_views = [self.flat_grad[a:b].view(p.shape)
+                           for a, b, p in zip(bounds, bounds[1:], self.params, strict=False)]
+        self.shard = torch.nn.Parameter(torch.zeros(self.stop - self.start, device=device))
+        super().__init__([self.shard], dict(optimizer.defaults))
+        # The same class and settings as the run's optimizer, over the shard alone.
+        self.inner = type(optimizer)([self.shard], **optimizer.defaults)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self.stats: dict[str, float] = {"comm_s": 0.0}  # the exchange's: the allgather adds
+        self._full: dict[str, Any] | None = None  # rank 0: the state gathered or restored
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the model's gradients (they accumulate over micro-batches) in the flat buffer
+        and clears the shard's."""
+        self.flat_grad.zero_()
+        for p, view in zip(self.params, self.grad_views, strict=True):
+            p.grad = view
+        self.shard.grad = None
+
+    def flat_gradient(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``grads`` as one flat float32 vector: the buffer itself where they are its views (as
+        :meth:`zero_grad` left them), else a concatenated copy."""
+        if all(g.data_ptr() == v.data_ptr() for g, v in zip(grads, self.grad_views, strict=True)):
+            return self.flat_grad
+        return torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Steps the shard (its gradient set from the exchange), then allgathers every shard back
+        into the parameters (a collective)."""
+        self._load_shard()
+        self.inner.step()
+        began = time.perf_counter()
+        flat = [p.view(-1) for p in self.params]
+        self.allgather(self.shard.detach(), flat.__getitem__, "params")
+        self.stats["comm_s"] += time.perf_counter() - began
+
+    def _load_shard(self) -> None:
+        # From the parameters each step: a broadcast or restore of the model reaches the shard.
+        for seg in segments(self.sizes, self.start, self.stop):
+            src = self.params[seg.param].view(-1)[seg.offset:seg.offset + seg.length]
+            self.shard.data[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+
+    def allgather(self, shard: torch.Tensor, targets: Targets, tag: str) -> None:
+        """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
+        ``targets`` by parameter, in :func:`~hvdtrain.ps.shards.pieces` rounds of at most
+        ``chunk`` elements per rank (a collective)."""
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            a, b = ranges[self.rank]
+            got = hvd.allgather(shard[a - self.start:b - self.start].contiguous(),
+                                name=f"hvdtrain.colocated.{tag}.{k}")
+            at = 0
+            for lo, hi in ranges:
+                self._write(got[at:at + hi - lo], lo, hi, targets)
+                at += hi - lo
+
+    def reducescatter(self, flat: torch.Tensor, wire: Any) -> torch.Tensor:
+        """The average over the ranks of this rank's shard of ``flat`` (the whole flat gradient),
+        in the same rounds as :meth:`allgather` (a collective)."""
+        mine = torch.empty(self.stop - self.start, device=flat.device)
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            send = torch.cat([flat[lo:hi] for lo, hi in ranges])
+            got = hvd.reducescatter(send, name=f"hvdtrain.colocated.grads.{k}", op=hvd.Average,
+                                    compression=wire)
+            a, b = ranges[self.rank]
+            mine[a - self.start:b - self.start] = got
+        return mine
+
+    def _write(self, piece: torch.Tensor, lo: int, hi: int, targets: Targets) -> None:
+        for seg in segments(self.sizes, lo, hi):
+            target = targets(seg.param)
+            if target is not None:
+                target[seg.offset:seg.offset + seg.length] = piece[seg.flat - lo:
+                                                                   seg.flat - lo + seg.length]
+
+    # checkpoints: the whole model's layout ----------------------------------------------------
+
+    def gather(self) -> None:
+        """Collects every shard's optimizer state onto rank 0 in the whole model's layout, for
+        :meth:`state_dict` (a collective)."""
+        own = self.inner.state_dict()
+        entry = own["state"].get(0, {})
+        state: dict[int, dict[str, Any]] = {i: {} for i in self.indices}
+        for key in sorted(entry):
+            value = entry[key]
+            if not sharded(value):
+                for i in self.indices:
+                    state[i][key] = value.clone() if torch.is_tensor(value) else value
+                continue
+            # Only rank 0 keeps the whole state; the others pass their shard on and drop the rest.
+            full = [torch.zeros(n, dtype=value.dtype) for n in self.sizes] if self.rank == 0 else []
+            kept: Targets = full.__getitem__ if self.rank == 0 else (lambda _: None)
+            self.allgather(value.detach(), kept, f"state.{key}")
+            for i, p, flat in zip(self.indices, self.params, full, strict=False):
+                state[i][key] = flat.reshape(p.shape)
+        groups = [{**group, "params": list(range(self.count))} for group in own["param_groups"]]
+        self._full = ({"state": state if entry else {}, "param_groups": groups}
+                      if self.rank == 0 else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state :meth:`gather` collected (rank 0), in the ring's layout."""
+        if self._full is None:
+            raise HvdtrainError("ps.placement=colocated: the optimizer state is written after "
+                                "gather() only, on rank 0")
+        full, self._full = self._full, None
+        return full
+
+    def load_state_dict(self, full: Mapping[str, Any]) -> None:
+        """Takes this rank's shard of a state in the whole model's layout (written by the ring,
+        or by colocated servers at any number of ranks); kept for :meth:`broadcast`."""
+        self._full = dict(full)
+        self._apply(full)
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """Gives every rank its shard of the state rank ``root_rank`` restored (a collective; a
+        fresh start makes the state instead, see :meth:`_zero_step`). The per-element tensors
+        travel one at a time, so no rank ever holds more than one parameter's of them whole."""
+        full = self._full if self.rank == root_rank else None
+        self._full = None
+        outline = hvd.broadcast_object(None if full is None else _outline(full),
+                                       root_rank=root_rank, name="hvdtrain.colocated.outline")
+        if outline is None:
+            if not self.inner.state:
+                self._zero_step()
+            return
+
+        def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
+            mine = (full["state"][index][key] if full is not None
+                    else torch.empty(value.shape, dtype=value.dtype))
+            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.colocated.{index}.{key}")
+
+        self._apply(outline, fetch)
+
+    def _zero_step(self) -> None:
+        # As Horovod's broadcast_optimizer_state on the ring: a fresh optimizer makes its state
+        # with one zero-gradient step, which changes the weights too where weight decay or Adam's
+        # momentum acts (the ring then broadcasts rank 0's changed weights). Done the same way,
+        # a colocated run trains as the ring's (Adam's step count starts at 1 in both).
+        self.shard.grad = torch.zeros_like(self.shard)
+        self.step()
+        self.shard.grad = None
+
+    def _apply(self, full: Mapping[str, Any],
+               fetch: Callable[[int, str, Any], torch.Tensor] | None = None) -> None:
+        """Loads this rank's shard of ``full`` (the whole model's layout) into the shard's
+        optimizer; ``fetch`` gives each per-element tensor whole where ``full`` holds only its
+        outline (:meth:`broadcast`), one parameter's at a time."""
+        groups = full["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != self.count:
+            raise HvdtrainError(f"the optimizer state has {len(groups)} group(s) of "
+                                f"{[len(g['params']) for g in groups]} parameters; this model "
+                                f"has one group of {self.count}")
+        own: dict[str, Any] = {}
+        for j, index in enumerate(self.indices):
+            for key, value in full["state"].get(index, {}).items():
+                if not (sharded(value) or isinstance(value, _Whole)):
+                    own.setdefault(key, value)  # the same for every parameter: the first's
+                    continue
+                tensor = fetch(index, key, value) if fetch else value
+                part = own.setdefault(key, torch.zeros(self.stop - self.start, dtype=tensor.dtype))
+                self._put(part, j, tensor)
+        self.inner.load_state_dict({"state": {0: own} if own else {},
+                                    "param_groups": [{**groups[0], "params": [0]}]})
+        # Torch's load replaces the groups and the state: this optimizer must show the new ones.
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+    def _put(self, part: torch.Tensor, param: int, tensor: torch.Tensor) -> None:
+        """Copies the elements of parameter ``param``'s ``tensor`` that this shard owns into
+        ``part`` (a per-element tensor of the shard)."""
+        for seg in segments(self.sizes, self.start, self.stop):
+            if seg.param == param:
+                src = tensor.reshape(-1)[seg.offset:seg.offset + seg.length]
+                part[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+
+
+class ColocatedExchange(GradientExchange):
+    """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
+    its own shard, which :class:`ShardedOptimizer` steps and allgathers back. ``wire_bytes``
+    counts what a rank hands Horovod a step: the whole gradient (float16 under ``fp16``) and its
+    float32 shard; ``dense_bytes`` the same in float32."""
+
+    def __init__(self, optimizer: ShardedOptimizer, compression: str) -> None:
+        self.optimizer, self.rank, self.size = optimizer, optimizer.rank, optimizer.size
+        self.wire = _WIRE[compression]
+        wire_item = 2 if compression == "fp16" else 4
+        own = optimizer.stop - optimizer.start
+        # Handed to Horovod per step: the whole gradient to reducescatter, the shard to allgather.
+        self._bytes = (float(wire_item * optimizer.total + 4 * own),
+                       float(4 * optimizer.total + 4 * own))
+        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
+
+    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        began = time.perf_counter()
+        flat = self.optimizer.flat_gradient(grads)
+        mine = self.optimizer.reducescatter(flat, self.wire)
+        wire, dense = self._bytes
+        # Shared with the optimizer, whose allgather adds its wait before the step reads them.
+        self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
+                      "comm_s": time.perf_counter() - began}
+        self.optimizer.stats = self.stats
+        return [mine]
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        if (rank, size) != (self.rank, self.size):
+            raise HvdtrainError("ps.placement=colocated cannot change its number of ranks")
+
+    def gather(self) -> None:
+        self.optimizer.gather()
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        self.optimizer.broadcast(root_rank)
+
+
+def make_colocated(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
+                   size: int, chunk: int, compression: str
+                   ) -> tuple[ColocatedExchange, ShardedOptimizer]:
+    """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
+    settings it keeps); ``chunk``: elements per rank in one round of either collective."""
+    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
+    return ColocatedExchange(sharded_opt, compression), sharded_opt

@@ -1,0 +1,41 @@
+"""Colocated servers in one process (Horovod size 1): a model with a frozen layer trains as the
+ring does, and the checkpoint's optimizer state names the parameters as the ring's."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from hvdtrain.driver import train
+from tests.conftest import CONFIG, quiet_config
+
+COLOCATED = ["comm.topology=ps", "ps.placement=colocated", "ps.chunk_kib=1"]
+
+
+def frozen_first(spec, width: int = 32) -> nn.Module:
+    """tiny_net with its first layer frozen: parameters 0 and 1 take no part in the update."""
+    net = nn.Sequential(nn.Flatten(), nn.Linear(spec.input_shape[0], width), nn.Tanh(),
+                        nn.Linear(width, spec.num_classes))
+    for p in net[1].parameters():
+        p.requires_grad = False
+    return net
+
+
+def test_a_frozen_layer_stays_and_the_rest_trains_as_the_ring(tmp_path):
+    common = ["model.name=tests.torch.test_colocated:frozen_first", "model.options={}",
+              "train.epochs=1",
+              "optim.name=adam", "optim.weight_decay=0.01", "checkpoint.every_steps=20"]
+    ring = train(quiet_config(CONFIG, tmp_path / "ring", *common))
+    coloc = train(quiet_config(CONFIG, tmp_path / "coloc", *common, *COLOCATED))
+    got, want = coloc.engine.parameters(), ring.engine.parameters()
+    assert got.keys() == want.keys()
+    for key in want:  # 256-element pieces: the 330 trainable elements in two rounds
+        assert np.array_equal(got[key], want[key]), key
+    saved = [torch.load(tmp_path / run / "run" / "checkpoints" / "step-00000020.ckpt",
+                        weights_only=True)["optimizer"] for run in ("ring", "coloc")]
+    assert saved[1]["param_groups"] == saved[0]["param_groups"]
+    assert saved[1]["state"].keys() == saved[0]["state"].keys() == {2, 3}
+    for index, entry in saved[0]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(saved[1]["state"][index][key], value), (index, key)
