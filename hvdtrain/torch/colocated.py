@@ -1,6 +1,6 @@
 """Colocated parameter servers for PyTorch (``ps.placement=colocated``): the sharded update.
 
-Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.shards` says which): a step
+Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.colocated` says which): a step
 reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ColocatedExchange`), each
 rank's optimizer steps its own shard only, so its optimizer state covers 1/N of the model, and
 the updated shards are allgathered back into every rank's parameters (:class:`ShardedOptimizer`).
@@ -29,7 +29,7 @@ import torch
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.ps.shards import pieces, round_ranges, segments, shard_bounds
+from hvdtrain.ps.colocated import pieces, round_ranges, segments, shard_bounds
 from hvdtrain.torch.collectives import any_rank
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -133,7 +133,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def allgather(self, shard: torch.Tensor, targets: Targets, tag: str) -> None:
         """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
-        ``targets`` by parameter, in :func:`~hvdtrain.ps.shards.pieces` rounds of at most
+        ``targets`` by parameter, in :func:`~hvdtrain.ps.colocated.pieces` rounds of at most
         ``chunk`` elements per rank (a collective)."""
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)

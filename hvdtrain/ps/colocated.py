@@ -1,4 +1,4 @@
-"""Which worker owns which slice of the flat parameters (``ps.placement=colocated``).
+"""Which worker owns which slice of the flat parameters (``ps.placement=colocated``): framework-free.
 
 The trainable parameters, flattened and concatenated in model order, form one vector of
 ``total`` elements. Horovod's ``reducescatter`` cuts a tensor's first dimension among ``size``

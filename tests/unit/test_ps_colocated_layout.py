@@ -11,7 +11,7 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.ps.shards import (
+from hvdtrain.ps.colocated import (
     Segment,
     piece_bounds,
     pieces,
