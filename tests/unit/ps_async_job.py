@@ -6,7 +6,8 @@ Usage (under mpirun): ps_async_job.py OUT SERVERS CONSISTENCY STALENESS STEPS OP
 Worker w's loss is ``|p - t_w|^2 / 2`` (its gradient ``p - t_w``, so the optimum is the mean of
 the targets); worker 1 sleeps 2 ms a push, a straggler. Every worker writes OUT/rank<r>.json with
 the staleness each push saw; worker 0 starts the servers' optimizer (from RESUME, an ``.npz`` a
-previous job saved, when given), fetches their state after its pushes and saves OUT/state.npz.
+previous job saved, when given), fetches their state once every worker pushed its last and saves
+OUT/state.npz.
 """
 
 import json
@@ -49,6 +50,7 @@ def worker(world, cfg, out: Path, steps: int, optim: str, resume: str | None) ->
         params = client.push_pull(params - target, LR).copy()
         seen.append(client.staleness)
     record = {"role": "worker", "staleness": seen, "versions": client.versions}
+    world.workers.Barrier()  # every push applied before worker 0 fetches the state
     if world.rank == 0:
         steps_done, state = client.fetch_state(opt.names)
         np.savez(out / "state.npz", params=client.params, steps=steps_done, **state)
