@@ -95,7 +95,7 @@ def async_ps(client: Any, rank: int, size: int, params: Sequence[torch.nn.Parame
                             f"or AdamW, not {type(optimizer).__name__}")
     server = ServerOptimizer(opt.name, opt.momentum, opt.weight_decay, (opt.beta1, opt.beta2),
                              opt.eps)
-    worker = ServerSide(params, lr=optimizer.param_groups[0]["lr"])
+    worker = ServerSide(params, {**optimizer.defaults, "lr": optimizer.param_groups[0]["lr"]})
     return TorchAsyncPSExchange(client, rank, size, params, server, worker), worker
 
 

@@ -34,10 +34,13 @@ class TorchPSExchange(PSExchange):
 
 class ServerSide(torch.optim.Optimizer):
     """The workers' optimizer under ``ssp``/``asp``: its ``lr`` is what the pushes carry; its
-    step does nothing (the servers updated the parameters the exchange assigned)."""
+    step does nothing (the servers updated the parameters the exchange assigned).
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], lr: float) -> None:
-        super().__init__(params, {"lr": lr})
+    Its groups keep the replaced optimizer's settings (``defaults``), so that a checkpoint of an
+    ``asp`` run still loads into that optimizer when it resumes under ``bsp``."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], defaults: dict[str, Any]) -> None:
+        super().__init__(params, dict(defaults))
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """Nothing to do: the exchange already took the servers' parameters."""
