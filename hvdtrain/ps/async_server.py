@@ -18,6 +18,7 @@ version it got.)
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -157,6 +158,6 @@ class AsyncServer:
 
 
 def _waitall(requests: list[Any]) -> None:
-    from mpi4py import MPI
-
-    MPI.Request.Waitall(requests)
+    """Waits for ``requests`` polling, as the ``bsp`` server does (MPI's ``Waitall`` would spin
+    on a core the workers may share)."""
+    protocol.wait([(request, -1) for request in requests], math.inf, str)
