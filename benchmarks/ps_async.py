@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gap = accuracy[BSP] - accuracy[ASP]
     close = gap <= ACCURACY_GAP
     stale = records[ASP]
+    pooled = statistics.median(r["updates_per_s"] for n in (BSP, CONTROL) for r in records[n])
     notes = [
         f"Per run: digits MLP, {args.epochs} epoch(s), 2 workers x batch 32 and 1 server "
         f"(`horovodrun -np 3 --mpi`), SGD with momentum 0.9, worker 1 sleeping {args.slow_ms} ms "
@@ -94,13 +95,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"asp staleness (server updates between a worker's pull and its push): mean "
         f"{statistics.median(r['staleness_mean'] for r in stale):.2f}, max "
         f"{max(r['staleness_max'] for r in stale):.0f} over the runs.",
+        f"asp against the median of every bsp run (A and A' pooled, less exposed to one busy "
+        f"spell): {statistics.median(r['updates_per_s'] for r in records[ASP]) / pooled:.2f} x.",
         f"Result, asp / bsp updates per second: {verdict}.",
     ]
-    met = verdict.status == "met" and close
+    status = verdict.status if verdict.status != "met" else ("met" if close else "missed")
     entry = harness.Entry(
         label="Parameter servers, asp vs bsp with a straggler", script="ps_async.py",
         target=f"asp >= {TARGET} x bsp updates/s at accuracy within {ACCURACY_GAP}",
-        verdict=f"{'met' if met else 'not met'}: asp {named[ASP].ratio:.2f} x bsp updates/s "
+        verdict=f"{status}: asp {named[ASP].ratio:.2f} x bsp updates/s "
                 f"(A/A {named[CONTROL].ratio:.2f}), accuracy {accuracy[ASP]:.3f} against "
                 f"{accuracy[BSP]:.3f}")
     block = harness.table_block("Server updates per second (higher is better):", rows,
