@@ -94,6 +94,11 @@ class TrainConfig:
     """Arithmetic of the forward and backward passes: ``fp32``, ``bf16`` (autocast / Keras mixed
     policy, CPU and GPU) or ``fp16`` (the same with loss scaling); weights, optimizer state and
     the gradient exchange stay float32 (see :mod:`hvdtrain.precision`)."""
+    slow_rank: int = _opt(-1, min=-1)
+    """Slow this rank down on purpose by ``slow_ms`` per step (-1: none): a straggler for
+    experiments, such as ``ps.consistency=asp`` against ``bsp`` (docs/parameter-servers.md)."""
+    slow_ms: float = _opt(0.0, min=0.0, max=1e6)
+    """Milliseconds ``slow_rank`` sleeps in every step, inside the step's time."""
 
 
 @dataclass(kw_only=True)
@@ -193,7 +198,9 @@ class PSConfig:
     consistency: str = _opt("bsp", choices=PS_CONSISTENCIES)
     """``bsp``: every step waits for all workers; the servers sum the gradients and the workers
     keep their own optimizers, so training equals the ring's. ``ssp`` (bounded staleness) and
-    ``asp`` (asynchronous) are not available yet."""
+    ``asp`` (asynchronous): the servers run the optimizer (``optim``) on their shards, applying
+    each worker's push on its own; a worker pulls whatever is current, under ``ssp`` only while it
+    is at most ``staleness`` pushes ahead of the slowest (PyTorch only; fp32 or bf16)."""
     staleness: int = _opt(0, min=0)
     """``ssp``: how many steps a worker may run ahead of the slowest (0 with ``bsp`` and ``asp``)."""
     chunk_kib: int = _opt(4096, min=1)
@@ -214,8 +221,6 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
                           f"bound (ps.consistency={ps.consistency!r}); leave it 0")
     if comm.topology != "ps":
         return
-    if ps.consistency != "bsp":
-        raise ConfigError(f"ps.consistency={ps.consistency!r}: not available yet; use bsp")
     if elastic.enabled:
         raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
                           "(elastic Horovod needs Gloo, the servers need MPI); set "
@@ -239,6 +244,20 @@ def check_colocated(cfg: Config) -> None:
     if cfg.train.precision == "fp16":
         raise ConfigError("train.precision='fp16' with ps.placement=colocated: a shard's overflow "
                           "would skip the step on one rank only; use fp32 or bf16")
+
+
+def check_ps_async(cfg: Config) -> None:
+    """``ps.consistency=ssp``/``asp`` with what cannot run beside it, as one-line errors: the
+    servers' optimizer takes PyTorch workers' pushes, and unscaled gradients."""
+    if cfg.comm.topology != "ps" or cfg.ps.consistency == "bsp":
+        return
+    mode = f"ps.consistency={cfg.ps.consistency!r}"
+    if cfg.framework != "torch":
+        raise ConfigError(f"{mode}: the servers' optimizer serves PyTorch workers only; use "
+                          "framework=torch or ps.consistency=bsp")
+    if cfg.train.precision == "fp16":
+        raise ConfigError(f"{mode} with train.precision='fp16': a push is applied alone, with no "
+                          "loss scaler between ranks; use fp32 or bf16")
 
 
 @dataclass(kw_only=True)
@@ -365,6 +384,7 @@ class Config:
         _check_pipeline(self)
         check_ps(self.comm, self.ps, self.elastic)
         check_colocated(self)
+        check_ps_async(self)
 
     @property
     def run_dir(self) -> Path:

@@ -230,6 +230,8 @@ class Loop:
         for callback in self.callbacks:
             callback.on_step_start(self.pos.step)
         tick = time.perf_counter()
+        if self.engine.rank == self.cfg.train.slow_rank:  # a straggler on purpose, in its step
+            time.sleep(self.cfg.train.slow_ms / 1000.0)
         sums = self.engine.train_step(indices, lr)
         seconds = time.perf_counter() - tick
         if self.startup_s is None:

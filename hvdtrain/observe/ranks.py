@@ -18,7 +18,7 @@ from typing import Any
 from hvdtrain.observe.system import SystemSampler
 
 STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes",
-             "push_bytes", "pull_bytes")
+             "push_bytes", "pull_bytes", "pushes", "staleness_sum")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional;
 ``push_bytes`` and ``pull_bytes``: to and from parameter servers, the two parts of
 ``wire_bytes``). A pipeline stage also reports ``pipe_wait_s``, its wait for its neighbours, apart
@@ -26,6 +26,12 @@ from its ``compute_s``: :meth:`Monitor.outgoing` sends both per rank, for the pe
 DIRECTIONS = ("push_bytes", "pull_bytes")
 """Per-direction byte counts: in a record only where an exchange reported them (parameter
 servers)."""
+
+STALENESS_MAX = "staleness_max"
+"""Under ``ps.consistency=ssp``/``asp`` an exchange also reports ``pushes`` (1 a step), the
+``staleness_sum`` of what they saw and their ``staleness_max``: a window keeps the largest, and
+each rank sends its own (:func:`rank_keys`), so a record has the mean over every push and the
+maximum over all of them."""
 
 TIME_NAMES = {"data_s": "data_wait_time_s", "compute_s": "compute_time_s", "comm_s": "comm_time_s",
               "compress_s": "compress_time_s"}
@@ -66,7 +72,10 @@ class StepCosts:
         """Adds one step: its wall time in ``train_step`` and the engine's stats for it."""
         self.wall_s += wall_s
         for key, value in stats.items():
-            self.stats[key] = self.stats.get(key, 0.0) + float(value)
+            if key == STALENESS_MAX:  # a maximum, not a sum
+                self.stats[key] = max(self.stats.get(key, 0.0), float(value))
+            else:
+                self.stats[key] = self.stats.get(key, 0.0) + float(value)
         self.reported = self.reported or bool(stats)
 
     def own_time(self) -> float:
@@ -147,13 +156,17 @@ class Monitor:
         self.sampler = SystemSampler(local_rank) if system else None
         self.stragglers = StragglerDetector(straggler_factor, straggler_logs, stages)
         self.warn = warn
-        self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0, "compress_s": 0.0}
+        self.totals = {"wire_bytes": 0.0, "dense_bytes": 0.0, "compress_s": 0.0, "pushes": 0.0,
+                       "staleness_sum": 0.0, STALENESS_MAX: 0.0}
 
     def outgoing(self, costs: StepCosts, steps: int) -> dict[str, float]:
         """This rank's contribution to the window's allreduce (all keys under ``mon.``)."""
         out = {f"{PREFIX}{key}": costs.stats.get(key, 0.0) for key in STAT_KEYS}
         out[f"{PREFIX}reported"] = float(costs.reported)
         out.update(rank_keys(f"{PREFIX}step", self.rank, self.size, costs.own_time() / max(steps, 1)))
+        if "pushes" in costs.stats:  # every rank alike: the exchange's kind is the run's
+            out.update(rank_keys(f"{PREFIX}{STALENESS_MAX}", self.rank, self.size,
+                                 costs.stats.get(STALENESS_MAX, 0.0)))
         if self.stages is not None:
             for key in ("compute_s", "pipe_wait_s"):
                 out.update(rank_keys(f"{PREFIX}stage.{key}", self.rank, self.size,
@@ -178,8 +191,10 @@ class Monitor:
             if stats["wire_bytes"] > 0:
                 record["compression_ratio"] = stats["dense_bytes"] / stats["wire_bytes"]
             record.update({k: stats[k] / per_step for k in DIRECTIONS if stats[k] > 0})
-            for key in self.totals:
+            for key in ("wire_bytes", "dense_bytes", "compress_s", "pushes", "staleness_sum"):
                 self.totals[key] += stats[key]
+        if f"{PREFIX}{STALENESS_MAX}.0" in sums:
+            record.update(self._staleness(stats, sums))
         record.update(self._step_times(pop_ranks(sums, f"{PREFIX}step", self.size), step))
         if self.stages is not None:
             record.update(self._stages(sums))
@@ -200,6 +215,14 @@ class Monitor:
             for straggler in found:
                 self.warn(straggler.message(step))
         return out
+
+    def _staleness(self, stats: dict[str, float], sums: dict[str, float]) -> dict[str, float]:
+        """The window's ``staleness_mean`` over every push and ``staleness_max`` over all."""
+        largest = max(pop_ranks(sums, f"{PREFIX}{STALENESS_MAX}", self.size))
+        self.totals[STALENESS_MAX] = max(self.totals[STALENESS_MAX], largest)
+        pushes = stats["pushes"]
+        return {"staleness_mean": stats["staleness_sum"] / pushes if pushes else 0.0,
+                STALENESS_MAX: largest}
 
     def _stages(self, sums: dict[str, float]) -> dict[str, float]:
         """Per stage, the mean over its copies of a step's compute and wait; the bubble fraction:
@@ -236,4 +259,8 @@ class Monitor:
             out["compression_ratio"] = dense / wire
         if self.totals["compress_s"] > 0:
             out["compress_time_s_total"] = self.totals["compress_s"]
+        if self.totals["pushes"] > 0:  # ssp/asp parameter servers
+            out.update(pushes_total=self.totals["pushes"],
+                       staleness_mean=self.totals["staleness_sum"] / self.totals["pushes"],
+                       staleness_max=self.totals[STALENESS_MAX])
         return out

@@ -1,4 +1,5 @@
-"""A worker's side of the parameter servers: push the flat gradient, pull its sum over workers."""
+"""A worker's side of the parameter servers: push the flat gradient, pull its sum over workers
+(``bsp``), or pull the servers' current parameters (``ssp``, ``asp``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.ps import protocol
+from hvdtrain.ps import protocol, shards
 from hvdtrain.ps.layout import Layout
 from hvdtrain.ps.world import PSWorld
 
@@ -32,9 +33,14 @@ class PSClient:
         self.step = 0
         self.pushed_bytes = self.pulled_bytes = 0
         """Bytes of gradient sent to and received from the servers by the last step."""
-        message = protocol.hello(total, chunk, len(world.servers), len(world.worker_ranks), wire)
+        message = self._hello()
         self._wait([(world.comm.Isend(message, dest=s, tag=protocol.HELLO), s)
                     for s in world.servers], "the start")
+
+    def _hello(self) -> np.ndarray:
+        """This worker's ``HELLO``."""
+        return protocol.hello(self.layout.total, self.layout.chunk, self.layout.servers,
+                              len(self.world.worker_ranks), str(self.wire))
 
     def push_pull(self, flat: np.ndarray) -> np.ndarray:
         """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), in the
@@ -66,3 +72,93 @@ class PSClient:
             return (f"{names} did not answer {self.world.name(self.world.rank)} within "
                     f"ps.timeout_s={self.timeout_s:g} s at {when}: it died or hangs")
         protocol.wait(requests, self.timeout_s, describe)
+
+
+class AsyncPSClient(PSClient):
+    """A worker's client under ``ps.consistency=ssp``/``asp``: pushes its gradient with the
+    learning rate to apply it with and pulls the servers' current parameters (float32), each
+    server answering with the version it sent and the staleness the push saw.
+
+    Worker 0 also starts the servers' optimizers (:meth:`init`) and fetches their state before a
+    checkpoint (:meth:`fetch_state`).
+    """
+
+    def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
+                 wire: str = "float32", consistency: str = "asp", staleness: int = 0) -> None:
+        self.consistency, self.staleness_bound = consistency, staleness
+        super().__init__(world, total, chunk, timeout_s, wire)
+        self.params = np.empty(total, np.float32)
+        self.answers = np.zeros((len(world.servers), 2), np.int64)
+        self.versions = [0] * len(world.servers)
+        """The version of each server's parameters this worker holds (what its push builds on)."""
+        self.staleness = 0
+        """The staleness the last push saw: the largest over the servers."""
+
+    def _hello(self) -> np.ndarray:
+        return protocol.hello(self.layout.total, self.layout.chunk, self.layout.servers,
+                              len(self.world.worker_ranks), str(self.wire), self.consistency,
+                              self.staleness_bound)
+
+    def init(self, params: np.ndarray, hyper: np.ndarray, steps: int,
+             state: dict[str, np.ndarray], names: tuple[str, ...]) -> None:
+        """Worker 0: gives every server its shard of ``params`` (the whole flat vector), the
+        optimizer's ``hyper``-parameters (``INIT``'s float64 row) and, when resumed, its
+        ``steps`` and whole-vector ``state`` (re-sharded by this run's layout)."""
+        comm, requests, keep = self.world.comm, [], []
+        arrays = len(names) if state else 0
+        counts = np.array([steps, arrays], np.int64)
+        for index, server in enumerate(self.world.servers):
+            shard_state = {n: shards.take(state[n], self.layout, index) for n in names[:arrays]}
+            buffer = shards.pack(shards.take(params, self.layout, index), shard_state, names)
+            keep.append(buffer)
+            for message in (hyper, counts, buffer):
+                requests.append((comm.Isend(message, dest=server, tag=protocol.INIT), server))
+        self._wait(requests, "the start of the servers' optimizers")
+
+    def push_pull(self, flat: np.ndarray, lr: float = 0.0) -> np.ndarray:
+        """Pushes ``flat`` (this worker's gradient) to be applied with ``lr``; returns the current
+        parameters (a buffer that the next call overwrites)."""
+        flat = flat if flat.dtype == self.wire else flat.astype(self.wire)
+        comm, sent = self.world.comm, protocol.raw(flat)
+        requests = []
+        for index, server in enumerate(self.world.servers):
+            message = protocol.control(protocol.OP_PUSH, self.step, self.versions[index], lr)
+            requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
+            requests.append((comm.Irecv(self.answers[index], source=server,
+                                        tag=protocol.VERSIONS), server))
+        for start, stop, server in self.routes:
+            requests.append((comm.Irecv(self.params[start:stop], source=server,
+                                        tag=protocol.PULL), server))
+            requests.append((comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server))
+        self._wait(requests, f"step {self.step}")
+        self.step += 1
+        self.versions = [int(v) for v in self.answers[:, 0]]
+        self.staleness = int(self.answers[:, 1].max())
+        self.pushed_bytes, self.pulled_bytes = flat.nbytes, self.params.nbytes
+        return self.params
+
+    def fetch_state(self, names: tuple[str, ...]) -> tuple[int, dict[str, np.ndarray]]:
+        """Worker 0, before a checkpoint: every server's parameters (into :attr:`params`, whose
+        versions it now holds), the optimizer's steps and its state as whole vectors (empty
+        before the first step)."""
+        comm, total = self.world.comm, self.layout.total
+        requests, buffers, headers = [], [], []
+        for index, server in enumerate(self.world.servers):
+            header = np.zeros(3, np.int64)
+            buffer = np.zeros((1 + len(names)) * self.layout.elements(index), np.float32)
+            headers.append(header)
+            buffers.append(buffer)
+            requests.append((comm.Irecv(header, source=server, tag=protocol.STATE), server))
+            requests.append((comm.Irecv(buffer, source=server, tag=protocol.STATE), server))
+            message = protocol.control(protocol.OP_STATE, self.step)
+            requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
+        self._wait(requests, "a checkpoint (fetching the servers' state)")
+        arrays = int(headers[0][2])
+        state = {n: np.zeros(total, np.float32) for n in names[:arrays]}
+        for index, (header, buffer) in enumerate(zip(headers, buffers, strict=True)):
+            params, shard_state = shards.unpack(buffer, self.layout.elements(index), names, arrays)
+            shards.put(self.params, params, self.layout, index)
+            for name, values in shard_state.items():
+                shards.put(state[name], values, self.layout, index)
+            self.versions[index] = int(header[0])
+        return int(headers[0][1]), state

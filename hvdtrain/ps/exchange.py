@@ -6,13 +6,18 @@ precision, and so does :meth:`PSExchange.run`; with ``bsp`` the workers step the
 with it, so a ``ps`` run trains as a ``ring`` run of the same workers. A framework supplies the
 conversions between its gradients and one flat float32 NumPy vector, and its Horovod ``any_rank``
 (:mod:`hvdtrain.torch.ps`, :mod:`hvdtrain.tensorflow.ps`).
+
+Under ``ssp``/``asp`` (:class:`AsyncPSExchange`) the servers run the optimizer: each worker
+pushes its own gradient and takes the parameters it pulls, and its framework optimizer does not
+step.
 """
 
 from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,8 +25,10 @@ import numpy as np
 from hvdtrain.config import PSConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats
-from hvdtrain.ps.client import PSClient
+from hvdtrain.ps.client import AsyncPSClient, PSClient
 from hvdtrain.ps.layout import chunk_elements
+from hvdtrain.ps.optim import OPTIMIZERS
+from hvdtrain.ps.shards import state_names
 from hvdtrain.ps.world import split
 
 WIRES = {"none": "float32", "fp16": "float16"}
@@ -88,7 +95,129 @@ class PSExchange(GradientExchange):
 
 def make_client(ps: PSConfig, compression: str, shapes: Sequence[Sequence[int]]) -> PSClient:
     """The worker's client for gradients of these shapes, sent as ``comm.compression`` says
-    (``none`` or ``fp16``); starts the training on the servers."""
+    (``none`` or ``fp16``); starts the training on the servers. Under ``ssp``/``asp`` an
+    :class:`AsyncPSClient`."""
     total = sum(int(np.prod(s)) for s in shapes)
-    return PSClient(split(ps.servers), total, chunk_elements(ps.chunk_kib), ps.timeout_s,
-                    WIRES[compression])
+    args = (split(ps.servers), total, chunk_elements(ps.chunk_kib), ps.timeout_s,
+            WIRES[compression])
+    if ps.consistency == "bsp":
+        return PSClient(*args)
+    return AsyncPSClient(*args, consistency=ps.consistency, staleness=ps.staleness)
+
+
+@dataclass(frozen=True)
+class ServerOptimizer:
+    """The ``optim`` settings the servers' optimizer runs with (``INIT``'s hyper-parameters)."""
+
+    name: str
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The state vectors it keeps."""
+        return state_names(self.name, self.momentum)
+
+    def hyper(self) -> np.ndarray:
+        """``INIT``'s float64 row."""
+        return np.array([OPTIMIZERS.index(self.name), self.momentum, self.weight_decay,
+                         *self.betas, self.eps], np.float64)
+
+
+STATE_PREFIX = "ps_"
+"""Keys of the servers' optimizer state in a checkpoint's exchange entry: ``ps_steps`` and one
+whole flat vector per state name (``ps_momentum``, ``ps_exp_avg``, ``ps_exp_avg_sq``)."""
+
+
+class AsyncPSExchange(PSExchange):
+    """``ps.consistency=ssp``/``asp``: each step pushes this worker's gradient and takes the
+    parameters pulled back; the servers' optimizer applies it, so the worker's own must not
+    (its framework gives this exchange an optimizer whose step does nothing).
+
+    A push carries one worker's share of the global batch, and ``optim.scale_lr`` scaled the
+    learning rate for all of it, so a push is applied with the schedule's rate divided by the
+    number of workers: with SGD, one push from every worker then moves the parameters as one
+    ``bsp`` step does.
+    """
+
+    client: AsyncPSClient
+
+    def __init__(self, client: AsyncPSClient, rank: int, size: int,
+                 shapes: Sequence[Sequence[int]], optimizer: ServerOptimizer) -> None:
+        super().__init__(client, rank, size, shapes)
+        self.optimizer = optimizer
+        self.resumed: tuple[int, dict[str, np.ndarray]] = (0, {})
+        """The servers' steps and state from the checkpoint rank 0 resumed from."""
+        self.saved: dict[str, np.ndarray] | None = None
+        self.started = False
+
+    def run(self, grads: Sequence[Any]) -> list[Any]:
+        if not self.started:
+            raise HvdtrainError("ps.consistency: the servers' optimizer was not started "
+                                "(broadcast() must run before the first step)")
+        began = time.perf_counter()
+        flat = self.flatten(grads)
+        sent = time.perf_counter()
+        params = self.client.push_pull(flat, self.learning_rate() / self.size)
+        pulled = time.perf_counter()
+        self.assign(params)
+        convert = (sent - began) + (time.perf_counter() - pulled)
+        stale = float(self.client.staleness)
+        self.stats = {**ps_stats(self.client, pulled - sent, convert), "pushes": 1.0,
+                      "staleness_sum": stale, "staleness_max": stale}
+        return list(grads)
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """After the parameters were broadcast: worker 0 starts the servers' optimizers with
+        them (and, resumed, with the checkpoint's state)."""
+        if self.rank == root_rank:
+            steps, state = self.resumed
+            self.client.init(self.flat_params(), self.optimizer.hyper(), steps, state,
+                             self.optimizer.names)
+        self.started = True
+
+    def gather(self) -> None:
+        """Worker 0 fetches the servers' parameters (into its model, so that the checkpoint's
+        model and optimizer state belong together) and their optimizer state."""
+        if self.rank != 0:
+            return
+        steps, state = self.client.fetch_state(self.optimizer.names)
+        self.assign(self.client.params)
+        self.saved = {f"{STATE_PREFIX}steps": np.array(steps, np.int64),
+                      **{f"{STATE_PREFIX}{n}": v for n, v in state.items()}}
+
+    def state_dict(self) -> dict[str, np.ndarray] | None:
+        return self.saved
+
+    def load_state_dict(self, entry: Mapping[str, Any] | None, where: str) -> None:
+        if not entry or f"{STATE_PREFIX}steps" not in entry:
+            self.resumed = (0, {})  # a checkpoint of bsp or a fresh start: the servers start anew
+            return
+        state = {}
+        for name in self.optimizer.names:
+            value = entry.get(f"{STATE_PREFIX}{name}")
+            if value is None:
+                continue  # before the first step the servers keep none
+            array = np.ascontiguousarray(np.asarray(value), np.float32).reshape(-1)
+            if array.size != self.client.layout.total:
+                raise HvdtrainError(f"{where}: its parameter servers' {name} holds {array.size} "
+                                    f"elements, the model {self.client.layout.total}")
+            state[name] = array
+        if state and len(state) != len(self.optimizer.names):
+            raise HvdtrainError(f"{where}: its parameter servers' optimizer state "
+                                f"({sorted(state)}) is not optim.name={self.optimizer.name!r}'s")
+        self.resumed = (int(np.asarray(entry[f"{STATE_PREFIX}steps"])), state)
+
+    @abc.abstractmethod
+    def learning_rate(self) -> float:
+        """The step's learning rate (the schedule's, as the loop set it on the optimizer)."""
+
+    @abc.abstractmethod
+    def flat_params(self) -> np.ndarray:
+        """The model's trainable parameters as one contiguous float32 vector, in model order."""
+
+    @abc.abstractmethod
+    def assign(self, flat: np.ndarray) -> None:
+        """Sets the model's trainable parameters from ``flat``."""

@@ -4,14 +4,28 @@ A server must not unpickle what a worker sends: a pickled ``torch.__version__`` 
 subclass) made a prototype server import torch (docs/parameter-servers.md). Every message is
 therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told apart by its tag:
 
-- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire]``), once per training, from
-  each worker to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.Layout`)
-  and the dtype chunks travel as (an index into :data:`WIRE_DTYPES`);
-- ``CONTROL`` (int64 ``[op, step]``), once per step from each worker to each server: ``PUSH``
-  (the step's chunks follow) or ``DONE`` (the training ended; the server returns);
+- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire, consistency, staleness]``),
+  once per training, from each worker to each server: the layout of the flat gradient
+  (:class:`hvdtrain.ps.layout.Layout`), the dtype chunks travel as (an index into
+  :data:`WIRE_DTYPES`) and the ``ps.consistency`` (an index into :data:`CONSISTENCIES`) with its
+  ``ps.staleness``;
+- ``CONTROL`` (int64 ``[op, step, version, lr]``), once per step from each worker to each server:
+  ``PUSH`` (the step's chunks follow) or ``DONE`` (the training ended; the server returns); under
+  ``ssp``/``asp`` also ``STATE`` (worker 0 before a checkpoint: send the shard's state back).
+  ``version`` is the server version the pushed gradient was computed on and ``lr`` the learning
+  rate to apply it with (float64 bits), both 0 under ``bsp``;
 - ``PUSH`` (the wire dtype), one message per chunk the server owns, in ascending chunk order;
-- ``PULL`` (the wire dtype), the server's sum of a chunk over all workers, back to each worker.
-  A server sums in float32 whatever the wire dtype.
+- ``PULL``: under ``bsp`` the server's sum of a chunk over all workers (the wire dtype; a server
+  sums in float32 whatever the wire dtype), back to each worker; under ``ssp``/``asp`` the chunk's
+  current parameters (always float32: parameters rounded to float16 would lose the updates);
+- ``INIT`` (``ssp``/``asp``, once, from worker 0 to each server before any push): float64
+  ``[optimizer, momentum, weight_decay, beta1, beta2, eps]`` (the ``optim`` section, optimizer an
+  index into :data:`hvdtrain.ps.optim.OPTIMIZERS`), int64 ``[steps, arrays]`` and one float32
+  buffer: the shard's parameters then ``arrays`` optimizer state vectors (a resumed run's);
+- ``VERSIONS`` (int64 ``[version, staleness]``), before each ``PULL`` under ``ssp``/``asp``: the
+  version of the parameters that follow and the staleness the worker's push saw;
+- ``STATE``: the answer to a ``STATE`` control, int64 ``[version, steps, arrays]`` and a float32
+  buffer laid out as ``INIT``'s.
 
 MPI keeps the order of messages with the same source, tag and communicator, so a chunk needs no
 header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk.
@@ -27,20 +41,27 @@ import numpy as np
 
 from hvdtrain.errors import EnvironmentFailure
 
-VERSION = 1
+VERSION = 2
 """Bumped whenever a message changes: a worker and a server of different versions refuse."""
 
 HELLO, CONTROL, PUSH, PULL = 7101, 7102, 7103, 7104
+INIT, VERSIONS, STATE = 7105, 7106, 7107
 """The tags (distinct from anything Horovod sends: it uses its own duplicated communicator)."""
 
-OP_PUSH, OP_DONE = 1, 2
+OP_PUSH, OP_DONE, OP_STATE = 1, 2, 3
 """The operations of a ``CONTROL`` message."""
+
+CONSISTENCIES = ("bsp", "ssp", "asp")
+"""``ps.consistency`` values, by their index in ``HELLO``."""
+
+CONTROL_LENGTH = 4
+HYPER_LENGTH = 6
 
 
 WIRE_DTYPES = ("float32", "float16")
 """What chunks travel as: float32, or float16 with ``comm.compression=fp16`` (half the bytes)."""
 
-HELLO_LENGTH = 6
+HELLO_LENGTH = 8
 
 
 def raw(buffer: np.ndarray) -> np.ndarray:
@@ -48,14 +69,21 @@ def raw(buffer: np.ndarray) -> np.ndarray:
     return buffer.view(np.uint16) if buffer.dtype == np.float16 else buffer
 
 
-def hello(total: int, chunk: int, servers: int, workers: int, wire: str) -> np.ndarray:
+def hello(total: int, chunk: int, servers: int, workers: int, wire: str,
+          consistency: str = "bsp", staleness: int = 0) -> np.ndarray:
     """The ``HELLO`` message of a worker."""
-    return np.array([VERSION, total, chunk, servers, workers, WIRE_DTYPES.index(wire)], np.int64)
+    return np.array([VERSION, total, chunk, servers, workers, WIRE_DTYPES.index(wire),
+                     CONSISTENCIES.index(consistency), staleness], np.int64)
 
 
-def control(op: int, step: int) -> np.ndarray:
-    """A ``CONTROL`` message."""
-    return np.array([op, step], np.int64)
+def control(op: int, step: int, version: int = 0, lr: float = 0.0) -> np.ndarray:
+    """A ``CONTROL`` message (``lr`` travels as the bits of a float64)."""
+    return np.array([op, step, version, np.float64(lr).view(np.int64)], np.int64)
+
+
+def control_lr(message: np.ndarray) -> float:
+    """The learning rate of a ``CONTROL`` message."""
+    return float(message[3:4].view(np.float64)[0])
 
 
 class ServerLost(EnvironmentFailure):

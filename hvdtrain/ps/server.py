@@ -5,7 +5,8 @@ step each worker pushes the chunks this server owns, and the server returns each
 the workers as soon as all of that chunk has arrived (BytePS's summation service: the workers keep
 their optimizers). Chunks are received and sent without blocking, so the pull of one chunk
 overlaps the push of the next. The sum runs in worker order, the same on every step, so every
-worker gets the same bits.
+worker gets the same bits. That is ``ps.consistency=bsp``; under ``ssp`` and ``asp`` the server
+runs the optimizer itself, one push at a time (:mod:`hvdtrain.ps.async_server`).
 """
 
 from __future__ import annotations
@@ -46,34 +47,35 @@ class Shard:
         return sum(s.size for s in self.sums)
 
 
-def read_hello(world: PSWorld) -> tuple[Layout, str]:
-    """The layout and wire dtype every worker announced; they must agree with each other and with
-    this server."""
+def read_hello(world: PSWorld) -> tuple[Layout, str, str, int]:
+    """The layout, wire dtype, consistency and staleness bound every worker announced; they must
+    agree with each other and with this server."""
     messages = np.zeros((len(world.worker_ranks), protocol.HELLO_LENGTH), np.int64)
     for i, rank in enumerate(world.worker_ranks):
         world.comm.Recv(messages[i], source=rank, tag=protocol.HELLO)
     first = messages[0]
     if (messages != first).any():
         raise ProtocolError(f"the workers announced different layouts: {messages.tolist()}")
-    version, total, chunk, servers, workers, wire = (int(v) for v in first)
+    version, total, chunk, servers, workers, wire, consistency, staleness = (int(v) for v in first)
     if version != protocol.VERSION:
         raise ProtocolError(f"the workers speak protocol {version}, this server {protocol.VERSION}")
     if (servers, workers) != (len(world.servers), len(world.worker_ranks)):
         raise ProtocolError(f"the workers count {servers} server(s) and {workers} worker(s), "
                             f"the job has {len(world.servers)} and {len(world.worker_ranks)}")
-    return Layout(total, chunk, servers), protocol.WIRE_DTYPES[wire]
+    return (Layout(total, chunk, servers), protocol.WIRE_DTYPES[wire],
+            protocol.CONSISTENCIES[consistency], staleness)
 
 
 def read_controls(world: PSWorld, step: int) -> int:
     """The operation all workers asked for at ``step``: ``OP_PUSH`` or ``OP_DONE``."""
     ranks = world.worker_ranks
-    messages = np.zeros((len(ranks), 2), np.int64)
+    messages = np.zeros((len(ranks), protocol.CONTROL_LENGTH), np.int64)
     requests = [world.comm.Irecv(messages[i], source=r, tag=protocol.CONTROL)
                 for i, r in enumerate(ranks)]
     _waitall(requests)
     ops, steps = set(messages[:, 0].tolist()), set(messages[:, 1].tolist())
     if len(ops) != 1 or steps != {step}:
-        raise ProtocolError(f"at step {step} the workers asked for {messages.tolist()} "
+        raise ProtocolError(f"at step {step} the workers asked for {messages[:, :2].tolist()} "
                             "([operation, step] by worker): they disagree")
     return int(messages[0, 0])
 
@@ -96,8 +98,13 @@ def sum_step(world: PSWorld, shard: Shard) -> None:
 
 
 def serve(world: PSWorld) -> int:
-    """Serves one training until its workers say ``DONE``; returns the steps served."""
-    layout, wire = read_hello(world)
+    """Serves one training until its workers say ``DONE``; returns the steps served (under
+    ``ssp``/``asp``: the pushes applied)."""
+    layout, wire, consistency, staleness = read_hello(world)
+    if consistency != "bsp":
+        from hvdtrain.ps.async_server import AsyncServer
+
+        return AsyncServer(world, layout, wire, consistency, staleness).serve()
     shard = Shard(layout, world.server_index, len(world.worker_ranks), wire)
     step = 0
     while read_controls(world, step) == protocol.OP_PUSH:

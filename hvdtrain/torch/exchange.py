@@ -19,13 +19,14 @@ import torch
 from hvdtrain.compression import PLANS
 from hvdtrain.compression.plans import CommSettings
 from hvdtrain.config import PSConfig
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
-from hvdtrain.ps.exchange import make_client
+from hvdtrain.ps.exchange import ServerOptimizer, make_client
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.torch.collectives import any_rank
 from hvdtrain.torch.colocated import make_colocated
 from hvdtrain.torch.compression import CompressingExchange, make_compressing, optimizer_settings, plain_sgd
-from hvdtrain.torch.ps import TorchPSExchange
+from hvdtrain.torch.ps import ServerSide, TorchAsyncPSExchange, TorchPSExchange
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
@@ -86,14 +87,29 @@ class DenseAllreduce(GradientExchange):
             self.optimizer.set_backward_passes_per_step(accumulation)
 
 
+def async_ps(client: Any, rank: int, size: int, params: Sequence[torch.nn.Parameter],
+             optimizer: torch.optim.Optimizer) -> tuple[GradientExchange, torch.optim.Optimizer]:
+    """The ``ssp``/``asp`` exchange and the do-nothing optimizer that replaces ``optimizer``,
+    whose settings the servers' optimizer takes."""
+    opt = optimizer_settings(optimizer)
+    if opt is None:
+        raise HvdtrainError(f"ps.consistency={client.consistency!r}: the servers run SGD, Adam "
+                            f"or AdamW, not {type(optimizer).__name__}")
+    server = ServerOptimizer(opt.name, opt.momentum, opt.weight_decay, (opt.beta1, opt.beta2),
+                             opt.eps)
+    worker = ServerSide(params, {**optimizer.defaults, "lr": optimizer.param_groups[0]["lr"]})
+    return TorchAsyncPSExchange(client, rank, size, params, server, worker), worker
+
+
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer, accumulation: int,
                   ps: PSConfig | None = None) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
     optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
     compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam).
-    ``ps``: the parameter servers' settings where ``comm.topology=ps``; colocated servers get
-    the sharded optimizer of :mod:`hvdtrain.torch.colocated` in the optimizer's place."""
+    ``ps``: the parameter servers' settings where ``comm.topology=ps``: colocated servers get
+    the sharded optimizer of :mod:`hvdtrain.torch.colocated` in the optimizer's place; under
+    ``ssp``/``asp`` the servers run the optimizer (the step's optimizer is :class:`ServerSide`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if ps is not None and ps.placement == "colocated":
         return make_colocated(optimizer, model, rank, size, chunk_elements(ps.chunk_kib),
@@ -101,7 +117,9 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
     if ps is not None:
         shapes = [p.shape for p in params]
         client = make_client(ps, comm.compression, shapes)
-        return TorchPSExchange(client, rank, size, shapes), optimizer
+        if ps.consistency == "bsp":
+            return TorchPSExchange(client, rank, size, shapes), optimizer
+        return async_ps(client, rank, size, params, optimizer)
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
         return dense, dense.optimizer

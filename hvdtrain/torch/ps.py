@@ -1,14 +1,17 @@
 """The ``ps`` gradient exchange for PyTorch (:mod:`hvdtrain.ps.exchange`): tensors to one flat
-NumPy vector and back; the optimizer stays the run's own (no ``DistributedOptimizer``)."""
+NumPy vector and back; the optimizer stays the run's own (no ``DistributedOptimizer``). Under
+``ps.consistency=ssp``/``asp`` the servers run the optimizer and the run's optimizer becomes
+:class:`ServerSide`, which only carries the learning rate."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from hvdtrain.ps.exchange import PSExchange
+from hvdtrain.ps.exchange import AsyncPSExchange, PSExchange, ServerOptimizer
 from hvdtrain.torch.collectives import any_rank
 
 
@@ -27,3 +30,39 @@ class TorchPSExchange(PSExchange):
 
     def any_rank(self, flag: bool) -> bool:
         return any_rank(flag)
+
+
+class ServerSide(torch.optim.Optimizer):
+    """The workers' optimizer under ``ssp``/``asp``: its ``lr`` is what the pushes carry; its
+    step does nothing (the servers updated the parameters the exchange assigned).
+
+    Its groups keep the replaced optimizer's settings (``defaults``), so that a checkpoint of an
+    ``asp`` run still loads into that optimizer when it resumes under ``bsp``."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], defaults: dict[str, Any]) -> None:
+        super().__init__(params, dict(defaults))
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Nothing to do: the exchange already took the servers' parameters."""
+        return None
+
+
+class TorchAsyncPSExchange(TorchPSExchange, AsyncPSExchange):
+    """:class:`hvdtrain.ps.exchange.AsyncPSExchange` over a torch model's parameters."""
+
+    def __init__(self, client: Any, rank: int, size: int, params: Sequence[torch.nn.Parameter],
+                 optimizer: ServerOptimizer, worker_optimizer: ServerSide) -> None:
+        AsyncPSExchange.__init__(self, client, rank, size, [p.shape for p in params], optimizer)
+        self.params, self.worker_optimizer = list(params), worker_optimizer
+        self.device = self.params[0].device if self.params else self.device
+
+    def learning_rate(self) -> float:
+        return float(self.worker_optimizer.param_groups[0]["lr"])
+
+    def flat_params(self) -> np.ndarray:
+        return self.flatten([p.detach() for p in self.params]).copy()
+
+    @torch.no_grad()
+    def assign(self, flat: np.ndarray) -> None:
+        for p, part in zip(self.params, self.split(flat), strict=True):
+            p.copy_(torch.from_numpy(part))

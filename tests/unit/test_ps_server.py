@@ -30,7 +30,11 @@ def test_chunks_cover_the_vector_once_and_spread_by_hash():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["ps.staleness=2"], "ps.staleness=2: only ps.consistency=ssp has a staleness bound"),
-    (["comm.topology=ps", "ps.consistency=asp"], "ps.consistency='asp': not available yet"),
+    (["comm.topology=ps", "ps.consistency=asp", "framework=tensorflow"],
+     "ps.consistency='asp': the servers' optimizer serves PyTorch workers only"),
+    (["comm.topology=ps", "ps.consistency=ssp", "train.precision=fp16"],
+     "ps.consistency='ssp' with train.precision='fp16': a push is applied alone"),
+    (["train.slow_ms=-1"], "train.slow_ms=-1"),
     (["comm.topology=ps", "elastic.enabled=true"], "comm.topology=ps: elastic mode cannot run"),
     (["comm.topology=ps", "comm.compression=topk"], "comm.compression='topk' with comm.topo"),
     (["comm.topology=ps", "comm.compression=qsgd"], "comm.compression='qsgd' with comm.topo"),
@@ -44,9 +48,10 @@ def test_impossible_combinations_are_one_line_errors(overrides, message):
 
 
 def test_staleness_belongs_to_ssp_even_on_the_ring():
-    with pytest.raises(ConfigError, match=r"ps\.consistency='ssp': not available yet"):
-        load_config(None, ["comm.topology=ps", "ps.consistency=ssp", "ps.staleness=1"], environ={})
-    assert load_config(None, ["ps.consistency=ssp", "ps.staleness=1"], environ={}).ps.staleness == 1
+    for topology in ("ring", "ps"):
+        cfg = load_config(None, [f"comm.topology={topology}", "ps.consistency=ssp",
+                                 "ps.staleness=1"], environ={})
+        assert cfg.ps.staleness == 1
 
 
 def mpirun(np_: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,0 +1,163 @@
+"""The server loop of ``ps.consistency=ssp`` and ``asp``: NumPy and mpi4py only.
+
+Each push is applied on its own, as it arrives, by the server's optimizer on its shard
+(:class:`hvdtrain.ps.optim.ShardOptimizer`, built from worker 0's ``INIT``); the worker then
+pulls the shard's current parameters. Under ``asp`` the pull is answered at once; under ``ssp``
+with bound ``s`` it is held while the worker is more than ``s`` pushes ahead of the slowest
+(:class:`hvdtrain.ps.optim.Clocks`) and answered once the slowest catches up. The answer says
+the version it carries and the staleness the push saw (``VERSIONS``), for the workers' metrics.
+
+Why ``(N - 1)(2s + 1)`` bounds the staleness under ``ssp`` (N workers, counted in updates of
+this server): worker ``w`` pulls after its k-th push only while every other worker's clock is at
+least ``k - s``, and until its (k+1)-th push lands its clock stays k, so no other worker may pull
+past clock ``k + s`` and thus pushes at most up to clock ``k + s + 1``. Between ``w``'s pull and
+its next push each of the N - 1 others therefore pushes at most ``(k + s + 1) - (k - s) = 2s + 1``
+times. (Ho et al.'s ``(N - 1)(s + 1)`` counts from the clock a pull waited for, not from the
+version it got.)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.ps import protocol
+from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.optim import OPTIMIZERS, Clocks, ShardOptimizer
+from hvdtrain.ps.shards import pack, state_names, unpack
+from hvdtrain.ps.world import PSWorld
+
+
+def read_init(world: PSWorld, elements: int) -> tuple[ShardOptimizer, tuple[str, ...]]:
+    """The shard's optimizer from worker 0's ``INIT``: its hyper-parameters, parameters and (when
+    resumed) state; returns it with the names of its state vectors."""
+    comm, source = world.comm, world.worker_ranks[0]
+    hyper = np.zeros(protocol.HYPER_LENGTH, np.float64)
+    counts = np.zeros(2, np.int64)
+    comm.Recv(hyper, source=source, tag=protocol.INIT)
+    comm.Recv(counts, source=source, tag=protocol.INIT)
+    name = OPTIMIZERS[int(hyper[0])]
+    names = state_names(name, float(hyper[1]))
+    steps, arrays = (int(v) for v in counts)
+    buffer = np.zeros((1 + arrays) * elements, np.float32)
+    comm.Recv(buffer, source=source, tag=protocol.INIT)
+    params, state = unpack(buffer, elements, names, arrays)
+    optimizer = ShardOptimizer(name, params, lr=0.0, momentum=float(hyper[1]),
+                               weight_decay=float(hyper[2]),
+                               betas=(float(hyper[3]), float(hyper[4])), eps=float(hyper[5]),
+                               steps=steps, state=state)
+    return optimizer, names
+
+
+def wait_any(requests: list[Any], start: int) -> int:
+    """The index of a request among ``requests`` (None: none) that completed, looking from
+    ``start`` round so that no worker starves; yields the core between polls after the first
+    millisecond, as :func:`hvdtrain.ps.protocol.wait` does."""
+    began, pause, count = time.monotonic(), 0.0, len(requests)
+    while True:
+        for offset in range(count):
+            i = (start + offset) % count
+            if requests[i] is not None and requests[i].Test():
+                return i
+        if time.monotonic() - began > 1e-3:
+            pause = min(max(pause * 2, 5e-5), 1e-3)
+            time.sleep(pause)
+
+
+class AsyncServer:
+    """One server's shard under ``ssp``/``asp``: its optimizer, the workers' clocks, and a
+    receive buffer, an answer buffer and the pending sends per worker."""
+
+    def __init__(self, world: PSWorld, layout: Layout, wire: str, consistency: str,
+                 staleness: int) -> None:
+        self.world, self.ranks = world, world.worker_ranks
+        server = world.server_index
+        sizes = [stop - start for start, stop in map(layout.bounds, layout.owned(server))]
+        offsets = np.cumsum([0, *sizes])
+        self.spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+        elements = int(offsets[-1])
+        workers = len(self.ranks)
+        self.received = [np.empty(elements, wire) for _ in range(workers)]
+        self.answers = [np.empty(elements, np.float32) for _ in range(workers)]
+        self.headers = [np.zeros(2, np.int64) for _ in range(workers)]
+        self.sending: list[list[Any]] = [[] for _ in range(workers)]
+        self.clocks = Clocks(workers, staleness if consistency == "ssp" else None)
+        self.held: dict[int, int] = {}
+        """Workers whose pull ``ssp`` holds, with the staleness their push saw."""
+        self.optimizer, self.names = read_init(world, elements)
+
+    def serve(self) -> int:
+        """Applies pushes until every worker said ``DONE``; returns the pushes applied."""
+        comm = self.world.comm
+        controls = [np.zeros(protocol.CONTROL_LENGTH, np.int64) for _ in self.ranks]
+        requests: list[Any] = [comm.Irecv(c, source=r, tag=protocol.CONTROL)
+                               for c, r in zip(controls, self.ranks, strict=True)]
+        done, last = 0, 0
+        while done < len(self.ranks):
+            w = last = wait_any(requests, last + 1)
+            message = controls[w]
+            op = int(message[0])
+            if op == protocol.OP_DONE:
+                requests[w], done = None, done + 1
+                continue
+            if op == protocol.OP_PUSH:
+                self.push(w, int(message[2]), protocol.control_lr(message))
+            elif op == protocol.OP_STATE:
+                self.send_state(w)
+            requests[w] = comm.Irecv(message, source=self.ranks[w], tag=protocol.CONTROL)
+            self.release()
+        self._finish_sends()
+        return self.clocks.version
+
+    def push(self, w: int, version: int, lr: float) -> None:
+        """Receives worker ``w``'s gradient, applies it, and answers its pull unless held."""
+        comm, rank, got = self.world.comm, self.ranks[w], self.received[w]
+        _waitall([comm.Irecv(protocol.raw(got[a:b]), source=rank, tag=protocol.PUSH)
+                  for a, b in self.spans])
+        self.optimizer.lr = lr
+        self.optimizer.step(got)
+        stale = self.clocks.applied(w, version)
+        if self.clocks.may_pull(w):
+            self.answer(w, stale)
+        else:
+            self.held[w] = stale
+
+    def release(self) -> None:
+        """Answers the held pulls that ``ssp`` now allows."""
+        for w in sorted(self.held):
+            if self.clocks.may_pull(w):
+                self.answer(w, self.held.pop(w))
+
+    def answer(self, w: int, stale: int) -> None:
+        """Sends worker ``w`` the current parameters (a copy: the next push changes them while
+        the sends travel), after their version and the staleness its push saw."""
+        comm, rank = self.world.comm, self.ranks[w]
+        _waitall(self.sending[w])  # the previous answer's buffers are free again
+        np.copyto(self.answers[w], self.optimizer.params)
+        self.headers[w][:] = (self.clocks.version, stale)
+        self.sending[w] = [comm.Isend(self.headers[w], dest=rank, tag=protocol.VERSIONS)]
+        self.sending[w] += [comm.Isend(self.answers[w][a:b], dest=rank, tag=protocol.PULL)
+                            for a, b in self.spans]
+
+    def send_state(self, w: int) -> None:
+        """Sends worker ``w`` (worker 0, before a checkpoint) the shard's parameters and state."""
+        opt = self.optimizer
+        arrays = len(self.names) if opt.state else 0
+        header = np.array([self.clocks.version, opt.steps, arrays], np.int64)
+        rank = self.ranks[w]
+        self.world.comm.Send(header, dest=rank, tag=protocol.STATE)
+        self.world.comm.Send(pack(opt.params, opt.state, self.names), dest=rank,
+                             tag=protocol.STATE)
+
+    def _finish_sends(self) -> None:
+        for sends in self.sending:
+            _waitall(sends)
+
+
+def _waitall(requests: list[Any]) -> None:
+    """Waits for ``requests`` polling, as the ``bsp`` server does (MPI's ``Waitall`` would spin
+    on a core the workers may share)."""
+    protocol.wait([(request, -1) for request in requests], math.inf, str)
