@@ -65,3 +65,20 @@ def misfit(model_keys: Collection[str], optimizer: Any, all_keys: Collection[str
     if not groups or len(groups) != 1 or len(groups[0].get("params", ())) != len(all_params):
         return "its optimizer state is not of one group over the model's parameters"
     return None
+
+
+def parts_holding(parts: Sequence[Mapping[str, Any]], layers: Collection[int]) -> list[dict]:
+    """The manifest entries (``file``, ``layers``, ...) of the parts that hold any of ``layers``:
+    all that a rank holding ``layers`` reads of a checkpoint written in parts."""
+    wanted = set(layers)
+    return [dict(p) for p in parts if wanted & set(p["layers"])]
+
+
+def parts_misfit(parts: Sequence[Mapping[str, Any]], count: int) -> str | None:
+    """Why the parts of a checkpoint do not hold each of the model's ``count`` layers exactly once,
+    or None when they do."""
+    held = [layer for p in parts for layer in p.get("layers", ())]
+    if sorted(held) == list(range(count)):
+        return None
+    return (f"its parts hold layers {sorted(set(held))[:8]}{'...' if len(set(held)) > 8 else ''} "
+            f"({len(held)} in all), the model has {count} (0-{count - 1})")
