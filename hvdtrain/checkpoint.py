@@ -138,7 +138,9 @@ class CheckpointManager:
                                                  self._advice(step)))}
             except Exception as exc:  # noqa: BLE001  (shared below: no rank may wait alone)
                 entry = {"error": f"cannot write checkpoint part {path}: {exc!r}"}
-        entries = collectives.allgather_object(entry)  # also the barrier before the manifest
+        # Also the barrier before the manifest. In a list: Horovod names the collective after the
+        # object's type, which differs between ranks with a part and ranks without.
+        entries = [got[0] for got in collectives.allgather_object([entry])]
         failures = [e["error"] for e in entries if e is not None and "error" in e]
         if failures:
             if entry is not None and "error" not in entry:

@@ -348,7 +348,8 @@ class PipelineEngine(TorchEngine, PartedState):
         except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
             first = str(exc).strip().splitlines() or [type(exc).__name__]
             problem = f"{where} does not fit the model: {first[0].strip()}"
-        failures = [p for p in self.collectives.allgather_object(problem) if p]
+        # In a list: Horovod names the collective after the object's type (None or a str).
+        failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
         if failures:
             raise HvdtrainError(failures[0])
 

@@ -1,0 +1,72 @@
+"""Pipeline checkpoints that do not depend on the split, under horovodrun (Gloo).
+
+One launch sequence for PyTorch: at ``-np 4`` (2 stages x 2 copies) a run writes checkpoints in
+parts every 10 steps; a run resumed from its step 10 with the same split ends bit-identical to it,
+one resumed with another split agrees within ``ATOL``; at ``-np 1`` (no stages) a run resumed from
+the same parted checkpoint agrees too, and a run without stages writes an ordinary checkpoint; at
+``-np 2`` (2 stages, one copy) a run resumed from that ordinary checkpoint agrees with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tests.conftest import read_jsonl
+from tests.multirank.test_pipeline import launch, whole_model
+
+ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 steps
+COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
+          "train.stall_timeout_s=120,checkpoint.every_steps=10,checkpoint.keep=3")
+PIPE = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON  # at -np 4: 2 copies
+WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON  # the same global batch, no stages
+OTHER_SPLIT = "pipeline.split=[4]"  # layers 0-3 on stage 0; `auto` puts 0-2 there
+
+
+def step10(out: Path, run: str) -> str:
+    return f"checkpoint.resume={out / run / 'checkpoints' / 'step-00000010.ckpt'}"
+
+
+def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: float) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
+
+
+def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
+    four = tmp_path / "np4"
+    launched4 = launch(4, "gloo", four, [
+        f"full:{PIPE}",
+        f"same:{PIPE},{step10(four, 'full')}",
+        f"other:{PIPE},{OTHER_SPLIT},{step10(four, 'full')}"])
+    ckpts = four / "full" / "checkpoints"
+    manifest = json.loads((ckpts / "step-00000010.json").read_text())
+    assert [p["file"] for p in manifest["parts"]] == ["step-00000010.stage-0.part",
+                                                      "step-00000010.stage-1.part"]
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1, 2], [3, 4, 5]]
+    assert sorted(p.name for p in ckpts.glob("*.part")) == [
+        f"step-000000{s}.stage-{k}.part" for s in (10, 20, 23) for k in (0, 1)]
+    full = whole_model(launched4, "full", [0, 1])
+    # Same split: bit-identical parameters and training loss to the uninterrupted run.
+    for ranks in ([0, 1], [2, 3]):
+        assert_close(whole_model(launched4, "same", ranks), full, 0.0)
+    assert launched4.summary("same")["final"] == launched4.summary("full")["final"]
+    assert launched4.summary("same")["steps"] == 23
+    assert read_jsonl(four / "same" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
+    assert_close(whole_model(launched4, "other", [0, 1]), full, ATOL)
+    assert launched4.rank("other", 0)[0].keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}
+
+    one = tmp_path / "np1"
+    launched1 = launch(1, "gloo", one, [f"none:{WHOLE},{step10(four, 'full')}", f"whole:{WHOLE}"])
+    assert_close(launched1.rank("none", 0)[0], full, ATOL)
+    assert not list((one / "whole" / "checkpoints").glob("*.part"))
+
+    two = tmp_path / "np2"
+    launched2 = launch(2, "gloo", two, [
+        f"from_whole:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},"
+        f"{step10(one, 'whole')}"])
+    assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
+    final = launched2.summary("from_whole")["final"]
+    assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
