@@ -13,9 +13,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import yaml
 
-from tests.conftest import read_jsonl
+from tests.conftest import TF_CONFIG, horovodrun, read_jsonl
+from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_pipeline import launch, whole_model
+from tests.multirank.test_pipeline_tf import stage_params
 
 ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 steps
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
@@ -25,8 +28,13 @@ WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON  # the same global batch, no
 OTHER_SPLIT = "pipeline.split=[4]"  # layers 0-3 on stage 0; `auto` puts 0-2 there
 
 
+def step(out: Path, run: str, number: int) -> str:
+    """The override that resumes from checkpoint ``number`` of run ``run`` under ``out``."""
+    return f"checkpoint.resume={out / run / 'checkpoints' / f'step-{number:08d}.ckpt'}"
+
+
 def step10(out: Path, run: str) -> str:
-    return f"checkpoint.resume={out / run / 'checkpoints' / 'step-00000010.ckpt'}"
+    return step(out, run, 10)
 
 
 def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: float) -> None:
@@ -70,3 +78,60 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
     final = launched2.summary("from_whole")["final"]
     assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
+
+
+TF_COMMON = ("optim.name=adam,optim.lr=0.01,optim.scale_lr=false,"
+             "optim.warmup_steps=0,train.epochs=1,data.batch_size=32,checkpoint.every_steps=20,"
+             "checkpoint.keep=3")
+TF_PIPE = TF_COMMON + ",pipeline.stages=2,pipeline.microbatches=4,pipeline.schedule=1f1b"
+
+
+def tf_launch(np_: int, out: Path, runs: list[str]) -> Launch:
+    """The multirank worker under horovodrun on the Keras digits MLP with hidden layers of 32
+    and 16 (four layers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load(TF_CONFIG.read_text())
+    config["model"]["options"]["hidden"] = [32, 16]
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = horovodrun(np_, "gloo", [PYTHON, WORKER, str(out), str(out / "config.yaml"), *runs],
+                      timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return Launch("tensorflow", "gloo", out)
+
+
+def tf_whole(launched: Launch, run: str) -> list[np.ndarray]:
+    """A run's parameters without stages (named by position), in order."""
+    params = launched.rank(run, 0)[0]
+    return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))]
+
+
+def assert_same_list(got: list[np.ndarray], want: list[np.ndarray], atol: float) -> None:
+    assert [p.shape for p in got] == [p.shape for p in want]
+    for mine, theirs in zip(got, want, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=atol, rtol=0)
+
+
+def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
+    """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
+    two = tmp_path / "np2"
+    launched2 = tf_launch(2, two, [
+        f"full:{TF_PIPE}", f"same:{TF_PIPE},{step(two, 'full', 20)}",
+        f"other:{TF_PIPE},pipeline.split=[3],{step(two, 'full', 20)}"])
+    manifest = json.loads((two / "full" / "checkpoints" / "step-00000020.json").read_text())
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1], [2, 3]]
+    full = stage_params(launched2, "full", [0, 1])
+    assert_same_list(stage_params(launched2, "same", [0, 1]), full, 0.0)
+    assert launched2.summary("same")["final"] == launched2.summary("full")["final"]
+    assert read_jsonl(two / "same" / "metrics.jsonl")[0]["step"] == 30  # it resumed at 20
+    assert len(launched2.rank("other", 1)[0]) == 2  # split [3]: the head alone on stage 1
+    assert_same_list(stage_params(launched2, "other", [0, 1]), full, ATOL)
+
+    one = tmp_path / "np1"
+    launched1 = tf_launch(1, one, [
+        f"none:{TF_COMMON},{step(two, 'full', 20)}", f"whole:{TF_COMMON}"])
+    assert_same_list(tf_whole(launched1, "none"), full, ATOL)
+
+    again = tmp_path / "np2-from-whole"
+    launched = tf_launch(2, again, [f"from_whole:{TF_PIPE},{step(one, 'whole', 20)}"])
+    assert_same_list(stage_params(launched, "from_whole", [0, 1]), tf_whole(launched1, "whole"),
+                     ATOL)
