@@ -19,17 +19,16 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 - **Data parallelism.** Each stage's gradients are averaged over that stage's copies by the run's
   exchange (dense or compressing) in the stage's Horovod process set, once per step, with the loss
   weighted as :mod:`hvdtrain.step` weights it: every copy's exact share of the step's samples.
+- **Checkpoints.** In parts by global layer index, which do not depend on the split
+  (:mod:`hvdtrain.tensorflow.stage_state`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import itertools
-import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -37,7 +36,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.compression import make_plan
 from hvdtrain.compression.exchange import Exchange
 from hvdtrain.compression.plans import CommSettings
@@ -47,7 +45,6 @@ from hvdtrain.data import tree
 from hvdtrain.data.contracts import ArraySpec, Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
-from hvdtrain.engine import PartedState
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline import stage_step
 from hvdtrain.pipeline.actions import ORDERED
@@ -55,12 +52,12 @@ from hvdtrain.pipeline.layout import Layout
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.split import layer_names, stage_bounds
 from hvdtrain.pipeline.stage_step import StageRunner
-from hvdtrain.pipeline.state import parts_holding, parts_misfit
 from hvdtrain.step import add_batch_sums, train_step
-from hvdtrain.tensorflow import compression, parts, rng
+from hvdtrain.tensorflow import compression
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update
+from hvdtrain.tensorflow.stage_state import StageState
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 # messages ---------------------------------------------------------------------------------------
@@ -348,7 +345,7 @@ def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, 
     return stages, links
 
 
-class PipelineEngine(TensorFlowEngine, PartedState):
+class PipelineEngine(StageState, TensorFlowEngine):
     """The TensorFlow engine for ``pipeline.stages`` > 1: this rank holds one stage of one
     pipeline copy (:class:`hvdtrain.pipeline.layout.Layout`); see the module docstring.
 
@@ -476,75 +473,6 @@ class PipelineEngine(TensorFlowEngine, PartedState):
                                 process_set=self.stage_set)
         self._follow_world()
         self.exchange.broadcast(root_rank=self.root)
-
-    def _load_share(self, restored: dict[str, Any]) -> None:
-        """This rank's share of the checkpoint rank 0 found (copy 0's ranks read it); a failure
-        on any rank stops every rank (a collective)."""
-        problem = None
-        if self.copy == 0:
-            try:
-                entries, where = self._own_entries(), restored["where"]
-                path = Path(restored["path"])
-                if restored["parts"]:
-                    layers = range(self.first_layer, self.first_layer + len(self.layers))
-                    values: dict[str, np.ndarray] = {}
-                    for part in parts_holding(restored["parts"], layers):
-                        found = parts.read_entries(path.parent / str(part["file"]), entries, where,
-                                                   part.get("sha256"))
-                        values |= {k: v for k, v in found.items() if k not in values}
-                else:
-                    values = parts.read_whole(path, entries, where)
-                parts.assign(entries, values, where)
-            except HvdtrainError as exc:
-                problem = str(exc)
-        # In a list: Horovod names the collective after the object's type (None or a str).
-        failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
-        if failures:
-            raise HvdtrainError(failures[0])
-
-    def _own_entries(self) -> dict[str, Any]:
-        """This stage's variables and its optimizer's, by global name."""
-        return parts.named_state(self.layers, self.first_layer, self.optimizer)
-
-    def part_bytes(self) -> tuple[str, list[int], bytes] | None:
-        """Copy 0's ranks write their layers; the other copies hold the same ones."""
-        if self.copy != 0:
-            return None
-        layers = list(range(self.first_layer, self.first_layer + len(self.layers)))
-        return f"stage-{self.stage}", layers, parts.part_bytes(self._own_entries())
-
-    def state_bytes(self, meta: dict[str, Any]) -> bytes:
-        """Rank 0's ``step-N.ckpt`` beside the parts: its random states and ``meta`` (which lists
-        the parts), no model."""
-        arrays: dict[str, Any] = {f"rng/{name}": v for name, v in rng.capture().items()}
-        buffer = io.BytesIO()
-        np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
-        return buffer.getvalue()
-
-    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
-        """Rank 0 reads a checkpoint's random states and meta, and keeps where each rank reads
-        its share (:meth:`broadcast_state`): parts of any split, or one written whole."""
-        try:
-            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-                arrays = {name: npz[name] for name in npz.files if not name.startswith(
-                    ("model/", "optimizer/", "compression/"))}
-            meta = json.loads(str(arrays["meta"]))
-            if not isinstance(meta, dict):
-                raise KeyError("meta is not a mapping")
-        except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
-            raise not_a_checkpoint(where, exc) from None
-        entries = meta.get("parts")
-        problem = parts_misfit(entries, self.layer_count) if entries else None
-        if not entries and "names/model" not in arrays:
-            problem = ("it lists no global names of its entries (written before hvdtrain saved "
-                       "them, or not by a Sequential model): resume it without pipeline stages")
-        if problem or self.restore_from is None:
-            raise HvdtrainError(f"{where} does not fit the model: {problem or 'no file'}")
-        self._restored = {"path": str(self.restore_from), "parts": entries, "where": where}
-        states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
-        if states:
-            rng.restore(states)
-        return meta
 
     def _follow_world(self) -> None:
         self.kernels.follow(self.exchange, 1)  # a pipeline's world does not change (no elastic)
