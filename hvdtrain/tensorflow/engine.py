@@ -203,8 +203,11 @@ class TensorFlowEngine(Engine):
         (:mod:`hvdtrain.tensorflow.parts`), so that a run with pipeline stages resumes from this
         checkpoint; none when the model's layers do not hold all its variables (not a
         ``Sequential``)."""
-        named = {v.path: name.split("/", 1)[1]
-                 for name, v in named_state(self.model.layers, 0, self.optimizer).items()}
+        try:
+            state = named_state(self.model.layers, 0, self.optimizer)
+        except HvdtrainError:  # two variables of one name: this model has no global names
+            return {}
+        named = {v.path: name.split("/", 1)[1] for name, v in state.items()}
         lists = {prefix: [named.get(v.path) for v in variables] for prefix, variables in (
             ("model", self.model.variables), ("optimizer", self.optimizer.variables))}
         if any(None in names for names in lists.values()):

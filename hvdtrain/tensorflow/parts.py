@@ -35,15 +35,23 @@ def optimizer_variables(optimizer: Any, model: Mapping[str, Any]) -> dict[str, A
     paths = {v.path.replace("/", "_"): name for name, v in model.items()}
     named: dict[str, Any] = {}
     for var in optimizer.variables:
-        # The longest match: "dense_1_kernel" must not take "dense_1_kernel_2"'s slots.
-        refs = [p for p in paths if var.name.startswith(p + "_")]
-        ref = max(refs, key=len) if refs else None
+        ref = _reference(var.name, paths)
         key = f"{paths[ref]}/{var.name[len(ref) + 1:]}" if ref else f"opt/{var.name}"
         if key in named:
             raise HvdtrainError(f"optimizer variables {named[key].path} and {var.path} have the "
                                 f"same global name {key!r}")
         named[key] = var
     return named
+
+
+def _reference(slot: str, paths: Collection[str]) -> str | None:
+    """The longest ``path`` such that ``slot`` is ``"<path>_<kind>"`` (the longest:
+    ``dense_1_kernel`` must not take ``dense_1_kernel_2``'s slots), or None."""
+    cut = len(slot)
+    while (cut := slot.rfind("_", 0, cut)) > 0:
+        if slot[:cut] in paths:
+            return slot[:cut]
+    return None
 
 
 def named_state(layers: Iterable[Any], first: int, optimizer: Any) -> dict[str, Any]:

@@ -5,20 +5,31 @@ parts every 10 steps; a run resumed from its step 10 with the same split ends bi
 one resumed with another split agrees within ``ATOL``; at ``-np 1`` (no stages) a run resumed from
 the same parted checkpoint agrees too, and a run without stages writes an ordinary checkpoint; at
 ``-np 2`` (2 stages, one copy) a run resumed from that ordinary checkpoint agrees with it.
+TensorFlow with Adam: the same four checks at ``-np 2`` (2 stages) and ``-np 1``.
+
+`make test` runs the PyTorch sequence (about a minute alone); TensorFlow's and a stop signal to
+one stage with a resume without stages are `long` (`make test-long`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
-from tests.conftest import TF_CONFIG, horovodrun, read_jsonl
+from hvdtrain.checkpoint import parts_of, verify
+from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, read_jsonl, run_env
 from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_pipeline import launch, whole_model
 from tests.multirank.test_pipeline_tf import stage_params
+from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 
 ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 steps
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
@@ -43,6 +54,7 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: 
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
+@pytest.mark.timeout(1200)  # three launches; slow on busy shared cores
 def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
     four = tmp_path / "np4"
     launched4 = launch(4, "gloo", four, [
@@ -111,6 +123,8 @@ def assert_same_list(got: list[np.ndarray], want: list[np.ndarray], atol: float)
         np.testing.assert_allclose(mine, theirs, atol=atol, rtol=0)
 
 
+@pytest.mark.long  # the PyTorch test covers the mechanism; Keras's names: tests/tensorflow
+@pytest.mark.timeout(1200)
 def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
     """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
     two = tmp_path / "np2"
@@ -135,3 +149,32 @@ def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_che
     launched = tf_launch(2, again, [f"from_whole:{TF_PIPE},{step(one, 'whole', 20)}"])
     assert_same_list(stage_params(launched, "from_whole", [0, 1]), tf_whole(launched1, "whole"),
                      ATOL)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_stop_signal_to_one_stage_checkpoints_in_parts_and_resumes_without_stages(tmp_path):
+    """SIGUSR1 to stage 1 stops both stages after the same step, with a checkpoint in parts that
+    verifies; a run without stages resumes from it (``resume=auto``) and finishes."""
+    run = tmp_path / "run"
+    args = [str(CONFIG), "train.epochs=20", "log.every_steps=5", "log.wandb=disabled",
+            f"log.dir={run}"]
+    proc = subprocess.Popen(
+        [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
+         "train", *args, "pipeline.stages=2", "pipeline.microbatches=4"],
+        env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_records(run / "metrics.jsonl", 4, timeout=300)
+    os.kill(pid_of_rank(1, str(run)), signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    stops = re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", out + err)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-2000:] + err[-2000:]
+    assert stops[0][1] == stops[1][1]
+    ckpt = run / "checkpoints" / f"step-{int(stops[0][1]):08d}.ckpt"
+    assert verify(ckpt) is None and len(parts_of(ckpt)) == 2
+
+    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, "checkpoint.resume=auto"],
+                             env=run_env(), capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples"] == 20 * 1437 and summary["world_size"] == 1
+    assert summary["final"]["eval_accuracy"] >= 0.9
