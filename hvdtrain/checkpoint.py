@@ -81,7 +81,8 @@ class _HashingWriter:
 
 
 class CheckpointManager:
-    """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
+    """Decides when to checkpoint, writes on rank 0 (and each stage's first copy writes its part,
+    :class:`~hvdtrain.engine.PartedState`), and keeps the newest ``keep`` checkpoints."""
 
     def __init__(self, cfg: CheckpointConfig, directory: Path) -> None:
         self.cfg = cfg
@@ -96,7 +97,8 @@ class CheckpointManager:
         return self.cfg.enabled and every > 0 and step % every == 0
 
     def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
-        """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written.
+        """Called on every rank; rank 0 writes ``step-<step>.ckpt`` (after every rank's part, for
+        an engine that writes in parts). Returns the path written (on rank 0; None elsewhere).
 
         Every rank first learns whether rank 0's previous write failed (:meth:`share_failure`),
         and then all raise its error together, rather than rank 0 alone.

@@ -1,11 +1,12 @@
-"""Checkpoints that do not depend on the split: the stages' states merged into the whole model's,
-and the whole model's cut into a stage's part.
+"""Checkpoints that do not depend on the split: the stages' parts merged into the whole model's
+state, the whole model's cut into a stage's share, and which parts a rank of a new layout reads.
 
-A pipeline checkpoint holds what a run without stages would write: the model's entries named by
-global layer index (``"3.weight"``: layer 3 of the layer list, as in the whole ``Sequential``),
-and the optimizer's state in PyTorch's layout (``state`` by parameter index in the whole model's
-parameter order, one parameter group). So a run resumes with another number of stages, another
-split, or none. Framework-free: tensors are opaque values here.
+A part holds one stage's model entries named by global layer index (``"3.weight"``: layer 3 of the
+layer list, as in the whole ``Sequential``), its parameters' global names and its optimizer's state
+in PyTorch's layout; merged, they are what a run without stages writes (``state`` by parameter
+index in the whole model's parameter order, one parameter group). So a run resumes with another
+number of stages, another split, or none. The manifest lists each part's ``layers``
+(:func:`parts_holding`, :func:`parts_misfit`). Framework-free: tensors are opaque values here.
 """
 
 from __future__ import annotations
