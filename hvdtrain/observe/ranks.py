@@ -36,6 +36,9 @@ PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "g
 """System samples sent per rank (:meth:`SystemSampler.sample`'s names), and the record key prefix
 of each (``cpu_percent_rank0``)."""
 
+STAGE_MEMORY = ("rss", "gpu_mem")
+"""The system samples that pipeline runs also report per stage (``stage_rss_mb_stage<k>``)."""
+
 PREFIX = "mon."
 
 
@@ -77,12 +80,14 @@ class StepCosts:
         return min(self.stats.get("pipe_wait_s", 0.0) / self.wall_s, 1.0) if self.wall_s > 0 else 0.0
 
 
-def stage_means(values: Sequence[float], stages: Sequence[int], name: str) -> dict[str, float]:
-    """``{name_stage<k>: mean of values over stage k's ranks}`` (``stages``: each rank's stage)."""
+def stage_means(values: Sequence[float], stages: Sequence[int], name: str,
+                reduce: Callable[[list[float]], float] = statistics.fmean) -> dict[str, float]:
+    """``{name_stage<k>: reduce(values of stage k's ranks)}`` (``stages``: each rank's stage; the
+    mean by default)."""
     out = {}
     for stage in sorted(set(stages)):
         mine = [v for v, s in zip(values, stages, strict=True) if s == stage]
-        out[f"{name}_stage{stage}"] = sum(mine) / len(mine)
+        out[f"{name}_stage{stage}"] = reduce(mine)
     return out
 
 
@@ -207,12 +212,16 @@ class Monitor:
         return out
 
     def _system(self, sums: dict[str, float]) -> dict[str, float]:
+        """Each rank's system figures; with pipeline stages also each stage's memory: the most any
+        of its copies holds, since a per-rank memory limit is what a split must stay under."""
         gpus = sums.pop(f"{PREFIX}gpus") > 0
         out = {}
         for name, key in PER_RANK.items():
             values = pop_ranks(sums, PREFIX + name, self.size)
             if gpus or not name.startswith("gpu"):
                 out.update({f"{key}_rank{r}": v for r, v in enumerate(values)})
+                if self.stages is not None and name in STAGE_MEMORY:
+                    out.update(stage_means(values, self.stages, f"stage_{key}", max))
         return out
 
     def summary(self) -> dict[str, float]:

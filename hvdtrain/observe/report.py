@@ -55,6 +55,12 @@ FIGURES: dict[str, tuple[str, tuple[Panel, ...]]] = {
     "system.png": ("System, per rank",
                    (Panel("step", ("cpu_percent_rank*",), "CPU (% of one core)"),
                     Panel("step", ("rss_mb_rank*",), "resident memory (MiB)"))),
+    "stages.png": ("Pipeline stages: compute, wait for the neighbours, memory; the bubble",
+                   (Panel("step", ("stage_compute_s_stage*",), "compute s per step"),
+                    Panel("step", ("stage_wait_s_stage*",), "wait s per step"),
+                    Panel("step", ("stage_rss_mb_stage*", "stage_gpu_mem_mb_stage*"),
+                          "memory, largest copy (MiB)"),
+                    Panel("step", ("bubble_fraction",), "bubble fraction"))),
     "gpu.png": ("GPU, per rank", (Panel("step", ("gpu_util_percent_rank*",), "GPU utilisation (%)"),
                                   Panel("step", ("gpu_mem_mb_rank*",), "GPU memory (MiB)"))),
 }

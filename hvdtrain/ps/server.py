@@ -10,6 +10,7 @@ worker gets the same bits.
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 from collections.abc import Iterator
@@ -106,9 +107,10 @@ def serve(world: PSWorld) -> int:
 
 
 def _waitall(requests: list[Any]) -> None:
-    from mpi4py import MPI
-
-    MPI.Request.Waitall(requests)
+    """Waits for ``requests`` with no time limit (workers may compute, evaluate or checkpoint for
+    as long as they need between steps), polling as the workers do: Open MPI's blocking wait spins
+    (``sched_yield`` under ``mpi_yield_when_idle``) and takes a core from the workers beside it."""
+    protocol.wait([(request, -1) for request in requests], math.inf, str)
 
 
 @contextmanager

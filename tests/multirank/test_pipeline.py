@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import BIN, CONFIG, horovodrun, read_jsonl, run_env
-from tests.multirank.conftest import PYTHON, WORKER, Launch
+from tests.multirank.conftest import CONFIGS, PYTHON, WORKER, Launch
 from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
@@ -105,7 +105,7 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(four_ranks, schedule):
+def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(four_ranks, schedule):
     """Gloo's launch: every train record carries both stages' figures and the measured bubble
     (their sizes are timings, not asserted, beyond their ranges)."""
     path = four_ranks("gloo").out / schedule / "metrics.jsonl"
@@ -116,6 +116,7 @@ def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(four
         for stage in (0, 1):
             assert record[f"stage_compute_s_stage{stage}"] > 0
             assert record[f"stage_wait_s_stage{stage}"] >= 0
+            assert record[f"stage_rss_mb_stage{stage}"] > 0
         assert "stage_compute_s_stage2" not in record
 
 
@@ -138,14 +139,16 @@ STALL_S = 20  # the configured timeout of the lost-rank test: process groups and
 
 
 @pytest.mark.timeout(600)
-def test_a_stage_rank_killed_ends_every_rank_nonzero(tmp_path):
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_stage_rank_killed_ends_every_rank_nonzero(tmp_path, framework):
     """Without elastic mode, SIGKILL of stage 1 of copy 0 (rank 1) leaves rank 0 waiting on its
-    send/receive, rank 3 (stage 1 of copy 1) in the stage's Horovod average and rank 2 on rank 3:
-    every one must end, and the job exit nonzero, within the configured timeout (the bound below is
-    generous: the stacks dump and horovodrun's teardown on 2 busy cores), never hang."""
+    send/receive (torch.distributed's, or Horovod's alltoall under TensorFlow), rank 3 (stage 1 of
+    copy 1) in the stage's Horovod average and rank 2 on rank 3: every one must end, and the job
+    exit nonzero, within the configured timeout (the bound below is generous: the stacks dump and
+    horovodrun's teardown on 2 busy cores), never hang."""
     run = tmp_path / "run"
     cmd = [str(BIN / "horovodrun"), "-np", "4", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
-           "train", str(CONFIG), "train.epochs=200", "log.every_steps=5", "log.wandb=disabled",
+           "train", str(CONFIGS[framework]), "train.epochs=200", "log.every_steps=5", "log.wandb=disabled",
            "pipeline.stages=2", "pipeline.microbatches=4", "checkpoint.enabled=false",
            f"train.stall_timeout_s={STALL_S}", f"log.dir={run}"]
     proc = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.DEVNULL,

@@ -88,7 +88,7 @@ def test_stages_train_as_one_process_on_the_global_batch(launches, controller, n
         assert summary["final"][key] == pytest.approx(one["summary"]["final"][key], rel=1e-4), key
 
 
-def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(launches):
+def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(launches):
     """Gloo's -np 4 launch: the train records carry both stages' figures and the measured bubble
     (timings: only their ranges are checked)."""
     records = [r for r in read_jsonl(launches(4, "gloo").out / "1f1b" / "metrics.jsonl")
@@ -99,6 +99,7 @@ def test_each_stage_reports_its_compute_and_wait_and_the_bubble_is_measured(laun
         for stage in (0, 1):
             assert record[f"stage_compute_s_stage{stage}"] > 0
             assert record[f"stage_wait_s_stage{stage}"] >= 0
+            assert record[f"stage_rss_mb_stage{stage}"] > 0
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)

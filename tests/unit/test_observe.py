@@ -144,6 +144,21 @@ def test_pipeline_stages_get_their_compute_wait_and_bubble_and_stragglers_within
     assert not [k for k in record if k.startswith("mon.")]
 
 
+def test_each_stage_reports_the_memory_of_its_largest_copy():
+    stages = [0, 1, 0, 1]
+    monitors = [Monitor(r, 4, r, system=False, straggler_factor=1.5, straggler_logs=1,
+                        warn=lambda _: None, stages=stages) for r in range(4)]
+    sums = summed(monitors, [StepCosts() for _ in range(4)], 1)
+    # What four ranks' system samples add up to (no GPU): rank r holds (r + 1) x 100 MiB.
+    sums["mon.gpus"] = 0.0
+    for name in ("cpu", "rss", "gpu", "gpu_mem"):
+        sums.update({f"mon.{name}.{r}": (r + 1) * 100.0 for r in range(4)})
+    record = monitors[0].incoming(sums, 1, 1)
+    assert record["rss_mb_rank3"] == 400.0
+    assert (record["stage_rss_mb_stage0"], record["stage_rss_mb_stage1"]) == (300.0, 400.0)
+    assert not [k for k in record if k.startswith(("stage_gpu", "mon."))]  # no GPU, none left
+
+
 def test_a_stage_of_one_copy_has_no_one_to_straggle_behind():
     detector = StragglerDetector(factor=1.5, logs=1, groups=[0, 1])
     assert detector.update([1.0, 5.0]) == []  # stage 1 does other work than stage 0

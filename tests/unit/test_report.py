@@ -17,7 +17,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def make_run(path: Path, name: str, framework: str, *, summary: bool = True, wall: bool = True,
-             comm: bool = False) -> Path:
+             comm: bool = False, stages: int = 0) -> Path:
     """A run directory with 2 epochs of 20 steps, logged every 10, evaluated per epoch."""
     path.mkdir(parents=True)
     records = []
@@ -32,6 +32,10 @@ def make_run(path: Path, name: str, framework: str, *, summary: bool = True, wal
                           rss_mb_rank0=400.0, rss_mb_rank1=390.0)
             if step == 30:
                 record["events"] = [{"event": "straggler", "rank": 1, "factor": 2.0, "logs": 3}]
+        for stage in range(stages):
+            record.update({f"stage_compute_s_stage{stage}": 0.01 * (stage + 1),
+                           f"stage_wait_s_stage{stage}": 0.005, f"stage_rss_mb_stage{stage}": 500.0,
+                           "bubble_fraction": 0.3})
         if step % 20 == 0:
             record.update(eval_loss=1.0 / step, eval_accuracy=0.5 + step / 100)
         records.append(record)
@@ -86,6 +90,17 @@ def test_missing_metrics_and_summary_are_skipped(tmp_path):
     # Without summary.json: steps and accuracy come from the metrics, the rest is unknown.
     assert table((tmp_path / "out" / "report.md").read_text()) == [
         ["old", "torch", "-", "-", "40", "0.9000", "-", "-", "-", "-", "-", "-"]]
+
+
+def test_pipeline_runs_get_the_stage_plot(tmp_path):
+    run = make_run(tmp_path / "p", "pipe", "torch", stages=2)
+    report([run])
+    out = run / "report"
+    # compute, wait, memory and bubble side by side
+    assert png_size(out / "stages.png")[0] == 4 * png_size(out / "throughput.png")[0]
+    assert "![stages](stages.png)" in (out / "report.md").read_text()
+    report([make_run(tmp_path / "q", "flat", "torch")])
+    assert not (tmp_path / "q" / "report" / "stages.png").exists()
 
 
 def test_runs_with_the_same_name_are_told_apart(tmp_path):
