@@ -215,11 +215,11 @@ class CheckpointManager:
         lists ``parts``, already on disk, when it has some), then prunes old ones. The sha256 is
         computed from the bytes as they are written, so the file is not read back."""
         path = self.path_for(step)
-        manifest: dict[str, Any] = {**_write_hashed(path, write), "step": step}
-        if parts is not None:
-            manifest["parts"] = parts
-        text = json.dumps(manifest, indent=2) + "\n"
         try:
+            manifest: dict[str, Any] = {**_write_hashed(path, write), "step": step}
+            if parts is not None:
+                manifest["parts"] = parts
+            text = json.dumps(manifest, indent=2) + "\n"
             atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
         except BaseException:
             path.unlink(missing_ok=True)  # never counts without its manifest: free its space

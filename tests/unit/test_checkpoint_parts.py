@@ -162,3 +162,15 @@ def test_a_rank_of_another_split_reads_only_the_parts_that_hold_its_layers():
     assert parts_misfit(parts, 6) is None
     assert "the model has 7" in parts_misfit(parts, 7)
     assert "9 in all" in parts_misfit(parts[:1] + parts, 6)
+
+
+def test_a_checkpoint_file_that_cannot_be_written_takes_its_parts_with_it(tmp_path):
+    mgr = CheckpointManager(CheckpointConfig(keep=3), tmp_path)
+    tmp_path.joinpath("step-00000004.stage-0.part").write_bytes(b"written before the failure")
+
+    def full_disk(fileobj):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        mgr.write(4, full_disk, [{"file": "step-00000004.stage-0.part"}])
+    assert list(tmp_path.iterdir()) == []
