@@ -340,8 +340,9 @@ class PipelineEngine(TorchEngine, PartedState):
             model, optimizer = self._share(*merge_parts(parts, self.all_params), self.rank)
             want = {k for k in self.all_keys if layer_of(k) in layers}
             if model.keys() != want:
-                raise HvdtrainError(f"{where} does not fit the model: its parts hold "
-                                    f"{sorted(model.keys() ^ want)[:3]} where they differ")
+                raise HvdtrainError(f"{where} does not fit the model: entries "
+                                    f"{', '.join(sorted(model.keys() ^ want)[:3])} are missing "
+                                    "from its parts or unexpected")
             self._apply(model, optimizer)
         except HvdtrainError as exc:
             problem = str(exc)
