@@ -26,7 +26,7 @@ def layer_of(key: str) -> int:
 
 def merge_parts(parts: Sequence[StagePart], all_params: Sequence[str]) -> tuple[dict, dict]:
     """The whole model's entries (in layer order) and optimizer state from the parts of every
-    piece (each layer in exactly one part)."""
+    piece (each layer in exactly one part); ValueError for a parameter ``all_params`` lacks."""
     entries = [(key, value) for part in parts for key, value in part["model"].items()]
     model = dict(sorted(entries, key=lambda item: layer_of(item[0])))  # stable within a layer
     index = {name: i for i, name in enumerate(all_params)}
@@ -34,6 +34,8 @@ def merge_parts(parts: Sequence[StagePart], all_params: Sequence[str]) -> tuple[
     for part in parts:
         own = part["optimizer"]["state"]
         for local, name in enumerate(part["params"]):
+            if name not in index:
+                raise ValueError(f"its parts hold parameter {name!r}, which the model lacks")
             if local in own:
                 state[index[name]] = own[local]
     hyper = {k: v for k, v in parts[0]["optimizer"]["param_groups"][0].items() if k != "params"}

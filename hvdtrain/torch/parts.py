@@ -78,4 +78,7 @@ def merged_parts(directory: Path, entries: Sequence[Mapping[str, Any]], all_para
                  where: str) -> tuple[dict, dict]:
     """The whole model's entries and optimizer state (``all_params``: its parameters' names in
     its optimizer's order) from every part of a checkpoint written in parts."""
-    return merge_parts(read_parts(directory, entries, where), all_params)
+    try:
+        return merge_parts(read_parts(directory, entries, where), all_params)
+    except ValueError as exc:
+        raise HvdtrainError(f"{where} does not fit the model: {exc}") from None

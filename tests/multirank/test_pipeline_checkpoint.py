@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from hvdtrain.checkpoint import parts_of, verify
-from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, read_jsonl, run_env
+from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, hvdtrain_cli, read_jsonl, run_env
 from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_pipeline import launch, whole_model
 from tests.multirank.test_pipeline_tf import stage_params
@@ -90,6 +90,12 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
     final = launched2.summary("from_whole")["final"]
     assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
+
+    # Parts of another model: a one-line error (exit 2) before anything trains.
+    other = hvdtrain_cli("train", str(CONFIG), "model.options.hidden=[16]", "log.wandb=disabled",
+                         f"log.dir={tmp_path / 'misfit'}", step10(four, "full"))
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "does not fit the model" in other.stderr and "step-00000010.ckpt" in other.stderr
 
 
 TF_COMMON = ("optim.name=adam,optim.lr=0.01,optim.scale_lr=false,"

@@ -19,7 +19,7 @@ from hvdtrain.checkpoint import CheckpointManager, manifest_path, parts_of, sha2
 from hvdtrain.config import CheckpointConfig
 from hvdtrain.engine import PartedState
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.pipeline.state import parts_holding, parts_misfit
+from hvdtrain.pipeline.state import merge_parts, parts_holding, parts_misfit
 
 
 class ThreadWorld:
@@ -174,3 +174,10 @@ def test_a_checkpoint_file_that_cannot_be_written_takes_its_parts_with_it(tmp_pa
     with pytest.raises(OSError, match="No space"):
         mgr.write(4, full_disk, [{"file": "step-00000004.stage-0.part"}])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_parts_of_another_model_do_not_merge():
+    part = {"model": {"0.weight": 1}, "params": ["0.weight", "5.weight"],
+            "optimizer": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}}
+    with pytest.raises(ValueError, match=r"parameter '5\.weight', which the model lacks"):
+        merge_parts([part], ["0.weight"])
