@@ -55,6 +55,9 @@ class StageState(PartedState):
                 parts.assign(entries, values, where)
             except HvdtrainError as exc:
                 problem = str(exc)
+            except Exception as exc:  # noqa: BLE001  (shared below: no rank may wait alone)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                problem = f"{restored['where']} does not fit the model: {first[:160]}"
         # In a list: Horovod names the collective after the object's type (None or a str).
         failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
         if failures:
