@@ -69,7 +69,8 @@ _TORCH = ("torch",)
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("gpipe", "ScheduleGPipe", _BOTH, (1, 1), "loop", "one"),
     Schedule("1f1b", "Schedule1F1B", _BOTH, (1, 1), "loop", "ranks"),
-    Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", _BOTH, (2, None), "loop", "one",
+    # The TensorFlow stages run the core's action lists, written for one piece a rank.
+    Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", _TORCH, (2, None), "loop", "one",
              rounds=True),
     Schedule("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", _TORCH, (2, None), "loop",
              "one", rounds=True, experimental=True),

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.plan.cluster import Cluster, load_cluster
-from hvdtrain.plan.predict import Knobs, Plan, plan
+from hvdtrain.plan.predict import Knobs, Plan, pieces_per_rank, pipeline_name, plan
 from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
 from hvdtrain.plan.stages import PLANNED_SCHEDULES
 
@@ -90,7 +90,11 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
         if cfg.pipeline.schedule not in PLANNED_SCHEDULES:
             raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule!r}: the plan prices "
                               f"{' and '.join(PLANNED_SCHEDULES)} only")
-        return f"pipeline P={stages} m={knobs.microbatches or 4 * stages} {cfg.pipeline.schedule}"
+        schedule = cfg.pipeline.schedule
+        return pipeline_name(stages, knobs.microbatches or 4 * stages, schedule,
+                             pieces_per_rank(schedule, knobs))
+    if cfg.comm.topology == "ps" and cfg.ps.placement == "colocated":
+        return "ps sharded update"
     if cfg.comm.topology == "ps":
         if not cluster.servers.nodes:
             raise ConfigError("comm.topology=ps: the cluster file has no server nodes "
@@ -112,7 +116,8 @@ def _plan(request: Request, items: list[str]) -> Plan:
     if config is not None:
         cfg = load_config(config, overrides)
         knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
-                      microbatches=cfg.pipeline.microbatches)
+                      microbatches=cfg.pipeline.microbatches,
+                      virtual_stages=cfg.pipeline.virtual_stages)
     if request.profile is not None:
         model = load_profile(request.profile)
         if config is not None:

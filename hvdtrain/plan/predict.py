@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hvdtrain.pipeline.schedules import SCHEDULES
 from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
 from hvdtrain.plan.profile import MethodProfile, ModelProfile
-from hvdtrain.plan.stages import PLANNED_SCHEDULES, PipelineStep, pipeline_step
+from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
 
 OVERLAPPED = ("none", "fp16")
 """Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
@@ -31,6 +32,8 @@ class Knobs:
     """``comm.cycle_time_ms`` (0: Horovod's 1 ms)."""
     microbatches: int = 0
     """``pipeline.microbatches`` (0: four per stage)."""
+    virtual_stages: int = 0
+    """``pipeline.virtual_stages`` of interleaved 1F1B (0 or 1: :data:`DEFAULT_VIRTUAL`)."""
     fusion_threshold: int = FUSION_THRESHOLD
 
 
@@ -223,8 +226,9 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     k, m = c.servers.nodes, ctx.profile.gradient_bytes
     dedicated = Prediction(f"ps dedicated S={k}", f"comm.topology=ps ps.servers={k} (one server "
                            "rank on each server node)")
-    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain yet "
-                           "(ps.placement=colocated); BytePS runs it")
+    colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain: BytePS's summation "
+                           "on every worker (hvdtrain's ps.placement=colocated is the sharded "
+                           "update)")
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
     else:
@@ -245,7 +249,29 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
             return within + (costs.byteps(b, n, k, link, o) if n > 1 or k else 0.0)
         return _dense(ctx, n, cost)
     _sweep(ctx, colocated, colocated_step)
-    return [dedicated, colocated]
+    return [dedicated, colocated, _sharded(ctx)]
+
+
+def _sharded(ctx: _Ctx) -> Prediction:
+    """hvdtrain's colocated servers (the sharded update, ZeRO stage 1's): after the backward pass
+    a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
+    this rank's 1/N of the parameters."""
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    pred = Prediction("ps sharded update", "comm.topology=ps ps.placement=colocated")
+    framework = str(ctx.profile.model.get("framework", ""))
+    if framework == "tensorflow":
+        pred.reason = "the sharded update (ps.placement=colocated) runs with PyTorch only"
+        return pred
+
+    def step(n: int) -> tuple[float, list[Segment]]:
+        half = costs.flat_allreduce(ctx.profile.gradient_bytes, n, g, c.intra, c.inter, o) / 2
+        f, b, upd = ctx.fwd, ctx.fwd + ctx.bwd, ctx.upd / (n * g)
+        segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, b),
+                Segment("comm", "reduce-scatter", b, b + half),
+                Segment("compute", "update of this rank's shard", b + half, b + half + upd),
+                Segment("comm", "allgather", b + half + upd, b + 2 * half + upd)]
+        return b + 2 * half + upd, segs
+    return _sweep(ctx, pred, step)
 
 
 def _stage_counts(ctx: _Ctx) -> list[int]:
@@ -259,21 +285,19 @@ def _stage_counts(ctx: _Ctx) -> list[int]:
 
 
 def _pipelines(ctx: _Ctx) -> list[Prediction]:
-    layers = ctx.profile.layers
     out = []
     for stages in _stage_counts(ctx):
         micro = ctx.knobs.microbatches or 4 * stages
         for schedule in PLANNED_SCHEDULES:
-            pred = Prediction(f"pipeline P={stages} m={micro} {schedule}",
+            virtual = pieces_per_rank(schedule, ctx.knobs)
+            pred = Prediction(pipeline_name(stages, micro, schedule, virtual),
                               f"pipeline.stages={stages} pipeline.microbatches={micro} "
                               f"pipeline.schedule={schedule} data.batch_size="
-                              f"{ctx.knobs.batch_size * stages}")
-            if not layers:
-                pred.reason = "the profile lists no layers (the model is not a layer list)"
-            elif stages > len(layers):
-                pred.reason = f"more stages ({stages}) than the model's layers ({len(layers)})"
-            else:
-                step = _pipeline_step(ctx, stages, micro, schedule)
+                              f"{ctx.knobs.batch_size * stages}"
+                              + (f" pipeline.virtual_stages={virtual}" if virtual > 1 else ""))
+            pred.reason = _pipeline_misfit(ctx, stages, virtual, schedule)
+            if not pred.reason:
+                step = _pipeline_step(ctx, stages, micro, schedule, virtual)
 
                 def point(n: int, s: int = stages, st: PipelineStep = step) -> Outcome:
                     return _pipeline_point(ctx, n, s, st)
@@ -282,14 +306,42 @@ def _pipelines(ctx: _Ctx) -> list[Prediction]:
     return out
 
 
-def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str) -> PipelineStep:
+def pieces_per_rank(schedule: str, knobs: Knobs) -> int:
+    """The model pieces a rank holds under ``schedule``: ``v`` for interleaved 1F1B, else 1."""
+    if schedule != "interleaved_1f1b":
+        return 1
+    return knobs.virtual_stages if knobs.virtual_stages > 1 else DEFAULT_VIRTUAL
+
+
+def pipeline_name(stages: int, micro: int, schedule: str, virtual: int) -> str:
+    """A pipeline setting's name in the plan's table."""
+    return f"pipeline P={stages} m={micro} {schedule}" + (f" v={virtual}" if virtual > 1 else "")
+
+
+def _pipeline_misfit(ctx: _Ctx, stages: int, virtual: int, schedule: str) -> str:
+    """Why this pipeline cannot run the profiled model ("" when it can)."""
+    layers, framework = ctx.profile.layers, str(ctx.profile.model.get("framework", ""))
+    if not layers:
+        return "the profile lists no layers (the model is not a layer list)"
+    runs = SCHEDULES[schedule].frameworks
+    # A published profile names no framework of hvdtrain's: every schedule applies to it.
+    if framework in {f for s in SCHEDULES.values() for f in s.frameworks} and framework not in runs:
+        return f"{framework} does not run {schedule}"
+    if stages * virtual > len(layers):
+        pieces = f"{stages} x {virtual} pieces" if virtual > 1 else f"stages ({stages})"
+        return f"more {pieces} than the model's layers ({len(layers)})"
+    return ""
+
+
+def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str,
+                   virtual: int) -> PipelineStep:
     """One copy's schedule: the same at every node count (a copy's ranks sit on one node when
     ``P`` divides the ranks per node, else they span nodes)."""
     c = ctx.cluster
     link = c.intra if _same_node(ctx, stages) else c.inter
     share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
     return pipeline_step(ctx.profile.layers, stages, micro, schedule, share / c.compute_speed,
-                         share, lambda b: costs.send(b, link, c.overhead_s))
+                         share, lambda b: costs.send(b, link, c.overhead_s), virtual)
 
 
 def _same_node(ctx: _Ctx, stages: int) -> bool:

@@ -13,10 +13,11 @@ from hvdtrain.plan.predict import Plan
 def table(result: Plan) -> str:
     """The ranked table: each setting at the most nodes it runs on, then those that do not apply."""
     c = result.cluster
+    w = max([34, *(len(p.setting) for p in result.predictions)])
     lines = [f"plan for {result.model} on {c.name or 'the cluster'}: up to {c.nodes} node(s) x "
              f"{c.ranks_per_node} rank(s), batch {result.knobs.batch_size} per rank; one rank alone: "
              f"{result.base_samples_per_s:.1f} samples/s",
-             f"{'#':>2}  {'setting':<34} {'nodes':>5} {'step ms':>9} {'samples/s':>11} "
+             f"{'#':>2}  {'setting':<{w}} {'nodes':>5} {'step ms':>9} {'samples/s':>11} "
              f"{'eff':>6} {'comm ms':>8}  how"]
     rank = 0
     for pred in result.predictions:
@@ -25,7 +26,7 @@ def table(result: Plan) -> str:
             continue
         rank += 1
         mark = "*" if pred.setting == result.configured else " "
-        lines.append(f"{rank:>2}{mark} {pred.setting:<34} {best.nodes:>5} {1e3 * (best.step_s or 0):>9.2f} "
+        lines.append(f"{rank:>2}{mark} {pred.setting:<{w}} {best.nodes:>5} {1e3 * (best.step_s or 0):>9.2f} "
                      f"{best.samples_per_s or 0:>11.1f} {best.efficiency or 0:>6.1%} "
                      f"{1e3 * (best.comm_s or 0):>8.2f}  {pred.how}")
     skipped = [p for p in result.predictions if p.best is None]
@@ -33,7 +34,7 @@ def table(result: Plan) -> str:
         lines.append("not applicable:")
         for pred in skipped:
             why = pred.reason or next((p.reason for p in pred.points if p.reason), "")
-            lines.append(f"    {pred.setting:<34} {why}")
+            lines.append(f"    {pred.setting:<{w}} {why}")
     if result.configured:
         lines.append(f"* the config's setting: {result.configured}")
     return "\n".join(lines)

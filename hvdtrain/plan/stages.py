@@ -1,7 +1,8 @@
 """Pipeline stages as the planner prices them: the split of the layers (the same balanced split as
 ``pipeline.split: auto``), each micro-batch's slowest stage with its stage-to-stage transfer, and
 the step's span from the schedules' own simulator (:func:`hvdtrain.pipeline.actions.simulate`),
-whose bubble is GPipe's ``(P-1)/(m+P-1)`` for balanced stages.
+whose bubble is GPipe's ``(P-1)/(m+P-1)`` for balanced stages. Interleaved 1F1B, which the
+simulator does not run, is priced by Megatron's account of it (:func:`interleaved_step`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from hvdtrain.pipeline.actions import actions, simulate
 from hvdtrain.pipeline.split import balanced_bounds
 from hvdtrain.plan.profile import LayerProfile
 
-PLANNED_SCHEDULES = ("1f1b", "gpipe")
-"""The schedules the planner prices: those written as action lists for the simulator."""
+SIMULATED = ("1f1b", "gpipe")
+"""The schedules written as action lists for the simulator."""
+PLANNED_SCHEDULES = (*SIMULATED, "interleaved_1f1b")
+"""The schedules the planner prices (the zero-bubble ones not: their backward pass splits in two,
+which the profile does not time apart)."""
+DEFAULT_VIRTUAL = 2
+"""Pieces per rank the plan prices interleaved 1F1B with when the config does not say."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,13 @@ def split_layers(layers: list[LayerProfile], stages: int) -> list[list[LayerProf
 
 def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule: str,
                   time_scale: float, byte_scale: float,
-                  transfer: Callable[[float], float]) -> PipelineStep:
+                  transfer: Callable[[float], float], virtual: int = DEFAULT_VIRTUAL) -> PipelineStep:
     """The step of one copy: ``time_scale`` turns the profile's layer times into one
     micro-batch's (its share of the profiled batch over the compute speed), ``byte_scale`` the
-    activation bytes; ``transfer(bytes)`` is one message between neighbouring stages."""
+    activation bytes; ``transfer(bytes)`` is one message between neighbouring stages; ``virtual``
+    the pieces per rank of interleaved 1F1B."""
+    if schedule == "interleaved_1f1b":
+        return interleaved_step(layers, stages, virtual, micro, time_scale, byte_scale, transfer)
     pieces = split_layers(layers, stages)
     xfer = max((transfer(p[-1].activation_bytes * byte_scale) for p in pieces[:-1]), default=0.0)
     fwd = max(sum(x.forward_s for x in p) for p in pieces) * time_scale
@@ -55,3 +64,22 @@ def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule:
     return PipelineStep(max(timeline.finish), timeline.bubble, fwd + xfer, bwd + xfer,
                         [4 * sum(x.params for x in p) for p in pieces], xfer,
                         micro * (fwd + bwd + 2 * xfer))
+
+
+def interleaved_step(layers: list[LayerProfile], stages: int, virtual: int, micro: int,
+                     time_scale: float, byte_scale: float,
+                     transfer: Callable[[float], float]) -> PipelineStep:
+    """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+    Clusters Using Megatron-LM", SC 2021, section 2.2): the layers in ``P v`` pieces, piece ``i``
+    on rank ``i % P``. A rank's pass over one micro-batch is its ``v`` pieces', each followed by a
+    transfer (``v`` times 1F1B's traffic); the bubble shrinks to ``(P-1)/v`` such passes, so the
+    span is ``(m + (P-1)/v)(f + b)`` and the bubble ``(P-1)/(v m + P-1)``."""
+    pieces = split_layers(layers, stages * virtual)
+    xfer = max((transfer(p[-1].activation_bytes * byte_scale) for p in pieces[:-1]), default=0.0)
+    ranks = [[x for piece in pieces[r::stages] for x in piece] for r in range(stages)]
+    fwd = max(sum(x.forward_s for x in r) for r in ranks) * time_scale + virtual * xfer
+    bwd = max(sum(x.backward_s for x in r) for r in ranks) * time_scale + virtual * xfer
+    busy = micro * (fwd + bwd)
+    idle = (stages - 1) * (fwd + bwd) / virtual
+    return PipelineStep(busy + idle, idle / (busy + idle), fwd, bwd,
+                        [4 * sum(x.params for x in r) for r in ranks], xfer, busy)

@@ -12,13 +12,10 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.data.contracts import DatasetSpec
-from hvdtrain.driver import make_dataset
-from hvdtrain.engine import make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.split import balanced_bounds
 from hvdtrain.tensorflow import parts, pipeline
 from hvdtrain.tensorflow.models import MLP
-from tests.conftest import TF_CONFIG, quiet_config
 
 SPEC = DatasetSpec(input_shape=(8, 8), num_classes=10)
 
@@ -76,16 +73,6 @@ def test_schedules_the_tensorflow_stages_do_not_run_are_refused():
 def test_a_stage_output_of_unknown_size_is_refused():
     with pytest.raises(HvdtrainError, match="fixed sample shape"):
         pipeline.describe((None, 4), "float32")
-
-
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2",
-      "checkpoint.enabled=false"], r"pipeline.schedule='interleaved_1f1b': the TensorFlow engine"),
-])
-def test_the_engine_refuses_before_horovod_starts(tmp_path, overrides, message):
-    cfg = quiet_config(TF_CONFIG, tmp_path, "pipeline.stages=2", *overrides)
-    with pytest.raises(HvdtrainError, match=message):
-        make_engine(cfg, make_dataset(cfg))
 
 
 def test_keras_variables_and_adam_slots_are_named_by_global_layer():

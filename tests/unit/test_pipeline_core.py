@@ -149,6 +149,10 @@ def test_microbatches_default_to_one_per_piece():
     (["pipeline.stages=2", "framework=tensorflow", "pipeline.schedule=dualpipev",
       "pipeline.virtual_stages=2"],
      "pipeline.schedule='dualpipev': runs with PyTorch only; with tensorflow use one of gpipe"),
+    (["pipeline.stages=2", "framework=tensorflow", "pipeline.schedule=interleaved_1f1b",
+      "pipeline.virtual_stages=2"],
+     "pipeline.schedule='interleaved_1f1b': runs with PyTorch only; with tensorflow use one of "
+     "gpipe, 1f1b"),
     (["pipeline.stages=2", "pipeline.microbatches=3"],
      "data.batch_size=32: with pipeline stages it is the batch of one pipeline copy"),
     (["pipeline.stages=2", "data.eval_batch_size=9"], "data.eval_batch_size=9: with pipeline"),

@@ -3,6 +3,7 @@ predictions, the table, JSON and HTML outputs (docs/planner.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -73,10 +74,32 @@ def test_published_ranking_of_the_horovod_paper() -> None:
     assert abs(vgg - 0.68) < 0.2
 
 
+def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
+    from hvdtrain.plan import costs
+
+    profile, cluster = load_profile(PUBLISHED / "resnet101.json"), cluster_from_tree(GOOD)
+    result = plan(profile, cluster, Knobs(profile.batch_size))
+    pred = next(p for p in result.predictions if p.setting == "ps sharded update")
+    assert pred.how == "comm.topology=ps ps.placement=colocated"
+    ring = costs.flat_allreduce(profile.gradient_bytes, 2, 2, cluster.intra, cluster.inter)
+    # Not overlapped with the backward pass; each rank updates a quarter of the parameters.
+    want = profile.forward_s + profile.backward_s + ring + profile.update_s / 4
+    assert pred.points[-1].step_s == pytest.approx(want)
+    assert [s.label for s in pred.timeline][2:] == [
+        "reduce-scatter", "update of this rank's shard", "allgather"]
+    keras = dataclasses.replace(profile, model={**profile.model, "framework": "tensorflow"})
+    why = {p.setting: p.reason for p in plan(keras, cluster, Knobs(64)).predictions}
+    assert why["ps sharded update"] == "the sharded update (ps.placement=colocated) runs with " \
+        "PyTorch only"
+    assert why["pipeline P=2 m=8 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
+
+
 def test_not_applicable_settings_say_why() -> None:
     result = plan(load_profile(PUBLISHED / "vgg16.json"), load_cluster(PAPER), Knobs(64))
     why = {p.setting: p.reason for p in result.predictions if p.best is None}
     assert "more stages (32) than the model's layers (16)" in why["pipeline P=32 m=128 1f1b"]
+    assert "more 16 x 2 pieces than the model's layers (16)" in why[
+        "pipeline P=16 m=64 interleaved_1f1b v=2"]
     assert "no server nodes" in why["ps dedicated S=0"]
 
 
@@ -130,6 +153,10 @@ def test_the_configured_setting_is_marked() -> None:
     cluster = cluster_from_tree(GOOD)
     cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=gpipe"], environ={})
     assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=8 gpipe"
+    cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=interleaved_1f1b",
+                               "pipeline.virtual_stages=4", "pipeline.microbatches=8"], environ={})
+    assert configured_setting(cfg, cluster, Knobs(32, microbatches=8, virtual_stages=4)) == (
+        "pipeline P=2 m=8 interleaved_1f1b v=4")
     result = plan(load_profile(PUBLISHED / "resnet101.json"), cluster, Knobs(64))
     result.configured = configured_setting(load_config(CONFIG, environ={}), cluster, Knobs(64))
     marked = [line for line in table(result).splitlines() if line[2:3] == "*"]

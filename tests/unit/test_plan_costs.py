@@ -101,6 +101,20 @@ def test_pipeline_bubble_from_the_simulator() -> None:
     assert slow.span_s == pytest.approx(7 * 0.7)
 
 
+def test_interleaved_1f1b_cuts_the_bubble_by_v_for_v_times_the_transfers() -> None:
+    layers = [LayerProfile(f"l{i}", 10, 0.1, 0.2, 1000) for i in range(8)]
+    # P=2, v=2: 4 pieces of 2 layers, a rank's two pieces 4 layers: f 0.4, b 0.8 a micro-batch.
+    step = pipeline_step(layers, 2, 6, "interleaved_1f1b", 1.0, 1.0, lambda b: 0.0, virtual=2)
+    assert step.span_s == pytest.approx((6 + 1 / 2) * 1.2)  # (m + (P-1)/v)(f + b)
+    assert step.bubble == pytest.approx(1 / (2 * 6 + 1))  # (P-1)/(v m + P-1)
+    assert step.stage_bytes == [160, 160]
+    one = pipeline_step(layers, 2, 6, "1f1b", 1.0, 1.0, lambda b: 0.0)
+    assert step.bubble < one.bubble and step.busy_s == pytest.approx(one.busy_s)
+    # Each of a rank's v pieces sends its activation on: v transfers a pass where 1F1B has one.
+    slow = pipeline_step(layers, 2, 6, "interleaved_1f1b", 1.0, 1.0, lambda b: 0.01, virtual=2)
+    assert slow.forward_s == pytest.approx(0.4 + 2 * 0.01)
+
+
 def test_calibration_recovers_the_link() -> None:
     from hvdtrain.plan.calibrate import SIZES, Sweep, cluster_tree, fit_line, link_of
 
