@@ -11,6 +11,14 @@ the loop's next log interval or next checkpoint, whichever comes first (or at it
 :class:`~hvdtrain.errors.EnvironmentFailure` naming the file; the checkpoints written before stay
 valid. Rank 0's other writes that a resume relies on (``metrics.jsonl``) hand their failures to
 :meth:`CheckpointManager.hold_failure`, to be shared the same way.
+
+An engine with pipeline stages (:class:`~hvdtrain.engine.PartedState`) writes a checkpoint in
+parts that do not depend on the split: each stage's first copy writes its own layers to
+``step-N.stage-S.part`` (atomically, as above), an allgather over all ranks is the barrier that
+carries each part's name, layers, size and sha256 (or the first failure, so that every rank
+raises it at once), then rank 0 writes ``step-N.ckpt`` (no model in it) and, last, the manifest
+that lists the parts: the manifest is the commit. Verifying checks every part; pruning removes
+them with their checkpoint, and parts that never got a manifest.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from hvdtrain.config import CheckpointConfig
-from hvdtrain.engine import Collectives, Engine
-from hvdtrain.errors import RESUME_ADVICE, HvdtrainError, os_failure
+from hvdtrain.engine import Collectives, Engine, PartedState
+from hvdtrain.errors import RESUME_ADVICE, EnvironmentFailure, HvdtrainError, os_failure
 
 SUFFIX = ".ckpt"
+PART_SUFFIX = ".part"
 POSITION_KEYS = ("step", "epoch", "in_epoch", "samples")
 """The training position every checkpoint's metadata holds (``meta["position"]``)."""
 
@@ -72,7 +81,8 @@ class _HashingWriter:
 
 
 class CheckpointManager:
-    """Decides when to checkpoint, writes on rank 0 only, and keeps the newest ``keep`` files."""
+    """Decides when to checkpoint, writes on rank 0 (and each stage's first copy writes its part,
+    :class:`~hvdtrain.engine.PartedState`), and keeps the newest ``keep`` checkpoints."""
 
     def __init__(self, cfg: CheckpointConfig, directory: Path) -> None:
         self.cfg = cfg
@@ -87,7 +97,8 @@ class CheckpointManager:
         return self.cfg.enabled and every > 0 and step % every == 0
 
     def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
-        """Called on every rank; rank 0 writes ``step-<step>.ckpt``. Returns the path written.
+        """Called on every rank; rank 0 writes ``step-<step>.ckpt`` (after every rank's part, for
+        an engine that writes in parts). Returns the path written (on rank 0; None elsewhere).
 
         Every rank first learns whether rank 0's previous write failed (:meth:`share_failure`),
         and then all raise its error together, rather than rank 0 alone.
@@ -95,17 +106,49 @@ class CheckpointManager:
         if not self.cfg.enabled:
             return None
         self.share_failure(engine.collectives, rank)
-        engine.gather_state()  # a collective: every rank, before rank 0 writes
+        parts = None
+        if isinstance(engine, PartedState):
+            # A collective: every rank's part is on disk when it returns.
+            parts = self._save_part(engine.collectives, engine.part_bytes(), step)
+            meta = {**meta, "parts": parts}
+        else:
+            engine.gather_state()  # a collective: every rank, before rank 0 writes
         if rank != 0:
             return None
         # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
         # thread while training goes on, so a step pays for serialising only. A write killed half
         # way has no manifest and never counts; the run waits for the last one before it ends.
         data = engine.state_bytes({**meta, "step": step})
-        self._pending = threading.Thread(target=self._write_behind, args=(step, data),
+        self._pending = threading.Thread(target=self._write_behind, args=(step, data, parts),
                                          name=f"hvdtrain-checkpoint-{step}")
         self._pending.start()
         return self.path_for(step)
+
+    def _save_part(self, collectives: Collectives, part: tuple[str, list[int], bytes] | None,
+                   step: int) -> list[dict[str, Any]]:
+        """Writes this rank's ``part`` (label, layers, bytes; None if it has none) and returns
+        every part's manifest entry, in rank order; raises on every rank when any rank's write
+        failed."""
+        entry: dict[str, Any] | None = None
+        if part is not None:
+            label, layers, data = part
+            path = self.part_path(step, label)
+            try:
+                entry = {**_write_hashed(path, lambda f: f.write(data)), "layers": list(layers)}
+            except OSError as exc:
+                entry = {"error": str(os_failure(exc, "cannot write checkpoint part", path,
+                                                 self._advice(step)))}
+            except Exception as exc:  # noqa: BLE001  (shared below: no rank may wait alone)
+                entry = {"error": f"cannot write checkpoint part {path}: {exc!r}"}
+        # Also the barrier before the manifest. In a list: Horovod names the collective after the
+        # object's type, which differs between ranks with a part and ranks without.
+        entries = [got[0] for got in collectives.allgather_object([entry])]
+        failures = [e["error"] for e in entries if e is not None and "error" in e]
+        if failures:
+            if entry is not None and "error" not in entry:
+                (self.directory / entry["file"]).unlink(missing_ok=True)
+            raise EnvironmentFailure(failures[0])
+        return [e for e in entries if e is not None]
 
     def failed(self) -> bool:
         """Whether rank 0's write in flight has already failed (without waiting for it), or a
@@ -142,9 +185,9 @@ class CheckpointManager:
         shared = collectives.broadcast_object([shared])[0]
         raise failure if failure is not None else shared
 
-    def _write_behind(self, step: int, data: bytes) -> None:
+    def _write_behind(self, step: int, data: bytes, parts: list[dict[str, Any]] | None) -> None:
         try:
-            self.write(step, lambda f: f.write(data))
+            self.write(step, lambda f: f.write(data), parts)
         except OSError as exc:
             self._failure = os_failure(exc, "cannot write checkpoint", self.path_for(step),
                                        self._advice(step))
@@ -166,32 +209,33 @@ class CheckpointManager:
         if failure is not None:
             raise failure
 
-    def write(self, step: int, write: Callable[[IO[bytes]], object]) -> Path:
-        """Writes the checkpoint of ``step`` through ``write(fileobj)``, then its manifest, then
-        prunes old ones. The sha256 is computed from the bytes as they are written, so the file is
-        not read back."""
+    def write(self, step: int, write: Callable[[IO[bytes]], object],
+              parts: list[dict[str, Any]] | None = None) -> Path:
+        """Writes the checkpoint of ``step`` through ``write(fileobj)``, then its manifest (which
+        lists ``parts``, already on disk, when it has some), then prunes old ones. The sha256 is
+        computed from the bytes as they are written, so the file is not read back."""
         path = self.path_for(step)
-        written: list[_HashingWriter] = []
-
-        def through_hash(fileobj: IO[bytes]) -> None:
-            written.append(_HashingWriter(fileobj))
-            write(written[0])  # type: ignore[arg-type]
-
-        atomic_write(path, through_hash)
-        manifest = {"file": path.name, "sha256": written[0].digest.hexdigest(),
-                    "bytes": written[0].size, "step": step}
-        text = json.dumps(manifest, indent=2) + "\n"
         try:
+            manifest: dict[str, Any] = {**_write_hashed(path, write), "step": step}
+            if parts is not None:
+                manifest["parts"] = parts
+            text = json.dumps(manifest, indent=2) + "\n"
             atomic_write(manifest_path(path), lambda f: f.write(text.encode()))
         except BaseException:
             path.unlink(missing_ok=True)  # never counts without its manifest: free its space
+            for part in parts or ():
+                (self.directory / part["file"]).unlink(missing_ok=True)
             raise
-        self._prune()
+        self._prune(step)
         return path
 
     def path_for(self, step: int) -> Path:
         """The file name of the checkpoint after optimizer step ``step``."""
         return self.directory / f"step-{step:08d}{SUFFIX}"
+
+    def part_path(self, step: int, label: str) -> Path:
+        """The file name of part ``label`` (``"stage-1"``) of the checkpoint of ``step``."""
+        return self.directory / f"step-{step:08d}.{label}{PART_SUFFIX}"
 
     def checkpoints(self) -> list[Path]:
         """Checkpoint files present, oldest first (valid or not)."""
@@ -206,14 +250,54 @@ class CheckpointManager:
             warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
         return None
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        """Removes all but the newest ``keep`` checkpoints with their manifests and parts, after
+        the checkpoint of ``step`` was committed."""
         for old in self.checkpoints()[:-self.cfg.keep]:
+            for part in parts_of(old):
+                part.unlink(missing_ok=True)
             old.unlink(missing_ok=True)
             manifest_path(old).unlink(missing_ok=True)
-        # Temporary files of a writer killed mid-save (rank 0 is the only writer, and its own
-        # temporary file has just been renamed): never valid, only taking up space.
+        # Parts that no kept manifest lists (a save that failed or was killed before its manifest)
+        # and temporary files of a writer killed mid-save: never valid, only taking up space. No
+        # rank writes now: every rank's next save first waits for this one (share_failure).
+        listed = {p for ckpt in self.checkpoints() for p in parts_of(ckpt)}
+        for orphan in self.directory.glob(f"step-*{PART_SUFFIX}"):
+            if orphan not in listed and _step_of(orphan) <= step:
+                orphan.unlink(missing_ok=True)
         for stale in self.directory.glob(".step-*.tmp"):
             stale.unlink(missing_ok=True)
+
+
+def _write_hashed(path: Path, write: Callable[[IO[bytes]], object]) -> dict[str, Any]:
+    """Writes ``path`` atomically through ``write(fileobj)``; returns its manifest entry (``file``,
+    ``sha256``, ``bytes``), hashed as the bytes pass, so that the file is not read back."""
+    written: list[_HashingWriter] = []
+
+    def through_hash(fileobj: IO[bytes]) -> None:
+        written.append(_HashingWriter(fileobj))
+        write(written[0])  # type: ignore[arg-type]
+
+    atomic_write(path, through_hash)
+    return {"file": path.name, "sha256": written[0].digest.hexdigest(), "bytes": written[0].size}
+
+
+def _step_of(path: Path) -> int:
+    """The step in a checkpoint file's or part's name (``step-00000012.stage-1.part``: 12)."""
+    try:
+        return int(path.name.split(".", 1)[0].removeprefix("step-"))
+    except ValueError:
+        return -1
+
+
+def parts_of(checkpoint: Path) -> list[Path]:
+    """The part files that the manifest of ``checkpoint`` lists (none for a checkpoint written
+    whole, or whose manifest cannot be read)."""
+    try:
+        manifest = json.loads(manifest_path(checkpoint).read_text())
+        return [checkpoint.parent / Path(p["file"]).name for p in manifest.get("parts") or ()]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return []
 
 
 def manifest_path(checkpoint: Path) -> Path:
@@ -238,10 +322,26 @@ def verify(path: Path) -> str | None:
         return "no readable manifest (the write did not finish)"
     if not isinstance(manifest, dict):
         return "the manifest is not an hvdtrain manifest"
+    problem = _file_problem(path, manifest)
+    if problem:
+        return problem
+    parts = manifest.get("parts") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("file"), str)
+                                              for p in parts):
+        return "the manifest's list of parts is not an hvdtrain one"
+    for part in parts:
+        problem = _file_problem(path.parent / Path(part["file"]).name, part)
+        if problem:
+            return f"part {part['file']}: {problem}"
+    return None
+
+
+def _file_problem(path: Path, entry: dict[str, Any]) -> str | None:
+    """Why one file does not match its manifest entry (``bytes``, ``sha256``), or None."""
     try:
-        if not path.exists() or path.stat().st_size != manifest.get("bytes"):
+        if not path.exists() or path.stat().st_size != entry.get("bytes"):
             return "size differs from the manifest (truncated?)"
-        if sha256_of(path) != manifest.get("sha256"):
+        if sha256_of(path) != entry.get("sha256"):
             return "sha256 differs from the manifest (corrupted)"
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"

@@ -82,6 +82,7 @@ def find_checkpoint(cfg: Config, run_dir: RunDir) -> Path | None:
 def restore(engine: Engine, path: Path, cfg: Config) -> Position:
     """Restores the checkpoint ``path`` into this rank's engine (no communication) and returns
     where it stood; raises :class:`HvdtrainError` when it does not fit this run."""
+    engine.restore_from = path  # the parts of a checkpoint written in parts lie beside it
     meta = engine.load_state(path.read_bytes(), f"checkpoint {path}")
     if meta.get("framework") != cfg.framework:
         raise HvdtrainError(f"checkpoint {path} was written by {meta.get('framework')}, "
@@ -91,7 +92,8 @@ def restore(engine: Engine, path: Path, cfg: Config) -> Position:
 
 def start_on_rank0(cfg: Config, run_dir: RunDir, engine: Engine) -> Start:
     """Rank 0's start (no communication): restores the checkpoint to resume from and prepares the
-    run directory. Only rank 0 reads them: other hosts may not see its file system."""
+    run directory. Only rank 0 reads them: other hosts may not see its file system (a checkpoint
+    written in parts by pipeline stages is the exception: each rank reads the parts it needs)."""
     try:
         path = find_checkpoint(cfg, run_dir)
         if path is None:

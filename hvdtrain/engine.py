@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import importlib
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,22 @@ class StateIO(abc.ABC):
     @abc.abstractmethod
     def fork_rng(self, seed: int, step: int) -> None:
         """Gives this rank its own random streams after it received rank 0's state."""
+
+    restore_from: Path | None = None
+    """The checkpoint file that :meth:`load_state` is about to read (the driver sets it first): the
+    parts of a checkpoint written in parts (:class:`PartedState`) lie beside it."""
+
+
+class PartedState(abc.ABC):
+    """An engine whose checkpoints are written in parts by global layer index, so that they do not
+    depend on how the model is split (pipeline stages): each rank that is the first copy of its
+    layers writes a part, then rank 0 writes :meth:`StateIO.state_bytes` (no model in it) and the
+    manifest that lists the parts (:meth:`hvdtrain.checkpoint.CheckpointManager.save`)."""
+
+    @abc.abstractmethod
+    def part_bytes(self) -> tuple[str, list[int], bytes] | None:
+        """This rank's part: its label (``"stage-1"``, unique among the ranks), the global indices
+        of its layers and its state serialised; None when another rank writes its layers."""
 
 
 class Engine(Step, StateIO):

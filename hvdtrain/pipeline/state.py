@@ -1,11 +1,12 @@
-"""Checkpoints that do not depend on the split: the stages' states merged into the whole model's,
-and the whole model's cut into a stage's part.
+"""Checkpoints that do not depend on the split: the stages' parts merged into the whole model's
+state, the whole model's cut into a stage's share, and which parts a rank of a new layout reads.
 
-A pipeline checkpoint holds what a run without stages would write: the model's entries named by
-global layer index (``"3.weight"``: layer 3 of the layer list, as in the whole ``Sequential``),
-and the optimizer's state in PyTorch's layout (``state`` by parameter index in the whole model's
-parameter order, one parameter group). So a run resumes with another number of stages, another
-split, or none. Framework-free: tensors are opaque values here.
+A part holds one stage's model entries named by global layer index (``"3.weight"``: layer 3 of the
+layer list, as in the whole ``Sequential``), its parameters' global names and its optimizer's state
+in PyTorch's layout; merged, they are what a run without stages writes (``state`` by parameter
+index in the whole model's parameter order, one parameter group). So a run resumes with another
+number of stages, another split, or none. The manifest lists each part's ``layers``
+(:func:`parts_holding`, :func:`parts_misfit`). Framework-free: tensors are opaque values here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def layer_of(key: str) -> int:
 
 def merge_parts(parts: Sequence[StagePart], all_params: Sequence[str]) -> tuple[dict, dict]:
     """The whole model's entries (in layer order) and optimizer state from the parts of every
-    piece (each layer in exactly one part)."""
+    piece (each layer in exactly one part); ValueError for a parameter ``all_params`` lacks."""
     entries = [(key, value) for part in parts for key, value in part["model"].items()]
     model = dict(sorted(entries, key=lambda item: layer_of(item[0])))  # stable within a layer
     index = {name: i for i, name in enumerate(all_params)}
@@ -33,6 +34,8 @@ def merge_parts(parts: Sequence[StagePart], all_params: Sequence[str]) -> tuple[
     for part in parts:
         own = part["optimizer"]["state"]
         for local, name in enumerate(part["params"]):
+            if name not in index:
+                raise ValueError(f"its parts hold parameter {name!r}, which the model lacks")
             if local in own:
                 state[index[name]] = own[local]
     hyper = {k: v for k, v in parts[0]["optimizer"]["param_groups"][0].items() if k != "params"}
@@ -65,3 +68,20 @@ def misfit(model_keys: Collection[str], optimizer: Any, all_keys: Collection[str
     if not groups or len(groups) != 1 or len(groups[0].get("params", ())) != len(all_params):
         return "its optimizer state is not of one group over the model's parameters"
     return None
+
+
+def parts_holding(parts: Sequence[Mapping[str, Any]], layers: Collection[int]) -> list[dict]:
+    """The manifest entries (``file``, ``layers``, ...) of the parts that hold any of ``layers``:
+    all that a rank holding ``layers`` reads of a checkpoint written in parts."""
+    wanted = set(layers)
+    return [dict(p) for p in parts if wanted & set(p["layers"])]
+
+
+def parts_misfit(parts: Sequence[Mapping[str, Any]], count: int) -> str | None:
+    """Why the parts of a checkpoint do not hold each of the model's ``count`` layers exactly once,
+    or None when they do."""
+    held = [layer for p in parts for layer in p.get("layers", ())]
+    if sorted(held) == list(range(count)):
+        return None
+    return (f"its parts hold layers {sorted(set(held))[:8]}{'...' if len(set(held)) > 8 else ''} "
+            f"({len(held)} in all), the model has {count} (0-{count - 1})")

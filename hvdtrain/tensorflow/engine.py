@@ -41,6 +41,7 @@ from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.exchange import applies_update, make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
+from hvdtrain.tensorflow.parts import assign, named_state, read_entries
 from hvdtrain.tensorflow.precision import Precision
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
@@ -192,12 +193,41 @@ class TensorFlowEngine(Engine):
         arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
         arrays |= {f"compression/{k}": v for k, v in (self.exchange.state_dict() or {}).items()}
+        arrays |= self._global_names()
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
         return buffer.getvalue()
 
+    def _global_names(self) -> dict[str, np.ndarray]:
+        """``names/model`` and ``names/optimizer``: the global name of each positional entry
+        (:mod:`hvdtrain.tensorflow.parts`), so that a run with pipeline stages resumes from this
+        checkpoint; none when the model's layers do not hold all its variables (not a
+        ``Sequential``)."""
+        try:
+            state = named_state(self.model.layers, 0, self.optimizer)
+        except HvdtrainError:  # two variables of one name: this model has no global names
+            return {}
+        named = {v.path: name.split("/", 1)[1] for name, v in state.items()}
+        lists = {prefix: [named.get(v.path) for v in variables] for prefix, variables in (
+            ("model", self.model.variables), ("optimizer", self.optimizer.variables))}
+        if any(None in names for names in lists.values()):
+            return {}
+        return {f"names/{prefix}": np.array(names, dtype=str) for prefix, names in lists.items()}
+
     def gather_state(self) -> None:
         self.exchange.gather()
+
+    def _load_parts(self, parts: list[dict[str, Any]], where: str) -> None:
+        """Loads a checkpoint written in parts by pipeline stages: every part, by global names."""
+        if self.restore_from is None:
+            raise HvdtrainError(f"{where}: written in parts, which lie beside it")
+        entries = named_state(self.model.layers, 0, self.optimizer)
+        values: dict[str, np.ndarray] = {}
+        for part in parts:
+            path = self.restore_from.parent / str(part["file"])
+            found = read_entries(path, entries, where, part.get("sha256"))
+            values |= {k: v for k, v in found.items() if k not in values}  # opt/: stage 0's
+        assign(entries, values, where)
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # allow_pickle=False: loading a checkpoint must never execute code from the file.
@@ -205,7 +235,8 @@ class TensorFlowEngine(Engine):
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
             meta = json.loads(str(arrays["meta"]))
-            expected = [f"{prefix}/{i}" for prefix, variables in (
+            parted = isinstance(meta, dict) and bool(meta.get("parts"))
+            expected = [] if parted else [f"{prefix}/{i}" for prefix, variables in (
                 ("model", self.model.variables), ("optimizer", self.optimizer.variables))
                 for i in range(len(variables))]
             missing = [name for name in expected if name not in arrays]
@@ -213,22 +244,30 @@ class TensorFlowEngine(Engine):
                 raise KeyError(f"no entry {missing[0]}" if missing else "meta is not a mapping")
         except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
             raise not_a_checkpoint(where, exc) from None
+        if parted:  # written by pipeline stages: every part, by global names
+            self._load_parts(meta["parts"], where)
+            self._restore_rest(arrays, where)
+            return meta
         try:
             for prefix, variables in (("model", self.model.variables),
                                       ("optimizer", self.optimizer.variables)):
                 for i, var in enumerate(variables):
                     self._restore(var, arrays[f"{prefix}/{i}"], f"{prefix}/{i}", where)
-            states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
-            if states:  # absent in checkpoints written before random states were saved
-                rng.restore(states)
-            self.exchange.load_state_dict({name[12:]: value for name, value in arrays.items()
-                                           if name.startswith("compression/")}, where)
+            self._restore_rest(arrays, where)
         except HvdtrainError:
             raise
         except Exception as exc:  # noqa: BLE001  (entries of the wrong type, or not hvdtrain's)
             raise HvdtrainError(f"{where} does not fit the model: {type(exc).__name__}: "
                                 f"{(str(exc).strip().splitlines() or [''])[0][:160]}") from None
         return meta
+
+    def _restore_rest(self, arrays: dict[str, np.ndarray], where: str) -> None:
+        """The random states and the exchange's state of a checkpoint's arrays."""
+        states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
+        if states:  # absent in checkpoints written before random states were saved
+            rng.restore(states)
+        self.exchange.load_state_dict({name[12:]: value for name, value in arrays.items()
+                                       if name.startswith("compression/")}, where)
 
     @staticmethod
     def _restore(var: Any, value: np.ndarray, name: str, where: str) -> None:

@@ -19,6 +19,8 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 - **Data parallelism.** Each stage's gradients are averaged over that stage's copies by the run's
   exchange (dense or compressing) in the stage's Horovod process set, once per step, with the loss
   weighted as :mod:`hvdtrain.step` weights it: every copy's exact share of the step's samples.
+- **Checkpoints.** In parts by global layer index, which do not depend on the split
+  (:mod:`hvdtrain.tensorflow.stage_state`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from hvdtrain.tensorflow import compression
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update
+from hvdtrain.tensorflow.stage_state import StageState
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 # messages ---------------------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, 
     return stages, links
 
 
-class PipelineEngine(TensorFlowEngine):
+class PipelineEngine(StageState, TensorFlowEngine):
     """The TensorFlow engine for ``pipeline.stages`` > 1: this rank holds one stage of one
     pipeline copy (:class:`hvdtrain.pipeline.layout.Layout`); see the module docstring.
 
@@ -351,10 +354,7 @@ class PipelineEngine(TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         check_schedule(cfg.pipeline.schedule)
-        if cfg.checkpoint.enabled:
-            raise HvdtrainError(f"checkpoint.enabled=true with pipeline.stages={cfg.pipeline.stages}: "
-                                "the TensorFlow engine writes no pipeline checkpoints yet; set "
-                                "checkpoint.enabled=false")
+        self._restored: dict[str, Any] | None = None  # rank 0's: where each rank reads its share
         self._start(cfg)  # with dynamic process sets: the stage groups and links are added now
         self.layout = Layout(self.size, cfg.pipeline.stages)
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
@@ -411,6 +411,7 @@ class PipelineEngine(TensorFlowEngine):
                                 "its adapter lists no layers (see hvdtrain.adapters.ModelAdapter"
                                 ".layers)")
         made = make_layers(factories, cfg.seed)
+        self.layer_count = len(made)
         stages, last = self.layout.stages, self.stage == self.layout.stages - 1
         inputs = None
         costs = [1] * len(made)
@@ -461,6 +462,13 @@ class PipelineEngine(TensorFlowEngine):
     # the engine -----------------------------------------------------------------------------------
 
     def broadcast_state(self) -> None:
+        """Copy 0's ranks read their share of a restored checkpoint (the parts that hold their
+        layers, or their entries of one written whole), then every stage's copy 0 hands its state
+        to the other copies (a broadcast in the stage's process set)."""
+        restored = self.collectives.broadcast_object([self._restored])[0]
+        self._restored = None
+        if restored is not None:
+            self._load_share(restored)
         hvd.broadcast_variables(self._state_variables(), root_rank=self.root,
                                 process_set=self.stage_set)
         self._follow_world()

@@ -5,8 +5,6 @@ and the run's gradient exchange (:mod:`hvdtrain.torch.exchange`)."""
 from __future__ import annotations
 
 import io
-import pickle
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,7 +14,6 @@ import numpy as np
 import torch
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
-from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
@@ -36,6 +33,7 @@ from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.device import place, resolve, summary
 from hvdtrain.torch.exchange import make_exchange
 from hvdtrain.torch.models import ClassifierAdapter
+from hvdtrain.torch.parts import merged_parts, read_state
 from hvdtrain.torch.precision import PlacedAdapter, Precision
 from hvdtrain.torch.step import TorchKernels
 
@@ -47,25 +45,6 @@ def make_optimizer(o: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimi
                                weight_decay=o.weight_decay)
     cls = torch.optim.Adam if o.name == "adam" else torch.optim.AdamW
     return cls(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-
-
-def read_state(data: bytes, where: str) -> dict[str, Any]:
-    """A checkpoint's entries (``model``, ``optimizer``, ``meta`` and more), read without running
-    anything from it; a one-line error for a file that is not one."""
-    # weights_only: loading a checkpoint must never execute code from the file.
-    try:
-        with warnings.catch_warnings():  # a foreign file's pickle protocol: the error says it
-            warnings.simplefilter("ignore")
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:  # objects other than tensors: refused, never built
-        raise not_a_checkpoint(where, "not a PyTorch file of tensors; nothing in it was "
-                                      "run") from None
-    except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
-        raise not_a_checkpoint(where, exc) from None
-    if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
-            and isinstance(state["meta"], dict)):
-        raise not_a_checkpoint(where, "no model, optimizer and meta entries")
-    return state
 
 
 class TorchEngine(Engine):
@@ -179,6 +158,11 @@ class TorchEngine(Engine):
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         state = read_state(data, where)
+        parts = state["meta"].get("parts")
+        if parts and self.restore_from is not None:  # written by pipeline stages: merge them all
+            names = [name for name, _ in self.model.named_parameters()]
+            model, optimizer = merged_parts(self.restore_from.parent, parts, names, where)
+            state = {**state, "model": model, "optimizer": optimizer}
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

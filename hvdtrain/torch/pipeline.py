@@ -11,6 +11,11 @@ exchange), once per step after the last micro-batch, so :func:`hvdtrain.step.tra
 pipeline step as it runs any other: one "micro-batch" per step whose backward pass is the whole
 schedule.
 
+Checkpoints do not depend on the split (:class:`hvdtrain.engine.PartedState`): each stage's
+first copy writes its own layers as a part keyed by global layer index, and on resume each rank
+reads the parts that hold its layers under the new split (:mod:`hvdtrain.pipeline.state`); a
+checkpoint written without stages is cut into each rank's share by rank 0.
+
 Shapes never change between steps: a copy's batch is padded to ``data.batch_size`` by repeating
 its samples, and the padded rows are left out of the loss and metrics (weight zero).
 """
@@ -21,6 +26,7 @@ import functools
 import io
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import horovod.torch as hvd
@@ -36,15 +42,24 @@ from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
+from hvdtrain.engine import PartedState
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline import SCHEDULES, Layout, Schedule, layer_names, stage_bounds
 from hvdtrain.pipeline.schedules import microbatch_count
-from hvdtrain.pipeline.state import layer_of, merge_parts, misfit, select_part
+from hvdtrain.pipeline.state import (
+    layer_of,
+    merge_parts,
+    misfit,
+    parts_holding,
+    parts_misfit,
+    select_part,
+)
 from hvdtrain.step import StepKernels, add_batch_sums, train_step
 from hvdtrain.torch import rng
 from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.device import place
-from hvdtrain.torch.engine import TorchEngine, make_optimizer, read_state
+from hvdtrain.torch.engine import TorchEngine, make_optimizer
+from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.stages import (
     StageAllreduce,
@@ -175,7 +190,7 @@ class PipelineKernels(StepKernels):
         return grads
 
 
-class PipelineEngine(TorchEngine):
+class PipelineEngine(TorchEngine, PartedState):
     """A :class:`~hvdtrain.torch.engine.TorchEngine` whose rank holds one stage of one pipeline
     copy; see the module docstring. ``data_rank``/``data_size`` are the copy and the copies."""
 
@@ -208,8 +223,7 @@ class PipelineEngine(TorchEngine):
         self.train_runner = Runner(self, self.batch_rows)
         self._eval_runner: Runner | None = None
         self.own_params = [name for m in self.modules.values() for name, _ in m.named_parameters()]
-        self._restored: dict[str, Any] | None = None
-        self._parts: list[Any] = []
+        self._restored: dict[str, Any] | None = None  # rank 0's: a whole checkpoint, or parts
         self.last_sums: dict[str, float] = {}
         self._metric_keys: list[str] | None = None
         self._stats: dict[str, float] = {}
@@ -237,6 +251,7 @@ class PipelineEngine(TorchEngine):
                                 "its adapter's layers() gives no layer list (see "
                                 "docs/pipeline.md#your-model-as-layers)")
         costs, self.all_params, self.all_keys = describe_layers(factories)
+        self.layer_count = len(factories)
         self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
         self._check_every_rank_trains(costs)
         return build_pieces(factories, self.bounds, self.mine, cfg.seed)
@@ -268,9 +283,17 @@ class PipelineEngine(TorchEngine):
 
     def broadcast_state(self) -> None:
         """Every rank takes its stage's share of rank 0's state: of the checkpoint rank 0 restored
-        (sent to each rank by torch's scatter), or else that of copy 0's rank of its stage (a
-        broadcast in the stage's process set)."""
-        if self.collectives.broadcast_object(self._restored is not None):
+        (from a checkpoint in parts, each rank reads the parts that hold its layers; from one
+        written whole, rank 0 sends each rank its share by torch's scatter), or else that of copy
+        0's rank of its stage (a broadcast in the stage's process set)."""
+        restored = self._restored if self.rank == 0 else None
+        kind = self.collectives.broadcast_object(
+            [None if restored is None else restored.get("parts", "whole")])[0]
+        if kind is not None and kind != "whole":
+            self._load_own_parts(Path(kind["directory"]), kind["entries"], kind["where"])
+            self._restored = None
+            return
+        if kind == "whole":
             parts = [self._part_for(r) for r in range(self.size)] if self.rank == 0 else None
             received: list[Any] = [None]
             dist.scatter_object_list(received, parts, src=0)
@@ -298,10 +321,38 @@ class PipelineEngine(TorchEngine):
     def _part_for(self, rank: int) -> tuple[dict, dict]:
         """Rank ``rank``'s share of the restored checkpoint (model entries, optimizer state)."""
         assert self._restored is not None
+        return self._share(self._restored["model"], self._restored["optimizer"], rank)
+
+    def _share(self, model: dict, optimizer: dict, rank: int) -> tuple[dict, dict]:
+        """Rank ``rank``'s share of a whole model's entries and optimizer state."""
         layers = self._layers_of(rank)
         own = [name for name in self.all_params if layer_of(name) in layers]
-        return select_part(self._restored["model"], self._restored["optimizer"], self.all_params,
-                           own, layers)
+        return select_part(model, optimizer, self.all_params, own, layers)
+
+    def _load_own_parts(self, directory: Path, entries: list[dict], where: str) -> None:
+        """Every rank reads the parts of a checkpoint in parts that hold its layers (under this
+        run's split) and loads its share; a failure on any rank stops every rank (a
+        collective), rather than leaving the others waiting in the first step."""
+        problem = None
+        try:
+            layers = self._layers_of(self.rank)
+            parts = read_parts(directory, parts_holding(entries, layers), where)
+            model, optimizer = self._share(*merge_parts(parts, self.all_params), self.rank)
+            want = {k for k in self.all_keys if layer_of(k) in layers}
+            if model.keys() != want:
+                raise HvdtrainError(f"{where} does not fit the model: entries "
+                                    f"{', '.join(sorted(model.keys() ^ want)[:3])} are missing "
+                                    "from its parts or unexpected")
+            self._apply(model, optimizer)
+        except HvdtrainError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
+            first = str(exc).strip().splitlines() or [type(exc).__name__]
+            problem = f"{where} does not fit the model: {first[0].strip()}"
+        # In a list: Horovod names the collective after the object's type (None or a str).
+        failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
+        if failures:
+            raise HvdtrainError(failures[0])
 
     def _apply(self, model: dict, optimizer: dict) -> None:
         """Loads this rank's share of a checkpoint into its pieces and optimizer."""
@@ -311,37 +362,42 @@ class PipelineEngine(TorchEngine):
                                     if first <= layer_of(k) < end})
         self.optimizer.load_state_dict(optimizer)
 
-    def gather_state(self) -> None:
-        """Copy 0's ranks send their shares to rank 0 (torch's gather), which writes them as
-        one checkpoint of the whole model (:mod:`hvdtrain.pipeline.state`)."""
-        part = None
-        if self.copy == 0:
-            part = {"model": {k: v.detach().cpu().clone() for m in self.modules.values()
-                              for k, v in m.state_dict().items()},
-                    "params": self.own_params, "optimizer": self.optimizer.state_dict()}
-        parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(part, parts, dst=0)
-        self._parts = [p for p in parts if p is not None] if parts is not None else []
+    def part_bytes(self) -> tuple[str, list[int], bytes] | None:
+        """Copy 0's ranks write their layers; the other copies hold the same ones."""
+        if self.copy != 0:
+            return None
+        return (f"stage-{self.stage}", sorted(self._layers_of(self.rank)),
+                part_bytes(self.modules.values(), self.own_params, self.optimizer))
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
-        model, optimizer = merge_parts(self._parts, self.all_params)
-        self._parts = []
+        """Rank 0's ``step-N.ckpt`` beside the parts: the random and precision states and ``meta``
+        (which lists the parts), no model."""
         buffer = io.BytesIO()
-        torch.save({"model": model, "optimizer": optimizer, "rng": rng.capture(),
+        torch.save({"model": {}, "optimizer": {}, "rng": rng.capture(),
                     "precision": self.precision.state_dict(), "compression": None,
                     "meta": meta}, buffer)
         return buffer.getvalue()
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
-        """Rank 0 restores a checkpoint of the whole model (any split, or none) and keeps it
-        until :meth:`broadcast_state` hands every rank its share."""
+        """Rank 0 restores a checkpoint (in parts of any split, or of the whole model) and keeps
+        what :meth:`broadcast_state` needs to hand every rank its share."""
         state = read_state(data, where)
-        problem = misfit(state["model"].keys(), state["optimizer"], self.all_keys, self.all_params)
-        if problem:
-            raise HvdtrainError(f"{where} does not fit the model: {problem}")
-        self._restored = state
+        entries = state["meta"].get("parts")
+        if entries:
+            problem = parts_misfit(entries, self.layer_count)
+            if problem or self.restore_from is None:
+                raise HvdtrainError(f"{where} does not fit the model: {problem or 'no parts'}")
+            self._restored = {"parts": {"directory": str(self.restore_from.parent),
+                                        "entries": entries, "where": where}}
+        else:
+            problem = misfit(state["model"].keys(), state["optimizer"], self.all_keys,
+                             self.all_params)
+            if problem:
+                raise HvdtrainError(f"{where} does not fit the model: {problem}")
+            self._restored = state
         try:
-            self._apply(*self._part_for(self.rank))
+            if not entries:  # from parts, every rank (rank 0 too) loads in broadcast_state
+                self._apply(*self._part_for(self.rank))
             self.precision.load_state_dict(state.get("precision"))
         except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
             first = str(exc).strip().splitlines() or [type(exc).__name__]

@@ -12,13 +12,10 @@ import pytest
 import tensorflow as tf
 
 from hvdtrain.data.contracts import DatasetSpec
-from hvdtrain.driver import make_dataset
-from hvdtrain.engine import make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.split import balanced_bounds
-from hvdtrain.tensorflow import pipeline
+from hvdtrain.tensorflow import parts, pipeline
 from hvdtrain.tensorflow.models import MLP
-from tests.conftest import TF_CONFIG, quiet_config
 
 SPEC = DatasetSpec(input_shape=(8, 8), num_classes=10)
 
@@ -78,10 +75,17 @@ def test_a_stage_output_of_unknown_size_is_refused():
         pipeline.describe((None, 4), "float32")
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    ([], r"checkpoint.enabled=true with pipeline.stages=2: .* set checkpoint.enabled=false"),
-])
-def test_the_engine_refuses_before_horovod_starts(tmp_path, overrides, message):
-    cfg = quiet_config(TF_CONFIG, tmp_path, "pipeline.stages=2", *overrides)
-    with pytest.raises(HvdtrainError, match=message):
-        make_engine(cfg, make_dataset(cfg))
+def test_keras_variables_and_adam_slots_are_named_by_global_layer():
+    """A checkpoint part's keys: the split-free names of a stage's variables and its slots."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    named = parts.named_state(model.layers, 5, optimizer)
+    slots = [f"optimizer/{k}.{j}/{s}" for k, j in [(5, 0), (5, 1), (6, 0), (6, 1), (7, 0), (7, 1)]
+             for s in ("momentum", "velocity")]
+    assert sorted(named) == sorted(
+        [f"model/{k}.{j}" for k, n in [(5, 2), (6, 4), (7, 2)] for j in range(n)]
+        + slots + ["optimizer/opt/iteration", "optimizer/opt/learning_rate"])
+    assert named["optimizer/7.0/velocity"].shape == model.layers[2].kernel.shape
+    assert named["model/6.2"] is model.layers[1].moving_mean

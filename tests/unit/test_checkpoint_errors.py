@@ -52,7 +52,7 @@ def failing_write(manager: CheckpointManager, after: int) -> None:
     """Makes the manager's file writes fail with ENOSPC once ``after`` bytes are written."""
     real = manager.write
 
-    def write(step, produce):
+    def write(step, produce, parts=None):
         def limited(fileobj):
             class Full:
                 written = 0
@@ -67,7 +67,7 @@ def failing_write(manager: CheckpointManager, after: int) -> None:
                 def flush(self):
                     fileobj.flush()
             produce(Full())
-        return real(step, limited)
+        return real(step, limited, parts)
     manager.write = write
 
 

@@ -1,0 +1,117 @@
+"""Keras state by global names, so that a TensorFlow checkpoint does not depend on the split.
+
+A layer's variables are named ``"<layer>.<j>"`` (the j-th of ``layer.variables``, ``<layer>`` its
+global index in the model's layer list), and an optimizer's slot variables after the variable they
+belong to: ``"<layer>.<j>/momentum"``. Keras 3 names a slot after its variable's path
+(``add_variable_from_reference``: ``"<path with _ for />_<slot>"``), which is how they are matched;
+the optimizer's other variables (``iteration``, ``learning_rate``, a loss scale) are
+``"opt/<name>"``. Entries are kept as ``model/<name>`` and ``optimizer/<name>`` arrays of an
+``.npz`` file, read with ``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.checkpoint import sha256_of
+from hvdtrain.errors import HvdtrainError
+
+
+def layer_variables(layers: Iterable[Any], first: int) -> dict[str, Any]:
+    """The variables of ``layers`` (global indices from ``first``) by global name."""
+    return {f"{k}.{j}": v for k, layer in enumerate(layers, start=first)
+            for j, v in enumerate(layer.variables)}
+
+
+def optimizer_variables(optimizer: Any, model: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer's variables by global name (``model``: the model's variables by global
+    name, as :func:`layer_variables` gives them)."""
+    paths = {v.path.replace("/", "_"): name for name, v in model.items()}
+    named: dict[str, Any] = {}
+    for var in optimizer.variables:
+        ref = _reference(var.name, paths)
+        key = f"{paths[ref]}/{var.name[len(ref) + 1:]}" if ref else f"opt/{var.name}"
+        if key in named:
+            raise HvdtrainError(f"optimizer variables {named[key].path} and {var.path} have the "
+                                f"same global name {key!r}")
+        named[key] = var
+    return named
+
+
+def _reference(slot: str, paths: Collection[str]) -> str | None:
+    """The longest ``path`` such that ``slot`` is ``"<path>_<kind>"`` (the longest:
+    ``dense_1_kernel`` must not take ``dense_1_kernel_2``'s slots), or None."""
+    cut = len(slot)
+    while (cut := slot.rfind("_", 0, cut)) > 0:
+        if slot[:cut] in paths:
+            return slot[:cut]
+    return None
+
+
+def named_state(layers: Iterable[Any], first: int, optimizer: Any) -> dict[str, Any]:
+    """Every variable of the model's ``layers`` and of its optimizer, as checkpoint entries
+    (``model/<name>``, ``optimizer/<name>``)."""
+    model = layer_variables(layers, first)
+    return {**{f"model/{k}": v for k, v in model.items()},
+            **{f"optimizer/{k}": v for k, v in optimizer_variables(optimizer, model).items()}}
+
+
+def part_bytes(entries: Mapping[str, Any]) -> bytes:
+    """A part: the entries' values in an ``.npz`` (with an empty ``meta``, as checkpoints have)."""
+    arrays: dict[str, Any] = {name: np.asarray(v.numpy()) for name, v in entries.items()}
+    buffer = io.BytesIO()
+    np.savez(buffer, meta=np.array(json.dumps({})), **arrays)
+    return buffer.getvalue()
+
+
+def read_whole(path: Path, names: Collection[str], where: str) -> dict[str, np.ndarray]:
+    """The entries ``names`` (``model/<name>``, ``optimizer/<name>``) of a checkpoint written
+    whole, through the global names it lists (``names/model``, ``names/optimizer``); only those
+    arrays are read."""
+    lists = read_entries(path, ["names/model", "names/optimizer"], where)
+    if len(lists) < 2:
+        raise HvdtrainError(f"{where} lists no global names of its entries (written before "
+                            "hvdtrain saved them, or not by a Sequential model): resume it "
+                            "without pipeline stages")
+    position = {f"{prefix}/{name}": f"{prefix}/{i}" for prefix in ("model", "optimizer")
+                for i, name in enumerate(lists[f"names/{prefix}"].tolist())}
+    found = read_entries(path, [position[n] for n in names if n in position], where)
+    return {n: found[position[n]] for n in names if n in position and position[n] in found}
+
+
+def read_entries(path: Path, names: Collection[str], where: str, sha256: str | None = None
+                 ) -> dict[str, np.ndarray]:
+    """The arrays of ``names`` that the ``.npz`` file ``path`` holds (only those are read), after
+    checking its sha256 when one is given."""
+    try:
+        if sha256 is not None and sha256_of(path) != sha256:
+            raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in names if name in npz.files}
+    except HvdtrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
+        raise HvdtrainError(f"{where}: cannot read {path} ({type(exc).__name__}: "
+                            f"{(str(exc).splitlines() or [''])[0][:120]})") from None
+
+
+def assign(entries: Mapping[str, Any], values: Mapping[str, np.ndarray], where: str) -> None:
+    """Assigns each entry its value, or a one-line error naming what is missing or misshapen
+    (``opt/`` entries are taken where present: a stage without loss scaling has none)."""
+    missing = [n for n in entries if n not in values and not n.startswith("optimizer/opt/")]
+    if missing:
+        raise HvdtrainError(f"{where} does not fit the model: no entry {missing[0]} "
+                            f"({len(missing)} missing)")
+    for name, var in entries.items():
+        if name not in values:
+            continue
+        if tuple(var.shape) != values[name].shape:
+            raise HvdtrainError(f"{where} does not fit the model: {name} has shape "
+                                f"{values[name].shape}, the model has {tuple(var.shape)}")
+        var.assign(values[name])

@@ -1,0 +1,109 @@
+"""The checkpoint side of a TensorFlow pipeline stage: its part, and its share on resume.
+
+Each stage's first copy writes its layers' variables and its optimizer's by global name
+(:mod:`hvdtrain.tensorflow.parts`); on resume copy 0's ranks read the parts that hold their layers
+under this run's split, or their entries of a checkpoint written without stages, and the stage's
+Horovod broadcast (``PipelineEngine.broadcast_state``) hands them to the other copies.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.checkpoint import not_a_checkpoint
+from hvdtrain.engine import Collectives, PartedState
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.pipeline.state import parts_holding, parts_misfit
+from hvdtrain.tensorflow import parts, rng
+
+
+class StageState(PartedState):
+    """The checkpoint methods of :class:`hvdtrain.tensorflow.pipeline.PipelineEngine`."""
+
+    collectives: Collectives
+    copy: int
+    stage: int
+    first_layer: int
+    layer_count: int
+    layers: list[Any]
+    optimizer: Any
+    restore_from: Path | None
+    _restored: dict[str, Any] | None
+
+    def _load_share(self, restored: dict[str, Any]) -> None:
+        """This rank's share of the checkpoint rank 0 found (copy 0's ranks read it); a failure
+        on any rank stops every rank (a collective)."""
+        problem = None
+        if self.copy == 0:
+            try:
+                entries, where = self._own_entries(), restored["where"]
+                path = Path(restored["path"])
+                if restored["parts"]:
+                    layers = range(self.first_layer, self.first_layer + len(self.layers))
+                    values: dict[str, np.ndarray] = {}
+                    for part in parts_holding(restored["parts"], layers):
+                        found = parts.read_entries(path.parent / str(part["file"]), entries, where,
+                                                   part.get("sha256"))
+                        values |= {k: v for k, v in found.items() if k not in values}
+                else:
+                    values = parts.read_whole(path, entries, where)
+                parts.assign(entries, values, where)
+            except HvdtrainError as exc:
+                problem = str(exc)
+            except Exception as exc:  # noqa: BLE001  (shared below: no rank may wait alone)
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                problem = f"{restored['where']} does not fit the model: {first[:160]}"
+        # In a list: Horovod names the collective after the object's type (None or a str).
+        failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
+        if failures:
+            raise HvdtrainError(failures[0])
+
+    def _own_entries(self) -> dict[str, Any]:
+        """This stage's variables and its optimizer's, by global name."""
+        return parts.named_state(self.layers, self.first_layer, self.optimizer)
+
+    def part_bytes(self) -> tuple[str, list[int], bytes] | None:
+        """Copy 0's ranks write their layers; the other copies hold the same ones."""
+        if self.copy != 0:
+            return None
+        layers = list(range(self.first_layer, self.first_layer + len(self.layers)))
+        return f"stage-{self.stage}", layers, parts.part_bytes(self._own_entries())
+
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        """Rank 0's ``step-N.ckpt`` beside the parts: its random states and ``meta`` (which lists
+        the parts), no model."""
+        arrays: dict[str, Any] = {f"rng/{name}": v for name, v in rng.capture().items()}
+        buffer = io.BytesIO()
+        np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
+        return buffer.getvalue()
+
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        """Rank 0 reads a checkpoint's random states and meta, and keeps where each rank reads
+        its share (:meth:`broadcast_state`): parts of any split, or one written whole."""
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files if not name.startswith(
+                    ("model/", "optimizer/", "compression/"))}
+            meta = json.loads(str(arrays["meta"]))
+            if not isinstance(meta, dict):
+                raise KeyError("meta is not a mapping")
+        except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
+            raise not_a_checkpoint(where, exc) from None
+        entries = meta.get("parts")
+        problem = parts_misfit(entries, self.layer_count) if entries else None
+        if not entries and "names/model" not in arrays:
+            problem = ("it lists no global names of its entries (written before hvdtrain saved "
+                       "them, or not by a Sequential model): resume it without pipeline stages")
+        if problem or self.restore_from is None:
+            raise HvdtrainError(f"{where} does not fit the model: {problem or 'no file'}")
+        self._restored = {"path": str(self.restore_from), "parts": entries, "where": where}
+        states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
+        if states:
+            rng.restore(states)
+        return meta
+

@@ -1,0 +1,186 @@
+"""Pipeline checkpoints that do not depend on the split, under horovodrun (Gloo).
+
+One launch sequence for PyTorch: at ``-np 4`` (2 stages x 2 copies) a run writes checkpoints in
+parts every 10 steps; a run resumed from its step 10 with the same split ends bit-identical to it,
+one resumed with another split agrees within ``ATOL``; at ``-np 1`` (no stages) a run resumed from
+the same parted checkpoint agrees too, and a run without stages writes an ordinary checkpoint; at
+``-np 2`` (2 stages, one copy) a run resumed from that ordinary checkpoint agrees with it.
+TensorFlow with Adam: the same four checks at ``-np 2`` (2 stages) and ``-np 1``.
+
+`make test` runs the PyTorch sequence (about a minute alone); TensorFlow's and a stop signal to
+one stage with a resume without stages are `long` (`make test-long`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from hvdtrain.checkpoint import parts_of, verify
+from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, hvdtrain_cli, read_jsonl, run_env
+from tests.multirank.conftest import PYTHON, WORKER, Launch
+from tests.multirank.test_pipeline import launch, whole_model
+from tests.multirank.test_pipeline_tf import stage_params
+from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
+
+ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 steps
+COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
+          "train.stall_timeout_s=120,checkpoint.every_steps=10,checkpoint.keep=3")
+PIPE = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON  # at -np 4: 2 copies
+WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON  # the same global batch, no stages
+OTHER_SPLIT = "pipeline.split=[4]"  # layers 0-3 on stage 0; `auto` puts 0-2 there
+
+
+def step(out: Path, run: str, number: int) -> str:
+    """The override that resumes from checkpoint ``number`` of run ``run`` under ``out``."""
+    return f"checkpoint.resume={out / run / 'checkpoints' / f'step-{number:08d}.ckpt'}"
+
+
+def step10(out: Path, run: str) -> str:
+    return step(out, run, 10)
+
+
+def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: float) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
+
+
+@pytest.mark.timeout(1200)  # three launches; slow on busy shared cores
+def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
+    four = tmp_path / "np4"
+    launched4 = launch(4, "gloo", four, [
+        f"full:{PIPE}",
+        f"same:{PIPE},{step10(four, 'full')}",
+        f"other:{PIPE},{OTHER_SPLIT},{step10(four, 'full')}"])
+    ckpts = four / "full" / "checkpoints"
+    manifest = json.loads((ckpts / "step-00000010.json").read_text())
+    assert [p["file"] for p in manifest["parts"]] == ["step-00000010.stage-0.part",
+                                                      "step-00000010.stage-1.part"]
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1, 2], [3, 4, 5]]
+    assert sorted(p.name for p in ckpts.glob("*.part")) == [
+        f"step-000000{s}.stage-{k}.part" for s in (10, 20, 23) for k in (0, 1)]
+    full = whole_model(launched4, "full", [0, 1])
+    # Same split: bit-identical parameters and training loss to the uninterrupted run.
+    for ranks in ([0, 1], [2, 3]):
+        assert_close(whole_model(launched4, "same", ranks), full, 0.0)
+    assert launched4.summary("same")["final"] == launched4.summary("full")["final"]
+    assert launched4.summary("same")["steps"] == 23
+    assert read_jsonl(four / "same" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
+    assert_close(whole_model(launched4, "other", [0, 1]), full, ATOL)
+    assert launched4.rank("other", 0)[0].keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}
+
+    one = tmp_path / "np1"
+    launched1 = launch(1, "gloo", one, [f"none:{WHOLE},{step10(four, 'full')}", f"whole:{WHOLE}"])
+    assert_close(launched1.rank("none", 0)[0], full, ATOL)
+    assert not list((one / "whole" / "checkpoints").glob("*.part"))
+
+    two = tmp_path / "np2"
+    launched2 = launch(2, "gloo", two, [
+        f"from_whole:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},"
+        f"{step10(one, 'whole')}"])
+    assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
+    final = launched2.summary("from_whole")["final"]
+    assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
+
+    # Parts of another model: a one-line error (exit 2) before anything trains.
+    other = hvdtrain_cli("train", str(CONFIG), "model.options.hidden=[16]", "log.wandb=disabled",
+                         f"log.dir={tmp_path / 'misfit'}", step10(four, "full"))
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "does not fit the model" in other.stderr and "step-00000010.ckpt" in other.stderr
+
+
+TF_COMMON = ("optim.name=adam,optim.lr=0.01,optim.scale_lr=false,"
+             "optim.warmup_steps=0,train.epochs=1,data.batch_size=32,checkpoint.every_steps=20,"
+             "checkpoint.keep=3")
+TF_PIPE = TF_COMMON + ",pipeline.stages=2,pipeline.microbatches=4,pipeline.schedule=1f1b"
+
+
+def tf_launch(np_: int, out: Path, runs: list[str]) -> Launch:
+    """The multirank worker under horovodrun on the Keras digits MLP with hidden layers of 32
+    and 16 (four layers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = yaml.safe_load(TF_CONFIG.read_text())
+    config["model"]["options"]["hidden"] = [32, 16]
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    proc = horovodrun(np_, "gloo", [PYTHON, WORKER, str(out), str(out / "config.yaml"), *runs],
+                      timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return Launch("tensorflow", "gloo", out)
+
+
+def tf_whole(launched: Launch, run: str) -> list[np.ndarray]:
+    """A run's parameters without stages (named by position), in order."""
+    params = launched.rank(run, 0)[0]
+    return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))]
+
+
+def assert_same_list(got: list[np.ndarray], want: list[np.ndarray], atol: float) -> None:
+    assert [p.shape for p in got] == [p.shape for p in want]
+    for mine, theirs in zip(got, want, strict=True):
+        np.testing.assert_allclose(mine, theirs, atol=atol, rtol=0)
+
+
+@pytest.mark.long  # the PyTorch test covers the mechanism; Keras's names: tests/tensorflow
+@pytest.mark.timeout(1200)
+def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
+    """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
+    two = tmp_path / "np2"
+    launched2 = tf_launch(2, two, [
+        f"full:{TF_PIPE}", f"same:{TF_PIPE},{step(two, 'full', 20)}",
+        f"other:{TF_PIPE},pipeline.split=[3],{step(two, 'full', 20)}"])
+    manifest = json.loads((two / "full" / "checkpoints" / "step-00000020.json").read_text())
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1], [2, 3]]
+    full = stage_params(launched2, "full", [0, 1])
+    assert_same_list(stage_params(launched2, "same", [0, 1]), full, 0.0)
+    assert launched2.summary("same")["final"] == launched2.summary("full")["final"]
+    assert read_jsonl(two / "same" / "metrics.jsonl")[0]["step"] == 30  # it resumed at 20
+    assert len(launched2.rank("other", 1)[0]) == 2  # split [3]: the head alone on stage 1
+    assert_same_list(stage_params(launched2, "other", [0, 1]), full, ATOL)
+
+    one = tmp_path / "np1"
+    launched1 = tf_launch(1, one, [
+        f"none:{TF_COMMON},{step(two, 'full', 20)}", f"whole:{TF_COMMON}"])
+    assert_same_list(tf_whole(launched1, "none"), full, ATOL)
+
+    again = tmp_path / "np2-from-whole"
+    launched = tf_launch(2, again, [f"from_whole:{TF_PIPE},{step(one, 'whole', 20)}"])
+    assert_same_list(stage_params(launched, "from_whole", [0, 1]), tf_whole(launched1, "whole"),
+                     ATOL)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(600)
+def test_a_stop_signal_to_one_stage_checkpoints_in_parts_and_resumes_without_stages(tmp_path):
+    """SIGUSR1 to stage 1 stops both stages after the same step, with a checkpoint in parts that
+    verifies; a run without stages resumes from it (``resume=auto``) and finishes."""
+    run = tmp_path / "run"
+    args = [str(CONFIG), "train.epochs=20", "log.every_steps=5", "log.wandb=disabled",
+            f"log.dir={run}"]
+    proc = subprocess.Popen(
+        [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
+         "train", *args, "pipeline.stages=2", "pipeline.microbatches=4"],
+        env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_records(run / "metrics.jsonl", 4, timeout=300)
+    os.kill(pid_of_rank(1, str(run)), signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    stops = re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", out + err)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-2000:] + err[-2000:]
+    assert stops[0][1] == stops[1][1]
+    ckpt = run / "checkpoints" / f"step-{int(stops[0][1]):08d}.ckpt"
+    assert verify(ckpt) is None and len(parts_of(ckpt)) == 2
+
+    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, "checkpoint.resume=auto"],
+                             env=run_env(), capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["samples"] == 20 * 1437 and summary["world_size"] == 1
+    assert summary["final"]["eval_accuracy"] >= 0.9
