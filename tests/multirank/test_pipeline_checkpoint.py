@@ -7,8 +7,8 @@ the same parted checkpoint agrees too, and a run without stages writes an ordina
 ``-np 2`` (2 stages, one copy) a run resumed from that ordinary checkpoint agrees with it.
 TensorFlow with Adam: the same four checks at ``-np 2`` (2 stages) and ``-np 1``.
 
-`make test` runs the PyTorch sequence (about a minute alone); TensorFlow's and a stop signal to
-one stage with a resume without stages are `long` (`make test-long`).
+`make test` runs the PyTorch and the TensorFlow sequences (about a minute each alone); a stop
+signal to one stage with a resume without stages is `long` (`make test-long`).
 """
 
 from __future__ import annotations
@@ -129,8 +129,7 @@ def assert_same_list(got: list[np.ndarray], want: list[np.ndarray], atol: float)
         np.testing.assert_allclose(mine, theirs, atol=atol, rtol=0)
 
 
-@pytest.mark.long  # the PyTorch test covers the mechanism; Keras's names: tests/tensorflow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1200)  # TensorFlow's start-up is most of each launch
 def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
     """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
     two = tmp_path / "np2"
