@@ -125,10 +125,11 @@ def test_servers_apply_every_push_within_the_bound(tmp_path, consistency, stalen
     with np.load(tmp_path / "state.npz") as saved:
         params, steps = saved["params"], int(saved["steps"])
         assert set(saved) == {"params", "steps", "momentum"}
-    # Near the mean of the targets (6.5 away at the start); how near depends on the timing: the
-    # last pushes, the straggler's, pull towards its own target, 0.5 from the mean.
+    # Near the mean of the targets (6.5 away at the start). How near depends on how the pushes
+    # interleaved, but the workers' targets lie 0.5 either side of the mean and the update barely
+    # overshoots (ps_async_job.py), so under any order the parameters end within 0.5 and a bit.
     optimum = np.arange(TOTAL, dtype=np.float32) % 7 + 0.5
-    assert steps == 120 and np.abs(params - optimum).max() < 1.0
+    assert steps == 120 and np.abs(params - optimum).max() < 0.75
 
 
 def test_a_resumed_job_on_another_number_of_servers_continues_bit_exactly(tmp_path):
