@@ -42,6 +42,11 @@ PER_RANK = {"cpu": "cpu_percent", "rss": "rss_mb", "gpu": "gpu_util_percent", "g
 """System samples sent per rank (:meth:`SystemSampler.sample`'s names), and the record key prefix
 of each (``cpu_percent_rank0``)."""
 
+STAGE_KEYS = ("compute_s", "pipe_wait_s", "activation_mb")
+"""The step stats a pipeline stage sends per rank: its compute, its wait for the neighbouring
+stages and, where the engine counts them (PyTorch), the peak MiB of activations its forward passes
+saved for the backward passes (largest copy per stage: ``stage_activation_mb_stage<k>``)."""
+
 STAGE_MEMORY = ("rss", "gpu_mem")
 """The system samples that pipeline runs also report per stage (``stage_rss_mb_stage<k>``)."""
 
@@ -168,7 +173,8 @@ class Monitor:
             out.update(rank_keys(f"{PREFIX}{STALENESS_MAX}", self.rank, self.size,
                                  costs.stats.get(STALENESS_MAX, 0.0)))
         if self.stages is not None:
-            for key in ("compute_s", "pipe_wait_s"):
+            # activation_mb only where the engine counts it (every rank of a run alike).
+            for key in STAGE_KEYS if "activation_mb" in costs.stats else STAGE_KEYS[:2]:
                 out.update(rank_keys(f"{PREFIX}stage.{key}", self.rank, self.size,
                                      costs.stats.get(key, 0.0) / max(steps, 1)))
             out[f"{PREFIX}bubble"] = costs.wait_fraction()
@@ -232,6 +238,9 @@ class Monitor:
         for key, name in (("compute_s", "stage_compute_s"), ("pipe_wait_s", "stage_wait_s")):
             values = pop_ranks(sums, f"{PREFIX}stage.{key}", self.size)
             out.update(stage_means(values, self.stages, name))
+        if f"{PREFIX}stage.activation_mb.0" in sums:
+            values = pop_ranks(sums, f"{PREFIX}stage.activation_mb", self.size)
+            out.update(stage_means(values, self.stages, "stage_activation_mb", max))
         return out
 
     def _system(self, sums: dict[str, float]) -> dict[str, float]:

@@ -62,6 +62,7 @@ from hvdtrain.torch.engine import TorchEngine, make_optimizer
 from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.stages import (
+    SavedActivations,
     StageAllreduce,
     build_pieces,
     describe_layers,
@@ -89,6 +90,7 @@ class Runner:
         self.schedule = cls(stages[0] if single else stages, engine.microbatches,
                             loss_fn=self._timed(self._loss), scale_grads=False)
         self.compute_s = self.step_s = 0.0
+        self.activations = SavedActivations()
         self.calls: list[tuple[torch.Tensor, dict[str, Any], int]] = []
         self.y: Any = None
         self.real, self.weight, self.training = 0, 0.0, True
@@ -103,7 +105,8 @@ class Runner:
         target = torch.arange(self.rows, device=self.engine.device) if self.engine.last else None
         self.compute_s, started = 0.0, time.perf_counter()
         if training:
-            self.schedule.step(*args, target=target, return_outputs=False)
+            with self.activations.hooks():
+                self.schedule.step(*args, target=target, return_outputs=False)
         else:
             self.schedule.eval(*args, target=target, return_outputs=False)
         self.step_s = time.perf_counter() - started
@@ -416,6 +419,7 @@ class PipelineEngine(TorchEngine, PartedState):
         wait = self.train_runner.wait_s()
         self._stats["pipe_wait_s"] = wait
         self._stats["compute_s"] = max(self._stats["compute_s"] - wait, 0.0)
+        self._stats["activation_mb"] = self.train_runner.activations.peak / 2**20
         if self._metric_keys is None:
             self._metric_keys = self._agreed_keys(self.last_sums)
         return self._stage_sums(self.last_sums, self._metric_keys)

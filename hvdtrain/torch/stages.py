@@ -1,6 +1,7 @@
 """The pieces of a PyTorch pipeline stage that do not need the engine: Horovod process sets, the
 ``torch.distributed`` rendezvous and groups, building a rank's pieces from the layer list,
-fixed-shape padding, and the stage's gradient exchange (see :mod:`hvdtrain.torch.pipeline`)."""
+fixed-shape padding, the count of saved activations, and the stage's gradient exchange (see
+:mod:`hvdtrain.torch.pipeline`)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,63 @@ def pad_rows(batch: Any, rows: int) -> Any:
             return t.new_zeros((rows, *t.shape[1:]))
         return t[torch.arange(rows, device=t.device) % have]
     return tree.map_tree(pad, batch)
+
+
+class SavedActivations:
+    """The bytes autograd holds for backward passes still to come (what the forward passes saved),
+    counted through ``torch.autograd.graph.saved_tensors_hooks`` while a schedule runs, and their
+    peak: the activation memory that 1F1B bounds to ``P`` micro-batches on the first stage and
+    GPipe does not. It counts tensors, not the allocator's cache (which resident memory includes):
+    a tensor saved by several operations counts once, and parameters do not count."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}
+        """(Address, bytes) of a saved tensor -> [bytes, saved references still held]."""
+        self.current = self.peak = 0
+
+    def hooks(self) -> Any:
+        """The context in which autograd's saved tensors are counted; the peak restarts."""
+        self.peak = self.current
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        base = tensor if tensor._base is None else tensor._base  # a weight saved transposed
+        if isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad):
+            return tensor
+        # By the tensor's own bytes, not its storage's: a micro-batch is a view of its batch.
+        size = tensor.numel() * tensor.element_size()
+        key = hash((tensor.data_ptr(), size))
+        entry = self.live.setdefault(key, [size, 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Saved(tensor, key, self)
+
+    def release(self, key: int) -> None:
+        """One saved reference to tensor ``key`` is gone (autograd freed its node)."""
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+
+class _Saved:
+    """A saved tensor as autograd keeps it between the forward and the backward pass; freed with
+    its graph node, which tells the count."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedActivations) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
 
 
 class StageAllreduce(GradientExchange):

@@ -45,3 +45,25 @@ def test_a_sequential_model_gives_its_layers_and_any_other_model_none():
     assert Other().layers(Digits().spec()) is None
     assert sequential_layers(nn.ModuleList([nn.ReLU()])) is None
     assert Layer("x", nn.ReLU)().__class__ is nn.ReLU
+
+
+def test_saved_activations_count_what_backward_still_needs_once_and_no_parameters():
+    from hvdtrain.torch.stages import SavedActivations
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    meter = SavedActivations()
+    with meter.hooks():
+        losses = [model(torch.randn(8, 64)).sum() for _ in range(3)]  # three micro-batches held
+    held = meter.current
+    # Each micro-batch keeps its input (8 x 64) and the ReLU's output, saved by the ReLU and by
+    # the second layer but counted once (8 x 32), float32; weights are parameters: not counted.
+    assert held == 3 * 4 * (8 * 64 + 8 * 32) and meter.peak == held
+    losses[0].backward()
+    assert meter.current == 2 * held // 3  # the first micro-batch's graph is freed
+    for loss in losses[1:]:
+        loss.backward()
+    assert meter.current == 0 and not meter.live and meter.peak == held
+    with meter.hooks():  # one at a time (1F1B's steady state): the peak is one micro-batch's
+        for _ in range(3):
+            model(torch.randn(8, 64)).sum().backward()
+    assert meter.peak == held // 3

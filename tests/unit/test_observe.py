@@ -127,7 +127,7 @@ def test_pipeline_stages_get_their_compute_wait_and_bubble_and_stragglers_within
         cost = StepCosts()
         for _ in range(2):
             cost.add(1.0, {"compute_s": compute[rank], "comm_s": 0.0,
-                           "pipe_wait_s": 1.0 - compute[rank]})
+                           "pipe_wait_s": 1.0 - compute[rank], "activation_mb": 10.0 * rank})
         costs.append(cost)
     sums = summed(monitors, costs, 2)
     records = [m.incoming(dict(sums), 2, 2) for m in monitors]
@@ -138,6 +138,9 @@ def test_pipeline_stages_get_their_compute_wait_and_bubble_and_stragglers_within
     assert record["stage_wait_s_stage0"] == pytest.approx(0.5)
     assert record["stage_wait_s_stage1"] == pytest.approx(0.5)
     assert record["bubble_fraction"] == pytest.approx((0.75 + 0.5 + 0.25 + 0.5) / 4)
+    # Saved activations per step: the largest copy's (ranks 2 and 3: 20 and 30 MiB).
+    assert (record["stage_activation_mb_stage0"], record["stage_activation_mb_stage1"]) == (
+        20.0, 30.0)
     # Rank 2 is 3x its stage's other copy; against every other rank's median (0.5) only 1.5x.
     assert record["straggler_rank"] == 2 and record["straggler_factor"] == pytest.approx(3.0)
     assert [e["rank"] for e in record["events"]] == [2]
