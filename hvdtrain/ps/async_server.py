@@ -18,7 +18,6 @@ version it got.)
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -55,16 +54,15 @@ def read_init(world: PSWorld, elements: int) -> tuple[ShardOptimizer, tuple[str,
 def wait_any(requests: list[Any], start: int) -> int:
     """The index of a request among ``requests`` (None: none) that completed, looking from
     ``start`` round so that no worker starves; yields the core between polls after the first
-    millisecond, as :func:`hvdtrain.ps.protocol.wait` does."""
+    millisecond, as :func:`hvdtrain.ps.protocol.wait` does
+    (:func:`~hvdtrain.ps.protocol.yield_core`)."""
     began, pause, count = time.monotonic(), 0.0, len(requests)
     while True:
         for offset in range(count):
             i = (start + offset) % count
             if requests[i] is not None and requests[i].Test():
                 return i
-        if time.monotonic() - began > 1e-3:
-            pause = min(max(pause * 2, 5e-5), 1e-3)
-            time.sleep(pause)
+        pause = protocol.yield_core(time.monotonic() - began, pause)
 
 
 class AsyncServer:
@@ -115,7 +113,7 @@ class AsyncServer:
     def push(self, w: int, version: int, lr: float) -> None:
         """Receives worker ``w``'s gradient, applies it, and answers its pull unless held."""
         comm, rank, got = self.world.comm, self.ranks[w], self.received[w]
-        _waitall([comm.Irecv(protocol.raw(got[a:b]), source=rank, tag=protocol.PUSH)
+        protocol.waitall([comm.Irecv(protocol.raw(got[a:b]), source=rank, tag=protocol.PUSH)
                   for a, b in self.spans])
         self.optimizer.lr = lr
         self.optimizer.step(got)
@@ -135,7 +133,7 @@ class AsyncServer:
         """Sends worker ``w`` the current parameters (a copy: the next push changes them while
         the sends travel), after their version and the staleness its push saw."""
         comm, rank = self.world.comm, self.ranks[w]
-        _waitall(self.sending[w])  # the previous answer's buffers are free again
+        protocol.waitall(self.sending[w])  # the previous answer's buffers are free again
         np.copyto(self.answers[w], self.optimizer.params)
         self.headers[w][:] = (self.clocks.version, stale)
         self.sending[w] = [comm.Isend(self.headers[w], dest=rank, tag=protocol.VERSIONS)]
@@ -154,10 +152,4 @@ class AsyncServer:
 
     def _finish_sends(self) -> None:
         for sends in self.sending:
-            _waitall(sends)
-
-
-def _waitall(requests: list[Any]) -> None:
-    """Waits for ``requests`` polling, as the ``bsp`` server does (MPI's ``Waitall`` would spin
-    on a core the workers may share)."""
-    protocol.wait([(request, -1) for request in requests], math.inf, str)
+            protocol.waitall(sends)

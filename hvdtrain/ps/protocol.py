@@ -33,6 +33,7 @@ header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -110,6 +111,23 @@ def wait(requests: Sequence[tuple[Any, int]], timeout_s: float,
         waited = time.monotonic() - started
         if waited > timeout_s:
             raise ServerLost(describe(sorted({peer for _, peer in pending})))
-        if waited > 1e-3:
-            pause = min(max(pause * 2, 5e-5), 1e-3)
-            time.sleep(pause)
+        pause = yield_core(waited, pause)
+
+
+def waitall(requests: Sequence[Any]) -> None:
+    """A server's wait for ``requests``, with no time limit (workers may compute, evaluate or
+    checkpoint for as long as they need between steps), polling as :func:`wait` does: Open MPI's
+    blocking wait spins (``sched_yield`` under ``mpi_yield_when_idle``) and takes a core from the
+    workers beside it."""
+    wait([(request, -1) for request in requests], math.inf, str)
+
+
+def yield_core(waited: float, pause: float) -> float:
+    """Between two polls of a wait that began ``waited`` seconds ago: nothing for the first
+    millisecond (small messages on one host complete in microseconds), then a sleep that doubles
+    up to 1 ms; returns the pause to pass next time."""
+    if waited <= 1e-3:
+        return pause
+    pause = min(max(pause * 2, 5e-5), 1e-3)
+    time.sleep(pause)
+    return pause

@@ -11,12 +11,10 @@ runs the optimizer itself, one push at a time (:mod:`hvdtrain.ps.async_server`).
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import numpy as np
 
@@ -72,7 +70,7 @@ def read_controls(world: PSWorld, step: int) -> int:
     messages = np.zeros((len(ranks), protocol.CONTROL_LENGTH), np.int64)
     requests = [world.comm.Irecv(messages[i], source=r, tag=protocol.CONTROL)
                 for i, r in enumerate(ranks)]
-    _waitall(requests)
+    protocol.waitall(requests)
     ops, steps = set(messages[:, 0].tolist()), set(messages[:, 1].tolist())
     if len(ops) != 1 or steps != {step}:
         raise ProtocolError(f"at step {step} the workers asked for {messages[:, :2].tolist()} "
@@ -87,14 +85,14 @@ def sum_step(world: PSWorld, shard: Shard) -> None:
                  for w, r in enumerate(ranks)] for i in range(len(shard.sums))]
     leaving = []
     for i, (total, sent) in enumerate(zip(shard.sums, shard.sent, strict=True)):
-        _waitall(arriving[i])
+        protocol.waitall(arriving[i])
         np.copyto(total, shard.received[0][i])
         for w in range(1, len(ranks)):
             total += shard.received[w][i]
         if sent is not total:
             np.copyto(sent, total, casting="same_kind")
         leaving += [comm.Isend(protocol.raw(sent), dest=r, tag=protocol.PULL) for r in ranks]
-    _waitall(leaving)
+    protocol.waitall(leaving)
 
 
 def serve(world: PSWorld) -> int:
@@ -111,13 +109,6 @@ def serve(world: PSWorld) -> int:
         sum_step(world, shard)
         step += 1
     return step
-
-
-def _waitall(requests: list[Any]) -> None:
-    """Waits for ``requests`` with no time limit (workers may compute, evaluate or checkpoint for
-    as long as they need between steps), polling as the workers do: Open MPI's blocking wait spins
-    (``sched_yield`` under ``mpi_yield_when_idle``) and takes a core from the workers beside it."""
-    protocol.wait([(request, -1) for request in requests], math.inf, str)
 
 
 @contextmanager
