@@ -423,9 +423,6 @@ def _check_pipeline(cfg: Config) -> None:
                                         "pipeline stages train in fp32 only"),
         (cfg.model.sync_batchnorm, f"model.sync_batchnorm=true with {stages}: not supported "
                                    "with pipeline stages"),
-        (cfg.framework == "torch" and cfg.comm.compression not in ("none", "fp16"),
-         f"comm.compression={cfg.comm.compression!r} with {stages}: PyTorch pipeline stages "
-         "exchange their gradients dense (none or fp16)"),
         (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {stages}: "
                                       "pipeline stages average within Horovod process sets; "
                                       "parameter servers need pipeline.stages=1"),

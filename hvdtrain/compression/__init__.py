@@ -34,9 +34,12 @@ PLANS = Registry("compression method", _ENTRIES)
 """Method name -> its :class:`~hvdtrain.compression.plans.Plan` class."""
 
 
-def make_plan(comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]]) -> Plan:
+def make_plan(comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]],
+              places: Sequence[int] | None = None) -> Plan:
     """The plan of ``comm.compression`` for gradients of these shapes (the model's order).
 
     ``seed`` is the run's seed, never ``seed + rank``: draws that ranks share must agree.
+    ``places``: each tensor's place among the whole model's, where the plan covers part of it
+    (a pipeline stage's), so that its random draws are the whole model's.
     """
-    return PLANS.get(comm.compression)(comm, seed, shapes)
+    return PLANS.get(comm.compression)(comm, seed, shapes, places)

@@ -43,6 +43,15 @@ class TensorPlan:
     shape: tuple[int, ...]
     size: int
     compressed: bool
+    draws: int = -1
+    """The tensor's place in the whole model, which seeds its random draws (random-k's indices,
+    qsgd's noise, PowerSGD's first ``Q``), so that a pipeline stage's tensor draws what the same
+    tensor of the whole model draws; -1: ``index``."""
+
+    @property
+    def seed_index(self) -> int:
+        """The index its random draws are seeded with."""
+        return self.index if self.draws < 0 else self.draws
 
 
 class Message(NamedTuple):
@@ -87,12 +96,14 @@ class Plan:
     """The fraction sparse methods send this step, where a density warm-up sets it (None:
     ``comm.ratio``)."""
 
-    def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]]) -> None:
+    def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]],
+                 places: Sequence[int] | None = None) -> None:
         self.comm, self.seed, self.method = comm, seed, comm.compression
         self.tensors = []
         for i, shape in enumerate(shapes):
             dims = tuple(int(d) for d in shape)
-            self.tensors.append(TensorPlan(i, dims, math.prod(dims), self.compressible(dims)))
+            self.tensors.append(TensorPlan(i, dims, math.prod(dims), self.compressible(dims),
+                                           -1 if places is None else int(places[i])))
         self.uses_feedback = self.feedback and comm.error_feedback
 
     def compressible(self, shape: tuple[int, ...]) -> bool:
@@ -175,7 +186,7 @@ class RandomK(_Sparse):
     """``randomk``, round 1: average the values at indices every rank draws alike on the host."""
 
     def host(self, t: TensorPlan, step: int, rank: int) -> np.ndarray:
-        return ref.randomk_indices(t.size, self.k(t), self.seed, step, t.index)
+        return ref.randomk_indices(t.size, self.k(t), self.seed, step, t.seed_index)
 
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         scale = ref.randomk_scale(t.size, self.k(t), self.comm.error_feedback)
@@ -201,7 +212,7 @@ class QSGD(Plan):
         return ref.large_enough(shape, self.comm.min_size)
 
     def host(self, t: TensorPlan, step: int, rank: int) -> np.ndarray:
-        return np.array(ref.noise_seed(self.seed, rank, step, t.index), np.int64)
+        return np.array(ref.noise_seed(self.seed, rank, step, t.seed_index), np.int64)
 
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         noise = ctx.kernels.uniform(host, t.size)
@@ -232,7 +243,8 @@ class PowerSGD(Plan):
                 and ref.low_rank_pays(shape, self.comm.rank))
 
     def slots(self) -> list[Slot]:
-        q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed, t.index))
+        q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed,
+                                                       t.seed_index))
              for t in self.tensors if t.compressed]
         return super().slots() + q
 

@@ -17,7 +17,7 @@ array per slot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,3 +114,49 @@ def unpack(entry: Mapping[str, Any], method: str, slots: list[Slot], where: str)
     shared = {s.key: arrays[s.key] for s in slots if not s.per_rank and s.key in arrays}
     rows = {s.key: arrays[s.key] for s in slots if s.per_rank and s.key in arrays}
     return Saved(step, shared, rows)
+
+
+def by_name(entry: Mapping[str, Any] | None, names: Sequence[str]) -> dict[str, Any]:
+    """:func:`pack`'s entry with its slots keyed ``"<kind>/<name>"`` instead of by tensor index
+    (``names``: the parameters' names in the exchange's order), so that it no longer depends on
+    which tensors one exchange held: a pipeline stage's part, or a whole model's entry on its way
+    into the stages of some split. Empty for no entry."""
+    if not entry:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        kind, sep, index = key.partition("/")
+        out[f"{kind}/{names[int(index)]}" if sep else key] = value
+    return out
+
+
+def by_index(entry: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any] | None:
+    """:func:`by_name`'s entry (or the merge of several, :func:`merge_named`) turned back into
+    :func:`pack`'s layout for an exchange over ``names``: their slots by index, others' dropped.
+    None for an empty entry (nothing to restore)."""
+    if not entry:
+        return None
+    index = {name: i for i, name in enumerate(names)}
+    out: dict[str, Any] = {}
+    for key, value in entry.items():
+        kind, sep, name = key.partition("/")
+        if not sep:
+            out[key] = value
+        elif name in index:
+            out[slot_key(kind, index[name])] = value
+    return out
+
+
+def merge_named(entries: Sequence[Mapping[str, Any] | None], where: str) -> dict[str, Any]:
+    """:func:`by_name` entries of disjoint parameters (the parts of a pipeline's checkpoint) as
+    one; the parts of one checkpoint share the method and the step."""
+    merged: dict[str, Any] = {}
+    for entry in entries:
+        if not entry:
+            continue
+        for key in ("method", "step"):
+            if key in merged and key in entry and str(merged[key]) != str(entry[key]):
+                raise HvdtrainError(f"{where}: its parts disagree on the compression {key} "
+                                    f"({merged[key]} against {entry[key]})")
+        merged.update(entry)
+    return merged

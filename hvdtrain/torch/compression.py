@@ -8,7 +8,7 @@ optimizer step, after all micro-batches' gradients have accumulated locally.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import horovod.torch as hvd
@@ -178,9 +178,18 @@ class TensorStore:
 
 
 class CompressingExchange(Exchange):
-    """A plan run with torch kernels and Horovod's asynchronous torch collectives."""
+    """A plan run with torch kernels and Horovod's asynchronous torch collectives, among every
+    rank or, for a pipeline stage, among the ranks of ``process_set`` (that stage's copies: then
+    ``rank`` and ``size`` are the copy's place among them and their number, and ``root`` is the
+    global rank of copy 0, whence broadcasts come)."""
 
     kernels = Kernels()
+
+    def __init__(self, plan: Any, rank: int, size: int, opt: OptimizerSettings | None = None,
+                 weights: Any = None, process_set: Any = None, root: int = 0) -> None:
+        self.process_set = hvd.global_process_set if process_set is None else process_set
+        self.root = root
+        super().__init__(plan, rank, size, opt, weights)
 
     def _make_store(self, slots: list[Slot]) -> TensorStore:
         return TensorStore(slots)
@@ -194,31 +203,48 @@ class CompressingExchange(Exchange):
     def _collect(self, tag: str, gather: list[torch.Tensor], mean: list[torch.Tensor]
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # All started before any is waited for: Horovod fuses and overlaps them.
-        gathering = [hvd.allgather_async(t, name=f"hvdtrain.{tag}.gather.{j}")
+        group = self.process_set
+        gathering = [hvd.allgather_async(t, name=f"hvdtrain.{tag}.gather.{j}", process_set=group)
                      for j, t in enumerate(gather)]
-        averaging = [hvd.allreduce_async(t, op=hvd.Average, name=f"hvdtrain.{tag}.mean.{j}")
+        averaging = [hvd.allreduce_async(t, op=hvd.Average, name=f"hvdtrain.{tag}.mean.{j}",
+                                         process_set=group)
                      for j, t in enumerate(mean)]
         return ([hvd.synchronize(h) for h in gathering], [hvd.synchronize(h) for h in averaging])
 
     def _allgather_rows(self, array: np.ndarray, name: str) -> np.ndarray:
-        return hvd.allgather(torch.from_numpy(array[None]), name=name).numpy()
+        return hvd.allgather(torch.from_numpy(array[None]), name=name,
+                             process_set=self.process_set).numpy()
 
     def any_rank(self, flag: bool) -> bool:
-        return any_rank(flag)
+        return any_rank(flag, self.process_set)
 
     def _broadcast(self, array: np.ndarray, root_rank: int, name: str) -> np.ndarray:
-        return hvd.broadcast(torch.from_numpy(np.ascontiguousarray(array)), root_rank,
-                             name=name).numpy()
+        # Within a stage's set the root is its copy 0, named by its global rank.
+        root = self.root if self.process_set is not hvd.global_process_set else root_rank
+        return hvd.broadcast(torch.from_numpy(np.ascontiguousarray(array)), root,
+                             name=name, process_set=self.process_set).numpy()
 
 
 def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
-                     params: Sequence[torch.Tensor],
-                     opt: OptimizerSettings | None = None) -> CompressingExchange:
+                     params: Sequence[torch.Tensor], opt: OptimizerSettings | None = None,
+                     process_set: Any = None, root: int = 0,
+                     places: Sequence[int] | None = None) -> CompressingExchange:
     """The exchange for ``comm.compression`` over the gradients of ``params`` (the model's order);
-    ``opt``: the run's optimizer, where the exchange may apply its update rule."""
+    ``opt``: the run's optimizer, where the exchange may apply its update rule; ``process_set``,
+    ``root`` and ``places``: a pipeline stage's copies, the global rank of copy 0 (see
+    :class:`CompressingExchange`) and the stage's tensors' places in the whole model."""
     params = list(params)
-    return CompressingExchange(make_plan(comm, seed, [p.shape for p in params]), rank, size, opt,
-                               lambda: [p.detach() for p in params])
+    plan = make_plan(comm, seed, [p.shape for p in params], places)
+    return CompressingExchange(plan, rank, size, opt, lambda: [p.detach() for p in params],
+                               process_set, root)
+
+
+def with_optimizer(exchange: CompressingExchange, optimizer: torch.optim.Optimizer
+                   ) -> torch.optim.Optimizer:
+    """The optimizer a step drives with ``exchange``: plain SGD where the exchange applies the
+    optimizer's update rule itself (DGC, compressed Adam), else ``optimizer``."""
+    opt = optimizer_settings(optimizer)
+    return plain_sgd(optimizer, opt) if exchange.rule.updates and opt is not None else optimizer
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> OptimizerSettings | None:
@@ -243,7 +269,7 @@ def plain_sgd(optimizer: torch.optim.Optimizer, opt: OptimizerSettings) -> torch
     return torch.optim.SGD(params, lr=optimizer.param_groups[0]["lr"], momentum=0.0)
 
 
-def to_torch(entry: dict[str, np.ndarray]) -> dict[str, Any]:
+def to_torch(entry: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """A :meth:`CompressingExchange.state_dict` entry as ``torch.load(weights_only=True)`` reads
     it: tensors, and the method name as a string. :meth:`CompressingExchange.load_state_dict`
     takes it."""

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hvdtrain.adapters import ModelAdapter, make_adapter
+from hvdtrain.compression.state import by_index
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
@@ -161,8 +162,11 @@ class TorchEngine(Engine):
         parts = state["meta"].get("parts")
         if parts and self.restore_from is not None:  # written by pipeline stages: merge them all
             names = [name for name, _ in self.model.named_parameters()]
-            model, optimizer = merged_parts(self.restore_from.parent, parts, names, where)
-            state = {**state, "model": model, "optimizer": optimizer}
+            model, optimizer, compression = merged_parts(self.restore_from.parent, parts, names,
+                                                         where)
+            trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
+            state = {**state, "model": model, "optimizer": optimizer,
+                     "compression": by_index(compression, trainable)}
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -25,7 +25,7 @@ from hvdtrain.ps.exchange import ServerOptimizer, make_client
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.torch.collectives import any_rank
 from hvdtrain.torch.colocated import make_colocated
-from hvdtrain.torch.compression import CompressingExchange, make_compressing, optimizer_settings, plain_sgd
+from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.ps import ServerSide, TorchAsyncPSExchange, TorchPSExchange
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
@@ -123,8 +123,5 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
         return dense, dense.optimizer
-    opt = optimizer_settings(optimizer)
-    compressing: CompressingExchange = make_compressing(comm, seed, rank, size, params, opt)
-    if compressing.rule.updates and opt is not None:
-        return compressing, plain_sgd(optimizer, opt)
-    return compressing, optimizer
+    compressing = make_compressing(comm, seed, rank, size, params, optimizer_settings(optimizer))
+    return compressing, with_optimizer(compressing, optimizer)

@@ -20,8 +20,10 @@ import torch
 from torch import nn
 
 from hvdtrain.checkpoint import not_a_checkpoint, sha256_of
+from hvdtrain.compression.state import merge_named
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.state import StagePart, merge_parts
+from hvdtrain.torch.compression import to_torch
 
 
 def read_state(data: bytes, where: str) -> dict[str, Any]:
@@ -44,14 +46,18 @@ def read_state(data: bytes, where: str) -> dict[str, Any]:
 
 
 def part_bytes(modules: Iterable[nn.Module], params: Sequence[str],
-               optimizer: torch.optim.Optimizer) -> bytes:
+               optimizer: torch.optim.Optimizer, compression: Mapping[str, Any] | None = None
+               ) -> bytes:
     """One stage's part serialised: its modules' entries (already named by global layer), the
-    global names of its parameters in ``optimizer``'s order, and the optimizer's state."""
+    global names of its parameters in ``optimizer``'s order, the optimizer's state, and its
+    exchange's state with slots by parameter name
+    (:func:`hvdtrain.compression.state.by_name`; None without any)."""
     model = {k: v.detach().cpu().clone() for m in modules for k, v in m.state_dict().items()}
     buffer = io.BytesIO()
     # read_state's layout (model, optimizer, meta), so that the same safe reader reads it.
     torch.save({"model": model, "optimizer": optimizer.state_dict(), "meta": {},
-                "params": list(params)}, buffer)
+                "params": list(params),
+                "compression": to_torch(compression) if compression else None}, buffer)
     return buffer.getvalue()
 
 
@@ -70,15 +76,19 @@ def read_parts(directory: Path, entries: Sequence[Mapping[str, Any]], where: str
             raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
         state = read_state(path.read_bytes(), f"part {path}")
         parts.append({"model": state["model"], "optimizer": state["optimizer"],
-                      "params": list(state.get("params", ()))})
+                      "params": list(state.get("params", ())),
+                      "compression": state.get("compression")})
     return parts
 
 
 def merged_parts(directory: Path, entries: Sequence[Mapping[str, Any]], all_params: Sequence[str],
-                 where: str) -> tuple[dict, dict]:
+                 where: str) -> tuple[dict, dict, dict]:
     """The whole model's entries and optimizer state (``all_params``: its parameters' names in
-    its optimizer's order) from every part of a checkpoint written in parts."""
+    its optimizer's order) from every part of a checkpoint written in parts, and the parts'
+    exchange state merged, its slots by parameter name."""
+    parts = read_parts(directory, entries, where)
     try:
-        return merge_parts(read_parts(directory, entries, where), all_params)
+        model, optimizer = merge_parts(parts, all_params)
     except ValueError as exc:
         raise HvdtrainError(f"{where} does not fit the model: {exc}") from None
+    return model, optimizer, merge_named([p["compression"] for p in parts], where)

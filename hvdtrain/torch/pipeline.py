@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from hvdtrain.compression.state import by_index, by_name, merge_named
 from hvdtrain.config import Config
 from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset, DatasetSpec
@@ -63,12 +64,12 @@ from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.stages import (
     SavedActivations,
-    StageAllreduce,
     build_pieces,
     describe_layers,
+    make_stage_exchange,
     pad_rows,
     pipeline_groups,
-    stage_process_set,
+    stage_sets,
     start_torch_distributed,
 )
 
@@ -203,8 +204,7 @@ class PipelineEngine(TorchEngine, PartedState):
         self.device = place(kind, self.local_rank, self.local_size)
         start_torch_distributed(self.collectives, self.device, cfg.train.stall_timeout_s)
         self.group = pipeline_groups(self.layout, self.rank)
-        stage_sets = [stage_process_set(r) if self.layout.copies > 1 else None
-                      for r in self.layout.stage_groups()]
+        sets = stage_sets(self.layout, cfg.comm.compression)
         self.modules = self._build_pieces(cfg, dataset.spec())
         torch.manual_seed(cfg.seed + self.rank)
         for module in self.modules.values():
@@ -216,10 +216,15 @@ class PipelineEngine(TorchEngine, PartedState):
                                 workers=loader_workers(cfg.data.workers, self.local_size),
                                 prefetch=cfg.data.prefetch, device=self.device)
         self.accumulation = 1
-        self.optimizer = make_optimizer(cfg.optim, self.model)
-        self.stage_set = stage_sets[self.stage]
-        self.exchange = StageAllreduce(self.stage_set, self.copy, self.layout.copies,
-                                       cfg.comm.compression)
+        self.stage_set = sets[self.stage]
+        trainable = [(n, p) for m in self.modules.values() for n, p in m.named_parameters()
+                     if p.requires_grad]
+        self.trainable = [name for name, _ in trainable]
+        """The global names of the exchange's tensors, in its order (its state by name)."""
+        self.exchange, self.optimizer = make_stage_exchange(
+            cfg.comm, cfg.seed, self.layout, self.rank, self.stage_set,
+            [p for _, p in trainable], [self.all_trainable.index(n) for n in self.trainable],
+            make_optimizer(cfg.optim, self.model))
         self.precision.attach(self.optimizer)
         self.stage_kernels = PipelineKernels(self)
         self.batch_rows, self.eval_rows = cfg.data.batch_size, cfg.data.eval_batch_size
@@ -253,7 +258,7 @@ class PipelineEngine(TorchEngine, PartedState):
             raise HvdtrainError(f"model {cfg.model.name!r} cannot be split into pipeline stages: "
                                 "its adapter's layers() gives no layer list (see "
                                 "docs/pipeline.md#your-model-as-layers)")
-        costs, self.all_params, self.all_keys = describe_layers(factories)
+        costs, self.all_params, self.all_keys, self.all_trainable = describe_layers(factories)
         self.layer_count = len(factories)
         self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
         self._check_every_rank_trains(costs)
@@ -301,7 +306,8 @@ class PipelineEngine(TorchEngine, PartedState):
             received: list[Any] = [None]
             dist.scatter_object_list(received, parts, src=0)
             if self.rank != 0:
-                self._apply(*received[0])
+                model, optimizer, compression = received[0]
+                self._apply(model, optimizer, compression, "the restored checkpoint")
             self._restored = None
             return
         if self.stage_set is None:
@@ -321,16 +327,22 @@ class PipelineEngine(TorchEngine, PartedState):
                                          self.pieces // self.layout.stages)
         return {i for p in pieces for i in range(self.bounds[p], self.bounds[p + 1])}
 
-    def _part_for(self, rank: int) -> tuple[dict, dict]:
-        """Rank ``rank``'s share of the restored checkpoint (model entries, optimizer state)."""
+    def _part_for(self, rank: int) -> tuple[dict, dict, dict]:
+        """Rank ``rank``'s share of the restored checkpoint (model entries, optimizer state,
+        exchange state by parameter name)."""
         assert self._restored is not None
-        return self._share(self._restored["model"], self._restored["optimizer"], rank)
+        return self._share(self._restored["model"], self._restored["optimizer"],
+                           by_name(self._restored.get("compression"), self.all_trainable), rank)
 
-    def _share(self, model: dict, optimizer: dict, rank: int) -> tuple[dict, dict]:
-        """Rank ``rank``'s share of a whole model's entries and optimizer state."""
+    def _share(self, model: dict, optimizer: dict, compression: dict, rank: int
+               ) -> tuple[dict, dict, dict]:
+        """Rank ``rank``'s share of a whole model's entries, optimizer state and exchange state
+        (slots by parameter name: :func:`hvdtrain.compression.state.by_name`)."""
         layers = self._layers_of(rank)
         own = [name for name in self.all_params if layer_of(name) in layers]
-        return select_part(model, optimizer, self.all_params, own, layers)
+        slots = {k: v for k, v in compression.items()
+                 if "/" not in k or layer_of(k.partition("/")[2]) in layers}
+        return (*select_part(model, optimizer, self.all_params, own, layers), slots)
 
     def _load_own_parts(self, directory: Path, entries: list[dict], where: str) -> None:
         """Every rank reads the parts of a checkpoint in parts that hold its layers (under this
@@ -340,13 +352,15 @@ class PipelineEngine(TorchEngine, PartedState):
         try:
             layers = self._layers_of(self.rank)
             parts = read_parts(directory, parts_holding(entries, layers), where)
-            model, optimizer = self._share(*merge_parts(parts, self.all_params), self.rank)
+            model, optimizer, compression = self._share(
+                *merge_parts(parts, self.all_params),
+                merge_named([p["compression"] for p in parts], where), self.rank)
             want = {k for k in self.all_keys if layer_of(k) in layers}
             if model.keys() != want:
                 raise HvdtrainError(f"{where} does not fit the model: entries "
                                     f"{', '.join(sorted(model.keys() ^ want)[:3])} are missing "
                                     "from its parts or unexpected")
-            self._apply(model, optimizer)
+            self._apply(model, optimizer, compression, where)
         except HvdtrainError as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
@@ -357,20 +371,26 @@ class PipelineEngine(TorchEngine, PartedState):
         if failures:
             raise HvdtrainError(failures[0])
 
-    def _apply(self, model: dict, optimizer: dict) -> None:
-        """Loads this rank's share of a checkpoint into its pieces and optimizer."""
+    def _apply(self, model: dict, optimizer: dict, compression: dict, where: str) -> None:
+        """Loads this rank's share of a checkpoint into its pieces, optimizer and exchange (whose
+        per-copy state, saved by another number of copies, is re-sharded to this one's)."""
         for piece, module in self.modules.items():
             first, end = self.bounds[piece], self.bounds[piece + 1]
             module.load_state_dict({k: v for k, v in model.items()
                                     if first <= layer_of(k) < end})
         self.optimizer.load_state_dict(optimizer)
+        self.exchange.load_state_dict(by_index(compression, self.trainable), where)
 
     def part_bytes(self) -> tuple[str, list[int], bytes] | None:
-        """Copy 0's ranks write their layers; the other copies hold the same ones."""
+        """Copy 0's ranks write their layers, with every copy's exchange state (residuals differ
+        per copy: gathered first, a collective in the stage's set); the other copies hold the
+        same layers."""
+        self.exchange.gather()
         if self.copy != 0:
             return None
+        compression = by_name(self.exchange.state_dict(), self.trainable)
         return (f"stage-{self.stage}", sorted(self._layers_of(self.rank)),
-                part_bytes(self.modules.values(), self.own_params, self.optimizer))
+                part_bytes(self.modules.values(), self.own_params, self.optimizer, compression))
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         """Rank 0's ``step-N.ckpt`` beside the parts: the random and precision states and ``meta``
@@ -400,7 +420,7 @@ class PipelineEngine(TorchEngine, PartedState):
             self._restored = state
         try:
             if not entries:  # from parts, every rank (rank 0 too) loads in broadcast_state
-                self._apply(*self._part_for(self.rank))
+                self._apply(*self._part_for(self.rank), where=where)
             self.precision.load_state_dict(state.get("precision"))
         except Exception as exc:  # noqa: BLE001  (entries of the wrong shape: one line)
             first = str(exc).strip().splitlines() or [type(exc).__name__]

@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hvdtrain.compression.plans import CommSettings
 from hvdtrain.data import tree
 from hvdtrain.driver import launcher_host
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.exchange import GradientExchange, empty_stats
+from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.pipeline import Layout
 from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression
 
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}
@@ -93,11 +95,13 @@ def pipeline_groups(layout: Layout, rank: int) -> Any:
     return mine
 
 
-def describe_layers(factories: Sequence[Any]) -> tuple[list[int], list[str], list[str]]:
-    """Each layer's parameter count, and the global names of every parameter and of every
-    entry of the whole model's ``state_dict`` (``"<layer>.<name>"``, in the whole model's order),
-    from each layer built on the meta device (no memory, no random numbers)."""
-    costs, params, keys = [], [], []
+def describe_layers(factories: Sequence[Any]
+                    ) -> tuple[list[int], list[str], list[str], list[str]]:
+    """Each layer's parameter count, and the global names of every parameter, of every entry of
+    the whole model's ``state_dict`` and of the parameters that train (the exchange's tensors)
+    (``"<layer>.<name>"``, in the whole model's order), from each layer built on the meta device
+    (no memory, no random numbers)."""
+    costs, params, keys, trainable = [], [], [], []
     for index, make in enumerate(factories):
         with torch.device("meta"):
             layer = make()
@@ -107,8 +111,9 @@ def describe_layers(factories: Sequence[Any]) -> tuple[list[int], list[str], lis
         costs.append(sum(p.numel() for p in layer.parameters()))
         params += [f"{index}.{name}" for name, _ in layer.named_parameters()]
         keys += [f"{index}.{name}" for name in layer.state_dict()]
+        trainable += [f"{index}.{name}" for name, p in layer.named_parameters() if p.requires_grad]
         del layer
-    return costs, params, keys
+    return costs, params, keys, trainable
 
 
 def build_pieces(factories: Sequence[Any], bounds: Sequence[int], mine: Sequence[int],
@@ -233,3 +238,29 @@ class StageAllreduce(GradientExchange):
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
+
+
+def stage_sets(layout: Layout, method: str) -> list[Any]:
+    """Horovod's process set of each stage's copies, by stage (every rank adds every set, in
+    order). With one copy a dense exchange sends nothing and needs none (None); a compressing
+    one still runs its plan (error feedback, an update rule), in a set of its one rank."""
+    if layout.copies == 1 and exchange_kind(method) == "dense":
+        return [None] * layout.stages
+    return [stage_process_set(ranks) for ranks in layout.stage_groups()]
+
+
+def make_stage_exchange(comm: CommSettings, seed: int, layout: Layout, rank: int,
+                        process_set: Any, params: Sequence[torch.Tensor], places: Sequence[int],
+                        optimizer: torch.optim.Optimizer
+                        ) -> tuple[GradientExchange, torch.optim.Optimizer]:
+    """The exchange of ``comm.compression`` over this rank's stage's gradients among the stage's
+    copies (``process_set``), and the optimizer the step drives with it, as
+    :func:`hvdtrain.torch.exchange.make_exchange` picks them for a whole model (``places``: the
+    gradients' places among the whole model's, which seed their random draws)."""
+    copy, copies = layout.copy_of(rank), layout.copies
+    if exchange_kind(comm.compression) == "dense":
+        return StageAllreduce(process_set, copy, copies, comm.compression), optimizer
+    root = layout.rank_of(layout.stage_of(rank), 0)
+    exchange = make_compressing(comm, seed, copy, copies, params,
+                                optimizer_settings(optimizer), process_set, root, places)
+    return exchange, with_optimizer(exchange, optimizer)

@@ -162,8 +162,6 @@ def test_microbatches_default_to_one_per_piece():
      "a pipeline accumulates over pipeline.microbatches"),
     (["pipeline.stages=2", "train.precision=bf16"], "pipeline stages train in fp32 only"),
     (["pipeline.stages=2", "model.sync_batchnorm=true"], "not supported with pipeline stages"),
-    (["pipeline.stages=2", "comm.compression=topk"],
-     "comm.compression='topk' with pipeline.stages=2: PyTorch pipeline stages exchange"),
     (["pipeline.stages=2", "pipeline.split=[1,2]"], "2 pieces need 1 layer(s)"),
     (["pipeline.stages=2", "pipeline.split=middle"], "pipeline.split='middle': expected auto"),
     (["pipeline.stages=2", "pipeline.split=[1.5]"], "1.5 is neither a layer index nor a layer name"),
@@ -184,6 +182,8 @@ def test_config_refuses_pipelines_that_cannot_run(overrides, message):
     ["pipeline.stages=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"],
     ["pipeline.stages=2", "pipeline.schedule=zbv_zero_bubble", "pipeline.virtual_stages=2"],
     ["pipeline.stages=2", "framework=tensorflow", "pipeline.schedule=gpipe"],
+    ["pipeline.stages=2", "comm.compression=topk", "comm.momentum_correction=true"],
+    ["pipeline.stages=2", "comm.compression=powersgd"],
     ["elastic.enabled=true", "train.precision=bf16"],  # no stages: nothing is refused
 ])
 def test_config_accepts_pipelines_that_can_run(overrides):
