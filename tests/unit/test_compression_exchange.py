@@ -13,7 +13,9 @@ import pytest
 
 from hvdtrain.compression import METHODS, make_plan
 from hvdtrain.compression import reference as ref
+from hvdtrain.compression.state import by_index, by_name, merge_named
 from hvdtrain.config import CommConfig
+from hvdtrain.errors import HvdtrainError
 from tests.unit.numpy_world import F32, Hub, NumpyExchange, noise
 
 SEED = 3
@@ -139,3 +141,55 @@ def test_state_saved_at_two_ranks_restores_on_rank_0_and_reshards(new_size):
         want = ((before0, before1)[r]["residual/0"] if new_size == 2
                 else (before0["residual/0"] + before1["residual/0"]) / 2)
         np.testing.assert_allclose(arrays["residual/0"], want, rtol=1e-6)
+
+
+NAMES = ["0.weight", "0.bias", "2.weight", "4.weight"]
+STAGES = [[0, 2], [1, 3]]  # tensor positions of two "stages" (a split need not be contiguous)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("none", "fp16")])
+def test_stages_exchange_what_the_whole_model_does_and_their_state_moves_by_name(method):
+    """Two stages' exchanges (each in its own group of the same two ranks, their tensors'
+    places given) average exactly what one exchange over the whole model averages, and their
+    states, by parameter name, merge into the whole model's and split back."""
+    c = comm(method)
+
+    def rank(r: int, hubs: tuple[Hub, Hub, Hub]) -> tuple[list, dict, list[dict]]:
+        whole = NumpyExchange(make_plan(c, SEED, SHAPES), r, 2, hubs[0])
+        stages = [NumpyExchange(make_plan(c, SEED, [SHAPES[i] for i in own], own), r, 2, hub)
+                  for own, hub in zip(STAGES, hubs[1:], strict=True)]
+        outs = []
+        for step in (1, 2, 3):
+            grads = grads_of(r, step)
+            got = [None] * len(SHAPES)
+            for own, stage in zip(STAGES, stages, strict=True):
+                for i, g in zip(own, stage.run([grads[i] for i in own]), strict=True):
+                    got[i] = g
+            outs.append((whole.run(grads), got))
+        for exchange in (whole, *stages):
+            exchange.gather()
+        return outs, whole.state_dict(), [s.state_dict() for s in stages]
+
+    hubs = (Hub(2), Hub(2), Hub(2))
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda r: rank(r, hubs), range(2)))
+    for outs, whole_state, stage_states in results:
+        for want, got in outs:
+            for w, g in zip(want, got, strict=True):
+                np.testing.assert_array_equal(g, w)
+        named = [by_name(s, [NAMES[i] for i in own])
+                 for s, own in zip(stage_states, STAGES, strict=True)]
+        merged = merge_named(named, "test")
+        assert merged.keys() == by_name(whole_state, NAMES).keys()
+        back = by_index(merged, NAMES)
+        assert back is not None and back.keys() == whole_state.keys()
+        for key, value in whole_state.items():
+            np.testing.assert_array_equal(back[key], value, err_msg=key)
+        first = by_index(merged, [NAMES[i] for i in STAGES[0]])
+        assert first is not None and first.keys() == stage_states[0].keys()
+
+
+def test_parts_that_disagree_on_the_step_are_refused():
+    with pytest.raises(HvdtrainError, match="disagree on the compression step"):
+        merge_named([{"step": np.array(3)}, {"step": np.array(4)}], "step-4.ckpt")
+    assert by_index({}, NAMES) is None and by_name(None, NAMES) == {}
