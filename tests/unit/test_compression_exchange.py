@@ -13,6 +13,7 @@ import pytest
 
 from hvdtrain.compression import METHODS, make_plan
 from hvdtrain.compression import reference as ref
+from hvdtrain.compression.state import by_index, by_name, merge_named
 from hvdtrain.config import CommConfig
 from tests.unit.numpy_world import F32, Hub, NumpyExchange, noise
 
@@ -139,3 +140,42 @@ def test_state_saved_at_two_ranks_restores_on_rank_0_and_reshards(new_size):
         want = ((before0, before1)[r]["residual/0"] if new_size == 2
                 else (before0["residual/0"] + before1["residual/0"]) / 2)
         np.testing.assert_allclose(arrays["residual/0"], want, rtol=1e-6)
+
+
+NAMES = ["1.0", "1.1", "3.0", "3.1"]
+"""The tensors' names (a pipeline's global names), in the whole model's order."""
+STAGES = [[0, 1], [2, 3]]
+"""Each stage's tensors, by their places in the whole model."""
+
+
+def run_and_gather(c: CommConfig, places: list[int], r: int, hub: Hub
+                   ) -> tuple[list[list[np.ndarray]], dict]:
+    """Two steps and a gather of the exchange of the tensors at ``places`` (seeded by them) on
+    rank ``r``: its outputs and its state entry."""
+    plan = make_plan(c, SEED, [SHAPES[i] for i in places], places)
+    exchange = NumpyExchange(plan, r, 2, hub)
+    outs = [exchange.run([grads_of(r, step)[i] for i in places]) for step in (1, 2)]
+    exchange.gather()
+    return outs, exchange.state_dict()
+
+
+def test_stages_draw_as_the_whole_model_and_their_state_moves_by_name():
+    """Random-k in two stages of two copies each, seeded by each tensor's place, averages what the
+    whole model's exchange does; the stages' entries by name merge into the whole model's, and the
+    whole model's gives each stage its own slots (how pipeline parts hold exchange state)."""
+    c = comm("randomk")
+    (want, entry), _ = on_ranks(2, lambda r, hub: run_and_gather(c, [0, 1, 2, 3], r, hub))
+    named = []
+    for places in STAGES:
+        (outs, state), _ = on_ranks(2, lambda r, hub, p=places: run_and_gather(c, p, r, hub))
+        for got, full in zip(outs, want, strict=True):
+            for g, i in zip(got, places, strict=True):
+                np.testing.assert_array_equal(g, full[i])
+        named.append(by_name(state, [NAMES[i] for i in places]))
+    merged = by_index(merge_named(named, "test"), NAMES)
+    assert merged is not None and merged.keys() == entry.keys()
+    for key, value in entry.items():
+        np.testing.assert_array_equal(merged[key], value, err_msg=key)
+    second = by_index(by_name(entry, NAMES), [NAMES[i] for i in STAGES[1]])
+    assert second is not None and set(second) == {"method", "step", "residual/0", "residual/1"}
+    np.testing.assert_array_equal(second["residual/1"], entry["residual/3"])
