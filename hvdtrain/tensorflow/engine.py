@@ -24,6 +24,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.compression.rules import OptimizerSettings
+from hvdtrain.compression.state import by_index, merge_named
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
@@ -41,7 +42,7 @@ from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.exchange import applies_update, make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
-from hvdtrain.tensorflow.parts import assign, named_state, read_entries
+from hvdtrain.tensorflow.parts import COMPRESSION, assign, named_state, read_part, trainable_names
 from hvdtrain.tensorflow.precision import Precision
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
@@ -192,7 +193,7 @@ class TensorFlowEngine(Engine):
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
         arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
-        arrays |= {f"compression/{k}": v for k, v in (self.exchange.state_dict() or {}).items()}
+        arrays |= {COMPRESSION + k: v for k, v in (self.exchange.state_dict() or {}).items()}
         arrays |= self._global_names()
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
@@ -218,16 +219,31 @@ class TensorFlowEngine(Engine):
         self.exchange.gather()
 
     def _load_parts(self, parts: list[dict[str, Any]], where: str) -> None:
-        """Loads a checkpoint written in parts by pipeline stages: every part, by global names."""
+        """Loads a checkpoint written in parts by pipeline stages: every part, by global names,
+        and the exchange state of every stage (its slots by variable name), merged."""
         if self.restore_from is None:
             raise HvdtrainError(f"{where}: written in parts, which lie beside it")
         entries = named_state(self.model.layers, 0, self.optimizer)
         values: dict[str, np.ndarray] = {}
+        states = []
         for part in parts:
             path = self.restore_from.parent / str(part["file"])
-            found = read_entries(path, entries, where, part.get("sha256"))
+            found, state = read_part(path, entries, where, part.get("sha256"))
             values |= {k: v for k, v in found.items() if k not in values}  # opt/: stage 0's
+            states.append(state)
         assign(entries, values, where)
+        self.exchange.load_state_dict(self._by_index(merge_named(states, where), where), where)
+
+    def _by_index(self, named: dict[str, Any], where: str) -> dict[str, Any] | None:
+        """The parts' merged exchange state (slots by variable name) for this model's exchange
+        (slots by the index of its trainable variables)."""
+        names = trainable_names(self.model.layers, 0, self.model.trainable_variables)
+        if names is None:
+            if any("/" in key for key in named):
+                raise HvdtrainError(f"{where}: its parts' compression state is by layer, and this "
+                                    "model's trainable variables are not its layers' in order")
+            names = []
+        return by_index(named, names)
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         # allow_pickle=False: loading a checkpoint must never execute code from the file.
@@ -266,8 +282,9 @@ class TensorFlowEngine(Engine):
         states = {name[4:]: value for name, value in arrays.items() if name.startswith("rng/")}
         if states:  # absent in checkpoints written before random states were saved
             rng.restore(states)
-        self.exchange.load_state_dict({name[12:]: value for name, value in arrays.items()
-                                       if name.startswith("compression/")}, where)
+        self.exchange.load_state_dict({name[len(COMPRESSION):]: value
+                                       for name, value in arrays.items()
+                                       if name.startswith(COMPRESSION)}, where)
 
     @staticmethod
     def _restore(var: Any, value: np.ndarray, name: str, where: str) -> None:

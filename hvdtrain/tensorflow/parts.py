@@ -7,6 +7,13 @@ belong to: ``"<layer>.<j>/momentum"``. Keras 3 names a slot after its variable's
 the optimizer's other variables (``iteration``, ``learning_rate``, a loss scale) are
 ``"opt/<name>"``. Entries are kept as ``model/<name>`` and ``optimizer/<name>`` arrays of an
 ``.npz`` file, read with ``allow_pickle=False``.
+
+A pipeline stage's part also holds its gradient exchange's state (error-feedback residuals, DGC's
+velocities, compressed Adam's moments, PowerSGD's ``Q``, the step) as ``compression/<kind>/<name>``
+arrays, each slot under the global name of its trainable variable
+(:func:`hvdtrain.compression.state.by_name`), so that it moves between parts of any split and a
+checkpoint written whole, whose ``compression/<kind>/<index>`` arrays follow the whole model's
+trainable variables.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import numpy as np
 
 from hvdtrain.checkpoint import sha256_of
 from hvdtrain.errors import HvdtrainError
+
+COMPRESSION = "compression/"
+"""The prefix of a checkpoint's exchange-state arrays."""
 
 
 def layer_variables(layers: Iterable[Any], first: int) -> dict[str, Any]:
@@ -54,6 +64,16 @@ def _reference(slot: str, paths: Collection[str]) -> str | None:
     return None
 
 
+def trainable_names(layers: Iterable[Any], first: int, variables: Iterable[Any]
+                    ) -> list[str] | None:
+    """The global names of ``variables`` (a model's trainable variables, in its exchange's order),
+    which must belong to ``layers`` (global indices from ``first``); None where one does not (a
+    model that is not its layers in order has no global names)."""
+    named = {id(v): name for name, v in layer_variables(layers, first).items()}
+    names = [named.get(id(v)) for v in variables]
+    return None if any(name is None for name in names) else [str(name) for name in names]
+
+
 def named_state(layers: Iterable[Any], first: int, optimizer: Any) -> dict[str, Any]:
     """Every variable of the model's ``layers`` and of its optimizer, as checkpoint entries
     (``model/<name>``, ``optimizer/<name>``)."""
@@ -62,9 +82,11 @@ def named_state(layers: Iterable[Any], first: int, optimizer: Any) -> dict[str, 
             **{f"optimizer/{k}": v for k, v in optimizer_variables(optimizer, model).items()}}
 
 
-def part_bytes(entries: Mapping[str, Any]) -> bytes:
-    """A part: the entries' values in an ``.npz`` (with an empty ``meta``, as checkpoints have)."""
+def part_bytes(entries: Mapping[str, Any], compression: Mapping[str, Any] | None = None) -> bytes:
+    """A part: the entries' values in an ``.npz`` (with an empty ``meta``, as checkpoints have),
+    and the exchange's state by name (:data:`COMPRESSION` arrays) where there is one."""
     arrays: dict[str, Any] = {name: np.asarray(v.numpy()) for name, v in entries.items()}
+    arrays |= {COMPRESSION + key: np.asarray(v) for key, v in (compression or {}).items()}
     buffer = io.BytesIO()
     np.savez(buffer, meta=np.array(json.dumps({})), **arrays)
     return buffer.getvalue()
@@ -85,15 +107,33 @@ def read_whole(path: Path, names: Collection[str], where: str) -> dict[str, np.n
     return {n: found[position[n]] for n in names if n in position and position[n] in found}
 
 
-def read_entries(path: Path, names: Collection[str], where: str, sha256: str | None = None
-                 ) -> dict[str, np.ndarray]:
-    """The arrays of ``names`` that the ``.npz`` file ``path`` holds (only those are read), after
-    checking its sha256 when one is given."""
+def read_part(path: Path, names: Collection[str], where: str, sha256: str | None = None
+              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The arrays of ``names`` that the part ``path`` holds, and its exchange state (the
+    :data:`COMPRESSION` arrays without the prefix), read once after checking its sha256."""
+    found = read_entries(path, names, where, sha256, prefix=COMPRESSION)
+    return ({k: v for k, v in found.items() if not k.startswith(COMPRESSION)},
+            {k[len(COMPRESSION):]: v for k, v in found.items() if k.startswith(COMPRESSION)})
+
+
+def read_compression(path: Path, where: str) -> dict[str, np.ndarray]:
+    """The exchange state of a checkpoint (:data:`COMPRESSION` arrays without the prefix; its
+    slots by index where it was written whole); empty without one."""
+    return read_part(path, (), where)[1]
+
+
+def read_entries(path: Path, names: Collection[str], where: str, sha256: str | None = None,
+                 prefix: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of ``names`` (and every array whose name starts with ``prefix``) that the
+    ``.npz`` file ``path`` holds (only those are read), after checking its sha256 when one is
+    given."""
     try:
         if sha256 is not None and sha256_of(path) != sha256:
             raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
+        wanted = set(names)
         with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in names if name in npz.files}
+            return {name: npz[name] for name in npz.files
+                    if name in wanted or (prefix is not None and name.startswith(prefix))}
     except HvdtrainError:
         raise
     except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)

@@ -19,8 +19,8 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 - **Data parallelism.** Each stage's gradients are averaged over that stage's copies by the run's
   exchange (dense or compressing) in the stage's Horovod process set, once per step, with the loss
   weighted as :mod:`hvdtrain.step` weights it: every copy's exact share of the step's samples.
-- **Checkpoints.** In parts by global layer index, which do not depend on the split
-  (:mod:`hvdtrain.tensorflow.stage_state`).
+- **Checkpoints.** In parts by global layer index, which do not depend on the split, with the
+  exchange's state by variable name (:mod:`hvdtrain.tensorflow.stage_state`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.split import layer_names, stage_bounds
 from hvdtrain.pipeline.stage_step import StageRunner
 from hvdtrain.step import add_batch_sums, train_step
-from hvdtrain.tensorflow import compression
+from hvdtrain.tensorflow import compression, parts
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update
@@ -301,15 +301,17 @@ class StageExchange(compression.CompressingExchange):
 
 
 def make_stage_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                        shapes: Sequence[Sequence[int]], process_set: Any, root: int,
-                        opt: OptimizerSettings | None = None,
+                        shapes: Sequence[Sequence[int]], places: Sequence[int], process_set: Any,
+                        root: int, opt: OptimizerSettings | None = None,
                         weights: Callable[[], Sequence[tf.Tensor]] | None = None
                         ) -> StageExchange:
     """The exchange of ``comm.compression`` over one stage's gradients among its copies (with
     the update rule of ``opt`` where one applies, as :func:`~hvdtrain.tensorflow.exchange.
-    make_exchange`)."""
-    return StageExchange(make_plan(comm, seed, shapes), rank, size, process_set, root, opt,
-                         weights)
+    make_exchange`). ``places``: each gradient's place among the whole model's trainable
+    variables, which seeds its random draws (random-k's indices, qsgd's noise, PowerSGD's first
+    ``Q``), so that a stage draws what the whole model's exchange draws."""
+    return StageExchange(make_plan(comm, seed, shapes, places), rank, size, process_set, root,
+                         opt, weights)
 
 
 def check_schedule(schedule: str) -> None:
@@ -369,10 +371,11 @@ class PipelineEngine(StageState, TensorFlowEngine):
                                      workers=loader_workers(cfg.data.workers, self.local_size),
                                      prefetch=cfg.data.prefetch, spec=self.spec)
         variables = self.model.trainable_variables
-        self.exchange = make_stage_exchange(cfg.comm, cfg.seed, self.copy, self.copies,
-                                            [v.shape for v in variables], self.stage_set,
-                                            self.root, optimizer_settings(cfg.optim),
-                                            lambda: [v.value for v in variables])
+        self.trainable, self.all_trainable = self._trainable_names(variables)
+        self.exchange = make_stage_exchange(
+            cfg.comm, cfg.seed, self.copy, self.copies, [v.shape for v in variables],
+            [self.all_trainable.index(name) for name in self.trainable], self.stage_set,
+            self.root, optimizer_settings(cfg.optim), lambda: [v.value for v in variables])
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim, plain))
         self.optimizer.build(variables)
@@ -435,6 +438,18 @@ class PipelineEngine(StageState, TensorFlowEngine):
                                  root_rank=self.rank, name="hvdtrain.pipe.shape",
                                  process_set=links[self.copy, self.stage])
         return model, own, lo
+
+    def _trainable_names(self, variables: Sequence[Any]) -> tuple[list[str], list[str]]:
+        """The global names (:mod:`hvdtrain.tensorflow.parts`) of this stage's trainable
+        variables, in its exchange's order, and of the whole model's, in the order of a whole
+        model's exchange: every stage's in stage order (an allgather: no rank builds the other
+        stages' layers)."""
+        own = parts.trainable_names(self.layers, self.first_layer, variables)
+        if own is None:
+            raise HvdtrainError("a pipeline stage's trainable variables must be its layers'")
+        every = self.collectives.allgather_object([own])
+        return own, [name for s in range(self.layout.stages)
+                     for name in every[self.layout.rank_of(s, 0)][0]]
 
     def _link(self, links: dict[tuple[int, int], Any], side: int) -> Link | None:
         """The link to the stage before (``side`` -1) or after (+1), None at the ends."""

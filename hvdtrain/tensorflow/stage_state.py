@@ -1,9 +1,11 @@
 """The checkpoint side of a TensorFlow pipeline stage: its part, and its share on resume.
 
 Each stage's first copy writes its layers' variables and its optimizer's by global name
-(:mod:`hvdtrain.tensorflow.parts`); on resume copy 0's ranks read the parts that hold their layers
-under this run's split, or their entries of a checkpoint written without stages, and the stage's
-Horovod broadcast (``PipelineEngine.broadcast_state``) hands them to the other copies.
+(:mod:`hvdtrain.tensorflow.parts`), with its exchange's state (every copy's residuals, gathered in
+the stage's process set first) by variable name; on resume copy 0's ranks read the parts that hold
+their layers under this run's split, or their entries of a checkpoint written without stages, and
+the stage's Horovod broadcasts (``PipelineEngine.broadcast_state``) hand them to the other copies,
+each copy its own row of residuals.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.checkpoint import not_a_checkpoint
+from hvdtrain.compression.state import by_index, by_name, merge_named
 from hvdtrain.engine import Collectives, PartedState
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
 from hvdtrain.pipeline.state import parts_holding, parts_misfit
 from hvdtrain.tensorflow import parts, rng
 
@@ -32,6 +36,11 @@ class StageState(PartedState):
     layer_count: int
     layers: list[Any]
     optimizer: Any
+    exchange: GradientExchange
+    trainable: list[str]
+    """The global names of this stage's trainable variables, in its exchange's order."""
+    all_trainable: list[str]
+    """The whole model's, in the order of its exchange (a checkpoint written whole)."""
     restore_from: Path | None
     _restored: dict[str, Any] | None
 
@@ -44,15 +53,13 @@ class StageState(PartedState):
                 entries, where = self._own_entries(), restored["where"]
                 path = Path(restored["path"])
                 if restored["parts"]:
-                    layers = range(self.first_layer, self.first_layer + len(self.layers))
-                    values: dict[str, np.ndarray] = {}
-                    for part in parts_holding(restored["parts"], layers):
-                        found = parts.read_entries(path.parent / str(part["file"]), entries, where,
-                                                   part.get("sha256"))
-                        values |= {k: v for k, v in found.items() if k not in values}
+                    values, named = self._read_parts(path.parent, restored["parts"], entries, where)
                 else:
                     values = parts.read_whole(path, entries, where)
+                    # Written whole: its slots follow the whole model's trainable variables.
+                    named = by_name(parts.read_compression(path, where), self.all_trainable)
                 parts.assign(entries, values, where)
+                self.exchange.load_state_dict(by_index(named, self.trainable), where)
             except HvdtrainError as exc:
                 problem = str(exc)
             except Exception as exc:  # noqa: BLE001  (shared below: no rank may wait alone)
@@ -63,16 +70,36 @@ class StageState(PartedState):
         if failures:
             raise HvdtrainError(failures[0])
 
+    def _read_parts(self, directory: Path, manifest: list[dict[str, Any]],
+                    entries: dict[str, Any], where: str
+                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """This stage's entries from the parts that hold its layers, and those parts' exchange
+        state merged (slots by variable name; other stages' slots are dropped on loading)."""
+        layers = range(self.first_layer, self.first_layer + len(self.layers))
+        values: dict[str, np.ndarray] = {}
+        states = []
+        for part in parts_holding(manifest, layers):
+            found, state = parts.read_part(directory / str(part["file"]), entries, where,
+                                           part.get("sha256"))
+            values |= {k: v for k, v in found.items() if k not in values}
+            states.append(state)
+        return values, merge_named(states, where)
+
     def _own_entries(self) -> dict[str, Any]:
         """This stage's variables and its optimizer's, by global name."""
         return parts.named_state(self.layers, self.first_layer, self.optimizer)
 
     def part_bytes(self) -> tuple[str, list[int], bytes] | None:
-        """Copy 0's ranks write their layers; the other copies hold the same ones."""
+        """Copy 0's ranks write their layers, with every copy's exchange state (residuals differ
+        per copy: gathered first, a collective in the stage's process set); the other copies
+        hold the same layers."""
+        self.exchange.gather()
         if self.copy != 0:
             return None
         layers = list(range(self.first_layer, self.first_layer + len(self.layers)))
-        return f"stage-{self.stage}", layers, parts.part_bytes(self._own_entries())
+        compression = by_name(self.exchange.state_dict(), self.trainable)
+        return (f"stage-{self.stage}", layers,
+                parts.part_bytes(self._own_entries(), compression))
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         """Rank 0's ``step-N.ckpt`` beside the parts: its random states and ``meta`` (which lists

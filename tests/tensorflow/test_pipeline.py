@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdtrain.checkpoint import sha256_of
+from hvdtrain.compression.state import by_index, by_name, merge_named, pack
 from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.split import balanced_bounds
@@ -89,3 +91,42 @@ def test_keras_variables_and_adam_slots_are_named_by_global_layer():
         + slots + ["optimizer/opt/iteration", "optimizer/opt/learning_rate"])
     assert named["optimizer/7.0/velocity"].shape == model.layers[2].kernel.shape
     assert named["model/6.2"] is model.layers[1].moving_mean
+
+
+def test_trainable_variables_are_named_by_global_layer():
+    """The exchange's tensors by the parts' names: batch norm's moving statistics (its variables
+    2 and 3) do not train; a variable outside the layers given leaves no names."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+    names = parts.trainable_names(model.layers, 5, model.trainable_variables)
+    assert names == ["5.0", "5.1", "6.0", "6.1", "7.0", "7.1"]
+    assert parts.trainable_names(model.layers[1:], 6, model.trainable_variables) is None
+
+
+def test_a_part_holds_the_exchange_state_by_name(tmp_path):
+    """A part's exchange state (slots by variable name) reads back apart from its entries, and
+    a stage takes its own slots from it by its variables' names."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD()
+    optimizer.build(model.trainable_variables)
+    entries = parts.named_state(model.layers, 1, optimizer)
+    names = parts.trainable_names(model.layers, 1, model.trainable_variables)
+    rows = np.arange(24, dtype=np.float32).reshape(2, 12)
+    state = by_name(pack("topk", 7, {"residual/2": rows[:, :6]}), names)
+    path = tmp_path / "step-7.stage-1.part"
+    path.write_bytes(parts.part_bytes(entries, state))
+    found, read = parts.read_part(path, entries, "the part", sha256_of(path))
+    assert found.keys() == entries.keys()
+    np.testing.assert_array_equal(found["model/2.0"], model.layers[1].kernel.numpy())
+    assert read.keys() == {"method", "step", "residual/2.0"}
+    np.testing.assert_array_equal(read["residual/2.0"], rows[:, :6])
+    # A stage holding layer 2 alone: its kernel is its exchange's tensor 0.
+    mine = by_index(merge_named([read], "the part"), ["2.0", "2.1"])
+    assert mine is not None and set(mine) == {"method", "step", "residual/0"}
+    assert parts.read_compression(path, "the part").keys() == read.keys()
+
+
+def test_a_checkpoint_without_exchange_state_reads_as_none(tmp_path):
+    path = tmp_path / "step-1.stage-0.part"
+    path.write_bytes(parts.part_bytes({}))
+    assert parts.read_compression(path, "the part") == {}
