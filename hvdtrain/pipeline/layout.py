@@ -41,6 +41,10 @@ class Layout:
         """Data-parallel copies of the pipeline."""
         return self.size // self.stages
 
+    def describe(self) -> str:
+        """``"2 stages x 2 copies"``: the run summary's ``pipeline`` entry."""
+        return f"{self.stages} stages x {self.copies} copies"
+
     def stage_of(self, rank: int) -> int:
         """The stage that ``rank`` holds."""
         return self._checked(rank) % self.stages

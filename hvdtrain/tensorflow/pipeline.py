@@ -517,6 +517,9 @@ class PipelineEngine(StageState, TensorFlowEngine):
     def pipeline_stages(self) -> list[int]:
         return [self.layout.stage_of(r) for r in range(self.size)]
 
+    def placement(self) -> dict[str, str]:
+        return {**super().placement(), "pipeline": self.layout.describe()}
+
     def parameters(self) -> dict[str, np.ndarray]:
         # By global layer index: the same names whatever the split.
         return {f"{k}.{j}.{v.name}": v.numpy().copy()

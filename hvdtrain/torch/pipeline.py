@@ -484,5 +484,4 @@ class PipelineEngine(TorchEngine, PartedState):
         return [self.layout.stage_of(r) for r in range(self.size)]
 
     def placement(self) -> dict[str, str]:
-        return {**super().placement(), "pipeline": f"{self.layout.stages} stages x "
-                                                   f"{self.layout.copies} copies"}
+        return {**super().placement(), "pipeline": self.layout.describe()}

@@ -18,11 +18,11 @@ EQUIV = ("data.batch_size={b},optim.name=sgd,optim.lr={lr},optim.momentum=0.9,"
          "optim.warmup_steps=0,train.max_steps=12")
 
 
-def launch(np_: int, out, runs: list[str]) -> Launch:
-    proc = horovodrun(np_, "gloo", [PYTHON, WORKER, str(out), str(LM_CONFIGS["torch"]), *runs],
-                      timeout=600)
+def launch(np_: int, out, runs: list[str], framework: str = "torch") -> Launch:
+    proc = horovodrun(np_, "gloo", [PYTHON, WORKER, str(out), str(LM_CONFIGS[framework]), *runs],
+                      timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return Launch("torch", "gloo", out)
+    return Launch(framework, "gloo", out)
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +73,33 @@ METHODS = ["fp16", "topk", "randomk", "qsgd", "powersgd"]
 
 
 @pytest.fixture(scope="module")
-def staged(tmp_path_factory) -> Launch:
-    corpus = docs_corpus(tmp_path_factory.mktemp("text-staged") / "docs")
-    return launch(4, tmp_path_factory.mktemp("lm-staged"),
-                  [f"{m}:data.options.root={corpus},{STAGED},comm.compression={m}"
-                   for m in METHODS])
+def staged(tmp_path_factory):
+    """Per framework, on first use: one -np 4 launch training every method in turn."""
+    cache: dict[str, Launch] = {}
+
+    def get(framework: str) -> Launch:
+        if framework not in cache:
+            corpus = docs_corpus(tmp_path_factory.mktemp(f"text-{framework}") / "docs")
+            cache[framework] = launch(
+                4, tmp_path_factory.mktemp(f"lm-staged-{framework}"),
+                [f"{m}:data.options.root={corpus},{STAGED},comm.compression={m}"
+                 for m in METHODS], framework)
+        return cache[framework]
+
+    return get
 
 
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("method", METHODS)
-def test_the_lm_trains_in_stages_with_every_compression_method(staged, method):
-    summary = staged.summary(method)
+def test_the_lm_trains_in_stages_with_every_compression_method(staged, framework, method):
+    launched = staged(framework)
+    summary = launched.summary(method)
     assert summary["pipeline"] == "2 stages x 2 copies" and summary["steps"] == 30
     # From 256 (a uniform guess): seen 28-36 with fp16, qsgd, powersgd and top-k at 10%, 80 with
     # random-k at 10% (its residuals are still being paid out after 30 steps).
     assert summary["final"]["eval_perplexity"] < 160, summary["final"]
     for first, second in ((0, 2), (1, 3)):  # each stage's copies hold the same parameters
-        a, b = staged.rank(method, first)[0], staged.rank(method, second)[0]
+        a, b = launched.rank(method, first)[0], launched.rank(method, second)[0]
         assert a.keys() == b.keys() and a
         for key in a:
             assert np.array_equal(a[key], b[key]), key
