@@ -13,7 +13,8 @@ The exchange's state (residuals, velocities) is in the checkpoint's parts, by pa
 pipeline resumed with the same split is bit-identical to the uninterrupted run; a data-parallel
 run resumes from the parts, and a pipeline from a data-parallel checkpoint.
 
-Three launches: data parallel at ``-np 2``, the pipelines at ``-np 4``, data parallel again.
+Three launches: data parallel at ``-np 2``; the pipelines at ``-np 4``; at ``-np 2`` one pipeline
+copy and data parallelism, both resumed from the pipeline's parts.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Data parallel at -np 2; the pipelines at -np 4 (one resumed from the former); data
-    parallel at -np 2 resumed from the pipeline's parts (a process whose Horovod started without
-    process sets cannot run stages afterwards: hence three launches)."""
+    """Data parallel at -np 2; the pipelines at -np 4 (one resumed from the former); at -np 2 a
+    pipeline of one copy and data parallelism resumed from the pipeline's parts (a process whose
+    Horovod started without process sets cannot run stages afterwards: hence three launches)."""
     two = tmp_path_factory.mktemp("pipe-comp2")
     launched2 = launch(2, "gloo", two, [
         f"dp:{DATA},{DGC}", *(f"{name}:{DATA},{extra}" for name, extra in METHODS.items())])
@@ -54,7 +55,10 @@ def launches(tmp_path_factory):
         f"from_dp:{PIPE},{DGC},{step10(two, 'dp')}",
         *(f"{name}:{PIPE},{extra}" for name, extra in METHODS.items())])
     back = tmp_path_factory.mktemp("pipe-comp2-back")
-    resumed2 = launch(2, "gloo", back, [f"from_parts:{DATA},{DGC},{step10(four, 'dgc')}"])
+    resumed2 = launch(2, "gloo", back, [
+        f"one_copy:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,pipeline.microbatches=4,"
+        f"{COMMON},{DGC},{step10(four, 'dgc')}",
+        f"from_parts:{DATA},{DGC},{step10(four, 'dgc')}"])
     return launched2, launched4, resumed2
 
 
@@ -89,6 +93,12 @@ def test_residuals_and_velocities_move_between_parts_and_a_whole_checkpoint(laun
     assert read_jsonl(launched4.out / "from_dp" / "metrics.jsonl")[0]["step"] == 15
     assert_close(resumed2.rank("from_parts", 0)[0], want, ATOL)
     assert read_jsonl(resumed2.out / "from_parts" / "metrics.jsonl")[0]["step"] == 15
+    # One copy (the stages' exchanges in process sets of one rank) takes the two copies' rows'
+    # mean, as data parallelism does at a new world size, and trains on from step 10.
+    one = resumed2.summary("one_copy")
+    assert one["pipeline"] == "2 stages x 1 copies" and one["steps"] == 23
+    assert read_jsonl(resumed2.out / "one_copy" / "metrics.jsonl")[0]["step"] == 15
+    assert one["final"]["train_loss"] < launched4.summary("dgc")["final"]["train_loss"] + 0.05
 
 
 @pytest.mark.parametrize("method", list(METHODS))
