@@ -31,7 +31,7 @@ FRAMEWORKS = ("torch", "tensorflow", "keras", "horovod")
 
 
 def worker(world, cfg, out: Path) -> dict:
-    client = make_client(cfg.ps, cfg.comm.compression, SHAPES)
+    client = make_client(cfg.ps, cfg.comm, SHAPES)
     workers = len(world.worker_ranks)
     total = client.layout.total
     errors = []
