@@ -115,7 +115,9 @@ def sum_step(world: PSWorld, shard: Shard, step: int = 0) -> None:
     for i in range(len(shard.sums)):
         protocol.waitall(arriving[i])
         shard.add(i)
-        sent = shard.answer(i, step, world.rank)
+        # qsgd's pull noise is drawn as for a rank after the last worker's: whichever server
+        # owns the chunk, so that a run resumed on another number of servers draws the same.
+        sent = shard.answer(i, step, len(ranks))
         in_flight.append(sent)  # alive until the sends complete
         leaving += [comm.Isend(protocol.raw(b), dest=r, tag=protocol.PULL)
                     for r in ranks for b in sent]
