@@ -81,14 +81,16 @@ class PSClient:
         self.pulled_bytes = sum(b.nbytes for pulled in self.pulls for b in pulled)
         return self.summed
 
-    def fetch_residuals(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def fetch_residuals(self) -> tuple[np.ndarray, np.ndarray | None] | None:
         """Every worker, before a checkpoint, under error feedback: worker 0 receives every
-        worker's push residuals (rows by worker) and the servers' pull residuals (one whole
-        vector) and returns them; None on the other workers and without error feedback."""
+        worker's push residuals (rows by worker) and, under ``topk``, the servers' pull residuals
+        (one whole vector, else None) and returns them; None on the other workers and without
+        error feedback."""
         if self.residual is None:
             return None
         comm, workers, servers = self.world.comm, self.world.worker_ranks, self.world.servers
-        requests = self._controls(protocol.OP_STATE)
+        from_servers = self.settings.server_feedback
+        requests = self._controls(protocol.OP_STATE) if from_servers else []
         if self.world.rank != workers[0]:
             requests.append((comm.Isend(self.residual, dest=workers[0], tag=protocol.ROWS),
                              workers[0]))
@@ -98,22 +100,25 @@ class PSClient:
         rows[0] = self.residual
         requests += [(comm.Irecv(rows[i], source=r, tag=protocol.ROWS), r)
                      for i, r in enumerate(workers) if i]
-        parts = [np.empty(self.layout.elements(i), np.float32) for i in range(len(servers))]
+        parts = [np.empty(self.layout.elements(i), np.float32)
+                 for i in range(len(servers) if from_servers else 0)]
         requests += [(comm.Irecv(part, source=s, tag=protocol.STATE), s)
-                     for part, s in zip(parts, servers, strict=True)]
+                     for part, s in zip(parts, servers, strict=False)]
         self._wait(requests, "a checkpoint (fetching the residuals)")
+        if not from_servers:
+            return rows, None
         server = np.zeros(self.layout.total, np.float32)
         for index, part in enumerate(parts):
             shards.put(server, part, self.layout, index)
         return rows, server
 
-    def restore(self, step: int, saved: tuple[np.ndarray, np.ndarray] | None) -> None:
+    def restore(self, step: int, saved: tuple[np.ndarray, np.ndarray | None] | None) -> None:
         """Every worker, before its first push (compressed methods): worker 0 hands the others
         the ``step`` to go on from and, when it resumed with error feedback, ``saved``: the push
         residuals (rows by worker of the run that saved them, re-sharded for this number of
-        workers by :func:`hvdtrain.compression.state.reshard`) and the servers' pull residuals
-        (a whole vector, cut by this run's layout: any number of servers). The others pass
-        anything."""
+        workers by :func:`hvdtrain.compression.state.reshard`) and under ``topk`` the servers'
+        pull residuals (a whole vector, cut by this run's layout: any number of servers). The
+        others pass anything."""
         comm, workers = self.world.comm, self.world.worker_ranks
         head = np.array([step, int(saved is not None)], np.int64)
         if self.world.rank == workers[0]:
@@ -125,7 +130,8 @@ class PSClient:
         self.step = int(head[0])
         if not head[1] or self.residual is None:
             return
-        requests = self._controls(protocol.OP_LOAD)
+        servers = self.world.servers if self.settings.server_feedback else ()
+        requests = self._controls(protocol.OP_LOAD) if servers else []
         if self.world.rank != workers[0]:
             requests.append((comm.Irecv(self.residual, source=workers[0], tag=protocol.ROWS),
                              workers[0]))
@@ -135,9 +141,10 @@ class PSClient:
             self.residual[:] = rows[0]
             requests += [(comm.Isend(rows[i], dest=r, tag=protocol.ROWS), r)
                          for i, r in enumerate(workers) if i]
-            parts = [shards.take(saved[1], self.layout, i) for i in range(len(self.world.servers))]
+            whole = saved[1] if saved[1] is not None else np.zeros(self.layout.total, np.float32)
+            parts = [shards.take(whole, self.layout, i) for i in range(len(servers))]
             requests += [(comm.Isend(part, dest=s, tag=protocol.INIT), s)
-                         for part, s in zip(parts, self.world.servers, strict=True)]
+                         for part, s in zip(parts, servers, strict=True)]
         self._wait(requests, "the start (restoring the residuals)")
 
     def finish(self) -> None:

@@ -8,7 +8,8 @@ buffers, never pickles) and decodes them back into float32. The math is
 - ``none`` / ``fp16``: the chunk as float32 / float16;
 - ``topk``: float32 values and int32 indices of the ``k`` largest magnitudes;
 - ``randomk``: float32 values at ``k`` indices drawn from ``(seed, step, chunk)``, and those
-  indices (int32): the receiver needs no draw of its own;
+  indices (int32): the receiver needs no draw of its own. Every worker draws the same indices,
+  so a server's sum is nonzero at those only, and its pull (the same draw, unscaled) is exact;
 - ``qsgd``: int8 codes and float32 scales, one per ``comm.bucket`` elements, with noise seeded by
   ``(seed, rank, step, chunk)`` (stateless: a resumed run draws what an uninterrupted one would).
 
@@ -20,7 +21,7 @@ A chunk of fewer than ``comm.min_size`` elements travels dense, float32 (:meth:`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,15 +58,26 @@ class WireSettings:
         return cls(METHODS[method], ratio, bool(feedback), bucket, min_size, seed)
 
     @property
+    def compressing(self) -> bool:
+        """Whether the method compresses (keeps state: a step that seeds draws, residuals)."""
+        return self.method not in ("none", "fp16")
+
+    @property
     def sparse(self) -> bool:
         """Whether the method sends a fraction of the entries (and keeps residuals)."""
         return self.method in SPARSE
 
     @property
     def feedback(self) -> bool:
-        """Whether each worker keeps what its push did not send, and each server what its pull did
-        not (``comm.error_feedback`` with a sparse method)."""
+        """Whether each worker keeps what its push did not send (``comm.error_feedback`` with a
+        sparse method)."""
         return self.sparse and self.error_feedback
+
+    @property
+    def server_feedback(self) -> bool:
+        """Whether each server keeps what its pull did not send: ``topk``'s pull with
+        ``comm.error_feedback`` (random-k's pull sends the whole sum, qsgd is unbiased)."""
+        return self.method == "topk" and self.error_feedback
 
 
 class Codec:
@@ -176,10 +188,12 @@ def push_scheme(settings: WireSettings) -> Scheme:
 
 
 def pull_scheme(settings: WireSettings) -> Scheme:
-    """What servers send back: top-k for both sparse methods (a server's random choice would need
-    draws the workers share, and top-k sends first the largest of what the server owes), else
-    the run's method."""
-    return Scheme(settings, "topk" if settings.sparse else settings.method)
+    """What servers send back: the run's method. Under ``randomk`` every worker pushed the same
+    draw of indices, so the sum is nonzero there only and its pull, at those indices unscaled,
+    is exact."""
+    if settings.method == "randomk":
+        return Scheme(replace(settings, error_feedback=True), "randomk")
+    return Scheme(settings, settings.method)
 
 
 def encode(codec: Codec, values: np.ndarray, residual: np.ndarray | None, step: int, chunk: int,

@@ -57,7 +57,8 @@ class PSExchange(GradientExchange):
     step, which seeds random-k's indices and qsgd's noise, and under error feedback every
     worker's push residuals as the ring's per-tensor slots (``residual/<i>``, a row per worker:
     a ring run resumes with them, and this exchange with the ring's) and the servers' pull
-    residuals as one whole vector (:data:`SERVER_RESIDUAL`: any number of servers resumes it)."""
+    residuals (``topk``) as one whole vector (:data:`SERVER_RESIDUAL`: any number of servers
+    resumes it)."""
 
     def __init__(self, client: PSClient, rank: int, size: int,
                  shapes: Sequence[Sequence[int]]) -> None:
@@ -66,11 +67,11 @@ class PSExchange(GradientExchange):
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.stats = empty_stats()
         self.method = client.settings.method
-        self.compressing = self.method not in WIRES and self.method != "none"
+        self.compressing = client.settings.compressing
         # Residuals stay in the gradients' units whatever a loss scale does (as on the ring).
         self.unscaled_first = self.compressing
         self.saved: dict[str, np.ndarray] | None = None
-        self.restored: tuple[int, tuple[np.ndarray, np.ndarray] | None] = (0, None)
+        self.restored: tuple[int, tuple[np.ndarray, np.ndarray | None] | None] = (0, None)
         """The step and the residuals (push rows, server vector) rank 0 resumed with."""
 
     def run(self, grads: Sequence[Any]) -> list[Any]:
@@ -125,7 +126,8 @@ class PSExchange(GradientExchange):
             bounds = np.cumsum([0, *self.sizes]).tolist()
             arrays = {s.key: rows[:, a:b] for s, a, b in zip(self.slots(), bounds[:-1],
                                                               bounds[1:], strict=True)}
-            arrays[SERVER_RESIDUAL] = server
+            if server is not None:
+                arrays[SERVER_RESIDUAL] = server
         self.saved = pack(self.method, self.client.step, arrays)
 
     def state_dict(self) -> dict[str, np.ndarray] | None:
@@ -136,8 +138,10 @@ class PSExchange(GradientExchange):
             return
         saved = unpack(entry, self.method, self.slots(), where)
         residuals = None
-        if self.client.settings.feedback and (saved.rows or SERVER_RESIDUAL in entry):
-            residuals = (self._rows(saved.rows), self._server_residual(entry, where))
+        settings = self.client.settings
+        if settings.feedback and (saved.rows or SERVER_RESIDUAL in entry):
+            server = self._server_residual(entry, where) if settings.server_feedback else None
+            residuals = (self._rows(saved.rows), server)
         self.restored = (saved.step, residuals)
 
     def _rows(self, rows: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -202,7 +206,7 @@ class ServerOptimizer:
 
 SERVER_RESIDUAL = "ps_server_residual"
 """Key of the servers' pull residuals (one whole flat vector) in a checkpoint's compression entry
-(``bsp`` with error feedback)."""
+(``bsp``, ``topk`` with error feedback)."""
 
 STATE_PREFIX = "ps_"
 """Keys of the servers' optimizer state in a checkpoint's exchange entry: ``ps_steps`` and one

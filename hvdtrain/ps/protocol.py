@@ -34,7 +34,7 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
   version of the parameters that follow and the staleness the worker's push saw;
 - ``STATE``: the answer to a ``STATE`` control, int64 ``[version, steps, arrays]`` and a float32
   buffer laid out as ``INIT``'s; under ``bsp`` the shard's pull residuals (float32), only where
-  the servers keep them (:attr:`hvdtrain.ps.codec.WireSettings.feedback`);
+  the servers keep them (:attr:`hvdtrain.ps.codec.WireSettings.server_feedback`);
 - ``ROWS``, between workers under ``bsp`` with compression: the step and each worker's push
   residuals, to worker 0 before a checkpoint and from worker 0 when resumed.
 

@@ -32,8 +32,9 @@ class ProtocolError(HvdtrainError):
 
 class Shard:
     """This server's chunks of the flat gradient: the receive buffers per worker and chunk (its
-    push codec's), the chunk sums (float32), and under error feedback what the pulls left unsent
-    (one vector in the shard's layout, :mod:`hvdtrain.ps.shards`, with a view per chunk)."""
+    push codec's), the chunk sums (float32), and under ``topk`` with error feedback what the
+    pulls left unsent (one vector in the shard's layout, :mod:`hvdtrain.ps.shards`, with a view
+    per chunk)."""
 
     def __init__(self, layout: Layout, server: int, workers: int,
                  settings: WireSettings | None = None) -> None:
@@ -46,7 +47,8 @@ class Shard:
         self.received = [[codec.buffers(n) for codec, n in zip(self.pushes, self.sizes, strict=True)]
                          for _ in range(workers)]
         self.sums = [np.empty(n, np.float32) for n in self.sizes]
-        self.residual = np.zeros(self.elements, np.float32) if settings.feedback else None
+        self.residual = (np.zeros(self.elements, np.float32) if settings.server_feedback
+                         else None)
         offsets = np.cumsum([0, *self.sizes]).tolist()
         self.residuals = [None if self.residual is None else self.residual[a:b]
                           for a, b in itertools.pairwise(offsets)]

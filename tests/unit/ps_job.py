@@ -98,7 +98,7 @@ def compressing_worker(world, cfg, out: Path, steps: int, save_at: int, resume: 
         if exchange.client.settings.feedback:  # every worker's push residuals and the servers'
             rows = np.concatenate([entry[f"residual/{i}"].reshape(workers, -1)
                                    for i in range(len(SHAPES))], axis=1)
-            owed = rows.astype(np.float64).sum(axis=0) + entry["ps_server_residual"]
+            owed = rows.astype(np.float64).sum(axis=0) + entry.get("ps_server_residual", 0.0)
         pushed = sum(exchange.flatten(grads(s, r)).astype(np.float64)
                      for s in range(first, steps) for r in range(workers))
         record["lost"] = float(np.abs(pulled + owed - pushed).max())

@@ -144,6 +144,20 @@ def test_without_error_feedback_the_server_keeps_nothing():
     assert shard.residual is None and shard.residuals == [None] * len(shard.sizes)
     shard, _ = shard_for("qsgd")  # unbiased: no residuals, as on the ring
     assert shard.residual is None
+    shard, _ = shard_for("randomk")  # its pull is exact (next test)
+    assert shard.residual is None
+
+
+def test_the_random_k_pull_sends_the_whole_sum():
+    """Every worker pushed the same draw of indices, so the sum is nonzero there only, and the
+    pull at that draw (unscaled) decodes to the very sum: nothing for the server to keep."""
+    shard, _ = shard_for("randomk", feedback=False)  # pushes scaled by n / k, the pull is not
+    push(shard, 2, 3)
+    for i, n in enumerate(shard.sizes):
+        shard.add(i)
+        sent = shard.answer(i, 2, 3)
+        assert np.array_equal(shard.pulls[i].decode(sent, n), shard.sums[i])
+        assert sum(b.nbytes for b in sent) == 8 * ref.num_selected(n, 0.05) < 4 * n
 
 
 @pytest.mark.parametrize("method", ["topk", "randomk", "qsgd"])

@@ -161,4 +161,5 @@ def test_compressed_state_resumes_on_another_number_of_servers(tmp_path, method)
     assert np.array_equal(np.load(two / "last.npy"), np.load(one / "last.npy"))
     with np.load(one / "state.npz") as entry:
         assert int(entry["step"]) == 2 and str(entry["method"]) == method
-        assert ("ps_server_residual" in entry.files) == (method != "qsgd")
+        assert ("ps_server_residual" in entry.files) == (method == "topk")
+        assert ("residual/0" in entry.files) == (method != "qsgd")
