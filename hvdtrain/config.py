@@ -225,9 +225,22 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
         raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
                           "(elastic Horovod needs Gloo, the servers need MPI); set "
                           "elastic.enabled=false or comm.topology=ring")
-    if comm.compression not in ("none", "fp16"):
-        raise ConfigError(f"comm.compression={comm.compression!r} with comm.topology=ps: not "
-                          "available yet; use none or fp16")
+    if comm.compression in ("none", "fp16"):
+        return
+    method = f"comm.compression={comm.compression!r} with comm.topology=ps"
+    if comm.compression == "powersgd":
+        raise ConfigError(f"{method}: PowerSGD's factors need two averaging rounds and one "
+                          "orthogonalisation a step, which servers that only sum do not run; "
+                          "use topk, randomk or qsgd, or comm.topology=ring")
+    if ps.placement == "colocated":
+        raise ConfigError(f"{method} and ps.placement=colocated: the sharded update's "
+                          "reduce-scatter carries none or fp16 only; use ps.placement=dedicated")
+    if ps.consistency != "bsp":
+        raise ConfigError(f"{method} and ps.consistency={ps.consistency!r}: the servers' "
+                          "optimizer takes dense pushes only; use bsp, or none or fp16")
+    if comm.momentum_correction or comm.compress_momentum:
+        raise ConfigError(f"{method}: comm.momentum_correction and comm.compress_momentum are "
+                          "update rules of the ring's compressing exchange; set them false")
 
 
 def check_colocated(cfg: Config) -> None:

@@ -100,6 +100,12 @@ def noise_seed(seed: int, rank: int, step: int, index: int) -> int:
     return int(words[0] >> np.uint64(1))
 
 
+def qsgd_noise(seed: int, n: int) -> np.ndarray:
+    """qsgd's U[0, 1) float32 noise for ``n`` elements drawn in NumPy from :func:`noise_seed`'s
+    ``seed`` (the parameter servers' draw; the framework kernels draw from their own generators)."""
+    return np.random.Generator(np.random.Philox(seed)).random(n, dtype=np.float32)
+
+
 def num_selected(n: int, ratio: float) -> int:
     """How many entries top-k and random-k keep from ``n``."""
     return max(1, min(n, math.floor(ratio * n)))

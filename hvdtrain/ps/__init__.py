@@ -7,7 +7,8 @@ Server processes import NumPy and mpi4py only (:mod:`hvdtrain.ps.server`, and un
 gradient exchange (:mod:`hvdtrain.ps.exchange`) drives. :mod:`hvdtrain.ps.world` splits the job
 into workers and servers; :mod:`hvdtrain.ps.layout` says which server owns which chunk of the flat
 gradient and :mod:`hvdtrain.ps.shards` cuts vectors and optimizer state into those shards;
-:mod:`hvdtrain.ps.protocol` is what travels between them. Colocated servers
+:mod:`hvdtrain.ps.protocol` is what travels between them and :mod:`hvdtrain.ps.codec` what a
+chunk travels as under each ``comm.compression`` method. Colocated servers
 (``ps.placement=colocated``, the sharded update) have no server processes:
 :mod:`hvdtrain.ps.colocated` says which slice of the flat parameters each worker owns (the PyTorch
 side is :mod:`hvdtrain.torch.colocated`). See docs/parameter-servers.md.

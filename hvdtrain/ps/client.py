@@ -7,14 +7,17 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.compression.state import reshard
 from hvdtrain.ps import protocol, shards
+from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
 from hvdtrain.ps.layout import Layout
 from hvdtrain.ps.world import PSWorld
 
 
 class PSClient:
-    """Pushes and pulls one flat float32 vector of ``total`` elements through the servers, sent
-    as ``wire`` (float32, or float16 for half the bytes).
+    """Pushes and pulls one flat float32 vector of ``total`` elements through the servers, dense
+    as ``wire`` (float32, or float16 for half the bytes) or compressed as ``settings`` say
+    (:mod:`hvdtrain.ps.codec`; ``bsp`` only).
 
     Every chunk's push and pull are posted at once (``Isend``/``Irecv``), chunks of all servers
     interleaved in index order, so the servers sum early chunks while later ones still travel and
@@ -23,14 +26,24 @@ class PSClient:
     """
 
     def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
-                 wire: str = "float32") -> None:
+                 wire: str = "float32", settings: WireSettings | None = None) -> None:
         self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
+        self.settings = settings or WireSettings("fp16" if wire == "float16" else "none")
         self.layout = Layout(total, chunk, len(world.servers))
-        self.routes = [(*self.layout.bounds(c), world.servers[owner])
+        self.routes = [(*self.layout.bounds(c), world.servers[owner], c)
                        for owner in range(len(world.servers)) for c in self.layout.owned(owner)]
         self.routes.sort()  # index order: every server's first chunk leaves early
-        self.summed = np.empty(total, self.wire)
+        push, pull = push_scheme(self.settings), pull_scheme(self.settings)
+        self.pushes = [push.codec(stop - start) for start, stop, _, _ in self.routes]
+        self.pull_codecs = [pull.codec(stop - start) for start, stop, _, _ in self.routes]
+        self.pulls = [codec.buffers(stop - start)
+                      for codec, (start, stop, _, _) in zip(self.pull_codecs, self.routes,
+                                                            strict=True)]
+        self.residual = np.zeros(total, np.float32) if self.settings.feedback else None
+        """What this worker's pushes left unsent (error feedback), or None."""
+        self.summed = np.empty(total, np.float32)
         self.step = 0
+        """Steps pushed, counted on across resumptions (:meth:`restore`): it seeds draws."""
         self.pushed_bytes = self.pulled_bytes = 0
         """Bytes of gradient sent to and received from the servers by the last step."""
         message = self._hello()
@@ -40,22 +53,99 @@ class PSClient:
     def _hello(self) -> np.ndarray:
         """This worker's ``HELLO``."""
         return protocol.hello(self.layout.total, self.layout.chunk, self.layout.servers,
-                              len(self.world.worker_ranks), str(self.wire))
+                              len(self.world.worker_ranks), str(self.wire),
+                              settings=self.settings.to_ints())
 
     def push_pull(self, flat: np.ndarray) -> np.ndarray:
-        """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), in the
-        wire dtype. The result lives in a buffer that the next call overwrites."""
-        flat = flat if flat.dtype == self.wire else flat.astype(self.wire)
+        """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), as the
+        pulls decode it (float32). The result lives in a buffer that the next call overwrites."""
         comm, requests = self.world.comm, self._controls(protocol.OP_PUSH)
-        summed, sent = protocol.raw(self.summed), protocol.raw(flat)
-        for start, stop, server in self.routes:
-            requests.append((comm.Irecv(summed[start:stop], source=server, tag=protocol.PULL),
-                             server))
-            requests.append((comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server))
+        residual, rank = self.residual, self.world.rank
+        in_flight, pushed = [], 0
+        for (start, stop, server, chunk), codec, pulled in zip(self.routes, self.pushes,
+                                                               self.pulls, strict=True):
+            requests += [(comm.Irecv(protocol.raw(b), source=server, tag=protocol.PULL), server)
+                         for b in pulled]
+            part = None if residual is None else residual[start:stop]
+            sent = encode(codec, flat[start:stop], part, self.step, chunk, rank)
+            in_flight.append(sent)  # alive until the sends complete
+            pushed += sum(b.nbytes for b in sent)
+            requests += [(comm.Isend(protocol.raw(b), dest=server, tag=protocol.PUSH), server)
+                         for b in sent]
         self._wait(requests, f"step {self.step}")
+        for (start, stop, _, _), codec, pulled in zip(self.routes, self.pull_codecs, self.pulls,
+                                                      strict=True):
+            self.summed[start:stop] = codec.decode(pulled, stop - start)
         self.step += 1
-        self.pushed_bytes = self.pulled_bytes = flat.nbytes
+        self.pushed_bytes = pushed
+        self.pulled_bytes = sum(b.nbytes for pulled in self.pulls for b in pulled)
         return self.summed
+
+    def fetch_residuals(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Every worker, before a checkpoint, under error feedback: worker 0 receives every
+        worker's push residuals (rows by worker) and, under ``topk``, the servers' pull residuals
+        (one whole vector, else None) and returns them; None on the other workers and without
+        error feedback."""
+        if self.residual is None:
+            return None
+        comm, workers, servers = self.world.comm, self.world.worker_ranks, self.world.servers
+        from_servers = self.settings.server_feedback
+        requests = self._controls(protocol.OP_STATE) if from_servers else []
+        if self.world.rank != workers[0]:
+            requests.append((comm.Isend(self.residual, dest=workers[0], tag=protocol.ROWS),
+                             workers[0]))
+            self._wait(requests, "a checkpoint (sending residuals to worker 0)")
+            return None
+        rows = np.empty((len(workers), self.layout.total), np.float32)
+        rows[0] = self.residual
+        requests += [(comm.Irecv(rows[i], source=r, tag=protocol.ROWS), r)
+                     for i, r in enumerate(workers) if i]
+        parts = [np.empty(self.layout.elements(i), np.float32)
+                 for i in range(len(servers) if from_servers else 0)]
+        requests += [(comm.Irecv(part, source=s, tag=protocol.STATE), s)
+                     for part, s in zip(parts, servers, strict=False)]
+        self._wait(requests, "a checkpoint (fetching the residuals)")
+        if not from_servers:
+            return rows, None
+        server = np.zeros(self.layout.total, np.float32)
+        for index, part in enumerate(parts):
+            shards.put(server, part, self.layout, index)
+        return rows, server
+
+    def restore(self, step: int, saved: tuple[np.ndarray, np.ndarray | None] | None) -> None:
+        """Every worker, before its first push (compressed methods): worker 0 hands the others
+        the ``step`` to go on from and, when it resumed with error feedback, ``saved``: the push
+        residuals (rows by worker of the run that saved them, re-sharded for this number of
+        workers by :func:`hvdtrain.compression.state.reshard`) and under ``topk`` the servers'
+        pull residuals (a whole vector, cut by this run's layout: any number of servers). The
+        others pass anything."""
+        comm, workers = self.world.comm, self.world.worker_ranks
+        head = np.array([step, int(saved is not None)], np.int64)
+        if self.world.rank == workers[0]:
+            self._wait([(comm.Isend(head, dest=r, tag=protocol.ROWS), r) for r in workers[1:]],
+                       "the start (handing out the step)")
+        else:
+            self._wait([(comm.Irecv(head, source=workers[0], tag=protocol.ROWS), workers[0])],
+                       "the start (waiting for worker 0)")
+        self.step = int(head[0])
+        if not head[1] or self.residual is None:
+            return
+        servers = self.world.servers if self.settings.server_feedback else ()
+        requests = self._controls(protocol.OP_LOAD) if servers else []
+        if self.world.rank != workers[0]:
+            requests.append((comm.Irecv(self.residual, source=workers[0], tag=protocol.ROWS),
+                             workers[0]))
+        else:
+            assert saved is not None  # head[1] says so
+            rows = reshard(saved[0], len(workers))
+            self.residual[:] = rows[0]
+            requests += [(comm.Isend(rows[i], dest=r, tag=protocol.ROWS), r)
+                         for i, r in enumerate(workers) if i]
+            whole = saved[1] if saved[1] is not None else np.zeros(self.layout.total, np.float32)
+            parts = [shards.take(whole, self.layout, i) for i in range(len(servers))]
+            requests += [(comm.Isend(part, dest=s, tag=protocol.INIT), s)
+                         for part, s in zip(parts, servers, strict=True)]
+        self._wait(requests, "the start (restoring the residuals)")
 
     def finish(self) -> None:
         """Tells every server that this worker's training ended."""
@@ -68,7 +158,8 @@ class PSClient:
 
     def _wait(self, requests: list[tuple[Any, int]], when: str) -> None:
         def describe(peers: list[int]) -> str:
-            names = ", ".join(f"parameter {self.world.name(p)}" for p in peers)
+            names = ", ".join(f"parameter {self.world.name(p)}" if p in self.world.servers
+                              else self.world.name(p) for p in peers)
             return (f"{names} did not answer {self.world.name(self.world.rank)} within "
                     f"ps.timeout_s={self.timeout_s:g} s at {when}: it died or hangs")
         protocol.wait(requests, self.timeout_s, describe)
@@ -126,7 +217,7 @@ class AsyncPSClient(PSClient):
             requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
             requests.append((comm.Irecv(self.answers[index], source=server,
                                         tag=protocol.VERSIONS), server))
-        for start, stop, server in self.routes:
+        for start, stop, server, _ in self.routes:
             requests.append((comm.Irecv(self.params[start:stop], source=server,
                                         tag=protocol.PULL), server))
             requests.append((comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server))

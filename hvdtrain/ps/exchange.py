@@ -22,17 +22,20 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.compression.plans import CommSettings
+from hvdtrain.compression.state import RESIDUAL, Slot, pack, unpack
 from hvdtrain.config import PSConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats
 from hvdtrain.ps.client import AsyncPSClient, PSClient
+from hvdtrain.ps.codec import WireSettings
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.ps.optim import OPTIMIZERS
 from hvdtrain.ps.shards import state_names
 from hvdtrain.ps.world import split
 
-WIRES = {"none": "float32", "fp16": "float16"}
-"""The dtype chunks travel as, by ``comm.compression`` (the two that ``ps`` takes)."""
+WIRES = {"fp16": "float16"}
+"""The dtype dense chunks travel as, by ``comm.compression`` (float32 for every other method)."""
 
 
 def ps_stats(client: PSClient, comm_s: float, convert_s: float) -> dict[str, float]:
@@ -47,7 +50,15 @@ def ps_stats(client: PSClient, comm_s: float, convert_s: float) -> dict[str, flo
 
 
 class PSExchange(GradientExchange):
-    """Dedicated parameter servers summing the gradients (``ps.consistency=bsp``)."""
+    """Dedicated parameter servers summing the gradients (``ps.consistency=bsp``).
+
+    With a compressing method (:mod:`hvdtrain.ps.codec`) it has state, which a checkpoint's
+    compression entry holds as the ring's does (:func:`hvdtrain.compression.state.pack`): the
+    step, which seeds random-k's indices and qsgd's noise, and under error feedback every
+    worker's push residuals as the ring's per-tensor slots (``residual/<i>``, a row per worker:
+    a ring run resumes with them, and this exchange with the ring's) and the servers' pull
+    residuals (``topk``) as one whole vector (:data:`SERVER_RESIDUAL`: any number of servers
+    resumes it)."""
 
     def __init__(self, client: PSClient, rank: int, size: int,
                  shapes: Sequence[Sequence[int]]) -> None:
@@ -55,6 +66,13 @@ class PSExchange(GradientExchange):
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
         self.stats = empty_stats()
+        self.method = client.settings.method
+        self.compressing = client.settings.compressing
+        # Residuals stay in the gradients' units whatever a loss scale does (as on the ring).
+        self.unscaled_first = self.compressing
+        self.saved: dict[str, np.ndarray] | None = None
+        self.restored: tuple[int, tuple[np.ndarray, np.ndarray | None] | None] = (0, None)
+        """The step and the residuals (push rows, server vector) rank 0 resumed with."""
 
     def run(self, grads: Sequence[Any]) -> list[Any]:
         started = time.perf_counter()
@@ -92,16 +110,76 @@ class PSExchange(GradientExchange):
         """Tells the servers this training ended (the driver calls it on every worker)."""
         self.client.finish()
 
+    def slots(self) -> list[Slot]:
+        """The ring's residual slots, one per tensor, that hold the push residuals."""
+        return [Slot(RESIDUAL, i, np.zeros(n, np.float32)) for i, n in enumerate(self.sizes)]
 
-def make_client(ps: PSConfig, compression: str, shapes: Sequence[Sequence[int]]) -> PSClient:
+    def gather(self) -> None:
+        """Every worker, before a checkpoint: worker 0 collects the residuals of every worker and
+        server (a collective of the workers and servers)."""
+        if not self.compressing:
+            return
+        fetched = self.client.fetch_residuals()
+        arrays: dict[str, np.ndarray] = {}
+        if fetched is not None:
+            rows, server = fetched
+            bounds = np.cumsum([0, *self.sizes]).tolist()
+            arrays = {s.key: rows[:, a:b] for s, a, b in zip(self.slots(), bounds[:-1],
+                                                              bounds[1:], strict=True)}
+            if server is not None:
+                arrays[SERVER_RESIDUAL] = server
+        self.saved = pack(self.method, self.client.step, arrays)
+
+    def state_dict(self) -> dict[str, np.ndarray] | None:
+        return self.saved if self.compressing else None
+
+    def load_state_dict(self, entry: Mapping[str, Any] | None, where: str) -> None:
+        if not entry or not self.compressing:
+            return
+        saved = unpack(entry, self.method, self.slots(), where)
+        residuals = None
+        settings = self.client.settings
+        if settings.feedback and (saved.rows or SERVER_RESIDUAL in entry):
+            server = self._server_residual(entry, where) if settings.server_feedback else None
+            residuals = (self._rows(saved.rows), server)
+        self.restored = (saved.step, residuals)
+
+    def _rows(self, rows: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The push residuals as rows of whole flat vectors, from the per-tensor slots saved (a
+        tensor the ring did not compress has none: zeros)."""
+        count = next(iter(rows.values())).shape[0] if rows else 1
+        parts = [np.asarray(rows[s.key], np.float32).reshape(count, -1) if s.key in rows
+                 else np.zeros((count, s.initial.size), np.float32) for s in self.slots()]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+    def _server_residual(self, entry: Mapping[str, Any], where: str) -> np.ndarray:
+        """The servers' pull residuals saved (a ring checkpoint has none: zeros)."""
+        total = self.client.layout.total
+        server = np.asarray(entry.get(SERVER_RESIDUAL, np.zeros(total)), np.float32).reshape(-1)
+        if server.size != total:
+            raise HvdtrainError(f"{where}: its parameter servers' residuals hold {server.size} "
+                                f"elements, the model {total}")
+        return np.ascontiguousarray(server)
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """Every worker, before the first step: worker 0 hands the others and the servers the step
+        and residuals it resumed with (nothing for the dense methods, which keep no state)."""
+        if self.compressing:
+            self.client.restore(*self.restored)
+
+
+def make_client(ps: PSConfig, comm: CommSettings, shapes: Sequence[Sequence[int]],
+                seed: int = 0) -> PSClient:
     """The worker's client for gradients of these shapes, sent as ``comm.compression`` says
-    (``none`` or ``fp16``); starts the training on the servers. Under ``ssp``/``asp`` an
-    :class:`AsyncPSClient`."""
+    (``seed``: the run's, for random draws); starts the training on the servers. Under
+    ``ssp``/``asp`` an :class:`AsyncPSClient` (dense methods only)."""
     total = sum(int(np.prod(s)) for s in shapes)
     args = (split(ps.servers), total, chunk_elements(ps.chunk_kib), ps.timeout_s,
-            WIRES[compression])
+            WIRES.get(comm.compression, "float32"))
     if ps.consistency == "bsp":
-        return PSClient(*args)
+        settings = WireSettings(comm.compression, comm.ratio, comm.error_feedback, comm.bucket,
+                                comm.min_size, seed)
+        return PSClient(*args, settings=settings)
     return AsyncPSClient(*args, consistency=ps.consistency, staleness=ps.staleness)
 
 
@@ -125,6 +203,10 @@ class ServerOptimizer:
         return np.array([OPTIMIZERS.index(self.name), self.momentum, self.weight_decay,
                          *self.betas, self.eps], np.float64)
 
+
+SERVER_RESIDUAL = "ps_server_residual"
+"""Key of the servers' pull residuals (one whole flat vector) in a checkpoint's compression entry
+(``bsp``, ``topk`` with error feedback)."""
 
 STATE_PREFIX = "ps_"
 """Keys of the servers' optimizer state in a checkpoint's exchange entry: ``ps_steps`` and one

@@ -4,20 +4,28 @@ A server must not unpickle what a worker sends: a pickled ``torch.__version__`` 
 subclass) made a prototype server import torch (docs/parameter-servers.md). Every message is
 therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told apart by its tag:
 
-- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire, consistency, staleness]``),
-  once per training, from each worker to each server: the layout of the flat gradient
-  (:class:`hvdtrain.ps.layout.Layout`), the dtype chunks travel as (an index into
-  :data:`WIRE_DTYPES`) and the ``ps.consistency`` (an index into :data:`CONSISTENCIES`) with its
-  ``ps.staleness``;
+- ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire, consistency, staleness,
+  method, ratio, error_feedback, bucket, min_size, seed]``), once per training, from each worker
+  to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.Layout`), the dtype
+  dense chunks travel as (an index into :data:`WIRE_DTYPES`), the ``ps.consistency`` (an index
+  into :data:`CONSISTENCIES`) with its ``ps.staleness``, and the compression settings
+  (:class:`hvdtrain.ps.codec.WireSettings`: the method an index into
+  :data:`hvdtrain.ps.codec.METHODS`, the ratio as float64 bits);
 - ``CONTROL`` (int64 ``[op, step, version, lr]``), once per step from each worker to each server:
-  ``PUSH`` (the step's chunks follow) or ``DONE`` (the training ended; the server returns); under
-  ``ssp``/``asp`` also ``STATE`` (worker 0 before a checkpoint: send the shard's state back).
-  ``version`` is the server version the pushed gradient was computed on and ``lr`` the learning
-  rate to apply it with (float64 bits), both 0 under ``bsp``;
-- ``PUSH`` (the wire dtype), one message per chunk the server owns, in ascending chunk order;
-- ``PULL``: under ``bsp`` the server's sum of a chunk over all workers (the wire dtype; a server
-  sums in float32 whatever the wire dtype), back to each worker; under ``ssp``/``asp`` the chunk's
-  current parameters (always float32: parameters rounded to float16 would lose the updates);
+  ``PUSH`` (the step's chunks follow) or ``DONE`` (the training ended; the server returns); also
+  ``STATE`` (before a checkpoint: send the shard's state back to worker 0; under ``bsp`` every
+  worker asks, so that the servers see one operation a step) and, under ``bsp``, ``LOAD``
+  (resumed: worker 0 sends the shard's state, tag ``INIT``). ``step`` counts the workers' steps
+  across resumptions (it seeds random draws); ``version`` is the server version the pushed
+  gradient was computed on and ``lr`` the learning rate to apply it with (float64 bits), both 0
+  under ``bsp``;
+- ``PUSH``, per chunk the server owns, in ascending chunk order, the buffers of the chunk's codec
+  (:mod:`hvdtrain.ps.codec`: one in the wire dtype when dense; values and int32 indices, or int8
+  codes and float32 scales, when compressed);
+- ``PULL``: under ``bsp`` the server's sum of a chunk over all workers as the pull's codec
+  encodes it (a server decodes and sums in float32 whatever travels), back to each worker; under
+  ``ssp``/``asp`` the chunk's current parameters (always float32: parameters rounded to float16
+  would lose the updates);
 - ``INIT`` (``ssp``/``asp``, once, from worker 0 to each server before any push): float64
   ``[optimizer, momentum, weight_decay, beta1, beta2, eps]`` (the ``optim`` section, optimizer an
   index into :data:`hvdtrain.ps.optim.OPTIMIZERS`), int64 ``[steps, arrays]`` and one float32
@@ -25,7 +33,10 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
 - ``VERSIONS`` (int64 ``[version, staleness]``), before each ``PULL`` under ``ssp``/``asp``: the
   version of the parameters that follow and the staleness the worker's push saw;
 - ``STATE``: the answer to a ``STATE`` control, int64 ``[version, steps, arrays]`` and a float32
-  buffer laid out as ``INIT``'s.
+  buffer laid out as ``INIT``'s; under ``bsp`` the shard's pull residuals (float32), only where
+  the servers keep them (:attr:`hvdtrain.ps.codec.WireSettings.server_feedback`);
+- ``ROWS``, between workers under ``bsp`` with compression: the step and each worker's push
+  residuals, to worker 0 before a checkpoint and from worker 0 when resumed.
 
 MPI keeps the order of messages with the same source, tag and communicator, so a chunk needs no
 header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk.
@@ -42,14 +53,14 @@ import numpy as np
 
 from hvdtrain.errors import EnvironmentFailure
 
-VERSION = 2
+VERSION = 3
 """Bumped whenever a message changes: a worker and a server of different versions refuse."""
 
 HELLO, CONTROL, PUSH, PULL = 7101, 7102, 7103, 7104
-INIT, VERSIONS, STATE = 7105, 7106, 7107
+INIT, VERSIONS, STATE, ROWS = 7105, 7106, 7107, 7108
 """The tags (distinct from anything Horovod sends: it uses its own duplicated communicator)."""
 
-OP_PUSH, OP_DONE, OP_STATE = 1, 2, 3
+OP_PUSH, OP_DONE, OP_STATE, OP_LOAD = 1, 2, 3, 4
 """The operations of a ``CONTROL`` message."""
 
 CONSISTENCIES = ("bsp", "ssp", "asp")
@@ -62,7 +73,7 @@ HYPER_LENGTH = 6
 WIRE_DTYPES = ("float32", "float16")
 """What chunks travel as: float32, or float16 with ``comm.compression=fp16`` (half the bytes)."""
 
-HELLO_LENGTH = 8
+HELLO_LENGTH = 14
 
 
 def raw(buffer: np.ndarray) -> np.ndarray:
@@ -71,10 +82,12 @@ def raw(buffer: np.ndarray) -> np.ndarray:
 
 
 def hello(total: int, chunk: int, servers: int, workers: int, wire: str,
-          consistency: str = "bsp", staleness: int = 0) -> np.ndarray:
-    """The ``HELLO`` message of a worker."""
+          consistency: str = "bsp", staleness: int = 0,
+          settings: Sequence[int] = (0, 0, 0, 0, 0, 0)) -> np.ndarray:
+    """The ``HELLO`` message of a worker (``settings``: the compression's, as
+    :meth:`hvdtrain.ps.codec.WireSettings.to_ints` gives them)."""
     return np.array([VERSION, total, chunk, servers, workers, WIRE_DTYPES.index(wire),
-                     CONSISTENCIES.index(consistency), staleness], np.int64)
+                     CONSISTENCIES.index(consistency), staleness, *settings], np.int64)
 
 
 def control(op: int, step: int, version: int = 0, lr: float = 0.0) -> np.ndarray:

@@ -54,7 +54,7 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int,
     run's optimizer, whose update rule the compressing exchange may apply (then
     :func:`applies_update`)."""
     if ps is not None:
-        client = make_client(ps, comm.compression, shapes)
+        client = make_client(ps, comm, shapes, seed)
         return TensorFlowPSExchange(client, rank, size, shapes)
     if exchange_kind(comm.compression) == "dense":
         return DenseAllreduce(make_plan(comm, seed, shapes), rank, size)

@@ -116,7 +116,7 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
                               comm.compression)
     if ps is not None:
         shapes = [p.shape for p in params]
-        client = make_client(ps, comm.compression, shapes)
+        client = make_client(ps, comm, shapes, seed)
         if ps.consistency == "bsp":
             return TorchPSExchange(client, rank, size, shapes), optimizer
         return async_ps(client, rank, size, params, optimizer)

@@ -31,7 +31,7 @@ def targets(rank: int, total: int) -> np.ndarray:
 
 
 def worker(world, cfg, out: Path, steps: int, optim: str, resume: str | None) -> dict:
-    client = make_client(cfg.ps, "none", SHAPES)
+    client = make_client(cfg.ps, cfg.comm, SHAPES)
     total = client.layout.total
     # Momentum 0.5 at lr 0.1 barely overshoots (the heavy ball's roots 0.7 +- 0.1i): wherever the
     # pushes of the two workers interleave, the parameters stay between their targets.

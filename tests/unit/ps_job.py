@@ -1,9 +1,15 @@
 """A parameter-server job without any framework: real servers (through ``hvdtrain.driver.train``,
 as ``hvdtrain train`` runs them) and workers that drive the real client with known vectors.
 
-Usage (under mpirun): ps_job.py MODE OUT SERVERS [COMPRESSION]
+Usage (under mpirun): ps_job.py MODE OUT SERVERS [COMPRESSION [STEPS SAVE_AT [RESUME]]]
 - ``sum``: workers push 3 steps of vectors made from their rank and check the sums they pull;
   every rank writes OUT/rank<r>.json (its role, the modules it imported, what it checked).
+- ``compress``: workers run the ``ps`` exchange over NumPy "gradients" for STEPS steps with
+  COMPRESSION (ratio 0.05, chunks under 256 elements dense), gather the residuals of every worker
+  and server after step SAVE_AT (worker 0 saves the checkpoint entry as OUT/state.npz) and at the
+  end; worker 0 writes its last average (OUT/last.npy) and checks that nothing was lost: the
+  pulled sums plus every residual equal the sum of all pushed gradients. RESUME: a state.npz to
+  go on from.
 - ``hang``: the server stops itself (SIGSTOP) instead of serving: the workers must give up after
   ``ps.timeout_s`` with the one-line error that names it.
 - ``die``: the server kills itself (SIGKILL): the job must end, naming it.
@@ -23,7 +29,7 @@ import numpy as np
 from hvdtrain.config import load_config
 from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.ps.exchange import make_client
+from hvdtrain.ps.exchange import PSExchange, make_client
 from hvdtrain.ps.world import end_job_at_exit, split
 
 SHAPES = [(1000,), (37, 11)]  # 1,407 elements: 6 chunks of 1 KiB over the servers
@@ -31,7 +37,7 @@ FRAMEWORKS = ("torch", "tensorflow", "keras", "horovod")
 
 
 def worker(world, cfg, out: Path) -> dict:
-    client = make_client(cfg.ps, cfg.comm.compression, SHAPES)
+    client = make_client(cfg.ps, cfg.comm, SHAPES)
     workers = len(world.worker_ranks)
     total = client.layout.total
     errors = []
@@ -47,11 +53,64 @@ def worker(world, cfg, out: Path) -> dict:
             "pushed": client.pushed_bytes, "pulled": client.pulled_bytes}
 
 
+class NumpyExchange(PSExchange):
+    """The ``ps`` exchange over NumPy arrays: a framework's conversions, without a framework."""
+
+    def flatten(self, grads):
+        return np.concatenate([g.reshape(-1) for g in grads]).astype(np.float32)
+
+    def unflatten(self, flat):
+        return [part.copy() for part in self.split(flat)]
+
+    def any_rank(self, flag):
+        return flag
+
+
+def grads(step: int, rank: int) -> list[np.ndarray]:
+    rng = np.random.default_rng([step, rank])
+    return [rng.standard_normal(shape).astype(np.float32) for shape in SHAPES]
+
+
+def compressing_worker(world, cfg, out: Path, steps: int, save_at: int, resume: str) -> dict:
+    workers = len(world.worker_ranks)
+    exchange = NumpyExchange(make_client(cfg.ps, cfg.comm, SHAPES, seed=5), world.rank, workers,
+                             SHAPES)
+    if resume and world.rank == 0:
+        with np.load(resume) as saved:
+            exchange.load_state_dict(dict(saved), resume)
+    exchange.broadcast()
+    first, pulled, mean = exchange.client.step, 0.0, None
+    for step in range(first, steps):
+        mean = exchange.run(grads(step, world.rank))
+        pulled = pulled + exchange.flatten(mean).astype(np.float64) * workers
+        if step + 1 == save_at:
+            exchange.gather()
+            if world.rank == 0:
+                np.savez(out / "state.npz", **exchange.state_dict())
+    exchange.gather()
+    exchange.finish()
+    record = {"role": "worker", "first": first, "pushed": exchange.client.pushed_bytes,
+              "pulled": exchange.client.pulled_bytes, "stats": exchange.stats}
+    if world.rank == 0:
+        np.save(out / "last.npy", exchange.flatten(mean))
+    if world.rank == 0 and first == 0:  # a resumed run owed residuals from before it started
+        entry, owed = exchange.state_dict(), 0.0
+        if exchange.client.settings.feedback:  # every worker's push residuals and the servers'
+            rows = np.concatenate([entry[f"residual/{i}"].reshape(workers, -1)
+                                   for i in range(len(SHAPES))], axis=1)
+            owed = rows.astype(np.float64).sum(axis=0) + entry.get("ps_server_residual", 0.0)
+        pushed = sum(exchange.flatten(grads(s, r)).astype(np.float64)
+                     for s in range(first, steps) for r in range(workers))
+        record["lost"] = float(np.abs(pulled + owed - pushed).max())
+    return record
+
+
 def main() -> None:
     mode, out, servers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     compression = sys.argv[4] if len(sys.argv) > 4 else "none"
     cfg = load_config(None, ["comm.topology=ps", f"ps.servers={servers}", "ps.chunk_kib=1",
-                             f"comm.compression={compression}",
+                             f"comm.compression={compression}", "comm.ratio=0.05",
+                             "comm.min_size=256", "comm.bucket=128",
                              "ps.timeout_s=3", f"log.dir={out}"], environ={})
     world = split(servers)
     if mode == "fail":
@@ -66,7 +125,9 @@ def main() -> None:
         record = {"role": "server", "served": train(cfg).summary["steps_served"]}
     else:
         try:
-            record = worker(world, cfg, out)
+            record = (worker(world, cfg, out) if mode != "compress" else
+                      compressing_worker(world, cfg, out, int(sys.argv[5]), int(sys.argv[6]),
+                                         sys.argv[7] if len(sys.argv) > 7 else ""))
         except HvdtrainError as exc:  # as the driver and the CLI handle it
             end_job_at_exit(world, exc)
             print(f"hvdtrain: error: {exc}", file=sys.stderr, flush=True)

@@ -30,7 +30,7 @@ def test_control_and_hello_carry_the_consistency_the_version_and_the_rate():
     assert protocol.control_lr(message) == 0.0123456789  # the float64's bits, exactly
     hello = protocol.hello(TOTAL, 256, 2, 3, "float16", "ssp", 4)
     assert hello.size == protocol.HELLO_LENGTH
-    assert hello.tolist() == [protocol.VERSION, TOTAL, 256, 2, 3, 1, 1, 4]
+    assert hello.tolist() == [protocol.VERSION, TOTAL, 256, 2, 3, 1, 1, 4, 0, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3])

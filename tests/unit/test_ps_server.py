@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hvdtrain.config import load_config
@@ -36,8 +37,14 @@ def test_chunks_cover_the_vector_once_and_spread_by_hash():
      "ps.consistency='ssp' with train.precision='fp16': a push is applied alone"),
     (["train.slow_ms=-1"], "train.slow_ms=-1"),
     (["comm.topology=ps", "elastic.enabled=true"], "comm.topology=ps: elastic mode cannot run"),
-    (["comm.topology=ps", "comm.compression=topk"], "comm.compression='topk' with comm.topo"),
-    (["comm.topology=ps", "comm.compression=qsgd"], "comm.compression='qsgd' with comm.topo"),
+    (["comm.topology=ps", "comm.compression=powersgd"],
+     "comm.compression='powersgd' with comm.topology=ps: PowerSGD's factors need two"),
+    (["comm.topology=ps", "comm.compression=topk", "ps.consistency=asp"],
+     "comm.compression='topk' with comm.topology=ps and ps.consistency='asp': the servers'"),
+    (["comm.topology=ps", "comm.compression=qsgd", "ps.placement=colocated"],
+     "comm.compression='qsgd' with comm.topology=ps and ps.placement=colocated: the sharded"),
+    (["comm.topology=ps", "comm.compression=randomk", "comm.momentum_correction=true"],
+     "comm.compression='randomk' with comm.topology=ps: comm.momentum_correction and"),
     (["comm.topology=star"], "comm.topology='star': must be one of ring, ps"),
     (["ps.servers=0"], "ps.servers=0: must be >= 1"),
 ])
@@ -112,3 +119,47 @@ def test_one_process_alone_has_no_worker_to_spare(tmp_path):
     assert proc.returncode != 0
     assert ("HvdtrainError: ps.servers=1 with 1 rank(s) in the job leaves no worker: launch more "
             "ranks than servers (e.g. -np 2)") in proc.stderr, proc.stderr[-2000:]
+
+
+COMPRESSED_BYTES = {"topk": 5 * 12 * 8 + 127 * 4, "randomk": 5 * 12 * 8 + 127 * 4,
+                    "qsgd": 5 * (256 + 2 * 4) + 127 * 4}
+"""Bytes each way per worker and step of ps_job.py's 1,407 elements in chunks of 256 (the last
+127, under comm.min_size=256, dense float32): top-k and random-k at ratio 0.05 send 12 values and
+12 int32 indices per chunk, qsgd a byte per element and a float32 scale per bucket of 128."""
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk"])
+def test_compressed_pushes_and_pulls_lose_nothing_with_error_feedback(tmp_path, method):
+    """2 workers + 2 servers, 4 steps: what the workers pulled plus every worker's and server's
+    residual (fetched as for a checkpoint) is the sum of everything pushed."""
+    proc = mpirun(4, "compress", str(tmp_path), "2", method, "4", "0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = records(tmp_path, 4)
+    assert all(r["modules"] == [] for r in got)
+    assert [r["served"] for r in got[2:]] == [4, 4]
+    assert got[0]["lost"] < 1e-5
+    for record in got[:2]:
+        assert record["pushed"] == record["pulled"] == COMPRESSED_BYTES[method]
+        stats = record["stats"]
+        assert stats["wire_bytes"] == 2 * COMPRESSED_BYTES[method]
+        assert stats["dense_bytes"] == 2 * 4 * 1407
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "qsgd"])
+def test_compressed_state_resumes_on_another_number_of_servers(tmp_path, method):
+    """A checkpoint entry gathered after step 2 with 1 server (step, push and pull residuals)
+    continues with 2 servers to the very average the 1-server run pulled at step 4."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    proc = mpirun(3, "compress", str(one), "1", method, "4", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = mpirun(4, "compress", str(two), "2", method, "4", "0", str(one / "state.npz"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert records(two, 4)[0]["first"] == 2 and [r["served"] for r in records(two, 4)[2:]] == [2, 2]
+    assert records(one, 3)[0]["pushed"] == COMPRESSED_BYTES[method]
+    assert np.array_equal(np.load(two / "last.npy"), np.load(one / "last.npy"))
+    with np.load(one / "state.npz") as entry:
+        assert int(entry["step"]) == 2 and str(entry["method"]) == method
+        assert ("ps_server_residual" in entry.files) == (method == "topk")
+        assert ("residual/0" in entry.files) == (method != "qsgd")
