@@ -106,7 +106,9 @@ class TensorFlowKernels(StepKernels):
             target = self.precision.scale(self.optimizer, loss_sum * scale)
         # Zeros, not None, for a variable the loss does not reach: every rank sends every tensor.
         grads = tape.gradient(target, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return loss_sum, metrics, grads
+        # An embedding's gradient comes as IndexedSlices (the LM's): every exchange and the
+        # accumulators take dense tensors of the variable's shape.
+        return loss_sum, metrics, [tf.convert_to_tensor(g) for g in grads]
 
     def _accumulate(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
         """A micro-batch before the last of a step: local gradients only, no communication."""

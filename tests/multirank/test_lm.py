@@ -1,5 +1,6 @@
-"""The language model at two ranks (Gloo): it trains, and -np 2 with batch b equals -np 1 with
-batch 2b; at four ranks in 2 stages x 2 copies it trains with every compression method."""
+"""The language model at two ranks (Gloo): it trains (TensorFlow too, dense and compressed), and
+-np 2 with batch b equals -np 1 with batch 2b; at four ranks in 2 stages x 2 copies it trains
+with every compression method."""
 
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def test_two_ranks_match_one_rank_with_twice_the_batch(launches):
     assert params.keys() == reference.keys() and len(params) == 2 + 12 * 2 + 3
     for key in params:
         np.testing.assert_allclose(params[key], reference[key], atol=1e-5, rtol=0, err_msg=key)
+
+
+def test_tensorflow_two_ranks_train_the_lm_with_dense_and_compressed_exchanges(tmp_path_factory):
+    """The embeddings' gradients, IndexedSlices in TensorFlow, go through the dense exchange and a
+    compressing one (both failed on them before they were made dense) and keep the copies equal."""
+    corpus = docs_corpus(tmp_path_factory.mktemp("text-tf") / "docs")
+    methods = ("none", "qsgd")
+    launched = launch(2, tmp_path_factory.mktemp("lm-tf-np2"),
+                      [f"{m}:data.options.root={corpus},train.max_steps=20,comm.compression={m}"
+                       for m in methods], "tensorflow")
+    for method in methods:
+        summary = launched.summary(method)
+        assert summary["world_size"] == 2 and summary["steps"] == 20
+        assert summary["final"]["eval_perplexity"] < 60, summary["final"]  # seen 29, from 256
+        (p0, _), (p1, _) = launched.rank(method, 0), launched.rank(method, 1)
+        assert p0.keys() == p1.keys() and p0
+        for key in p0:
+            assert np.array_equal(p0[key], p1[key]), key
 
 
 # Every method at the LM's defaults (Adam), in 2 stages x 2 copies: the exchange runs within each
