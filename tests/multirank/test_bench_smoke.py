@@ -150,6 +150,26 @@ def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
     assert [row[0] for row in recovery_tables[0][1:]] == ["torch"]
 
 
+@pytest.mark.timeout(600)
+def test_compression_smallest_run_of_the_language_model(tmp_path):
+    """``--datasets lm``: the LM config on the docs corpus the driver makes, measured by eval
+    perplexity in tables of its own, and judged by the relative increase against ``none``."""
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "compression.py", "--datasets", "lm", "--methods", "none,topk",
+               "--work", str(tmp_path / "work"))
+    (losses, results), = sections(doc).values()
+    assert losses[0][2] == "perplexity increase vs none (%)"
+    assert [row[0] for row in losses[1:]] == ["torch lm adam topk"]
+    rows = {row[0]: row for row in results[1:]}
+    assert results[0][2] == "perplexity mean" and set(rows) == {"torch lm adam none",
+                                                                  "torch lm adam topk"}
+    none, topk = (float(rows[f"torch lm adam {m}"][2]) for m in ("none", "topk"))
+    assert 1 < none < 100 and float(rows["torch lm adam topk"][5]) > 10  # 20 steps from 256
+    assert float(losses[1][2]) == pytest.approx(100 * (topk / none - 1), abs=0.02)
+    assert (tmp_path / "work" / "docs-text" / "train.bin").stat().st_size > 100_000
+    assert "train.max_steps=20" in doc.read_text()
+
+
 def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
     import torch
 

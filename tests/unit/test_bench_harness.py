@@ -362,6 +362,40 @@ def test_compression_accuracy_drops_and_slow_link_speedups():
     assert rows[-1][:3] == ["tensorflow powersgd", "5.0", "6.00"]
 
 
+def test_compression_lm_loss_is_the_paired_relative_perplexity_increase():
+    records = [{"framework": "torch", "dataset": "lm", "optimizer": "adam", "method": m,
+                "seed": seed, "perplexity": ppl, "wire_per_step": 1.0, "ratio": 1.0,
+                "compress_ms": None, "step_ms": 1.0}
+               for m, seed, ppl in [("none", 0, 16.0), ("none", 1, 20.0), ("topk", 0, 16.4),
+                                    ("topk", 1, 20.2), ("qsgd", 0, 16.0)]]
+    base = [r for r in records if r["method"] == "none"]
+    topk = [r for r in records if r["method"] == "topk"]
+    mean, half, n = compression.paired_loss(topk, base, compression.PERPLEXITY)
+    assert (mean, n) == (pytest.approx(0.0175), 2)  # (2.5% + 1%) / 2, not (36.6 - 36) / 36
+    assert half == pytest.approx(12.71 * 0.015 / 2 ** 0.5 / 2 ** 0.5)
+    losses = cells(compression.loss_table(records, ["none", "topk", "qsgd"],
+                                          compression.PERPLEXITY))
+    assert losses[0][2] == "perplexity increase vs none (%)"
+    assert losses[2][:3] == ["torch lm adam topk", "2", "+1.75"]
+    assert losses[2][4:] == ["2", "met (interval crosses the bar)"]  # bar: 2%
+    results = cells(compression.results_table(records, ["none", "topk"], compression.PERPLEXITY))
+    assert results[0][2:4] == ["perplexity mean", "perplexity min–max"]
+    assert results[2][:3] == ["torch lm adam none", "2", "18.00"]
+    assert compression.verdict(records) == "torch lm adam topk met (+1.75% perplexity)"
+
+
+def test_compression_lm_trains_on_the_lm_config_with_its_own_optimizer():
+    assert compression.config_of("tensorflow", "lm").name == "lm_tf.yaml"
+    assert compression.config_of("torch", "digits").name == "digits_torch.yaml"
+    assert compression.optimizers_of("lm", None) == ["adam"]
+    assert compression.optimizers_of("digits", None) == ["sgd"]
+    assert compression.optimizers_of("lm", "sgd,adam") == ["sgd", "adam"]
+    assert compression.optimizer_overrides("lm", "adam") == []
+    assert "optim.name=sgd" in compression.optimizer_overrides("lm", "sgd")
+    assert compression.parse_args(["--quick"]).lm_steps == 20
+    assert compression.parse_args([]).lm_steps == 150
+
+
 def test_synthetic_images_are_deterministic_shaped_and_learnable():
     import numpy as np
 
