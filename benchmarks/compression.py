@@ -377,16 +377,21 @@ def paired_loss(records: list[dict], base: list[dict],
     return mean, half, len(diffs)
 
 
+def paired_losses(records: list[dict], methods: Sequence[str], metric: Metric
+                  ) -> list[tuple[tuple[str, str, str], tuple[float, float, int]]]:
+    """Per (framework, model and optimizer, method) other than ``none``, and only where ``none``
+    ran too: :func:`paired_loss` against ``none``'s records."""
+    groups = grouped(records, methods)
+    return [(key, paired_loss(rs, groups[(key[0], key[1], "none")], metric))
+            for key, rs in groups.items()
+            if key[2] != "none" and groups.get((key[0], key[1], "none"))]
+
+
 def loss_table(records: list[dict], methods: Sequence[str], metric: Metric = ACCURACY) -> str:
     """Per framework, model and optimizer, each method's mean loss of ``metric`` against
     ``none`` with its 95% interval, and the issue's verdict where a bar exists."""
-    groups = grouped(records, methods)
     cells = []
-    for (fw, ds, m), rs in groups.items():
-        base = groups.get((fw, ds, "none"))
-        if m == "none" or not base:
-            continue
-        mean, half, n = paired_loss(rs, base, metric)
+    for (fw, ds, m), (mean, half, n) in paired_losses(records, methods, metric):
         bar = metric.bars.get(m)
         verdict = "—" if bar is None else ("met" if mean <= bar else "missed")
         if bar is not None and n > 1 and mean <= bar < mean + half:
@@ -522,13 +527,9 @@ LM_TARGET_TEXT = (f"; the language model: `topk` eval perplexity at most "
 def lm_verdict(records: list[dict]) -> str:
     """Per framework and optimizer, each method of :data:`LM_LOSS_BARS` against its bar: the
     mean perplexity increase over the seeds, paired with ``none``'s; empty without LM runs."""
-    groups = grouped([r for r in records if PERPLEXITY.name in r], ["none", *LM_LOSS_BARS])
+    lm = [r for r in records if PERPLEXITY.name in r]
     parts = []
-    for (fw, ds, m), rs in groups.items():
-        base = groups.get((fw, ds, "none"))
-        if m == "none" or not base:
-            continue
-        mean, _, _ = paired_loss(rs, base, PERPLEXITY)
+    for (fw, ds, m), (mean, _, _) in paired_losses(lm, ["none", *LM_LOSS_BARS], PERPLEXITY):
         parts.append(f"{fw} {ds} {m} {'met' if mean <= LM_LOSS_BARS[m] else 'missed'} "
                      f"({100 * mean:+.2f}% perplexity)")
     return "; ".join(parts)
