@@ -165,7 +165,10 @@ def test_compression_smallest_run_of_the_language_model(tmp_path):
                                                                   "torch lm adam topk"}
     none, topk = (float(rows[f"torch lm adam {m}"][2]) for m in ("none", "topk"))
     assert 1 < none < 100 and float(rows["torch lm adam topk"][5]) > 10  # 20 steps from 256
-    assert float(losses[1][2]) == pytest.approx(100 * (topk / none - 1), abs=0.02)
+    # One seed: the loss is the relative increase of the two means, which the table prints to
+    # 0.01; the ratio of the printed means is off by up to 0.005 (topk + none) / none^2.
+    rounding = 100 * 0.005 * (topk + none) / none**2 + 0.005
+    assert float(losses[1][2]) == pytest.approx(100 * (topk / none - 1), abs=2 * rounding)
     assert (tmp_path / "work" / "docs-text" / "train.bin").stat().st_size > 100_000
     assert "train.max_steps=20" in doc.read_text()
 
