@@ -6,10 +6,10 @@ by :class:`hvdtrain.pipeline.layout.Layout` and the schedule. ``torch.distribute
 carries activations and their gradients between the stages of one pipeline copy over a torch
 process group of that copy's ranks (Gloo on CPU, NCCL on GPU); its rendezvous address is chosen by
 rank 0 and handed out by Horovod. Each stage's gradients are averaged over that stage's copies by
-Horovod in a process set (:class:`hvdtrain.torch.stages.StageAllreduce`, the run's gradient
-exchange), once per step after the last micro-batch, so :func:`hvdtrain.step.train_step` runs a
-pipeline step as it runs any other: one "micro-batch" per step whose backward pass is the whole
-schedule.
+Horovod in a process set (the run's gradient exchange, any ``comm.compression``:
+:func:`hvdtrain.torch.stages.make_stage_exchange`), once per step after the last micro-batch,
+so :func:`hvdtrain.step.train_step` runs a pipeline step as it runs any other: one
+"micro-batch" per step whose backward pass is the whole schedule.
 
 Checkpoints do not depend on the split (:class:`hvdtrain.engine.PartedState`): each stage's
 first copy writes its own layers as a part keyed by global layer index, and on resume each rank
