@@ -24,7 +24,7 @@ import tensorflow as tf
 from hvdtrain.adapters import ModelAdapter, make_adapter
 from hvdtrain.checkpoint import not_a_checkpoint
 from hvdtrain.compression.rules import OptimizerSettings
-from hvdtrain.compression.state import by_index, merge_named
+from hvdtrain.compression.state import by_index
 from hvdtrain.config import Config, OptimConfig
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.loading import loader_workers
@@ -42,7 +42,7 @@ from hvdtrain.tensorflow.data import TensorFlowLoader, batch_signature
 from hvdtrain.tensorflow.device import place, resolve, summary
 from hvdtrain.tensorflow.exchange import applies_update, make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
-from hvdtrain.tensorflow.parts import COMPRESSION, assign, named_state, read_part, trainable_names
+from hvdtrain.tensorflow.parts import COMPRESSION, assign, named_state, read_parts, trainable_names
 from hvdtrain.tensorflow.precision import Precision
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
@@ -224,15 +224,9 @@ class TensorFlowEngine(Engine):
         if self.restore_from is None:
             raise HvdtrainError(f"{where}: written in parts, which lie beside it")
         entries = named_state(self.model.layers, 0, self.optimizer)
-        values: dict[str, np.ndarray] = {}
-        states = []
-        for part in parts:
-            path = self.restore_from.parent / str(part["file"])
-            found, state = read_part(path, entries, where, part.get("sha256"))
-            values |= {k: v for k, v in found.items() if k not in values}  # opt/: stage 0's
-            states.append(state)
+        values, named = read_parts(self.restore_from.parent, parts, entries, where)
         assign(entries, values, where)
-        self.exchange.load_state_dict(self._by_index(merge_named(states, where), where), where)
+        self.exchange.load_state_dict(self._by_index(named, where), where)
 
     def _by_index(self, named: dict[str, Any], where: str) -> dict[str, Any] | None:
         """The parts' merged exchange state (slots by variable name) for this model's exchange

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.checkpoint import sha256_of
+from hvdtrain.compression.state import merge_named
 from hvdtrain.errors import HvdtrainError
 
 COMPRESSION = "compression/"
@@ -114,6 +115,21 @@ def read_part(path: Path, names: Collection[str], where: str, sha256: str | None
     found = read_entries(path, names, where, sha256, prefix=COMPRESSION)
     return ({k: v for k, v in found.items() if not k.startswith(COMPRESSION)},
             {k[len(COMPRESSION):]: v for k, v in found.items() if k.startswith(COMPRESSION)})
+
+
+def read_parts(directory: Path, manifest: Iterable[Mapping[str, Any]], names: Collection[str],
+               where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The arrays of ``names`` held by the parts that ``manifest`` lists (each checked against its
+    sha256; an entry two parts hold, such as ``opt/``, is the first part's), and those parts'
+    exchange states merged (slots by variable name:
+    :func:`hvdtrain.compression.state.merge_named`)."""
+    values: dict[str, np.ndarray] = {}
+    states = []
+    for part in manifest:
+        found, state = read_part(directory / str(part["file"]), names, where, part.get("sha256"))
+        values |= {k: v for k, v in found.items() if k not in values}
+        states.append(state)
+    return values, merge_named(states, where)
 
 
 def read_compression(path: Path, where: str) -> dict[str, np.ndarray]:

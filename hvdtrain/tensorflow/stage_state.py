@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.checkpoint import not_a_checkpoint
-from hvdtrain.compression.state import by_index, by_name, merge_named
+from hvdtrain.compression.state import by_index, by_name
 from hvdtrain.engine import Collectives, PartedState
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
@@ -53,7 +53,9 @@ class StageState(PartedState):
                 entries, where = self._own_entries(), restored["where"]
                 path = Path(restored["path"])
                 if restored["parts"]:
-                    values, named = self._read_parts(path.parent, restored["parts"], entries, where)
+                    layers = range(self.first_layer, self.first_layer + len(self.layers))
+                    values, named = parts.read_parts(
+                        path.parent, parts_holding(restored["parts"], layers), entries, where)
                 else:
                     values = parts.read_whole(path, entries, where)
                     # Written whole: its slots follow the whole model's trainable variables.
@@ -69,21 +71,6 @@ class StageState(PartedState):
         failures = [p[0] for p in self.collectives.allgather_object([problem]) if p[0]]
         if failures:
             raise HvdtrainError(failures[0])
-
-    def _read_parts(self, directory: Path, manifest: list[dict[str, Any]],
-                    entries: dict[str, Any], where: str
-                    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """This stage's entries from the parts that hold its layers, and those parts' exchange
-        state merged (slots by variable name; other stages' slots are dropped on loading)."""
-        layers = range(self.first_layer, self.first_layer + len(self.layers))
-        values: dict[str, np.ndarray] = {}
-        states = []
-        for part in parts_holding(manifest, layers):
-            found, state = parts.read_part(directory / str(part["file"]), entries, where,
-                                           part.get("sha256"))
-            values |= {k: v for k, v in found.items() if k not in values}
-            states.append(state)
-        return values, merge_named(states, where)
 
     def _own_entries(self) -> dict[str, Any]:
         """This stage's variables and its optimizer's, by global name."""
