@@ -24,7 +24,7 @@ from hvdtrain.driver import launcher_host
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.pipeline import Layout
-from hvdtrain.torch.collectives import TorchCollectives
+from hvdtrain.torch.collectives import TorchCollectives, any_rank
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression
 
@@ -230,11 +230,7 @@ class StageAllreduce(GradientExchange):
         return list(averaged)
 
     def any_rank(self, flag: bool) -> bool:
-        if self.process_set is None:
-            return flag
-        total = hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="hvdtrain.stage_any",
-                              process_set=self.process_set)
-        return float(total) > 0
+        return flag if self.process_set is None else any_rank(flag, self.process_set)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
