@@ -3,9 +3,9 @@
 The nodes are the network-namespace nodes of ``scripts/cluster_local.sh`` (``n + k`` of them,
 started here at each rate and stopped at the end; needs root), one rank a node, so that each rank
 has a link of its own of the shaped rate, as each machine of a real cluster has its NIC. For
-n = 2 and 4 workers: the ring (``comm.topology=ring``, Horovod over MPI) and dedicated parameter
-servers on k = 1..n extra nodes (``comm.topology=ps``, ``ps.servers=k``), each a job of a few
-steps of a communication-bound MLP (64-2048-2048-10: 17.3 MB of float32 gradients a step), one
+n = 2 and 4 workers: the ring (``comm.topology=ring``, Horovod over MPI with Open MPI's ring
+algorithm, and over Gloo) and dedicated parameter servers on k = 1..n extra nodes
+(``comm.topology=ps``, ``ps.servers=k``), each a job of a few steps of a communication-bound MLP (64-2048-2048-10: 17.3 MB of float32 gradients a step), one
 job a setting, the settings interleaved in rounds with the ring at n = 4 run twice (A and A', the
 A/A control).
 
@@ -46,6 +46,10 @@ GRADIENT_BYTES = 4 * PARAMS
 MODEL = [f"model.options.hidden=[{HIDDEN},{HIDDEN}]", "train.threads=1"]
 """Every namespace node sees the machine's cores: one compute thread a rank everywhere."""
 TARGET = 0.75
+MPI_RING = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+            "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
+"""The ring under MPI runs Open MPI's ring algorithm: left to choose, Open MPI picks another for
+these sizes (docs/benchmarks.md, "Open MPI over TCP in both directions")."""
 SIZES = {"rounds": (2, 1), "steps": (8, 5)}
 
 
@@ -77,7 +81,8 @@ def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi
     step time over its steps after the first two (start-up), in seconds."""
     hosts = ",".join(f"node{i}:1" for i in range(1, n + k + 1))
     topology = ["comm.topology=ps", f"ps.servers={k}"] if k else ["comm.topology=ring"]
-    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           **(MPI_RING if controller == "mpi" and not k else {})}
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-") as out:
         argv = [harness.horovodrun(), "-np", str(n + k), "-H", hosts, f"--{controller}",
                 "--network-interfaces", IFACE, str(harness.python().parent / "hvdtrain"), "train",
@@ -100,7 +105,8 @@ def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi
 
 def settings(quick: bool) -> list[tuple[str, int, int]]:
     """(name, n, k) in measuring order: the ring at n = 4 first and again last (A, A'). The ring
-    runs under MPI, as the servers must; "gloo ring" is Horovod's ring under Gloo."""
+    runs under MPI, as the servers must (Open MPI's ring algorithm, :data:`MPI_RING`); "gloo
+    ring" is Horovod's ring under Gloo."""
     if quick:
         return [("ring n=2", 2, 0), ("ps n=2 k=2", 2, 2), ("gloo ring n=2", 2, 0),
                 ("ring n=2 ", 2, 0)]

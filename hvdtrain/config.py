@@ -204,8 +204,10 @@ class PSConfig:
     staleness: int = _opt(0, min=0)
     """``ssp``: how many steps a worker may run ahead of the slowest (0 with ``bsp`` and ``asp``)."""
     chunk_kib: int = _opt(4096, min=1)
-    """The flat gradient travels in chunks of this many KiB (BytePS's partition: 4 MiB), each
-    owned by one server picked by hashing its index, so pushes and pulls of chunks overlap."""
+    """Dedicated servers: the flat gradient travels in chunks of at most this many KiB (BytePS's
+    partition: 4 MiB), smaller where a gradient would make fewer than 64 (not below 64 KiB), each
+    owned by one server picked by hashing its index, so pushes and pulls of chunks overlap
+    (:func:`hvdtrain.ps.layout.server_chunk`). ``colocated``: the KiB per rank of each round."""
     timeout_s: float = _opt(300.0, min=1.0, max=1e6)
     """A worker that waits this long for a server's answer stops the job with an error naming that
     server (dead or hung). A server answers a step once every worker pushed it, so the wait also

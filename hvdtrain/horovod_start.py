@@ -10,8 +10,23 @@ from typing import Any
 from hvdtrain.errors import HvdtrainError
 
 
+TCP_FLAGS = "send,inplace,need-ack,need-csum,hetero-rdma"
+"""Open MPI's TCP transport flags less ``put``: its emulated put of a large message stalls the
+other direction of the same connection, so that an exchange both ways takes the time of the two
+one after the other (docs/benchmarks.md, "Open MPI over TCP in both directions")."""
+
+
+def open_mpi_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Open MPI settings for the ``MPI_Init`` that follows (``hvd.init()``, or mpi4py's import
+    where parameter servers split the job), each unless the user or launcher set it: waiting
+    ranks yield the core instead of spinning on it (compute threads already take every core),
+    and large TCP messages travel as sends (:data:`TCP_FLAGS`)."""
+    environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    environ.setdefault("OMPI_MCA_btl_tcp_flags", TCP_FLAGS)
+
+
 def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.environ) -> str:
-    """Sets ``HOROVOD_CYCLE_TIME`` (and Open MPI's ``mpi_yield_when_idle``, unless set) for the
+    """Sets ``HOROVOD_CYCLE_TIME`` (and :func:`open_mpi_defaults`) for the
     ``hvd.init()`` that follows; returns the cycle time in force.
 
     A configured value (> 0) wins. Otherwise a value the launcher or user already set is kept, and
@@ -21,9 +36,7 @@ def set_cycle_time(configured_ms: float, environ: MutableMapping[str, str] = os.
     patched build's idle wait, patches/0010, removed that cost, and the shorter cycle starts the
     last allreduce of a step sooner: docs/investigations/step-overhead.md.)
     """
-    # Open MPI reads this at MPI_Init, which hvd.init() calls: waiting ranks then yield the core
-    # instead of spinning on it, which matters where compute threads already take every core.
-    environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    open_mpi_defaults(environ)
     if configured_ms > 0:
         environ["HOROVOD_CYCLE_TIME"] = f"{configured_ms:g}"
     return environ.get("HOROVOD_CYCLE_TIME", "1")

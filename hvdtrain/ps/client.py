@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,9 @@ class PSClient:
     as ``wire`` (float32, or float16 for half the bytes) or compressed as ``settings`` say
     (:mod:`hvdtrain.ps.codec`; ``bsp`` only).
 
-    Every chunk's push and pull are posted at once (``Isend``/``Irecv``), chunks of all servers
-    interleaved in index order, so the servers sum early chunks while later ones still travel and
-    pulls overlap pushes. A server that does not answer within ``timeout_s`` ends the wait with
+    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out in index
+    order, chunks of all servers interleaved, :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time,
+    so the servers sum early chunks while later ones still travel and pulls overlap pushes. A server that does not answer within ``timeout_s`` ends the wait with
     :class:`hvdtrain.ps.protocol.ServerLost` naming it.
     """
 
@@ -60,24 +61,26 @@ class PSClient:
         """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), as the
         pulls decode it (float32). The result lives in a buffer that the next call overwrites."""
         comm, requests = self.world.comm, self._controls(protocol.OP_PUSH)
+        requests += [(comm.Irecv(protocol.raw(b), source=server, tag=protocol.PULL), server)
+                     for (_, _, server, _), pulled in zip(self.routes, self.pulls, strict=True)
+                     for b in pulled]
         residual, rank = self.residual, self.world.rank
-        in_flight, pushed = [], 0
-        for (start, stop, server, chunk), codec, pulled in zip(self.routes, self.pushes,
-                                                               self.pulls, strict=True):
-            requests += [(comm.Irecv(protocol.raw(b), source=server, tag=protocol.PULL), server)
-                         for b in pulled]
-            part = None if residual is None else residual[start:stop]
-            sent = encode(codec, flat[start:stop], part, self.step, chunk, rank)
-            in_flight.append(sent)  # alive until the sends complete
-            pushed += sum(b.nbytes for b in sent)
-            requests += [(comm.Isend(protocol.raw(b), dest=server, tag=protocol.PUSH), server)
-                         for b in sent]
-        self._wait(requests, f"step {self.step}")
+        in_flight: list[list[np.ndarray]] = []  # alive until the sends complete
+
+        def pushes() -> Iterator[list[tuple[Any, int]]]:
+            for (start, stop, server, chunk), codec in zip(self.routes, self.pushes, strict=True):
+                part = None if residual is None else residual[start:stop]
+                sent = encode(codec, flat[start:stop], part, self.step, chunk, rank)
+                in_flight.append(sent)
+                yield [(comm.Isend(protocol.raw(b), dest=server, tag=protocol.PUSH), server)
+                       for b in sent]
+
+        self._wait(requests, f"step {self.step}", pushes())
         for (start, stop, _, _), codec, pulled in zip(self.routes, self.pull_codecs, self.pulls,
                                                       strict=True):
             self.summed[start:stop] = codec.decode(pulled, stop - start)
         self.step += 1
-        self.pushed_bytes = pushed
+        self.pushed_bytes = sum(b.nbytes for sent in in_flight for b in sent)
         self.pulled_bytes = sum(b.nbytes for pulled in self.pulls for b in pulled)
         return self.summed
 
@@ -156,13 +159,15 @@ class PSClient:
         return [(self.world.comm.Isend(message, dest=s, tag=protocol.CONTROL), s)
                 for s in self.world.servers]
 
-    def _wait(self, requests: list[tuple[Any, int]], when: str) -> None:
+    def _wait(self, requests: list[tuple[Any, int]], when: str,
+              pushes: Iterable[list[tuple[Any, int]]] = ()) -> None:
+        """Waits for ``requests`` and ``pushes`` (posted chunk by chunk: :func:`protocol.wait`)."""
         def describe(peers: list[int]) -> str:
             names = ", ".join(f"parameter {self.world.name(p)}" if p in self.world.servers
                               else self.world.name(p) for p in peers)
             return (f"{names} did not answer {self.world.name(self.world.rank)} within "
                     f"ps.timeout_s={self.timeout_s:g} s at {when}: it died or hangs")
-        protocol.wait(requests, self.timeout_s, describe)
+        protocol.wait(requests, self.timeout_s, describe, pushes, protocol.PUSH_WINDOW)
 
 
 class AsyncPSClient(PSClient):
@@ -217,11 +222,11 @@ class AsyncPSClient(PSClient):
             requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
             requests.append((comm.Irecv(self.answers[index], source=server,
                                         tag=protocol.VERSIONS), server))
-        for start, stop, server, _ in self.routes:
-            requests.append((comm.Irecv(self.params[start:stop], source=server,
-                                        tag=protocol.PULL), server))
-            requests.append((comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server))
-        self._wait(requests, f"step {self.step}")
+        requests += [(comm.Irecv(self.params[start:stop], source=server, tag=protocol.PULL),
+                      server) for start, stop, server, _ in self.routes]
+        pushes = ([(comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server)]
+                  for start, stop, server, _ in self.routes)
+        self._wait(requests, f"step {self.step}", pushes)
         self.step += 1
         self.versions = [int(v) for v in self.answers[:, 0]]
         self.staleness = int(self.answers[:, 1].max())

@@ -29,7 +29,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats
 from hvdtrain.ps.client import AsyncPSClient, PSClient
 from hvdtrain.ps.codec import WireSettings
-from hvdtrain.ps.layout import chunk_elements
+from hvdtrain.ps.layout import server_chunk
 from hvdtrain.ps.optim import OPTIMIZERS
 from hvdtrain.ps.shards import state_names
 from hvdtrain.ps.world import split
@@ -174,7 +174,7 @@ def make_client(ps: PSConfig, comm: CommSettings, shapes: Sequence[Sequence[int]
     (``seed``: the run's, for random draws); starts the training on the servers. Under
     ``ssp``/``asp`` an :class:`AsyncPSClient` (dense methods only)."""
     total = sum(int(np.prod(s)) for s in shapes)
-    args = (split(ps.servers), total, chunk_elements(ps.chunk_kib), ps.timeout_s,
+    args = (split(ps.servers), total, server_chunk(total, ps.chunk_kib), ps.timeout_s,
             WIRES.get(comm.compression, "float32"))
     if ps.consistency == "bsp":
         settings = WireSettings(comm.compression, comm.ratio, comm.error_feedback, comm.bucket,

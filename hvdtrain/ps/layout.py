@@ -48,3 +48,21 @@ class Layout:
 def chunk_elements(chunk_kib: int) -> int:
     """Float32 elements in a chunk of ``chunk_kib`` KiB."""
     return max(1, chunk_kib * 1024 // 4)
+
+
+MIN_CHUNKS = 64
+"""Dedicated servers: the fewest chunks a flat vector is cut into. A server answers a chunk once
+every worker pushed it, so the pulls pipeline behind the pushes only where a chunk is small beside
+the whole push, and the more chunks, the more evenly their hashes spread over the servers (16 a
+server at 4 servers). Not a function of the number of servers: a run resumed on another number
+cuts its vector, and draws its random chunks, as before."""
+MIN_CHUNK = 64 * 1024 // 4
+"""Nor smaller than 64 KiB: below that a message's cost is its overhead, not its bytes."""
+
+
+def server_chunk(total: int, chunk_kib: int) -> int:
+    """The chunk, in elements, that dedicated servers use for a flat vector of ``total``: at
+    most ``ps.chunk_kib`` KiB, smaller where that would give fewer than :data:`MIN_CHUNKS`
+    chunks (down to :data:`MIN_CHUNK`)."""
+    wanted = max(MIN_CHUNK, -(-total // MIN_CHUNKS))
+    return min(chunk_elements(chunk_kib), wanted)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,11 @@ WIRE_DTYPES = ("float32", "float16")
 """What chunks travel as: float32, or float16 with ``comm.compression=fp16`` (half the bytes)."""
 
 HELLO_LENGTH = 14
+
+PUSH_WINDOW = 2
+"""A worker's chunk pushes in flight at once, in chunk order: the first chunks reach their
+servers early, so their sums travel back while later chunks still go out; two rather than one
+so that the link does not idle while the next push is posted."""
 
 
 def raw(buffer: np.ndarray) -> np.ndarray:
@@ -105,25 +110,37 @@ class ServerLost(EnvironmentFailure):
     the run saved stays valid (exit code 74: resume after the cause is fixed)."""
 
 
-def wait(requests: Sequence[tuple[Any, int]], timeout_s: float,
-         describe: Any) -> None:
+def wait(requests: Sequence[tuple[Any, int]], timeout_s: float, describe: Any,
+         batches: Iterable[list[tuple[Any, int]]] = (), window: int = 0) -> None:
     """Waits for every ``(request, peer)`` to complete, testing rather than blocking so that a
     peer that never answers ends the wait after ``timeout_s`` with :class:`ServerLost`, whose
     message is ``describe(peers)`` for the peers still pending (world ranks, ascending).
+
+    ``batches`` (a worker's pushes, one list of requests a chunk, posted as the iterator is
+    advanced) are kept at most ``window`` in flight: the next is posted when one completes. Sent
+    all at once, every chunk would share the link and each finish only at the end of the whole
+    push, so that no server could sum and answer a chunk before then (:data:`PUSH_WINDOW`).
 
     Polls without sleeping for the first millisecond (small messages on one host complete in
     microseconds), then yields the core between polls: a busy wait would take it from a server
     on the same host."""
     pending = list(requests)
+    waiting = iter(batches)
+    flight: list[list[tuple[Any, int]]] = []
     started = time.monotonic()
     pause = 0.0
     while True:
+        flight = [left for left in ([(r, p) for r, p in batch if not r.Test()] for batch in flight)
+                  if left]
+        while len(flight) < max(1, window) and (batch := next(waiting, None)) is not None:
+            flight.append(batch)
         pending = [(request, peer) for request, peer in pending if not request.Test()]
-        if not pending:
+        if not pending and not flight:
             return
         waited = time.monotonic() - started
         if waited > timeout_s:
-            raise ServerLost(describe(sorted({peer for _, peer in pending})))
+            late = [peer for _, peer in pending] + [peer for batch in flight for _, peer in batch]
+            raise ServerLost(describe(sorted(set(late))))
         pause = yield_core(waited, pause)
 
 

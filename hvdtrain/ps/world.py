@@ -24,6 +24,7 @@ import numpy as np
 
 from hvdtrain.config import Config, PSConfig
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
+from hvdtrain.horovod_start import open_mpi_defaults
 
 _HOST_BYTES = 256
 
@@ -93,6 +94,7 @@ def _split(servers: int, environ: Mapping[str, str]) -> PSWorld:
         raise HvdtrainError("comm.topology=ps with ps.placement=dedicated needs MPI between "
                             "workers and servers: launch with horovodrun --mpi (or mpirun, or "
                             "srun --mpi=pmix), not --gloo")
+    open_mpi_defaults(os.environ)
     from mpi4py import MPI  # initialises MPI (thread level MULTIPLE) before Horovod does
 
     world = MPI.COMM_WORLD
