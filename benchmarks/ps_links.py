@@ -5,9 +5,9 @@ started here at each rate and stopped at the end; needs root), one rank a node, 
 has a link of its own of the shaped rate, as each machine of a real cluster has its NIC. For
 n = 2 and 4 workers: the ring (``comm.topology=ring``, Horovod over MPI with Open MPI's ring
 algorithm, and over Gloo) and dedicated parameter servers on k = 1..n extra nodes
-(``comm.topology=ps``, ``ps.servers=k``), each a job of a few steps of a communication-bound MLP (64-2048-2048-10: 17.3 MB of float32 gradients a step), one
-job a setting, the settings interleaved in rounds with the ring at n = 4 run twice (A and A', the
-A/A control).
+(``comm.topology=ps``, ``ps.servers=k``), each a job of a few steps of a communication-bound MLP
+(64-2048-2048-10: 17.3 MB of float32 gradients a step), one job a setting, the settings
+interleaved in rounds with the ring at n = 4 run twice (A and A', the A/A control).
 
 Beside each measured step time, the communication time the formulas give for the gradient bytes
 M and link rate B: the ring's 2(n-1)/n x M/B (Patarasuk & Yuan), BytePS's
@@ -76,9 +76,11 @@ def cluster(*args: str) -> None:
         raise harness.BenchError(f"cluster_local.sh {' '.join(args)}:\n{proc.stderr[-2000:]}")
 
 
-def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi") -> float:
-    """One job of ``n`` workers (and ``k`` servers; 0: the ring), one rank a node: the median
-    step time over its steps after the first two (start-up), in seconds."""
+def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi",
+              extra: Sequence[str] = ()) -> float:
+    """One job of ``n`` workers (and ``k`` servers; 0: the ring), one rank a node, with the
+    config overrides ``extra``: the median step time over its steps after the first two
+    (start-up), in seconds."""
     hosts = ",".join(f"node{i}:1" for i in range(1, n + k + 1))
     topology = ["comm.topology=ps", f"ps.servers={k}"] if k else ["comm.topology=ring"]
     env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -89,7 +91,7 @@ def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi
                 str(harness.ROOT / "configs" / "digits_torch.yaml"), f"log.dir={out}",
                 "log.wandb=disabled", "log.console=false", "log.every_steps=1",
                 f"train.max_steps={steps}", "optim.warmup_steps=0", "checkpoint.enabled=false",
-                *MODEL, *topology]
+                *MODEL, *topology, *extra]
         proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
                               timeout=timeout)
         if proc.returncode != 0:

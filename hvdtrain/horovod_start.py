@@ -9,7 +9,6 @@ from typing import Any
 
 from hvdtrain.errors import HvdtrainError
 
-
 TCP_FLAGS = "send,inplace,need-ack,need-csum,hetero-rdma"
 """Open MPI's TCP transport flags less ``put``: its emulated put of a large message stalls the
 other direction of the same connection, so that an exchange both ways takes the time of the two

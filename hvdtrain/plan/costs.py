@@ -70,17 +70,22 @@ def byteps(m: float, n: int, k: int, link: Link, overhead_s: float = 0.0) -> flo
 
 
 def dedicated_ps(m: float, n: int, servers: int, worker: Link, server: Link,
-                 sum_bytes_per_s: float = 0.0, overhead_s: float = 0.0) -> float:
+                 sum_bytes_per_s: float = 0.0, overhead_s: float = 0.0,
+                 share: float | None = None, chunk: float = 0.0) -> float:
     """hvdtrain's dedicated parameter servers (``ps.placement=dedicated``): each of ``n`` workers
-    pushes ``m`` and pulls ``m`` at once (full duplex), each of ``S`` servers receives and sends
-    ``n m / S``, and sums ``n m / S`` at ``R`` bytes/s: ``2 alpha + max(m/B_w, n m/(S B_s)) +
-    n m/(S R)`` (:mod:`hvdtrain.ps.server`; the chunks pipeline the sum behind the transfers only in
-    part, so it is added)."""
+    pushes ``m`` and pulls ``m`` at once (full duplex); the busiest server holds ``share`` of the
+    vector (``1/S`` when the chunks' hashes spread evenly), receives and sends ``n m share`` and
+    sums it at ``R`` bytes/s; the pulls follow the pushes chunk by chunk, so the last chunk's
+    (``chunk`` bytes) leaves after the last push: ``2 alpha + max(m/B_w, n m share/B_s) +
+    n chunk/B_s + n m share/R`` (:mod:`hvdtrain.ps.client`; the sum is added, as the chunks
+    pipeline it behind the transfers only in part)."""
     if servers < 1:
         raise ValueError("dedicated parameter servers need at least one server")
-    transfer = max(m / worker.bytes_per_s, n * m / (servers * server.bytes_per_s))
-    summing = n * m / (servers * sum_bytes_per_s) if sum_bytes_per_s > 0 else 0.0
-    return overhead_s + worker.latency_s + server.latency_s + transfer + summing
+    share = 1.0 / servers if share is None else share
+    transfer = max(m / worker.bytes_per_s, n * m * share / server.bytes_per_s)
+    tail = n * min(chunk, m) / server.bytes_per_s
+    summing = n * m * share / sum_bytes_per_s if sum_bytes_per_s > 0 else 0.0
+    return overhead_s + worker.latency_s + server.latency_s + transfer + tail + summing
 
 
 def send(m: float, link: Link, overhead_s: float = 0.0) -> float:

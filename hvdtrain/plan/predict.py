@@ -17,6 +17,7 @@ from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
 from hvdtrain.plan.profile import MethodProfile, ModelProfile
 from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
+from hvdtrain.ps.layout import Layout, server_chunk
 
 OVERLAPPED = ("none", "fp16")
 """Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
@@ -35,6 +36,8 @@ class Knobs:
     virtual_stages: int = 0
     """``pipeline.virtual_stages`` of interleaved 1F1B (0 or 1: :data:`DEFAULT_VIRTUAL`)."""
     fusion_threshold: int = FUSION_THRESHOLD
+    chunk_kib: int = 4096
+    """``ps.chunk_kib``: the most a dedicated server's chunk holds."""
 
 
 @dataclass(frozen=True)
@@ -235,8 +238,10 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
         worker = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
         sum_rate = c.servers.sum_gbyte_s * 1e9
 
+        share, chunk = server_layout(m, k, ctx.knobs.chunk_kib)
+
         def dedicated_step(n: int) -> tuple[float, list[Segment]]:
-            t = costs.dedicated_ps(m, n * g, k, worker, c.servers.link, sum_rate, o)
+            t = costs.dedicated_ps(m, n * g, k, worker, c.servers.link, sum_rate, o, share, chunk)
             return _after(ctx, t, 0.0, f"push + pull of {m / 1e6:.2f} MB")
         _sweep(ctx, dedicated, dedicated_step)
 
@@ -250,6 +255,15 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
         return _dense(ctx, n, cost)
     _sweep(ctx, colocated, colocated_step)
     return [dedicated, colocated, _sharded(ctx)]
+
+
+def server_layout(gradient_bytes: float, servers: int, chunk_kib: int) -> tuple[float, float]:
+    """The busiest dedicated server's share of the flat float32 gradient and the chunk's bytes,
+    as hvdtrain cuts and hashes it (:mod:`hvdtrain.ps.layout`)."""
+    total = max(1, int(gradient_bytes // 4))
+    layout = Layout(total, server_chunk(total, chunk_kib), servers)
+    busiest = max(layout.elements(s) for s in range(servers))
+    return busiest / total, 4.0 * layout.chunk
 
 
 def _sharded(ctx: _Ctx) -> Prediction:

@@ -22,7 +22,8 @@ class PSClient:
 
     Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out in index
     order, chunks of all servers interleaved, :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time,
-    so the servers sum early chunks while later ones still travel and pulls overlap pushes. A server that does not answer within ``timeout_s`` ends the wait with
+    so the servers sum early chunks while later ones still travel and pulls overlap pushes. A
+    server that does not answer within ``timeout_s`` ends the wait with
     :class:`hvdtrain.ps.protocol.ServerLost` naming it.
     """
 

@@ -8,8 +8,10 @@ from hvdtrain.pipeline.actions import bubble
 from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Link
 from hvdtrain.plan.fusion import fuse
+from hvdtrain.plan.predict import server_layout
 from hvdtrain.plan.profile import LayerProfile, TensorProfile
 from hvdtrain.plan.stages import pipeline_step
+from hvdtrain.ps.layout import Layout
 
 GB = Link(bandwidth_gbit_s=8.0, latency_us=10.0)  # 1e9 bytes/s, 10 us
 FAST = Link(bandwidth_gbit_s=80.0, latency_us=1.0)
@@ -65,6 +67,20 @@ def test_dedicated_ps_by_hand() -> None:
     assert costs.dedicated_ps(1e9, 4, 4, nolat, nolat, 2e9) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         costs.dedicated_ps(1e9, 4, 0, nolat, nolat)
+    # The busiest server holds 0.3 of the vector (not 1/4): 4 x 0.3 = 1.2 M/B; the last chunk's
+    # pull (1e8 bytes to each of 4 workers) adds 0.4
+    assert costs.dedicated_ps(1e9, 4, 4, nolat, nolat, share=0.3) == pytest.approx(1.2)
+    assert costs.dedicated_ps(1e9, 4, 4, nolat, nolat, chunk=1e8) == pytest.approx(1.4)
+
+
+def test_server_layout_is_hvdtrains_cut() -> None:
+    # 17.4 MB of float32 with 4 MiB at most: cut into 64 chunks of 68 K elements (265 KiB)
+    share, chunk = server_layout(4 * 4_345_490, 4, 4096)
+    assert chunk == 4 * -(-4_345_490 // 64)
+    layout = Layout(4_345_490, int(chunk) // 4, 4)
+    assert share == max(layout.elements(s) for s in range(4)) / 4_345_490
+    assert 0.25 <= share < 0.3
+    assert server_layout(4 * 4_345_490, 1, 4096)[0] == 1.0
 
 
 def _tensors(*pairs: tuple[int, float]) -> list[TensorProfile]:
