@@ -18,6 +18,7 @@ Each figure is the median of four transfers in one job, beside the bound M/B (on
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -84,11 +85,12 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> list[float]:
     full = {**os.environ, "PATH": f"{ps_links.CLUSTER_DIR / 'bin'}{os.pathsep}"
             f"{os.environ['PATH']}", **env}
     proc = subprocess.run(argv, env=full, capture_output=True, text=True, timeout=600)
-    lines = [line for line in proc.stdout.splitlines() if "RESULT" in line]
-    if proc.returncode != 0 or not lines:
+    # The launcher's rank tags may follow the numbers on the same line.
+    found = re.findall(r"RESULT((?:[ \t]+[-+.\deE]+)+)", proc.stdout)
+    if proc.returncode != 0 or not found:
         raise harness.BenchError(f"{' '.join(argv)}: exit {proc.returncode}\n"
                                  f"{proc.stdout[-1500:]}{proc.stderr[-1500:]}")
-    return [float(v) for v in lines[-1].split("RESULT", 1)[1].split()]
+    return [float(v) for v in found[-1].split()]
 
 
 def measure() -> list[list[str]]:

@@ -51,11 +51,11 @@ def test_profile_of_another_model_is_refused() -> None:
         check_matches(load_profile(PUBLISHED / "vgg16.json"), "torch", "mlp", {"hidden": [128]})
 
 
-def _efficiency(model: str, setting: str = "ring") -> float:
+def _efficiency(model: str, setting: str = "ring", gpus: int = 128) -> float:
     result = plan(load_profile(PUBLISHED / f"{model}.json"), load_cluster(PAPER), Knobs(64))
     pred = next(p for p in result.predictions if p.setting == setting)
-    assert pred.points[-1].ranks == 128
-    return pred.points[-1].efficiency or 0.0
+    (point,) = [p for p in pred.points if p.ranks == gpus]
+    return point.efficiency or 0.0
 
 
 def test_published_profiles_match_the_public_sizes() -> None:
@@ -65,13 +65,17 @@ def test_published_profiles_match_the_public_sizes() -> None:
 
 
 def test_published_ranking_of_the_horovod_paper() -> None:
-    """What the plan reproduces of the Horovod paper at 128 GPUs: VGG-16 (bandwidth-bound)
-    scales worst, well below the two compute-bound models (docs/planner.md, "A published
-    result", for the gap to the reported figures)."""
+    """What the plan reproduces of Horovod's published scaling (docs/planner.md, "A published
+    result"): VGG-16 (bandwidth-bound) scales worst, well below the two compute-bound models;
+    each figure within 10 points of the reported 90% (Inception V3, ResNet-101) and of VGG-16's
+    79% at 128 GPUs and 68% at 512 (the hierarchical allreduce at 512)."""
     vgg, resnet, inception = (_efficiency(m) for m in ("vgg16", "resnet101", "inception_v3"))
     assert vgg < 0.9 and resnet > vgg + 0.1 and inception > vgg + 0.1
-    # The reported 68% for VGG-16: the plan's figure is within 20 points (not within 10: see docs)
-    assert abs(vgg - 0.68) < 0.2
+    for gpus, reported in ((128, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79}),
+                           (512, {"inception_v3": 0.90, "resnet101": 0.90})):
+        for model, figure in reported.items():
+            assert abs(_efficiency(model, gpus=gpus) - figure) <= 0.10
+    assert abs(_efficiency("vgg16", "ring hierarchical", 512) - 0.68) <= 0.10
 
 
 def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
