@@ -7,7 +7,9 @@ needs root), with mpi4py and Horovod as hvdtrain's ranks run them:
   then its send), with Open MPI's TCP flags as shipped (``put`` on) and without ``put``
   (:data:`hvdtrain.horovod_start.TCP_FLAGS`, hvdtrain's default);
 - Horovod's allreduce of 17.4 MB over 4 nodes under MPI: Open MPI's own choice of algorithm with
-  and without ``put``, and its ring algorithm (``coll_tuned_allreduce_algorithm=4``).
+  and without ``put``, and its ring algorithm (``coll_tuned_allreduce_algorithm=4``);
+- the two-node exchange again on unshaped links (veth at memory speed), where turning ``put``
+  off must not cost.
 
 Each figure is the median of four transfers in one job, beside the bound M/B (one message) or
 2(n-1)/n M/B (the ring's). Usage (from the repository root; about 3 minutes)::
@@ -93,20 +95,27 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> list[float]:
     return [float(v) for v in found[-1].split()]
 
 
-def measure() -> list[list[str]]:
-    """The table's rows."""
+def exchanges(bound: float | None) -> list[list[str]]:
+    """Rows of the two-node exchange with put on and off; ``bound``: M/B, or None unshaped."""
     me = [str(harness.python()), __file__]
-    bound = 4 * ELEMENTS / (ps_links.RATES[RATE] / 8)
+    link = "100 Mbit/s" if bound else "unshaped"
     rows = []
     for name, flags in (("put on (Open MPI's default)", WITH_PUT),
                         ("put off (hvdtrain's default)", TCP_FLAGS)):
         one, both = launch(["mpirun", "-np", "2", "-H", "node1:1,node2:1", "--mca",
                             "btl_tcp_if_include", ps_links.IFACE, *me, "exchange"],
                            {"OMPI_MCA_btl_tcp_flags": flags})
-        rows.append([f"2 nodes, 17.4 MB one way, {name}", f"{one:.3f}", f"{bound:.3f}",
-                     f"{one / bound:.2f}"])
-        rows.append([f"2 nodes, 17.4 MB both ways, {name}", f"{both:.3f}", f"{bound:.3f}",
-                     f"{both / bound:.2f}"])
+        for way, seconds in (("one way", one), ("both ways", both)):
+            rows.append([f"2 nodes, {link}, 17.4 MB {way}, {name}", f"{seconds:.3f}",
+                         f"{bound:.3f}" if bound else "—",
+                         f"{seconds / bound:.2f}" if bound else "—"])
+    return rows
+
+
+def measure() -> list[list[str]]:
+    """The table's rows: at 100 Mbit/s, then the exchange on unshaped links."""
+    me = [str(harness.python()), __file__]
+    rows = exchanges(4 * ELEMENTS / (ps_links.RATES[RATE] / 8))
     ring = ps_links.ring_s(4, ps_links.RATES[RATE] / 8)
     for name, env in (("Open MPI's choice, put on", {"OMPI_MCA_btl_tcp_flags": WITH_PUT}),
                       ("Open MPI's choice, put off", {"OMPI_MCA_btl_tcp_flags": TCP_FLAGS}),
@@ -117,7 +126,8 @@ def measure() -> list[list[str]]:
                              ps_links.IFACE, *me, "allreduce"], env)
         rows.append([f"4 nodes, Horovod allreduce of 17.4 MB, {name}", f"{seconds:.3f}",
                      f"{ring:.3f}", f"{seconds / ring:.2f}"])
-    return rows
+    ps_links.cluster("start", "4", "--bandwidth", "none")
+    return rows + exchanges(None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,7 @@ Usage (from the repository root; needs root for the namespace nodes; about 25 mi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -75,10 +76,14 @@ def profile(work: Path) -> Path:
 
 
 def cluster_file(work: Path, rate: str, n: int) -> Path:
-    """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes."""
+    """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, and
+    each rank's compute at the share of this machine's cores it gets beside n - 1 others (the
+    profile ran one rank alone)."""
     gbit = ps_links.RATES[rate] / 1e9
+    speed = min(1.0, (os.cpu_count() or 1) / n)
     path = work / f"cluster-{rate}-{n}.yaml"
-    path.write_text(f"name: namespace_{rate}\nnodes: {n}\nranks_per_node: 1\ncompute_speed: 1.0\n"
+    path.write_text(f"name: namespace_{rate}\nnodes: {n}\nranks_per_node: 1\n"
+                    f"compute_speed: {speed:g}\n"
                     "intra: {bandwidth_gbit_s: 10, latency_us: 50}\n"
                     f"inter: {{bandwidth_gbit_s: {gbit}, latency_us: 50}}\n"
                     f"servers: {{nodes: {n}, bandwidth_gbit_s: {gbit}, latency_us: 50, "
@@ -194,7 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rankings = ranking_agrees(rows)
     notes = ["The model: " + ps_links.MODEL[0] + " on digits, batch 32 a worker; the plan from a "
              "one-rank profile of it on this machine and a cluster file of the links' nominal "
-             "rate (50 us, no per-call overhead), made by this script.",
+             "rate (50 us, no per-call overhead) whose `compute_speed` is the share of this "
+             "machine's cores a worker gets beside the others (1 for n <= cores, else cores/n), "
+             "made by this script.",
              "Ranking (the MPI settings by step time; the plan prices one ring, the Gloo row "
              "shows how Horovod's other controller runs it): " + "; ".join(rankings) + ".",
              "One job a setting; all ranks share this machine's 2 cores, so where the link is "

@@ -53,7 +53,7 @@ import numpy as np
 
 from hvdtrain.errors import EnvironmentFailure
 
-VERSION = 3
+VERSION = 4
 """Bumped whenever a message changes: a worker and a server of different versions refuse."""
 
 HELLO, CONTROL, PUSH, PULL = 7101, 7102, 7103, 7104
