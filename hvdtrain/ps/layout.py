@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 GOLDEN = 0x9E3779B97F4A7C15
 """2^64 divided by the golden ratio, odd: the multiplier of Fibonacci hashing."""
 

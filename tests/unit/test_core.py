@@ -138,11 +138,15 @@ def test_jsonl_sink_holds_records_until_due_flushed_or_closed_and_forgets_them_a
 
 
 def test_cycle_time_follows_config_then_environment_then_horovods_own():
-    from hvdtrain.horovod_start import set_cycle_time
+    from hvdtrain.horovod_start import TCP_FLAGS, set_cycle_time
 
     env: dict[str, str] = {}
     assert set_cycle_time(0.0, env) == "1"  # Horovod's own, left to Horovod
-    assert env == {"OMPI_MCA_mpi_yield_when_idle": "1"}
+    assert env == {"OMPI_MCA_mpi_yield_when_idle": "1", "OMPI_MCA_btl_tcp_flags": TCP_FLAGS}
+    assert "put" not in TCP_FLAGS.split(",")
+    env = {"OMPI_MCA_btl_tcp_flags": "send,put"}  # the user's setting stands
+    set_cycle_time(0.0, env)
+    assert env["OMPI_MCA_btl_tcp_flags"] == "send,put"
     env = {"HOROVOD_CYCLE_TIME": "2.5"}  # e.g. horovodrun --cycle-time-ms 2.5
     assert set_cycle_time(0.0, env) == "2.5"
     assert set_cycle_time(0.5, env) == "0.5" and env["HOROVOD_CYCLE_TIME"] == "0.5"
