@@ -22,6 +22,12 @@ otherwise) on a byte corpus made at the start of the run from README.md and docs
 download); it is measured by eval perplexity, in tables of its own, and a method's loss is its
 relative perplexity increase over ``none``'s (paired by seed), against :data:`LM_LOSS_BARS`.
 One such run took 7 s of training at -np 2 in PyTorch, 16 s in TensorFlow (2026-12-04, load 3-4).
+``--datasets images`` trains ResNet-18 (``configs/images_{torch,tf}.yaml``: width 16, Adam unless
+``--optimizers`` says otherwise) for ``--image-steps`` steps (200) on :data:`IMAGE_SET`, generated
+images made at the start of the run as ``hvdtrain data make-images`` makes them (no download),
+measured by eval accuracy against :data:`LOSS_BARS`. One run of 200 steps took 16 s of training at
+-np 2 in PyTorch (2026-12-04, load 2-3): `none` reached 0.92 accuracy with Adam, 0.83 with SGD
+momentum at the rate of :data:`IMAGE_OPTIMIZERS` (chance: 0.10).
 
 Usage (from the repository root)::
 
@@ -34,12 +40,16 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/compression.py --seeds 1 --slow-link  # + one host's slow link
     .venv/bin/python benchmarks/compression.py --quick --no-write     # a tiny check
     .venv/bin/python benchmarks/compression.py --quick --no-write --datasets lm  # the LM's
+    nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
+        --optimizers sgd,adam --methods none,topk,topk-dgc,qsgd,powersgd \
+        --train-extra comm.adam_warmup_steps=40 --train-extra comm.sparsity_warmup_steps=40
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -76,12 +86,26 @@ DATASETS = {
     "mnist1d-cnn": ["data.name=mnist1d", "model.name=benchmarks.compression:cnn1d",
                     "train.epochs=60"],
     "lm": [],
+    "images": [],
 }
 """Overrides of the framework's config per dataset: its digits config, or for :data:`LM` its
-language-model config (the corpus and the step budget are the driver's: :func:`lm_overrides`)."""
+language-model config and for :data:`IMAGES` its ResNet-18 config (their data and step budgets are
+the driver's: :func:`lm_overrides`, :func:`image_overrides`)."""
 LM = "lm"
 """The dataset trained on ``configs/lm_{torch,tf}.yaml`` over the docs corpus (:func:`make_corpus`)
 for ``--lm-steps`` steps, and measured by its eval perplexity."""
+IMAGES = "images"
+"""The dataset trained on ``configs/images_{torch,tf}.yaml`` (ResNet-18) over generated images
+(:func:`make_image_set`) for ``--image-steps`` steps, and measured by its eval accuracy."""
+IMAGE_SET = {"train": 4000, "test": 1000, "size": 32}
+"""The generated image set: training and test images (ten classes), and their side in pixels."""
+IMAGE_STEPS = (200, 10)
+"""The images' step budget: a full run's and ``--quick``'s."""
+CONFIGS = {LM: "lm", IMAGES: "images"}
+"""The config (``configs/<name>_{torch,tf}.yaml``) of the datasets that do not train the digits
+config."""
+TITLES = {LM: "language model", IMAGES: "ResNet-18 on generated images"}
+"""The datasets named in a section's title when a run measures only those."""
 CORPUS_FILES = ("train.bin", "val.bin", "meta.json")
 """What ``make_text`` writes: the training and validation byte tokens, and their description."""
 LM_STEPS = (150, 20)
@@ -102,6 +126,13 @@ LM_OPTIMIZERS = {
 """Per optimizer, overrides of the framework's LM config (its own: Adam, lr 0.0015, cosine). SGD
 momentum's rate was picked on 150 steps at -np 2, PyTorch, seed 0 (2026-12-04: eval perplexity
 19.3, 18.4, 19.2, 19.6 and 31.0 at 0.03, 0.05, 0.1, 0.15 and 0.3; Adam's: 16.4)."""
+IMAGE_OPTIMIZERS = {
+    "adam": [],
+    "sgd": ["optim.name=sgd", "optim.momentum=0.9", "optim.lr=0.01"],
+}
+"""Per optimizer, overrides of the framework's ResNet-18 config (its own: Adam, lr 0.001, cosine).
+SGD momentum's rate was picked on 200 steps at -np 2, PyTorch, seed 0 (2026-12-04: eval accuracy
+0.15, 0.43, 0.83 and 0.83 at 0.05, 0.02, 0.01 and 0.005; Adam's: 0.92)."""
 LOSS_BARS = {"topk": 0.01, "topk-0.1%": 0.02, "powersgd": 0.01, "qsgd": 0.01}
 """Issue 36's targets: largest mean accuracy loss against ``none``, per method, every model and
 optimizer."""
@@ -133,6 +164,8 @@ class Metric:
     """Largest mean loss against ``none`` per method (issue 36)."""
     loss: Callable[[float, float], float]
     """(``none``'s figure, the method's) -> the method's loss; positive: worse."""
+    unit: str = " points"
+    """The loss's unit after its figure (x100), for the verdicts."""
 
 
 ACCURACY = Metric("accuracy", 4, "loss vs none (points)", "accuracy loss", "Accuracy", LOSS_BARS,
@@ -141,7 +174,7 @@ ACCURACY = Metric("accuracy", 4, "loss vs none (points)", "accuracy loss", "Accu
 PERPLEXITY = Metric("perplexity", 2, "perplexity increase vs none (%)",
                     "eval perplexity increase (the method's perplexity over `none`'s, less 1)",
                     "Language model: eval perplexity (lower is better)", LM_LOSS_BARS,
-                    lambda base, value: value / base - 1)
+                    lambda base, value: value / base - 1, "% perplexity")
 """The language model's: eval perplexity; the loss is its relative increase (lower is better)."""
 
 
@@ -206,15 +239,15 @@ def measure(result: Any, method: str, args: argparse.Namespace, run_dir: Path) -
 
 
 def config_of(framework: str, dataset: str) -> Path:
-    """The framework's config a dataset's overrides apply to: its LM config for :data:`LM`, else
-    its digits config."""
+    """The framework's config a dataset's overrides apply to: its own for :data:`CONFIGS`' (the
+    LM's, ResNet-18's), else its digits config."""
     short = "tf" if framework == "tensorflow" else "torch"
-    return harness.ROOT / "configs" / f"{'lm' if dataset == LM else 'digits'}_{short}.yaml"
+    return harness.ROOT / "configs" / f"{CONFIGS.get(dataset, 'digits')}_{short}.yaml"
 
 
 def optimizer_overrides(dataset: str, optimizer: str) -> list[str]:
     """The overrides that make the dataset's config train with ``optimizer``."""
-    return (LM_OPTIMIZERS if dataset == LM else OPTIMIZERS)[optimizer]
+    return {LM: LM_OPTIMIZERS, IMAGES: IMAGE_OPTIMIZERS}.get(dataset, OPTIMIZERS)[optimizer]
 
 
 def worker(argv: Sequence[str]) -> int:
@@ -290,12 +323,28 @@ def lm_overrides(corpus: Path, steps: int) -> list[str]:
     return [f"data.options.root={corpus}", f"train.max_steps={steps}"]
 
 
+def make_image_set(work: Path) -> Path:
+    """The generated images of :data:`IMAGE_SET`, made afresh in ``work`` (as ``hvdtrain data
+    make-images`` does: drawn from a seed, no download); returns their root."""
+    from hvdtrain.data.make_images import make_images
+
+    root = work / "images"
+    shutil.rmtree(root, ignore_errors=True)  # a previous run's: make_images writes only into an empty one
+    return make_images(root, IMAGE_SET["train"], IMAGE_SET["test"], IMAGE_SET["size"])
+
+
+def image_overrides(root: Path, steps: int) -> list[str]:
+    """ResNet-18's job overrides: the generated images and the step budget."""
+    return [f"data.options.root={root}", f"data.options.size={IMAGE_SET['size']}",
+            f"train.max_steps={steps}"]
+
+
 def optimizers_of(dataset: str, chosen: str | None) -> list[str]:
-    """The optimizers a dataset trains with: ``--optimizers``, or its config's own (the LM's Adam,
-    the classifiers' SGD momentum)."""
+    """The optimizers a dataset trains with: ``--optimizers``, or its config's own (Adam for the
+    LM and ResNet-18, SGD momentum for the digits config's classifiers)."""
     if chosen:
         return chosen.split(",")
-    return ["adam" if dataset == LM else "sgd"]
+    return ["adam" if dataset in CONFIGS else "sgd"]
 
 
 class SlowLink:
@@ -496,6 +545,16 @@ def metric_blocks(records: list[dict], methods: Sequence[str], metric: Metric) -
             + results_table(measured, methods, metric)]
 
 
+def image_note(steps: int) -> str:
+    """What ResNet-18's runs trained on, for the notes."""
+    return (f"ResNet-18 (`{IMAGES}`): `configs/images_torch.yaml` / `configs/images_tf.yaml` "
+            f"(width 16, batch 32 a rank), `train.max_steps={steps}`, on {IMAGE_SET['train']:,} "
+            f"training and {IMAGE_SET['test']:,} test images of {IMAGE_SET['size']}x"
+            f"{IMAGE_SET['size']} pixels, ten shapes, generated for this run as `hvdtrain data "
+            "make-images` makes them (chance: 0.10); Adam as configured, SGD momentum at "
+            f"`{optimizer_overrides(IMAGES, 'sgd')[-1]}`.")
+
+
 def lm_note(corpus: Path, steps: int) -> str:
     """What the language model's runs trained on, for the notes."""
     return (f"Language model (`{LM}`): `configs/lm_torch.yaml` / `configs/lm_tf.yaml`, "
@@ -505,13 +564,14 @@ def lm_note(corpus: Path, steps: int) -> str:
             f"`{optimizer_overrides(LM, 'sgd')[-1]}`.")
 
 
-def runs(args: argparse.Namespace, methods: Sequence[str], lm: Sequence[str]) -> list[dict]:
+def runs(args: argparse.Namespace, methods: Sequence[str],
+         data: Mapping[str, Sequence[str]]) -> list[dict]:
     """Every framework's, dataset's, optimizer's and seed's job in turn; all their records.
-    ``lm``: the language model's overrides (:func:`lm_overrides`)."""
+    ``data``: per dataset, the driver's overrides (:func:`lm_overrides`, :func:`image_overrides`)."""
     records: list[dict] = []
     for fw in args.frameworks.split(","):
         for ds in args.datasets.split(","):
-            extra = [*(lm if ds == LM else []), *args.train_extra]
+            extra = [*data.get(ds, []), *args.train_extra]
             for opt in optimizers_of(ds, args.optimizers):
                 for seed in range(args.seeds):
                     records += job(fw, ds, seed, methods, Path(args.work) / fw, extra,
@@ -519,44 +579,78 @@ def runs(args: argparse.Namespace, methods: Sequence[str], lm: Sequence[str]) ->
     return records
 
 
-LM_TARGET_TEXT = (f"; the language model: `topk` eval perplexity at most "
+LM_TARGET_TEXT = (f"the language model: `topk` eval perplexity at most "
                   f"{100 * LM_LOSS_BARS['topk']:g}% above `none`'s")
 """The LM's bar in words, for the index (added where the LM was measured)."""
+IMAGES_TARGET_TEXT = ("ResNet-18 on generated images: mean accuracy against `none`, at worst: "
+                      + ", ".join(f"`{m}` -{100 * bar:g}" for m, bar in LOSS_BARS.items())
+                      + " points")
+"""ResNet-18's bars in words, for the index (added where it was measured)."""
 
 
-def lm_verdict(records: list[dict]) -> str:
-    """Per framework and optimizer, each method of :data:`LM_LOSS_BARS` against its bar: the
-    mean perplexity increase over the seeds, paired with ``none``'s; empty without LM runs."""
-    lm = [r for r in records if PERPLEXITY.name in r]
-    parts = []
-    for (fw, ds, m), (mean, _, _) in paired_losses(lm, ["none", *LM_LOSS_BARS], PERPLEXITY):
-        parts.append(f"{fw} {ds} {m} {'met' if mean <= LM_LOSS_BARS[m] else 'missed'} "
-                     f"({100 * mean:+.2f}% perplexity)")
+def target_text(datasets: Sequence[str]) -> str:
+    """The index's target: the digits bars unless only :data:`TITLES`' datasets ran, and theirs."""
+    parts = [] if set(datasets) <= set(TITLES) else [TARGET_TEXT]
+    parts += [IMAGES_TARGET_TEXT] * (IMAGES in datasets) + [LM_TARGET_TEXT] * (LM in datasets)
     return "; ".join(parts)
 
 
+def bars_verdict(records: list[dict], metric: Metric, dataset: str) -> str:
+    """Per framework and optimizer, each method of the metric's bars measured on ``dataset``
+    against its bar: the mean loss over the seeds, paired with ``none``'s; empty without such
+    runs."""
+    measured = [r for r in records if metric.name in r and r["dataset"] == dataset]
+    parts = []
+    for (fw, ds, m), (mean, _, _) in paired_losses(measured, ["none", *metric.bars], metric):
+        parts.append(f"{fw} {ds} {m} {'met' if mean <= metric.bars[m] else 'missed'} "
+                     f"({100 * mean:+.2f}{metric.unit})")
+    return "; ".join(parts)
+
+
+def lm_verdict(records: list[dict]) -> str:
+    """Per framework and optimizer, each method of :data:`LM_LOSS_BARS` against its bar (the mean
+    perplexity increase over the seeds, paired with ``none``'s); empty without LM runs."""
+    return bars_verdict(records, PERPLEXITY, LM)
+
+
 def verdict(records: list[dict]) -> str:
-    """The index's verdict: the digits accuracy bars, and the LM's perplexity bar where
+    """The index's verdict: the digits accuracy bars, ResNet-18's and the LM's bars where
     measured (alone in a run without digits)."""
-    lm = lm_verdict(records)
-    if lm and not accuracy_drops(records):
-        return lm
-    return "; ".join(part for part in (accuracy_verdict(records), lm) if part)
+    own = [part for part in (bars_verdict(records, ACCURACY, IMAGES), lm_verdict(records)) if part]
+    if own and not accuracy_drops(records):
+        return "; ".join(own)
+    return "; ".join(part for part in (accuracy_verdict(records), *own) if part)
+
+
+def title_of(args: argparse.Namespace) -> tuple[str, str]:
+    """The section's title and its index label: named after the datasets (and their step
+    budgets) where only :data:`TITLES`' ran, else the classifiers' plain title."""
+    seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
+    datasets = args.datasets.split(",")
+    steps = {LM: args.lm_steps, IMAGES: args.image_steps}
+    named = set(datasets) <= set(TITLES)
+    what = "".join(f", {TITLES[d]}, {steps[d]} steps" for d in datasets) if named else ""
+    return (f"Gradient compression{what}: {seeds}, {args.frameworks}",
+            f"Gradient compression{what}, {seeds}, {args.frameworks.replace(',', ' and ')}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The driver's options; ``--quick``: digits, none/topk/powersgd, 1 epoch (the LM, when
-    asked for: 20 steps)."""
+    asked for: 20 steps; ResNet-18: 10)."""
     p = harness.parser("compression.py", __doc__.splitlines()[0], SIZES, timeout=7200.0)
     p.add_argument("--frameworks", default="torch", help="comma-separated: torch,tensorflow")
     p.add_argument("--datasets", default="digits,mnist1d",
                    help="comma-separated keys of DATASETS (mnist1d-cnn: the 1-D CNN, 60 epochs; "
-                        "lm: the language model, --lm-steps steps)")
+                        "lm: the language model, --lm-steps steps; images: ResNet-18, "
+                        "--image-steps steps)")
     p.add_argument("--optimizers",
                    help="comma-separated: sgd,adam (default: each config's own; the LM's Adam, "
                         "the classifiers' SGD momentum)")
     p.add_argument("--lm-steps", type=int, default=LM_STEPS[0],
                    help=f"the LM's training steps (default {LM_STEPS[0]}, --quick: {LM_STEPS[1]})")
+    p.add_argument("--image-steps", type=int, default=IMAGE_STEPS[0],
+                   help=f"ResNet-18's training steps (default {IMAGE_STEPS[0]}, --quick: "
+                        f"{IMAGE_STEPS[1]})")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--slow-link", action=argparse.BooleanOptionalAction, default=False,
                    help="also the single-host slow link "
@@ -570,7 +664,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="config override added to the accuracy runs (repeatable)")
     if argv is not None and "--quick" in argv:
         p.set_defaults(datasets="digits", methods="none,topk,powersgd",
-                       train_extra=["train.epochs=1"], lm_steps=LM_STEPS[1])
+                       train_extra=["train.epochs=1"], lm_steps=LM_STEPS[1],
+                       image_steps=IMAGE_STEPS[1])
     return harness.parse(p, argv)
 
 
@@ -588,8 +683,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fw in frameworks:
                 slow += job(fw, "digits", 0, [m for m in methods if m != "topk-noEF"],
                             out / "slow" / fw, [*SLOW, *args.slow_extra], args.slow_target, netns)
-    corpus = make_corpus(out) if LM in args.datasets.split(",") else None  # once per run
-    records = runs(args, methods, lm_overrides(corpus, args.lm_steps) if corpus else [])
+    datasets = args.datasets.split(",")
+    corpus = make_corpus(out) if LM in datasets else None  # once per run
+    images = make_image_set(out) if IMAGES in datasets else None
+    data = {**({LM: lm_overrides(corpus, args.lm_steps)} if corpus else {}),
+            **({IMAGES: image_overrides(images, args.image_steps)} if images else {})}
+    records = runs(args, methods, data)
     blocks = [*metric_blocks(records, methods, ACCURACY),
               *metric_blocks(records, methods, PERPLEXITY)]
     if slow:
@@ -598,13 +697,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "64-1024-1024-10 on digits, seed 0"
                       + "".join(f", {e}" for e in args.slow_extra) + ":\n\n"
                       + slow_table(slow, args.slow_target))
-    seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
-    title = f"Gradient compression: {seeds}, {args.frameworks}"
+    title, label = title_of(args)
+    named = f" --datasets {args.datasets}" if set(datasets) <= set(TITLES) else ""
     entry = harness.Entry(
-        label=f"Gradient compression, {seeds}, {args.frameworks.replace(',', ' and ')}",
-        script=f"compression.py --seeds {args.seeds} --frameworks {args.frameworks}",
-        target=TARGET_TEXT + (LM_TARGET_TEXT if corpus else ""), verdict=verdict(records))
-    extra_notes = [lm_note(corpus, args.lm_steps)] if corpus else []
+        label=label, script=f"compression.py --seeds {args.seeds} --frameworks {args.frameworks}"
+                            + named,
+        target=target_text(datasets), verdict=verdict(records))
+    extra_notes = [*([image_note(args.image_steps)] if images else []),
+                   *([lm_note(corpus, args.lm_steps)] if corpus else [])]
     harness.publish(harness.section_text(title, args.command, machine, blocks,
                                          notes(records, slow) + extra_notes, entry=entry), args)
     return 0

@@ -173,6 +173,26 @@ def test_compression_smallest_run_of_the_language_model(tmp_path):
     assert "train.max_steps=20" in doc.read_text()
 
 
+@pytest.mark.timeout(600)
+def test_compression_smallest_run_of_resnet18_on_generated_images(tmp_path):
+    """``--datasets images``: ResNet-18's config on images the driver generates, measured by eval
+    accuracy, with its own title and the issue's bars."""
+    doc = tmp_path / "bench.md"
+    run_driver(doc, "compression.py", "--datasets", "images", "--methods", "none,topk",
+               "--work", str(tmp_path / "work"))
+    (title, (losses, results)), = sections(doc).items()
+    assert "ResNet-18 on generated images, 10 steps" in title
+    assert losses[0][2] == "loss vs none (points)"
+    assert [row[0] for row in losses[1:]] == ["torch images adam topk"] and losses[1][4] == "1"
+    rows = {row[0]: row for row in results[1:]}
+    assert set(rows) == {"torch images adam none", "torch images adam topk"}
+    assert rows["torch images adam none"][5] == "1.0" and float(rows["torch images adam topk"][5]) > 10
+    none, topk = (float(rows[f"torch images adam {m}"][2]) for m in ("none", "topk"))
+    assert float(losses[1][2]) == pytest.approx(100 * (none - topk), abs=0.011)
+    assert len(list((tmp_path / "work" / "images" / "train").rglob("*.jpg"))) == 4000
+    assert "train.max_steps=10" in doc.read_text()
+
+
 def test_resnet18_has_resnet18_size_and_trains_on_synthetic_images():
     import torch
 

@@ -396,6 +396,32 @@ def test_compression_lm_trains_on_the_lm_config_with_its_own_optimizer():
     assert compression.parse_args([]).lm_steps == 150
 
 
+def test_compression_images_train_resnet18_with_its_own_optimizer_and_are_judged_by_the_bars():
+    assert compression.config_of("torch", "images").name == "images_torch.yaml"
+    assert compression.config_of("tensorflow", "images").name == "images_tf.yaml"
+    assert compression.optimizers_of("images", None) == ["adam"]
+    assert compression.optimizer_overrides("images", "adam") == []
+    assert "optim.name=sgd" in compression.optimizer_overrides("images", "sgd")
+    assert "train.max_steps=200" in compression.image_overrides(Path("/x"), 200)
+    assert compression.parse_args(["--quick"]).image_steps == 10
+    records = [{"framework": "torch", "dataset": "images", "optimizer": "sgd", "method": m,
+                "seed": seed, "accuracy": acc}
+               for m, seed, acc in [("none", 0, 0.80), ("none", 1, 0.84), ("topk", 0, 0.78),
+                                    ("topk", 1, 0.83), ("qsgd", 0, 0.80), ("qsgd", 1, 0.841),
+                                    ("topk-dgc", 0, 0.70)]]  # topk-dgc: no bar, not judged
+    assert compression.verdict(records) == ("torch images sgd topk missed (+1.50 points); "
+                                            "torch images sgd qsgd met (-0.05 points)")
+    digits = [{**r, "dataset": "digits"} for r in records]
+    assert compression.verdict(digits + records).endswith(compression.verdict(records))
+    args = compression.parse_args(["--datasets", "images,lm", "--seeds", "3", "--lm-steps", "300"])
+    assert compression.title_of(args)[0] == ("Gradient compression, ResNet-18 on generated images, "
+                                             "200 steps, language model, 300 steps: 3 seeds, torch")
+    assert compression.title_of(compression.parse_args(["--seeds", "1"]))[0] == (
+        "Gradient compression: 1 seed, torch")
+    assert compression.target_text(["images"]) == compression.IMAGES_TARGET_TEXT
+    assert compression.target_text(["digits", "lm"]).startswith(compression.TARGET_TEXT)
+
+
 def test_synthetic_images_are_deterministic_shaped_and_learnable():
     import numpy as np
 
