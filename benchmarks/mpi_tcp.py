@@ -36,6 +36,8 @@ RATE = "100mbit"
 WITH_PUT = "send,put,inplace,need-ack,need-csum,hetero-rdma"
 """Open MPI 4.1's default ``btl_tcp_flags``."""
 REPEATS = 4
+ME = [str(harness.python()), __file__]
+"""This script as the ranks run it: its worker modes are ``exchange`` and ``allreduce``."""
 
 
 def exchange_worker() -> None:
@@ -97,13 +99,12 @@ def launch(argv: Sequence[str], env: dict[str, str]) -> list[float]:
 
 def exchanges(bound: float | None) -> list[list[str]]:
     """Rows of the two-node exchange with put on and off; ``bound``: M/B, or None unshaped."""
-    me = [str(harness.python()), __file__]
     link = "100 Mbit/s" if bound else "unshaped"
     rows = []
     for name, flags in (("put on (Open MPI's default)", WITH_PUT),
                         ("put off (hvdtrain's default)", TCP_FLAGS)):
         one, both = launch(["mpirun", "-np", "2", "-H", "node1:1,node2:1", "--mca",
-                            "btl_tcp_if_include", ps_links.IFACE, *me, "exchange"],
+                            "btl_tcp_if_include", ps_links.IFACE, *ME, "exchange"],
                            {"OMPI_MCA_btl_tcp_flags": flags})
         for way, seconds in (("one way", one), ("both ways", both)):
             rows.append([f"2 nodes, {link}, 17.4 MB {way}, {name}", f"{seconds:.3f}",
@@ -114,7 +115,6 @@ def exchanges(bound: float | None) -> list[list[str]]:
 
 def measure() -> list[list[str]]:
     """The table's rows: at 100 Mbit/s, then the exchange on unshaped links."""
-    me = [str(harness.python()), __file__]
     rows = exchanges(4 * ELEMENTS / (ps_links.RATES[RATE] / 8))
     ring = ps_links.ring_s(4, ps_links.RATES[RATE] / 8)
     for name, env in (("Open MPI's choice, put on", {"OMPI_MCA_btl_tcp_flags": WITH_PUT}),
@@ -123,7 +123,7 @@ def measure() -> list[list[str]]:
                                                    **ps_links.MPI_RING})):
         (seconds,) = launch([harness.horovodrun(), "-np", "4", "-H",
                              "node1:1,node2:1,node3:1,node4:1", "--mpi", "--network-interfaces",
-                             ps_links.IFACE, *me, "allreduce"], env)
+                             ps_links.IFACE, *ME, "allreduce"], env)
         rows.append([f"4 nodes, Horovod allreduce of 17.4 MB, {name}", f"{seconds:.3f}",
                      f"{ring:.3f}", f"{seconds / ring:.2f}"])
     ps_links.cluster("start", "4", "--bandwidth", "none")

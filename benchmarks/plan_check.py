@@ -21,6 +21,7 @@ Usage (from the repository root; needs root for the namespace nodes; about 25 mi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -108,12 +109,12 @@ def predictions(prof: Path, cluster: Path, n: int) -> dict[str, dict]:
     return found
 
 
-def measure(args: object, work: Path) -> list[dict]:
+def measure(args: argparse.Namespace, work: Path) -> list[dict]:
     """Every (rate, n, check): predicted and measured step, link-bound or not."""
     prof = profile(work)
     rows = []
-    for rate in args.rates.split(","):  # type: ignore[attr-defined]
-        ns = [int(v) for v in args.workers.split(",")]  # type: ignore[attr-defined]
+    for rate in args.rates.split(","):
+        ns = [int(v) for v in args.workers.split(",")]
         ps_links.cluster("start", str(2 * max(ns)), "--bandwidth", rate)
         for n in ns:
             plan = predictions(prof, cluster_file(work, rate, n), n)
@@ -124,9 +125,8 @@ def measure(args: object, work: Path) -> list[dict]:
                 if point is None:
                     harness.log(f"{rate} n={n} {check.label}: not in the plan, skipped")
                     continue
-                seconds = ps_links.step_time(n, check.servers, args.steps,  # type: ignore
-                                             args.timeout, check.controller,  # type: ignore
-                                             check.overrides)
+                seconds = ps_links.step_time(n, check.servers, args.steps, args.timeout,
+                                             check.controller, check.overrides)
                 harness.log(f"{rate} n={n} {check.label}: {seconds:.3f} s a step, predicted "
                             f"{point['step_s']:.3f}")
                 rows.append({"rate": rate, "n": n, "label": check.label,
@@ -171,14 +171,11 @@ def verdict(rows: Sequence[dict], rankings: Sequence[str]) -> str:
     ratios = [r["measured"] / r["predicted"] for r in bound]
     span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "none"
     state = "met" if not off and ranked and bound else "not met"
+    differs = sum(": differs" in line for line in rankings)
+    ranking = (f"the same at {len(rankings)} of {len(rankings)} rate and size pairs" if ranked
+               else f"differs at {differs} of {len(rankings)}")
     return (f"{state}: link-bound settings measured {span} x their predictions "
-            f"({len(bound) - len(off)} of {len(bound)} within 15%); ranking "
-            f"{'the same' if ranked else 'differs'} at {len(rankings)} of {len(rankings)} "
-            "rate and size pairs" if ranked else
-            f"{state}: link-bound settings measured {span} x their predictions "
-            f"({len(bound) - len(off)} of {len(bound)} within 15%); ranking differs at "
-            f"{sum(': differs' in line for line in rankings)} of {len(rankings)}")
-
+            f"({len(bound) - len(off)} of {len(bound)} within 15%); ranking {ranking}")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Profiles, plans, measures, prints the section and, unless ``--no-write``, writes it."""
