@@ -208,6 +208,11 @@ class PSConfig:
     partition: 4 MiB), smaller where a gradient would make fewer than 64 (not below 64 KiB), each
     owned by one server picked by hashing its index, so pushes and pulls of chunks overlap
     (:func:`hvdtrain.ps.layout.server_chunk`). ``colocated``: the KiB per rank of each round."""
+    overlap: bool = True
+    """Dedicated servers under ``bsp``, PyTorch, a dense wire (``comm.compression`` ``none`` or
+    ``fp16``): each chunk leaves as soon as the backward pass has produced all of its gradients,
+    the last layers' first, so pushing overlaps the backward pass as the ring's hooks do; false:
+    the whole gradient is pushed after the pass."""
     timeout_s: float = _opt(300.0, min=1.0, max=1e6)
     """A worker that waits this long for a server's answer stops the job with an error naming that
     server (dead or hung). A server answers a step once every worker pushed it, so the wait also

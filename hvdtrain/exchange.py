@@ -72,6 +72,10 @@ class GradientExchange(abc.ABC):
     stand for; both 0 when nothing was sent), ``comm_s`` (waiting for the collectives) and
     ``compress_s`` (the exchange's own kernels)."""
 
+    def backward_starts(self, last: bool) -> None:
+        """Before each micro-batch's backward pass; ``last``: the step's last, whose gradients
+        :meth:`run` gets (an exchange may start sending them as the pass produces them)."""
+
     @abc.abstractmethod
     def run(self, grads: Sequence[Any]) -> list[Any]:
         """The average over the ranks of each gradient, in the model's order (a collective)."""

@@ -7,7 +7,10 @@
 1. the learning rate, then zeroed gradient buffers;
 2. per micro-batch: its batch (the wait for it is ``data_s``), the forward and backward pass with
    the loss weighted by ``size / global_count``, so that the exchange's average over ranks is the
-   mean over the step's samples even when ranks hold unequal shares; local gradients accumulate;
+   mean over the step's samples even when ranks hold unequal shares; local gradients accumulate.
+   The exchange is told before each backward pass whether it is the step's last
+   (:meth:`~hvdtrain.exchange.GradientExchange.backward_starts`), so that it may start sending
+   the gradients that pass finishes while the rest are still computed;
 3. the gradient exchange, once per step after the last micro-batch (as Horovod's
    ``backward_passes_per_step`` does). Under fp16 an exchange that keeps state in the gradients'
    units gets them unscaled, after the ranks agreed whether any overflowed (then all skip the
@@ -157,6 +160,7 @@ def run_micro_batches(kernels: StepKernels, exchange: GradientExchange, step: St
         data_s += time.perf_counter() - waited
         fused = kernels.fused_last(batch, weight, exchange) if i == last else None
         if fused is None:
+            exchange.backward_starts(i == last)
             loss_sum, metrics = kernels.backward(batch, weight, i == last)
         else:
             loss_sum, metrics, fused_comm = fused

@@ -117,7 +117,8 @@ def _plan(request: Request, items: list[str]) -> Plan:
         cfg = load_config(config, overrides)
         knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
                       microbatches=cfg.pipeline.microbatches,
-                      virtual_stages=cfg.pipeline.virtual_stages, chunk_kib=cfg.ps.chunk_kib)
+                      virtual_stages=cfg.pipeline.virtual_stages, chunk_kib=cfg.ps.chunk_kib,
+                      ps_overlap=cfg.ps.overlap)
     if request.profile is not None:
         model = load_profile(request.profile)
         if config is not None:

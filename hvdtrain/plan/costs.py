@@ -83,9 +83,15 @@ def dedicated_ps(m: float, n: int, servers: int, worker: Link, server: Link,
         raise ValueError("dedicated parameter servers need at least one server")
     share = 1.0 / servers if share is None else share
     transfer = max(m / worker.bytes_per_s, n * m * share / server.bytes_per_s)
-    tail = n * min(chunk, m) / server.bytes_per_s
+    tail = pull_tail(m, n, server, chunk)
     summing = n * m * share / sum_bytes_per_s if sum_bytes_per_s > 0 else 0.0
     return overhead_s + worker.latency_s + server.latency_s + transfer + tail + summing
+
+
+def pull_tail(m: float, n: int, server: Link, chunk: float) -> float:
+    """The last chunk's pull, which leaves a server once the last push has arrived: ``n c/B_s``
+    (``c`` the chunk's bytes, at most ``m``)."""
+    return n * min(chunk, m) / server.bytes_per_s
 
 
 def send(m: float, link: Link, overhead_s: float = 0.0) -> float:

@@ -38,6 +38,8 @@ class Knobs:
     fusion_threshold: int = FUSION_THRESHOLD
     chunk_kib: int = 4096
     """``ps.chunk_kib``: the most a dedicated server's chunk holds."""
+    ps_overlap: bool = True
+    """``ps.overlap``: a PyTorch worker pushes each chunk as the backward pass produces it."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,8 @@ def _dense(ctx: _Ctx, nodes: int, cost: Callable[[float], float], ratio: float =
 
 
 def _after(ctx: _Ctx, comm_s: float, kernel_s: float, label: str) -> tuple[float, list[Segment]]:
-    """A step whose exchange runs after the backward pass (compressing methods, hvdtrain's ps)."""
+    """A step whose exchange runs after the backward pass (compressing methods, hvdtrain's ps
+    under TensorFlow or ``ps.overlap=false``)."""
     f, b = ctx.fwd, ctx.fwd + ctx.bwd
     segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, b)]
     if kernel_s:
@@ -239,10 +242,23 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
         sum_rate = c.servers.sum_gbyte_s * 1e9
 
         share, chunk = server_layout(m, k, ctx.knobs.chunk_kib)
+        overlap = ctx.knobs.ps_overlap and ctx.profile.model.get("framework") == "torch"
 
         def dedicated_step(n: int) -> tuple[float, list[Segment]]:
-            t = costs.dedicated_ps(m, n * g, k, worker, c.servers.link, sum_rate, o, share, chunk)
-            return _after(ctx, t, 0.0, f"push + pull of {m / 1e6:.2f} MB")
+            def cost(b: float, tail: float = chunk) -> float:
+                return costs.dedicated_ps(b, n * g, k, worker, c.servers.link, sum_rate, o,
+                                          share, tail)
+            if not overlap:
+                return _after(ctx, cost(m), 0.0, f"push + pull of {m / 1e6:.2f} MB")
+            # Pushed as the backward pass produces the gradients, as the ring's buckets are; the
+            # chunks stream, so only the step's last chunk waits for its pull.
+            seconds, segs = _dense(ctx, n, lambda b: cost(b, 0.0))
+            tail = costs.pull_tail(m, n * g, c.servers.link, chunk)
+            update = segs[-1]
+            segs[-1:] = [Segment("comm", "the last chunk's pull", update.start_s,
+                                 update.start_s + tail),
+                         Segment("compute", "update", update.start_s + tail, update.end_s + tail)]
+            return seconds + tail, segs
         _sweep(ctx, dedicated, dedicated_step)
 
     def colocated_step(n: int) -> tuple[float, list[Segment]]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -20,12 +21,18 @@ class PSClient:
     as ``wire`` (float32, or float16 for half the bytes) or compressed as ``settings`` say
     (:mod:`hvdtrain.ps.codec`; ``bsp`` only).
 
-    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out in index
-    order, chunks of all servers interleaved, :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time,
-    so the servers sum early chunks while later ones still travel and pulls overlap pushes. A
-    server that does not answer within ``timeout_s`` ends the wait with
+    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out in
+    descending index order, chunks of all servers interleaved, :data:`hvdtrain.ps.protocol.
+    PUSH_WINDOW` at a time, so the servers sum early chunks while later ones still travel and
+    pulls overlap pushes. :meth:`push_pull` pushes a vector that is complete; :meth:`begin`,
+    :meth:`filled` and :meth:`end` push each chunk as soon as the caller has written it (the
+    backward pass produces the last layers' gradients first, hence the descending order), from a
+    thread of their own. A server that does not answer within ``timeout_s`` ends the wait with
     :class:`hvdtrain.ps.protocol.ServerLost` naming it.
     """
+
+    descending = True
+    """The order chunks travel in (``bsp``'s servers answer in it too)."""
 
     def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
                  wire: str = "float32", settings: WireSettings | None = None) -> None:
@@ -34,7 +41,8 @@ class PSClient:
         self.layout = Layout(total, chunk, len(world.servers))
         self.routes = [(*self.layout.bounds(c), world.servers[owner], c)
                        for owner in range(len(world.servers)) for c in self.layout.owned(owner)]
-        self.routes.sort()  # index order: every server's first chunk leaves early
+        # Index order: every server's first chunk (in the travel order) leaves early.
+        self.routes.sort(reverse=self.descending)
         push, pull = push_scheme(self.settings), pull_scheme(self.settings)
         self.pushes = [push.codec(stop - start) for start, stop, _, _ in self.routes]
         self.pull_codecs = [pull.codec(stop - start) for start, stop, _, _ in self.routes]
@@ -48,6 +56,12 @@ class PSClient:
         """Steps pushed, counted on across resumptions (:meth:`restore`): it seeds draws."""
         self.pushed_bytes = self.pulled_bytes = 0
         """Bytes of gradient sent to and received from the servers by the last step."""
+        self._route_of = [0] * self.layout.count  # chunk index -> its place in routes
+        for index, (_, _, _, c) in enumerate(self.routes):
+            self._route_of[c] = index
+        self._missing: list[int] = []  # per route: elements not yet written (begin/filled)
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
         message = self._hello()
         self._wait([(world.comm.Isend(message, dest=s, tag=protocol.HELLO), s)
                     for s in world.servers], "the start")
@@ -61,6 +75,49 @@ class PSClient:
     def push_pull(self, flat: np.ndarray) -> np.ndarray:
         """The sum over all workers of ``flat`` (contiguous float32, ``total`` elements), as the
         pulls decode it (float32). The result lives in a buffer that the next call overwrites."""
+        self._missing = [0] * len(self.routes)
+        self._exchange(flat)
+        return self._decode()
+
+    def begin(self, flat: np.ndarray) -> None:
+        """Starts a step whose gradient the caller is still writing into ``flat`` (contiguous
+        float32, ``total`` elements): each chunk leaves once :meth:`filled` has reported all of
+        it; :meth:`end` returns the sum. The caller must not write a range twice in a step."""
+        self._missing = [stop - start for start, stop, _, _ in self.routes]
+        self._failure = None
+        self._thread = threading.Thread(target=self._exchange_reporting, args=(flat,),
+                                        name="hvdtrain-ps-push", daemon=True)
+        self._thread.start()
+
+    def filled(self, start: int, stop: int) -> None:
+        """Elements [``start``, ``stop``) of the vector given to :meth:`begin` hold their final
+        values: the chunks they complete may leave."""
+        chunk = self.layout.chunk
+        for c in range(start // chunk, -(-stop // chunk)):
+            a, b = self.layout.bounds(c)
+            self._missing[self._route_of[c]] -= min(b, stop) - max(a, start)
+
+    def end(self) -> np.ndarray:
+        """After :meth:`begin`: every element written, waits for the pushes and pulls to finish;
+        returns the sum as :meth:`push_pull` does."""
+        assert self._thread is not None, "end() without begin()"
+        self._missing = [0] * len(self.routes)
+        self._thread.join()
+        self._thread = None
+        if self._failure is not None:
+            raise self._failure
+        return self._decode()
+
+    def _exchange_reporting(self, flat: np.ndarray) -> None:
+        """:meth:`_exchange` on the push thread, keeping its exception for :meth:`end`."""
+        try:
+            self._exchange(flat)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            self._failure = exc
+
+    def _exchange(self, flat: np.ndarray) -> None:
+        """Posts the step's pulls, then pushes each chunk of ``flat`` once nothing of it is
+        missing (:attr:`_missing`, which the caller's thread lowers), and waits for both."""
         comm, requests = self.world.comm, self._controls(protocol.OP_PUSH)
         requests += [(comm.Irecv(protocol.raw(b), source=server, tag=protocol.PULL), server)
                      for (_, _, server, _), pulled in zip(self.routes, self.pulls, strict=True)
@@ -68,8 +125,11 @@ class PSClient:
         residual, rank = self.residual, self.world.rank
         in_flight: list[list[np.ndarray]] = []  # alive until the sends complete
 
-        def pushes() -> Iterator[list[tuple[Any, int]]]:
-            for (start, stop, server, chunk), codec in zip(self.routes, self.pushes, strict=True):
+        def pushes() -> Iterator[list[tuple[Any, int]] | None]:
+            for index, ((start, stop, server, chunk), codec) in enumerate(
+                    zip(self.routes, self.pushes, strict=True)):
+                while self._missing[index] > 0:
+                    yield protocol.NOT_READY
                 part = None if residual is None else residual[start:stop]
                 sent = encode(codec, flat[start:stop], part, self.step, chunk, rank)
                 in_flight.append(sent)
@@ -77,11 +137,14 @@ class PSClient:
                        for b in sent]
 
         self._wait(requests, f"step {self.step}", pushes())
+        self.pushed_bytes = sum(b.nbytes for sent in in_flight for b in sent)
+
+    def _decode(self) -> np.ndarray:
+        """The step's pulls decoded into :attr:`summed`; counts the step."""
         for (start, stop, _, _), codec, pulled in zip(self.routes, self.pull_codecs, self.pulls,
                                                       strict=True):
             self.summed[start:stop] = codec.decode(pulled, stop - start)
         self.step += 1
-        self.pushed_bytes = sum(b.nbytes for sent in in_flight for b in sent)
         self.pulled_bytes = sum(b.nbytes for pulled in self.pulls for b in pulled)
         return self.summed
 
@@ -161,7 +224,7 @@ class PSClient:
                 for s in self.world.servers]
 
     def _wait(self, requests: list[tuple[Any, int]], when: str,
-              pushes: Iterable[list[tuple[Any, int]]] = ()) -> None:
+              pushes: Iterable[list[tuple[Any, int]] | None] = ()) -> None:
         """Waits for ``requests`` and ``pushes`` (posted chunk by chunk: :func:`protocol.wait`)."""
         def describe(peers: list[int]) -> str:
             names = ", ".join(f"parameter {self.world.name(p)}" if p in self.world.servers
@@ -179,6 +242,8 @@ class AsyncPSClient(PSClient):
     Worker 0 also starts the servers' optimizers (:meth:`init`) and fetches their state before a
     checkpoint (:meth:`fetch_state`).
     """
+
+    descending = False  # the asynchronous servers take a push whole, in index order
 
     def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
                  wire: str = "float32", consistency: str = "asp", staleness: int = 0) -> None:

@@ -60,11 +60,16 @@ class PSExchange(GradientExchange):
     residuals (``topk``) as one whole vector (:data:`SERVER_RESIDUAL`: any number of servers
     resumes it)."""
 
+    streams = False
+    """Whether the framework reports each gradient as the backward pass produces it
+    (:meth:`produced`); then, for the dense methods, its chunks leave during that pass."""
+
     def __init__(self, client: PSClient, rank: int, size: int,
                  shapes: Sequence[Sequence[int]]) -> None:
         self.client, self.rank, self.size = client, rank, size
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
+        self.offsets = np.cumsum([0, *self.sizes]).tolist()
         self.stats = empty_stats()
         self.method = client.settings.method
         self.compressing = client.settings.compressing
@@ -73,12 +78,43 @@ class PSExchange(GradientExchange):
         self.saved: dict[str, np.ndarray] | None = None
         self.restored: tuple[int, tuple[np.ndarray, np.ndarray | None] | None] = (0, None)
         """The step and the residuals (push rows, server vector) rank 0 resumed with."""
+        self.buffer = np.empty(client.layout.total, np.float32)
+        """Streaming: the flat gradient the backward pass writes (:meth:`produced`)."""
+        self.streaming = False
+        self.written = [False] * len(self.sizes)
+
+    def backward_starts(self, last: bool) -> None:
+        """Before the step's last backward pass: starts the client's step over :attr:`buffer`,
+        into which :meth:`produced` then writes each gradient as it is ready (dense methods,
+        where the framework :attr:`streams`; a compressed push needs the unscaled gradients, which
+        exist only after the pass)."""
+        if last and self.streams and not self.compressing:
+            self.written = [False] * len(self.sizes)
+            self.client.begin(self.buffer)
+            self.streaming = True
+
+    def produced(self, index: int, grad: Any) -> None:
+        """The framework's hook: gradient ``index`` is final for this step; its chunks may leave
+        once the other gradients they hold are too."""
+        if not self.streaming or self.written[index]:
+            return
+        start, stop = self.offsets[index], self.offsets[index + 1]
+        self.write(grad, self.buffer[start:stop])
+        self.written[index] = True
+        self.client.filled(start, stop)
 
     def run(self, grads: Sequence[Any]) -> list[Any]:
         started = time.perf_counter()
-        flat = self.flatten(grads)
-        sent = time.perf_counter()
-        summed = self.client.push_pull(flat)
+        if self.streaming:
+            for index, grad in enumerate(grads):  # those no hook reported (unused parameters)
+                self.produced(index, grad)
+            sent = time.perf_counter()
+            self.streaming = False
+            summed = self.client.end()
+        else:
+            flat = self.flatten(grads)
+            sent = time.perf_counter()
+            summed = self.client.push_pull(flat)
         pulled = time.perf_counter()
         # As Horovod's Average: the sum times 1 / size, computed in double, rounded to float32
         # (the sum arrives in the wire dtype: float16 under fp16, as Horovod's fp16 sends it).
@@ -88,9 +124,14 @@ class PSExchange(GradientExchange):
         self.stats = ps_stats(self.client, pulled - sent, convert)
         return out
 
+    def write(self, grad: Any, out: np.ndarray) -> None:
+        """Copies one gradient into ``out`` (its place in the flat vector), where it
+        :attr:`streams`."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream its gradients")
+
     def split(self, flat: np.ndarray) -> list[np.ndarray]:
         """``flat`` cut into the gradients' shapes (views)."""
-        bounds = np.cumsum([0, *self.sizes])
+        bounds = self.offsets
         return [flat[a:b].reshape(shape)
                 for a, b, shape in zip(bounds[:-1], bounds[1:], self.shapes, strict=True)]
 
@@ -123,7 +164,7 @@ class PSExchange(GradientExchange):
         arrays: dict[str, np.ndarray] = {}
         if fetched is not None:
             rows, server = fetched
-            bounds = np.cumsum([0, *self.sizes]).tolist()
+            bounds = self.offsets
             arrays = {s.key: rows[:, a:b] for s, a, b in zip(self.slots(), bounds[:-1],
                                                               bounds[1:], strict=True)}
             if server is not None:

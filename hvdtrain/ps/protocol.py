@@ -19,7 +19,9 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
   across resumptions (it seeds random draws); ``version`` is the server version the pushed
   gradient was computed on and ``lr`` the learning rate to apply it with (float64 bits), both 0
   under ``bsp``;
-- ``PUSH``, per chunk the server owns, in ascending chunk order, the buffers of the chunk's codec
+- ``PUSH``, per chunk the server owns, in descending chunk order under ``bsp`` (the order a
+  backward pass produces a sequential model's gradients in: the last layers' first) and ascending
+  under ``ssp``/``asp``, the buffers of the chunk's codec
   (:mod:`hvdtrain.ps.codec`: one in the wire dtype when dense; values and int32 indices, or int8
   codes and float32 scales, when compressed);
 - ``PULL``: under ``bsp`` the server's sum of a chunk over all workers as the pull's codec
@@ -39,7 +41,8 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
   residuals, to worker 0 before a checkpoint and from worker 0 when resumed.
 
 MPI keeps the order of messages with the same source, tag and communicator, so a chunk needs no
-header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk.
+header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk in
+that order, and so is the n-th ``PULL`` a worker receives from a server.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import numpy as np
 
 from hvdtrain.errors import EnvironmentFailure
 
-VERSION = 4
+VERSION = 5
 """Bumped whenever a message changes: a worker and a server of different versions refuse."""
 
 HELLO, CONTROL, PUSH, PULL = 7101, 7102, 7103, 7104
@@ -110,8 +113,13 @@ class ServerLost(EnvironmentFailure):
     the run saved stays valid (exit code 74: resume after the cause is fixed)."""
 
 
+NOT_READY = None
+"""What a worker's pushes yield (:func:`wait`'s ``batches``) while the next chunk is still being
+computed: the backward pass has not written it yet (:meth:`hvdtrain.ps.client.PSClient.begin`)."""
+
+
 def wait(requests: Sequence[tuple[Any, int]], timeout_s: float, describe: Any,
-         batches: Iterable[list[tuple[Any, int]]] = (), window: int = 0) -> None:
+         batches: Iterable[list[tuple[Any, int]] | None] = (), window: int = 0) -> None:
     """Waits for every ``(request, peer)`` to complete, testing rather than blocking so that a
     peer that never answers ends the wait after ``timeout_s`` with :class:`ServerLost`, whose
     message is ``describe(peers)`` for the peers still pending (world ranks, ascending).
@@ -119,7 +127,10 @@ def wait(requests: Sequence[tuple[Any, int]], timeout_s: float, describe: Any,
     ``batches`` (a worker's pushes, one list of requests a chunk, posted as the iterator is
     advanced) are kept at most ``window`` in flight: the next is posted when one completes. Sent
     all at once, every chunk would share the link and each finish only at the end of the whole
-    push, so that no server could sum and answer a chunk before then (:data:`PUSH_WINDOW`).
+    push, so that no server could sum and answer a chunk before then (:data:`PUSH_WINDOW`). A
+    batch of :data:`NOT_READY` means the next chunk is not computed yet: the wait polls on and
+    asks again. The time limit counts from the last push posted (or waited for), so that the
+    worker's own backward pass is not counted against the servers.
 
     Polls without sleeping for the first millisecond (small messages on one host complete in
     microseconds), then yields the core between polls: a busy wait would take it from a server
@@ -127,21 +138,31 @@ def wait(requests: Sequence[tuple[Any, int]], timeout_s: float, describe: Any,
     pending = list(requests)
     waiting = iter(batches)
     flight: list[list[tuple[Any, int]]] = []
-    started = time.monotonic()
-    pause = 0.0
+    began = since = time.monotonic()  # the wait's start; the time limit's
+    pause, exhausted = 0.0, False
     while True:
         flight = [left for left in ([(r, p) for r, p in batch if not r.Test()] for batch in flight)
                   if left]
-        while len(flight) < max(1, window) and (batch := next(waiting, None)) is not None:
-            flight.append(batch)
+        while not exhausted and len(flight) < max(1, window):
+            batch = next(waiting, _END)
+            if batch is _END:
+                exhausted = True
+            else:
+                since = time.monotonic()
+                if batch is NOT_READY:
+                    break
+                flight.append(batch)
         pending = [(request, peer) for request, peer in pending if not request.Test()]
-        if not pending and not flight:
+        if exhausted and not pending and not flight:
             return
-        waited = time.monotonic() - started
-        if waited > timeout_s:
+        now = time.monotonic()
+        if now - since > timeout_s:
             late = [peer for _, peer in pending] + [peer for batch in flight for _, peer in batch]
             raise ServerLost(describe(sorted(set(late))))
-        pause = yield_core(waited, pause)
+        pause = yield_core(now - began, pause)
+
+
+_END: Any = object()
 
 
 def waitall(requests: Sequence[Any]) -> None:

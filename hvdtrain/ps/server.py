@@ -108,13 +108,15 @@ def read_controls(world: PSWorld, step: int | None) -> tuple[int, int]:
 
 
 def sum_step(world: PSWorld, shard: Shard, step: int = 0) -> None:
-    """Receives one step's chunks from every worker and sends each chunk's sum back."""
+    """Receives one step's chunks from every worker and sends each chunk's sum back, both in
+    descending chunk order (the order the workers push in: :mod:`hvdtrain.ps.protocol`)."""
     comm, ranks = world.comm, world.worker_ranks
-    arriving = [[comm.Irecv(protocol.raw(b), source=r, tag=protocol.PUSH)
-                 for w, r in enumerate(ranks) for b in shard.received[w][i]]
-                for i in range(len(shard.sums))]
+    order = range(len(shard.sums) - 1, -1, -1)
+    arriving = {i: [comm.Irecv(protocol.raw(b), source=r, tag=protocol.PUSH)
+                    for w, r in enumerate(ranks) for b in shard.received[w][i]]
+                for i in order}
     leaving, in_flight = [], []
-    for i in range(len(shard.sums)):
+    for i in order:
         protocol.waitall(arriving[i])
         shard.add(i)
         # qsgd's pull noise is drawn as for a rank after the last worker's: whichever server

@@ -118,7 +118,7 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
         shapes = [p.shape for p in params]
         client = make_client(ps, comm, shapes, seed)
         if ps.consistency == "bsp":
-            return TorchPSExchange(client, rank, size, shapes), optimizer
+            return TorchPSExchange(client, rank, size, params, ps.overlap), optimizer
         return async_ps(client, rank, size, params, optimizer)
     if exchange_kind(comm.compression) == "dense":
         dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)

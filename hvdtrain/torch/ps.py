@@ -5,6 +5,7 @@ NumPy vector and back; the optimizer stays the run's own (no ``DistributedOptimi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,9 +17,27 @@ from hvdtrain.torch.collectives import any_rank
 
 
 class TorchPSExchange(PSExchange):
-    """:class:`hvdtrain.ps.exchange.PSExchange` over torch gradients (CPU or GPU)."""
+    """:class:`hvdtrain.ps.exchange.PSExchange` over torch gradients (CPU or GPU). Given the
+    parameters with ``overlap``, it hooks each one's gradient accumulation, so that each
+    gradient is written into the flat vector, and its chunks pushed, as the backward pass
+    finishes it (``ps.overlap``)."""
 
     device = torch.device("cpu")
+
+    def __init__(self, client: Any, rank: int, size: int, params: Sequence[torch.nn.Parameter],
+                 overlap: bool = False) -> None:
+        super().__init__(client, rank, size, [p.shape for p in params])
+        self.streams = overlap and not self.compressing
+        if self.streams:
+            self.device = params[0].device if params else self.device
+            for index, param in enumerate(params):
+                param.register_post_accumulate_grad_hook(functools.partial(self._hook, index))
+
+    def _hook(self, index: int, param: torch.Tensor) -> None:
+        self.produced(index, param.grad)
+
+    def write(self, grad: torch.Tensor, out: np.ndarray) -> None:
+        torch.from_numpy(out).copy_(grad.detach().reshape(-1))
 
     def flatten(self, grads: Sequence[torch.Tensor]) -> np.ndarray:
         self.device = grads[0].device if grads else self.device

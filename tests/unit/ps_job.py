@@ -2,7 +2,9 @@
 as ``hvdtrain train`` runs them) and workers that drive the real client with known vectors.
 
 Usage (under mpirun): ps_job.py MODE OUT SERVERS [COMPRESSION [STEPS SAVE_AT [RESUME]]]
-- ``sum``: workers push 3 steps of vectors made from their rank and check the sums they pull;
+- ``sum``: workers push 4 steps of vectors made from their rank and check the sums they pull;
+  steps 1 and 3 stream: the vector is written piece by piece, in a random order with pauses,
+  while the client already pushes what is complete (``begin``/``filled``/``end``);
   every rank writes OUT/rank<r>.json (its role, the modules it imported, what it checked).
 - ``compress``: workers run the ``ps`` exchange over NumPy "gradients" for STEPS steps with
   COMPRESSION (ratio 0.05, chunks under 256 elements dense), gather the residuals of every worker
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,16 +44,37 @@ def worker(world, cfg, out: Path) -> dict:
     workers = len(world.worker_ranks)
     total = client.layout.total
     errors = []
-    for step in range(3):
+    rng = np.random.default_rng(world.rank)
+    for step in range(4):
         base = np.arange(total, dtype=np.float32) % 64  # small integers: exact in float16 too
         flat = (base * (world.rank + 1) + step).astype(np.float32)
-        summed = client.push_pull(flat).astype(np.float32)
+        if step % 2:
+            summed = streamed(client, flat, rng).astype(np.float32)
+        else:
+            summed = client.push_pull(flat).astype(np.float32)
         expected = sum(base * (r + 1) + step for r in range(workers))
         errors.append(float(np.abs(summed - expected).max()))
     client.finish()
     owned = [len(client.layout.owned(s)) for s in range(len(world.servers))]
     return {"role": "worker", "errors": errors, "owned": owned,
             "pushed": client.pushed_bytes, "pulled": client.pulled_bytes}
+
+
+def streamed(client, flat: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``client``'s sum of ``flat``, written into the client's buffer in pieces of random sizes
+    (chunks split and joined), in a random order with pauses, and the last piece only at end."""
+    buffer = np.full_like(flat, np.nan)
+    client.begin(buffer)
+    cuts = np.sort(rng.choice(np.arange(1, flat.size), 7, replace=False))
+    pieces = list(zip([0, *cuts], [*cuts, flat.size], strict=True))
+    rng.shuffle(pieces)
+    for start, stop in pieces[:-1]:
+        time.sleep(0.02)
+        buffer[start:stop] = flat[start:stop]
+        client.filled(start, stop)
+    start, stop = pieces[-1]
+    buffer[start:stop] = flat[start:stop]
+    return client.end()
 
 
 class NumpyExchange(PSExchange):

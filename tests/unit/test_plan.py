@@ -98,6 +98,24 @@ def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
     assert why["pipeline P=2 m=8 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
 
 
+def test_dedicated_servers_overlap_the_backward_pass_under_pytorch_only() -> None:
+    servers = {**GOOD, "servers": {"nodes": 2, "bandwidth_gbit_s": 1, "latency_us": 50}}
+    profile, cluster = load_profile(PUBLISHED / "resnet101.json"), cluster_from_tree(servers)
+
+    def dedicated(model: dict, knobs: Knobs) -> tuple[float, list[str]]:
+        result = plan(dataclasses.replace(profile, model=model), cluster, knobs)
+        pred = next(p for p in result.predictions if p.setting == "ps dedicated S=2")
+        return pred.points[-1].step_s, [s.label for s in pred.timeline if s.lane == "comm"]
+
+    torch = {**profile.model, "framework": "torch"}
+    overlapped, buckets = dedicated(torch, Knobs(64))
+    after, whole = dedicated(torch, Knobs(64, ps_overlap=False))
+    assert dedicated({**profile.model, "framework": "tensorflow"}, Knobs(64))[0] == after
+    assert len(buckets) > 1 and whole == [f"push + pull of {profile.gradient_bytes / 1e6:.2f} MB"]
+    backward_end = profile.forward_s + profile.backward_s
+    assert backward_end + profile.update_s < overlapped < after
+
+
 def test_not_applicable_settings_say_why() -> None:
     result = plan(load_profile(PUBLISHED / "vgg16.json"), load_cluster(PAPER), Knobs(64))
     why = {p.setting: p.reason for p in result.predictions if p.best is None}
