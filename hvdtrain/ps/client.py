@@ -12,7 +12,7 @@ import numpy as np
 from hvdtrain.compression.state import reshard
 from hvdtrain.ps import protocol, shards
 from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import Layout, owner, travel_order
 from hvdtrain.ps.world import PSWorld
 
 
@@ -21,28 +21,29 @@ class PSClient:
     as ``wire`` (float32, or float16 for half the bytes) or compressed as ``settings`` say
     (:mod:`hvdtrain.ps.codec`; ``bsp`` only).
 
-    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out in
-    descending index order, chunks of all servers interleaved, :data:`hvdtrain.ps.protocol.
-    PUSH_WINDOW` at a time, so the servers sum early chunks while later ones still travel and
-    pulls overlap pushes. :meth:`push_pull` pushes a vector that is complete; :meth:`begin`,
-    :meth:`filled` and :meth:`end` push each chunk as soon as the caller has written it (the
-    backward pass produces the last layers' gradients first, hence the descending order), from a
-    thread of their own. A server that does not answer within ``timeout_s`` ends the wait with
-    :class:`hvdtrain.ps.protocol.ServerLost` naming it.
+    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out
+    :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time in
+    :func:`hvdtrain.ps.layout.travel_order` (round robin over the servers, from this worker's own
+    first server on, each server's chunks in descending index order), so the servers sum early
+    chunks while later ones still travel and pulls overlap pushes. :meth:`push_pull` pushes a
+    vector that is complete; :meth:`begin`, :meth:`filled` and :meth:`end` push each chunk as
+    soon as the caller has written it (the backward pass produces the last layers' gradients
+    first, hence the descending order), from a thread of their own. A server that does not
+    answer within ``timeout_s`` ends the wait with :class:`hvdtrain.ps.protocol.ServerLost`
+    naming it.
     """
 
     descending = True
-    """The order chunks travel in (``bsp``'s servers answer in it too)."""
+    """The order each server's chunks travel in (``bsp``'s servers answer in it too)."""
 
     def __init__(self, world: PSWorld, total: int, chunk: int, timeout_s: float,
                  wire: str = "float32", settings: WireSettings | None = None) -> None:
         self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
         self.settings = settings or WireSettings("fp16" if wire == "float16" else "none")
         self.layout = Layout(total, chunk, len(world.servers))
-        self.routes = [(*self.layout.bounds(c), world.servers[owner], c)
-                       for owner in range(len(world.servers)) for c in self.layout.owned(owner)]
-        # Index order: every server's first chunk (in the travel order) leaves early.
-        self.routes.sort(reverse=self.descending)
+        place = world.worker_ranks.index(world.rank) if world.rank in world.worker_ranks else 0
+        self.routes = [(*self.layout.bounds(c), world.servers[owner(c, self.layout.servers)], c)
+                       for c in travel_order(self.layout, place, self.descending)]
         push, pull = push_scheme(self.settings), pull_scheme(self.settings)
         self.pushes = [push.codec(stop - start) for start, stop, _, _ in self.routes]
         self.pull_codecs = [pull.codec(stop - start) for start, stop, _, _ in self.routes]

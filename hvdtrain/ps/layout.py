@@ -51,6 +51,26 @@ class Layout:
         return sum(stop - start for start, stop in map(self.bounds, self.owned(server)))
 
 
+def travel_order(layout: Layout, first_server: int, descending: bool) -> list[int]:
+    """The chunks in the order a worker pushes them: round robin over the servers from
+    ``first_server`` on, each server's chunks in descending (or ascending) index order.
+
+    Each server thus gets every worker's chunks in one order, its own, which it receives them in
+    (:mod:`hvdtrain.ps.protocol`). Workers that start at different servers push to different
+    servers at each moment, where in plain index order workers in step push the same chunk to the
+    same server at once, leaving the other servers' links idle. The order stays close to
+    descending index order, the order a backward pass produces a sequential model's gradients
+    in."""
+    own = [sorted(layout.owned(s), reverse=descending) for s in range(layout.servers)]
+    order = []
+    for place in range(max(map(len, own))):
+        for turn in range(layout.servers):
+            chunks = own[(first_server + turn) % layout.servers]
+            if place < len(chunks):
+                order.append(chunks[place])
+    return order
+
+
 def chunk_elements(chunk_kib: int) -> int:
     """Float32 elements in a chunk of ``chunk_kib`` KiB."""
     return max(1, chunk_kib * 1024 // 4)

@@ -13,7 +13,7 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.ps.layout import Layout, chunk_elements, owner
+from hvdtrain.ps.layout import Layout, chunk_elements, owner, travel_order
 from tests.conftest import run_env
 
 JOB = str(Path(__file__).with_name("ps_job.py"))
@@ -27,6 +27,20 @@ def test_chunks_cover_the_vector_once_and_spread_by_hash():
     assert layout.elements(0) + layout.elements(1) == 9610
     assert [owner(c, 3) for c in range(6)] == [owner(c, 3) for c in range(6)]  # no process salt
     assert Layout(0, 256, 1).count == 1 and Layout(0, 256, 1).bounds(0) == (0, 0)
+
+
+@pytest.mark.parametrize("servers", [1, 3, 4])
+def test_workers_push_round_robin_over_the_servers_in_each_servers_order(servers):
+    layout = Layout(64 * 100, 100, servers)
+    for first in range(servers):
+        for descending in (True, False):
+            order = travel_order(layout, first, descending)
+            assert sorted(order) == list(range(64))
+            for s in range(servers):  # what server s receives: its chunks, in its order
+                assert [c for c in order if owner(c, servers) == s] == sorted(
+                    layout.owned(s), reverse=descending)
+            owners = [owner(c, servers) for c in order[:servers]]
+            assert owners == [(first + t) % servers for t in range(servers)]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
