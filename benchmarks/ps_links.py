@@ -79,10 +79,11 @@ def cluster(*args: str) -> None:
 
 
 def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi",
-              extra: Sequence[str] = ()) -> float:
+              extra: Sequence[str] = ()) -> tuple[float, float]:
     """One job of ``n`` workers (and ``k`` servers; 0: the ring), one rank a node, with the
     config overrides ``extra``: the median step time over its steps after the first two
-    (start-up), in seconds."""
+    (start-up) and the median of the same steps' time outside the exchange (compute, data and
+    conversions: ``step_time_s`` less ``comm_time_s``), in seconds."""
     hosts = ",".join(f"node{i}:1" for i in range(1, n + k + 1))
     topology = ["comm.topology=ps", f"ps.servers={k}"] if k else ["comm.topology=ring"]
     env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -100,11 +101,12 @@ def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi
             raise harness.BenchError(f"n={n} k={k}: exit {proc.returncode}\n"
                                      f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in records
-             if r.get("step", 0) > 2 and "step_time_s" in r and "eval_loss" not in r]
-    if not times:
+    kept = [r for r in records
+            if r.get("step", 0) > 2 and "step_time_s" in r and "eval_loss" not in r]
+    if not kept:
         raise harness.BenchError(f"n={n} k={k}: no step times after step 2 (raise --steps)")
-    return statistics.median(times)
+    return (statistics.median(r["step_time_s"] for r in kept),
+            statistics.median(r["step_time_s"] - r["comm_time_s"] for r in kept))
 
 
 def settings(quick: bool) -> list[tuple[str, int, int]]:
@@ -121,9 +123,13 @@ def settings(quick: bool) -> list[tuple[str, int, int]]:
 
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
-    """Per rate, per setting name: the step times of each round (order reversed on odd rounds)."""
-    found: dict[str, dict[str, list[float]]] = {}
+Times = dict[str, list[tuple[float, float]]]
+"""Per setting name, per round: the job's step time and its time outside the exchange."""
+
+
+def measure(args: argparse.Namespace) -> dict[str, Times]:
+    """Per rate: each setting's times by round (the order reversed on odd rounds)."""
+    found: dict[str, Times] = {}
     chosen = settings(args.quick)
     nodes = max(n + k for _, n, k in chosen)
     for rate in args.rates.split(","):
@@ -133,24 +139,28 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
             for name, n, k in harness.round_order(chosen, round_index):
                 controller = "gloo" if name.startswith("gloo") else "mpi"
                 extra = ["ps.overlap=false"] if name == NO_OVERLAP else []
-                seconds = step_time(n, k, args.steps, args.timeout, controller, extra)
-                harness.log(f"{rate} {name.strip()}: {seconds:.3f} s a step")
-                found[rate][name].append(seconds)
+                seconds, local = step_time(n, k, args.steps, args.timeout, controller, extra)
+                harness.log(f"{rate} {name.strip()}: {seconds:.3f} s a step ({local:.3f} s "
+                            "outside the exchange)")
+                found[rate][name].append((seconds, local))
     return found
 
 
-def table(rate: str, times: dict[str, list[float]], quick: bool) -> tuple[str, dict[str, float]]:
+def table(rate: str, times: Times, quick: bool) -> tuple[str, dict[str, float]]:
     """One rate's Markdown table and each setting's median step time."""
     bps = RATES[rate] / 8
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: statistics.median(t for t, _ in values) for name, values in times.items()}
     rows = ["| setting | step time, s (median) | runs | formula, s | measured / formula | "
-            "BytePS formula, s |", "|---|---|---|---|---|---|"]
+            "outside the exchange, s | measured / (formula + outside) | BytePS formula, s |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, n, k in settings(quick):
         formula = dedicated_s(n, k, bps) if k else ring_s(n, bps)
+        local = statistics.median(o for _, o in times[name])
         byteps = f"{byteps_s(n, k, bps):.3f}" if k else ""
         label = name.strip() + (" (A/A control)" if name != name.strip() else "")
         rows.append(f"| {label} | {medians[name]:.3f} | {len(times[name])} | {formula:.3f} | "
-                    f"{medians[name] / formula:.2f} | {byteps} |")
+                    f"{medians[name] / formula:.2f} | {local:.3f} | "
+                    f"{medians[name] / (formula + local):.2f} | {byteps} |")
     return f"At {rate} a link:\n\n" + "\n".join(rows), medians
 
 
@@ -174,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.quick:
             ratio = medians["ps n=4 k=4"] / medians["ring n=4"]
             control = medians["ring n=4 "] / medians["ring n=4"]
-            rounds = ", ".join(f"{p / r:.2f}" for p, r in zip(times["ps n=4 k=4"],
-                                                              times["ring n=4"], strict=True))
+            rounds = ", ".join(f"{p / r:.2f}" for (p, _), (r, _) in zip(
+                times["ps n=4 k=4"], times["ring n=4"], strict=True))
             verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f} (by round {rounds}; "
                             f"A/A {control:.2f})")
     notes = [f"Gradients: {GRADIENT_BYTES / 1e6:.1f} MB a step (MLP 64-{HIDDEN}-{HIDDEN}-10, "
@@ -184,7 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{args.steps} of each job.",
              "The formula column: the ring's bandwidth term for the ring, the dedicated servers' "
              "bound max(1, n/k) M/B for servers; both count communication only (the step also "
-             "computes, and the ring's latency terms are left out).",
+             "computes, and the ring's latency terms are left out). Outside the exchange: the "
+             "median over the same steps of `step_time_s` less `comm_time_s` (the wait for the "
+             "exchange after the backward pass), on worker 0: compute, data and conversions; "
+             "measured / (formula + outside) compares the step with a link-bound exchange that "
+             "starts after them, which is the servers' case without overlap and an upper bound "
+             "where the exchange overlaps the backward pass (the ring, `ps.overlap`).",
              "Workers push each chunk as soon as the backward pass has produced it "
              "(`ps.overlap`, the default); the row pushed after the backward pass is the same "
              "job with `ps.overlap=false`.",
