@@ -1,9 +1,10 @@
 """`hvdtrain plan` against measurement on the namespace cluster's shaped links.
 
 The model is ps_links.py's communication-bound MLP (64-2048-2048-10, 17.4 MB of float32
-gradients). It is profiled once on one rank (``hvdtrain plan profile``); then, per link rate and
-worker count n (one rank a node, as ps_links.py runs them), the plan is made for a cluster file of
-that rate with n server nodes, and each checked setting is trained for a few steps on the nodes of
+gradients). It is profiled once on one rank (``hvdtrain plan profile``); per link rate the link
+is measured by ``hvdtrain plan calibrate`` between two nodes (``--nominal``: the shaped rate is
+taken as it is); then, per worker count n (one rank a node, as ps_links.py runs them), the plan is
+made for a cluster file of that link with n server nodes, and each checked setting is trained for a few steps on the nodes of
 ``scripts/cluster_local.sh``: the ring (under MPI with Open MPI's ring algorithm, and under Gloo),
 dedicated parameter servers on n extra nodes, a 2-stage pipeline (n/2 copies) and two compression
 methods (``fp16``, overlapped with the backward pass, and ``powersgd``, after it). Each measured
@@ -30,6 +31,8 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 import harness
 import ps_links
@@ -76,19 +79,47 @@ def profile(work: Path) -> Path:
     return out
 
 
-def cluster_file(work: Path, rate: str, n: int) -> Path:
-    """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, and
-    each rank's compute at the share of this machine's cores it gets beside n - 1 others (the
-    profile ran one rank alone)."""
-    gbit = ps_links.RATES[rate] / 1e9
+@dataclass(frozen=True)
+class Link:
+    """The link between nodes a cluster file describes: as ``hvdtrain plan calibrate`` measured
+    it, or the shaped rate with 50 us and no per-call overhead."""
+
+    gbit: float
+    latency_us: float = 50.0
+    overhead_us: float = 0.0
+
+
+def calibrate(work: Path, rate: str, timeout: float) -> Link:
+    """``hvdtrain plan calibrate`` between the first two namespace nodes (as docs/planner.md
+    shows it): the link it measured."""
+    out = work / f"calibrated-{rate}.yaml"
+    env = {**os.environ, "PATH": f"{ps_links.CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    argv = [harness.horovodrun(), "-np", "2", "-H", "node1:1,node2:1", "--gloo",
+            "--network-interfaces", ps_links.IFACE, str(harness.python().parent / "hvdtrain"),
+            "plan", "calibrate", "--out", str(out)]
+    proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise harness.BenchError(f"plan calibrate at {rate}: exit {proc.returncode}\n"
+                                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    tree = yaml.safe_load(out.read_text())
+    return Link(tree["inter"]["bandwidth_gbit_s"], tree["inter"]["latency_us"],
+                tree["message_overhead_us"])
+
+
+def cluster_file(work: Path, rate: str, n: int, link: Link) -> Path:
+    """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, the
+    link between nodes (and to the servers) ``link``, and each rank's compute at the share of
+    this machine's cores it gets beside n - 1 others (the profile ran one rank alone)."""
     speed = min(1.0, (os.cpu_count() or 1) / n)
+    wire = f"bandwidth_gbit_s: {link.gbit:g}, latency_us: {link.latency_us:g}"
     path = work / f"cluster-{rate}-{n}.yaml"
     path.write_text(f"name: namespace_{rate}\nnodes: {n}\nranks_per_node: 1\n"
                     f"compute_speed: {speed:g}\n"
                     "intra: {bandwidth_gbit_s: 10, latency_us: 50}\n"
-                    f"inter: {{bandwidth_gbit_s: {gbit}, latency_us: 50}}\n"
-                    f"servers: {{nodes: {n}, bandwidth_gbit_s: {gbit}, latency_us: 50, "
-                    "sum_gbyte_s: 0}\nmessage_overhead_us: 0\n")
+                    f"inter: {{{wire}}}\n"
+                    f"servers: {{nodes: {n}, {wire}, sum_gbyte_s: 0}}\n"
+                    f"message_overhead_us: {link.overhead_us:g}\n")
     return path
 
 
@@ -109,15 +140,19 @@ def predictions(prof: Path, cluster: Path, n: int) -> dict[str, dict]:
     return found
 
 
-def measure(args: argparse.Namespace, work: Path) -> list[dict]:
-    """Every (rate, n, check): predicted and measured step, link-bound or not."""
+def measure(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict[str, Link]]:
+    """Every (rate, n, check): predicted and measured step, link-bound or not; and per rate the
+    link the cluster files described (calibrated unless ``--nominal``)."""
     prof = profile(work)
-    rows = []
+    rows, links = [], {}
     for rate in args.rates.split(","):
         ns = [int(v) for v in args.workers.split(",")]
         ps_links.cluster("start", str(2 * max(ns)), "--bandwidth", rate)
+        links[rate] = (Link(ps_links.RATES[rate] / 1e9) if args.nominal
+                       else calibrate(work, rate, args.timeout))
+        harness.log(f"{rate}: the cluster files' link {links[rate]}")
         for n in ns:
-            plan = predictions(prof, cluster_file(work, rate, n), n)
+            plan = predictions(prof, cluster_file(work, rate, n, links[rate]), n)
             pipe = next((name for name in plan if name.startswith("pipeline P=2 ")
                          and "1f1b" in name and "interleaved" not in name), "")
             for check in checks(n, pipe, plan.get(pipe, {}).get("how", "")):
@@ -125,15 +160,15 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
                 if point is None:
                     harness.log(f"{rate} n={n} {check.label}: not in the plan, skipped")
                     continue
-                seconds = ps_links.step_time(n, check.servers, args.steps, args.timeout,
-                                             check.controller, check.overrides)
+                seconds, _ = ps_links.step_time(n, check.servers, args.steps, args.timeout,
+                                                check.controller, check.overrides)
                 harness.log(f"{rate} n={n} {check.label}: {seconds:.3f} s a step, predicted "
                             f"{point['step_s']:.3f}")
                 rows.append({"rate": rate, "n": n, "label": check.label,
                              "setting": check.setting, "measured": seconds,
                              "predicted": point["step_s"],
                              "link_bound": point["link_s"] >= LINK_BOUND * point["step_s"]})
-    return rows
+    return rows, links
 
 
 def ranking_agrees(rows: Sequence[dict]) -> list[str]:
@@ -183,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rates", default="100mbit,1gbit",
                    help=f"comma-separated: {', '.join(ps_links.RATES)}")
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts")
+    p.add_argument("--nominal", action="store_true",
+                   help="cluster files of the links' nominal rate instead of calibrated ones")
     args = harness.parse(p, argv)
     if args.quick:
         args.rates, args.workers = "100mbit", "2"
@@ -190,15 +227,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = harness.machine_record()
     with tempfile.TemporaryDirectory(prefix="hvdtrain-plan-check-") as tmp:
         try:
-            rows = measure(args, Path(tmp))
+            rows, links = measure(args, Path(tmp))
         finally:
             ps_links.cluster("stop")
     rankings = ranking_agrees(rows)
+    described = ("the links' nominal rate (50 us, no per-call overhead)" if args.nominal else
+                 "the link `hvdtrain plan calibrate` measured between two of the nodes at each "
+                 "rate (Gloo, as docs/planner.md runs it): " + "; ".join(
+                     f"{rate}: {link.gbit * 1e3:.1f} Mbit/s ({link.gbit * 1e9 / ps_links.RATES[rate]:.2f} "
+                     f"x the shaped rate), latency {link.latency_us:.0f} us, overhead "
+                     f"{link.overhead_us:.0f} us" for rate, link in links.items()))
     notes = ["The model: " + ps_links.MODEL[0] + " on digits, batch 32 a worker; the plan from a "
-             "one-rank profile of it on this machine and a cluster file of the links' nominal "
-             "rate (50 us, no per-call overhead) whose `compute_speed` is the share of this "
-             "machine's cores a worker gets beside the others (1 for n <= cores, else cores/n), "
-             "made by this script.",
+             "one-rank profile of it on this machine and a cluster file of " + described +
+             ", whose `compute_speed` is the share of this machine's cores a worker gets beside "
+             "the others (1 for n <= cores, else cores/n), made by this script.",
              "Ranking (the MPI settings by step time; the plan prices one ring, the Gloo row "
              "shows how Horovod's other controller runs it): " + "; ".join(rankings) + ".",
              "One job a setting; all ranks share this machine's 2 cores, so where the link is "
