@@ -186,8 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             control = medians["ring n=4 "] / medians["ring n=4"]
             rounds = ", ".join(f"{p / r:.2f}" for (p, _), (r, _) in zip(
                 times["ps n=4 k=4"], times["ring n=4"], strict=True))
-            verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f} (by round {rounds}; "
-                            f"A/A {control:.2f})")
+            state = "met" if ratio <= TARGET else "not met"
+            verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f}, {state} (by round "
+                            f"{rounds}; A/A {control:.2f})")
     notes = [f"Gradients: {GRADIENT_BYTES / 1e6:.1f} MB a step (MLP 64-{HIDDEN}-{HIDDEN}-10, "
              "float32); batch 32 a worker on digits; one job a setting and round, "
              f"{args.rounds} round(s), the order reversed on odd rounds; the median of steps 3 to "
