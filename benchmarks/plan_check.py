@@ -4,10 +4,11 @@ The model is ps_links.py's communication-bound MLP (64-2048-2048-10, 17.4 MB of 
 gradients). It is profiled once on one rank (``hvdtrain plan profile``); per link rate the link
 is measured by ``hvdtrain plan calibrate`` between two nodes (``--nominal``: the shaped rate is
 taken as it is); then, per worker count n (one rank a node, as ps_links.py runs them), the plan is
-made for a cluster file of that link with n server nodes, and each checked setting is trained for a few steps on the nodes of
-``scripts/cluster_local.sh``: the ring (under MPI with Open MPI's ring algorithm, and under Gloo),
-dedicated parameter servers on n extra nodes, a 2-stage pipeline (n/2 copies) and two compression
-methods (``fp16``, overlapped with the backward pass, and ``powersgd``, after it). Each measured
+made for a cluster file of that link with n server nodes, and each checked setting is trained
+for a few steps on the nodes of ``scripts/cluster_local.sh``: the ring (under MPI with Open
+MPI's ring algorithm, and under Gloo), dedicated parameter servers on n extra nodes, a 2-stage
+pipeline (n/2 copies) and two compression methods (``fp16``, overlapped with the backward pass,
+and ``powersgd``, after it). Each measured
 step (the median of steps 3 and on) is set beside the plan's step at n nodes.
 
 Target (issue 37, point 4): where the link is the bottleneck (the plan's collectives take at least

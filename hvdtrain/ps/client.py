@@ -41,7 +41,7 @@ class PSClient:
         self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
         self.settings = settings or WireSettings("fp16" if wire == "float16" else "none")
         self.layout = Layout(total, chunk, len(world.servers))
-        place = world.worker_ranks.index(world.rank) if world.rank in world.worker_ranks else 0
+        place = world.worker_ranks.index(world.rank)  # this worker's first server
         self.routes = [(*self.layout.bounds(c), world.servers[owner(c, self.layout.servers)], c)
                        for c in travel_order(self.layout, place, self.descending)]
         push, pull = push_scheme(self.settings), pull_scheme(self.settings)

@@ -78,8 +78,9 @@ class PSExchange(GradientExchange):
         self.saved: dict[str, np.ndarray] | None = None
         self.restored: tuple[int, tuple[np.ndarray, np.ndarray | None] | None] = (0, None)
         """The step and the residuals (push rows, server vector) rank 0 resumed with."""
-        self.buffer = np.empty(client.layout.total, np.float32)
-        """Streaming: the flat gradient the backward pass writes (:meth:`produced`)."""
+        self.buffer = np.empty(0, np.float32)
+        """Streaming: the flat gradient the backward pass writes (:meth:`produced`), allocated
+        at the first streamed step."""
         self.streaming = False
         self.written = [False] * len(self.sizes)
 
@@ -89,6 +90,8 @@ class PSExchange(GradientExchange):
         where the framework :attr:`streams`; a compressed push needs the unscaled gradients, which
         exist only after the pass)."""
         if last and self.streams and not self.compressing:
+            if self.buffer.size != self.client.layout.total:
+                self.buffer = np.empty(self.client.layout.total, np.float32)
             self.written = [False] * len(self.sizes)
             self.client.begin(self.buffer)
             self.streaming = True
