@@ -631,13 +631,30 @@ def issue_verdict(records: list[dict]) -> str:
                      if (part := bars_verdict(records, ACCURACY, ds, issue)))
 
 
+def unjudged_verdict(records: list[dict]) -> str:
+    """Where no method that ran has a bar on its model (``topk-0.1%`` on the LM): each method's
+    mean loss against ``none`` over the seeds, unjudged; empty without a method paired with
+    ``none``."""
+    parts = []
+    for metric in (ACCURACY, PERPLEXITY):
+        measured = [r for r in records if metric.name in r]
+        methods = list(dict.fromkeys(r["method"] for r in measured))
+        parts += [f"{fw} {ds} {m} {100 * mean:+.2f}{metric.unit}"
+                  for (fw, ds, m), (mean, _, _) in paired_losses(measured, methods, metric)]
+    return ("no method with a bar on its model measured; against `none`: " + "; ".join(parts)
+            if parts else "")
+
+
 def verdict(records: list[dict]) -> str:
     """The index's verdict: the digits accuracy bars (where a method with one ran), issue 36's
-    bars on the MLPs (:func:`issue_verdict`), ResNet-18's and the LM's bars where measured."""
+    bars on the MLPs (:func:`issue_verdict`), ResNet-18's and the LM's bars where measured;
+    where no bar applies, the unjudged losses (:func:`unjudged_verdict`)."""
     own = [part for part in (issue_verdict(records), bars_verdict(records, ACCURACY, IMAGES),
                              lm_verdict(records)) if part]
-    if own and not any(accuracy_drops(records).values()):
-        return "; ".join(own)
+    if not any(accuracy_drops(records).values()):
+        if own:
+            return "; ".join(own)
+        return unjudged_verdict(records) or accuracy_verdict(records)
     return "; ".join(part for part in (accuracy_verdict(records), *own) if part)
 
 

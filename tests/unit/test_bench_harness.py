@@ -442,6 +442,11 @@ def test_compression_topk_01_on_the_mlps_is_judged_by_issue_36s_bar_and_a_tag_na
         "Gradient compression, ResNet-18 on generated images, 200 steps: 5 seeds, torch, topk-0.1%",
         "Gradient compression, ResNet-18 on generated images, 200 steps, 5 seeds, torch, topk-0.1%")
     assert "--tag topk-0.1%" in args.command
+    lm = [{"framework": "torch", "dataset": "lm", "optimizer": "adam", "method": m, "seed": 0,
+           "perplexity": ppl} for m, ppl in [("none", 10.0), ("topk-0.1%", 15.0)]]
+    assert compression.verdict(lm) == ("no method with a bar on its model measured; against "
+                                       "`none`: torch lm adam topk-0.1% +50.00% perplexity")
+    assert compression.verdict(lm[:1]) == "no method with an accuracy bar measured"
 
 
 def test_synthetic_images_are_deterministic_shaped_and_learnable():
