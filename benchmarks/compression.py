@@ -43,6 +43,8 @@ Usage (from the repository root)::
     nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
         --optimizers sgd,adam --methods none,topk,topk-dgc,qsgd,powersgd \
         --train-extra comm.adam_warmup_steps=40 --train-extra comm.sparsity_warmup_steps=40
+    nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
+        --optimizers sgd,adam --methods none,topk-0.1% --tag topk-0.1%  # a section of its own
 """
 
 from __future__ import annotations
