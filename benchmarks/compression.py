@@ -43,12 +43,15 @@ Usage (from the repository root)::
     nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
         --optimizers sgd,adam --methods none,topk,topk-dgc,qsgd,powersgd \
         --train-extra comm.adam_warmup_steps=40 --train-extra comm.sparsity_warmup_steps=40
+    nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
+        --optimizers sgd,adam --methods none,topk-0.1% --tag topk-0.1%  # a section of its own
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -588,20 +591,27 @@ IMAGES_TARGET_TEXT = ("ResNet-18 on generated images: mean accuracy against `non
 """ResNet-18's bars in words, for the index (added where it was measured)."""
 
 
-def target_text(datasets: Sequence[str]) -> str:
-    """The index's target: the digits bars unless only :data:`TITLES`' datasets ran, and theirs."""
+def target_text(datasets: Sequence[str], methods: Sequence[str] = ()) -> str:
+    """The index's target: the digits bars unless only :data:`TITLES`' datasets ran (and issue
+    36's for the other methods run on the classifiers, :func:`issue_verdict`), and theirs."""
     parts = [] if set(datasets) <= set(TITLES) else [TARGET_TEXT]
+    issue = [m for m in methods if m in LOSS_BARS and m not in BARS]
+    if parts and issue:
+        parts.append("the MLPs: " + ", ".join(f"`{m}` -{100 * LOSS_BARS[m]:g}" for m in issue)
+                     + " points (issue 36)")
     parts += [IMAGES_TARGET_TEXT] * (IMAGES in datasets) + [LM_TARGET_TEXT] * (LM in datasets)
     return "; ".join(parts)
 
 
-def bars_verdict(records: list[dict], metric: Metric, dataset: str) -> str:
-    """Per framework and optimizer, each method of the metric's bars measured on ``dataset``
-    against its bar: the mean loss over the seeds, paired with ``none``'s; empty without such
-    runs."""
+def bars_verdict(records: list[dict], metric: Metric, dataset: str,
+                 methods: Sequence[str] | None = None) -> str:
+    """Per framework and optimizer, each method of the metric's bars (those of ``methods`` only,
+    where given) measured on ``dataset`` against its bar: the mean loss over the seeds, paired with
+    ``none``'s; empty without such runs."""
     measured = [r for r in records if metric.name in r and r["dataset"] == dataset]
+    judged = [m for m in metric.bars if methods is None or m in methods]
     parts = []
-    for (fw, ds, m), (mean, _, _) in paired_losses(measured, ["none", *metric.bars], metric):
+    for (fw, ds, m), (mean, _, _) in paired_losses(measured, ["none", *judged], metric):
         parts.append(f"{fw} {ds} {m} {'met' if mean <= metric.bars[m] else 'missed'} "
                      f"({100 * mean:+.2f}{metric.unit})")
     return "; ".join(parts)
@@ -613,25 +623,54 @@ def lm_verdict(records: list[dict]) -> str:
     return bars_verdict(records, PERPLEXITY, LM)
 
 
+def issue_verdict(records: list[dict]) -> str:
+    """On the classifiers other than ResNet-18 (the MLPs, the 1-D CNN), issue 36's bars
+    (:data:`LOSS_BARS`) for the methods without a digits bar (:data:`BARS`: ``topk-0.1%``), per
+    dataset as :func:`bars_verdict` gives them; empty without such runs."""
+    issue = [m for m in LOSS_BARS if m not in BARS]
+    datasets = dict.fromkeys(r["dataset"] for r in records if r["dataset"] not in TITLES)
+    return "; ".join(part for ds in datasets
+                     if (part := bars_verdict(records, ACCURACY, ds, issue)))
+
+
+def unjudged_verdict(records: list[dict]) -> str:
+    """Where no method that ran has a bar on its model (``topk-0.1%`` on the LM): each method's
+    mean loss against ``none`` over the seeds, unjudged; empty without a method paired with
+    ``none``."""
+    parts = []
+    for metric in (ACCURACY, PERPLEXITY):
+        measured = [r for r in records if metric.name in r]
+        methods = list(dict.fromkeys(r["method"] for r in measured))
+        parts += [f"{fw} {ds} {m} {100 * mean:+.2f}{metric.unit}"
+                  for (fw, ds, m), (mean, _, _) in paired_losses(measured, methods, metric)]
+    return ("no method with a bar on its model measured; against `none`: " + "; ".join(parts)
+            if parts else "")
+
+
 def verdict(records: list[dict]) -> str:
-    """The index's verdict: the digits accuracy bars, ResNet-18's and the LM's bars where
-    measured (alone in a run without digits)."""
-    own = [part for part in (bars_verdict(records, ACCURACY, IMAGES), lm_verdict(records)) if part]
-    if own and not accuracy_drops(records):
-        return "; ".join(own)
+    """The index's verdict: the digits accuracy bars (where a method with one ran), issue 36's
+    bars on the MLPs (:func:`issue_verdict`), ResNet-18's and the LM's bars where measured;
+    where no bar applies, the unjudged losses (:func:`unjudged_verdict`)."""
+    own = [part for part in (issue_verdict(records), bars_verdict(records, ACCURACY, IMAGES),
+                             lm_verdict(records)) if part]
+    if not any(accuracy_drops(records).values()):
+        if own:
+            return "; ".join(own)
+        return unjudged_verdict(records) or accuracy_verdict(records)
     return "; ".join(part for part in (accuracy_verdict(records), *own) if part)
 
 
 def title_of(args: argparse.Namespace) -> tuple[str, str]:
     """The section's title and its index label: named after the datasets (and their step
-    budgets) where only :data:`TITLES`' ran, else the classifiers' plain title."""
+    budgets) where only :data:`TITLES`' ran, else the classifiers' plain title; ``--tag`` last."""
     seeds = f"{args.seeds} seed{'s' if args.seeds != 1 else ''}"
     datasets = args.datasets.split(",")
     steps = {LM: args.lm_steps, IMAGES: args.image_steps}
     named = set(datasets) <= set(TITLES)
     what = "".join(f", {TITLES[d]}, {steps[d]} steps" for d in datasets) if named else ""
-    return (f"Gradient compression{what}: {seeds}, {args.frameworks}",
-            f"Gradient compression{what}, {seeds}, {args.frameworks.replace(',', ' and ')}")
+    tag = f", {args.tag}" if args.tag else ""
+    return (f"Gradient compression{what}: {seeds}, {args.frameworks}{tag}",
+            f"Gradient compression{what}, {seeds}, {args.frameworks.replace(',', ' and ')}{tag}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -662,6 +701,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default="/tmp/hvdtrain-bench-compression", help="run directories")
     p.add_argument("--train-extra", action="append", default=[],
                    help="config override added to the accuracy runs (repeatable)")
+    p.add_argument("--tag", default="",
+                   help="words added to the section's title and index label, so that a run of a "
+                        "few methods gets a section of its own beside the full run's (which a "
+                        "section of the same title would replace)")
     if argv is not None and "--quick" in argv:
         p.set_defaults(datasets="digits", methods="none,topk,powersgd",
                        train_extra=["train.epochs=1"], lm_steps=LM_STEPS[1],
@@ -699,10 +742,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       + slow_table(slow, args.slow_target))
     title, label = title_of(args)
     named = f" --datasets {args.datasets}" if set(datasets) <= set(TITLES) else ""
+    tag = f" --tag {shlex.quote(args.tag)}" if args.tag else ""
     entry = harness.Entry(
         label=label, script=f"compression.py --seeds {args.seeds} --frameworks {args.frameworks}"
-                            + named,
-        target=target_text(datasets), verdict=verdict(records))
+                            + named + tag,
+        target=target_text(datasets, methods), verdict=verdict(records))
     extra_notes = [*([image_note(args.image_steps)] if images else []),
                    *([lm_note(corpus, args.lm_steps)] if corpus else [])]
     harness.publish(harness.section_text(title, args.command, machine, blocks,

@@ -422,6 +422,33 @@ def test_compression_images_train_resnet18_with_its_own_optimizer_and_are_judged
     assert compression.target_text(["digits", "lm"]).startswith(compression.TARGET_TEXT)
 
 
+def test_compression_topk_01_on_the_mlps_is_judged_by_issue_36s_bar_and_a_tag_names_the_run():
+    records = [{"framework": "torch", "dataset": ds, "optimizer": "sgd", "method": m,
+                "seed": seed, "accuracy": acc}
+               for ds in ("digits", "mnist1d")
+               for m, seed, acc in [("none", 0, 0.90), ("none", 1, 0.92),
+                                    ("topk-0.1%", 0, 0.89), ("topk-0.1%", 1, 0.90)]]
+    assert compression.verdict(records) == ("torch digits sgd topk-0.1% met (+1.50 points); "
+                                            "torch mnist1d sgd topk-0.1% met (+1.50 points)")
+    records += [{**records[3], "method": "topk", "accuracy": 0.91}]  # digits, seed 1: its bars too
+    assert compression.verdict(records).startswith("torch met (lowest: topk")
+    assert compression.target_text(["digits"], ["none", "topk-0.1%"]) == (
+        compression.TARGET_TEXT + "; the MLPs: `topk-0.1%` -2 points (issue 36)")
+    assert compression.target_text(["digits"], ["none", "topk"]) == compression.TARGET_TEXT
+    assert compression.target_text(["images"], ["none", "topk-0.1%"]) == (
+        compression.IMAGES_TARGET_TEXT)
+    args = compression.parse_args(["--datasets", "images", "--tag", "topk-0.1%"])
+    assert compression.title_of(args) == (
+        "Gradient compression, ResNet-18 on generated images, 200 steps: 5 seeds, torch, topk-0.1%",
+        "Gradient compression, ResNet-18 on generated images, 200 steps, 5 seeds, torch, topk-0.1%")
+    assert "--tag topk-0.1%" in args.command
+    lm = [{"framework": "torch", "dataset": "lm", "optimizer": "adam", "method": m, "seed": 0,
+           "perplexity": ppl} for m, ppl in [("none", 10.0), ("topk-0.1%", 15.0)]]
+    assert compression.verdict(lm) == ("no method with a bar on its model measured; against "
+                                       "`none`: torch lm adam topk-0.1% +50.00% perplexity")
+    assert compression.verdict(lm[:1]) == "no method with an accuracy bar measured"
+
+
 def test_synthetic_images_are_deterministic_shaped_and_learnable():
     import numpy as np
 
