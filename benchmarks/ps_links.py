@@ -126,7 +126,6 @@ def settings(quick: bool) -> list[tuple[str, int, int]]:
             ("ring n=4 ", 4, 0)]
 
 
-
 Times = dict[str, list[tuple[float, float]]]
 """Per setting name, per round: the job's step time and its time outside the exchange."""
 

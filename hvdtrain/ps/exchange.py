@@ -60,12 +60,8 @@ class PSExchange(GradientExchange):
     residuals (``topk``) as one whole vector (:data:`SERVER_RESIDUAL`: any number of servers
     resumes it)."""
 
-    streams = False
-    """Whether the framework reports each gradient as the backward pass produces it
-    (:meth:`produced`); then, for the dense methods, its chunks leave during that pass."""
-
     def __init__(self, client: PSClient, rank: int, size: int,
-                 shapes: Sequence[Sequence[int]]) -> None:
+                 shapes: Sequence[Sequence[int]], overlap: bool = False) -> None:
         self.client, self.rank, self.size = client, rank, size
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
@@ -75,6 +71,10 @@ class PSExchange(GradientExchange):
         self.compressing = client.settings.compressing
         # Residuals stay in the gradients' units whatever a loss scale does (as on the ring).
         self.unscaled_first = self.compressing
+        self.streams = overlap and not self.compressing
+        """Whether chunks leave during the backward pass: ``overlap`` (a framework that reports
+        each gradient as the pass produces it, :meth:`produced`) and a dense method (a
+        compressed push needs the unscaled gradients, which exist only after the pass)."""
         self.saved: dict[str, np.ndarray] | None = None
         self.restored: tuple[int, tuple[np.ndarray, np.ndarray | None] | None] = (0, None)
         """The step and the residuals (push rows, server vector) rank 0 resumed with."""
@@ -86,10 +86,9 @@ class PSExchange(GradientExchange):
 
     def backward_starts(self, last: bool) -> None:
         """Before the step's last backward pass: starts the client's step over :attr:`buffer`,
-        into which :meth:`produced` then writes each gradient as it is ready (dense methods,
-        where the framework :attr:`streams`; a compressed push needs the unscaled gradients, which
-        exist only after the pass)."""
-        if last and self.streams and not self.compressing:
+        into which :meth:`produced` then writes each gradient as it is ready (where it
+        :attr:`streams`)."""
+        if last and self.streams:
             if self.buffer.size != self.client.layout.total:
                 self.buffer = np.empty(self.client.layout.total, np.float32)
             self.written = [False] * len(self.sizes)

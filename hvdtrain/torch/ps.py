@@ -26,8 +26,7 @@ class TorchPSExchange(PSExchange):
 
     def __init__(self, client: Any, rank: int, size: int, params: Sequence[torch.nn.Parameter],
                  overlap: bool = False) -> None:
-        super().__init__(client, rank, size, [p.shape for p in params])
-        self.streams = overlap and not self.compressing
+        super().__init__(client, rank, size, [p.shape for p in params], overlap)
         if self.streams:
             self.device = params[0].device if params else self.device
             for index, param in enumerate(params):
