@@ -35,11 +35,13 @@ PLANS = Registry("compression method", _ENTRIES)
 
 
 def make_plan(comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]],
-              places: Sequence[int] | None = None) -> Plan:
+              places: Sequence[int] | None = None, out_last: bool = False) -> Plan:
     """The plan of ``comm.compression`` for gradients of these shapes (the model's order).
 
     ``seed`` is the run's seed, never ``seed + rank``: draws that ranks share must agree.
     ``places``: each tensor's place among the whole model's, where the plan covers part of it
-    (a pipeline stage's), so that its random draws are the whole model's.
+    (a pipeline stage's), so that its random draws are the whole model's. ``out_last``: the
+    framework keeps a layer's outputs in a weight's last dimension (Keras; see
+    :func:`~hvdtrain.compression.reference.matrix_shape`).
     """
-    return PLANS.get(comm.compression)(comm, seed, shapes, places)
+    return PLANS.get(comm.compression)(comm, seed, shapes, places, out_last)

@@ -21,6 +21,10 @@ Tensor = Any
 class Kernels(Protocol):
     """A framework's tensor operations, as the plans call them."""
 
+    out_last: bool
+    """Whether the framework keeps a layer's outputs in a weight's last dimension (Keras) rather
+    than its first (PyTorch): :func:`~hvdtrain.compression.reference.matrix_shape`."""
+
     def flat(self, x: Tensor) -> Tensor:
         """``x`` as a vector (row-major)."""
 

@@ -97,8 +97,11 @@ class Plan:
     ``comm.ratio``)."""
 
     def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]],
-                 places: Sequence[int] | None = None) -> None:
+                 places: Sequence[int] | None = None, out_last: bool = False) -> None:
         self.comm, self.seed, self.method = comm, seed, comm.compression
+        self.out_last = out_last
+        """Whether the framework keeps a layer's outputs in a weight's last dimension
+        (:func:`~hvdtrain.compression.reference.matrix_shape`)."""
         self.tensors = []
         for i, shape in enumerate(shapes):
             dims = tuple(int(d) for d in shape)
@@ -240,16 +243,16 @@ class PowerSGD(Plan):
 
     def compressible(self, shape: tuple[int, ...]) -> bool:
         return (ref.large_enough(shape, self.comm.min_size)
-                and ref.low_rank_pays(shape, self.comm.rank))
+                and ref.low_rank_pays(shape, self.comm.rank, self.out_last))
 
     def slots(self) -> list[Slot]:
         q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed,
-                                                       t.seed_index))
+                                                       t.seed_index, self.out_last))
              for t in self.tensors if t.compressed]
         return super().slots() + q
 
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
-        m = ctx.kernels.reshape(acc, ref.matrix_shape(t.shape))
+        m = ctx.kernels.reshape(acc, ref.matrix_shape(t.shape, self.out_last))
         p = ctx.kernels.matmul(m, ctx.store.read(slot_key(Q, t.index)))
         return Stage(Message(mean=(p,)), carry=(m,))
 
@@ -267,6 +270,6 @@ class PowerSGD(Plan):
         return Stage(out=k.flat(k.matmul(p, k.transpose(q))))
 
     def tensor_wire_bytes(self, t: TensorPlan) -> int:
-        rows, cols = ref.matrix_shape(t.shape)
+        rows, cols = ref.matrix_shape(t.shape, self.out_last)
         return 4 * min(self.comm.rank, rows, cols) * (rows + cols)
 

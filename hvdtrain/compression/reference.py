@@ -39,7 +39,7 @@ Methods:
   mean). Codes with different scales are not summable (and int8 sums overflow), so ranks allgather
   codes and scales and each decodes and averages them all. Wire: ``n + 4 * ceil(n / bucket)`` bytes
   per rank.
-- **powersgd** (Vogels et al., 2019): for the matrix ``M`` (rows x cols) and rank
+- **powersgd** (Vogels et al., 2019): for the matrix ``M`` (rows x cols, :func:`matrix_shape`) and rank
   ``r = min(rank, rows, cols)``, with ``Q`` (cols x r) kept across steps (warm start; initially
   ``philox(seed, 0, index).standard_normal((cols, r), float32)``): ``P = mean_ranks(M Q)``;
   ``P = orthogonalize(P)`` (modified Gram-Schmidt, :func:`orthogonalize`); ``Q = mean_ranks(M^T
@@ -111,8 +111,16 @@ def num_selected(n: int, ratio: float) -> int:
     return max(1, min(n, math.floor(ratio * n)))
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """The matrix PowerSGD sees: the first dimension by the product of the others."""
+def matrix_shape(shape: Sequence[int], out_last: bool = False) -> tuple[int, int]:
+    """The matrix PowerSGD sees: a layer's outputs by the product of the other dimensions.
+
+    PyTorch keeps the outputs in a weight's first dimension (a convolution's ``(out, in, kh,
+    kw)``: ``out`` rows); Keras keeps them in its last (``(kh, kw, in, out)``: ``out`` columns),
+    which ``out_last`` says, so that both frameworks factor the same matrix (transposed) rather
+    than Keras's kernel height by the rest."""
+    if out_last:
+        cols = int(shape[-1])
+        return int(np.prod(shape)) // max(cols, 1), cols
     rows = int(shape[0])
     return rows, int(np.prod(shape)) // max(rows, 1)
 
@@ -124,11 +132,12 @@ def large_enough(shape: Sequence[int], min_size: int) -> bool:
     return n >= max(min_size, 1)
 
 
-def low_rank_pays(shape: Sequence[int], rank: int) -> bool:
-    """Whether PowerSGD's factors of ``shape`` are smaller than the tensor: never for a vector."""
+def low_rank_pays(shape: Sequence[int], rank: int, out_last: bool = False) -> bool:
+    """Whether PowerSGD's factors of ``shape`` (:func:`matrix_shape`) are smaller than the
+    tensor: never for a vector."""
     if len(shape) < 2:
         return False
-    rows, cols = matrix_shape(shape)
+    rows, cols = matrix_shape(shape, out_last)
     r = min(rank, rows, cols)
     return r * (rows + cols) < rows * cols
 
@@ -281,9 +290,11 @@ def qsgd_mean(per_rank: Sequence[tuple[np.ndarray, np.ndarray]], bucket: int) ->
 
 # PowerSGD ---------------------------------------------------------------------------------------
 
-def powersgd_initial_q(shape: Sequence[int], rank: int, seed: int, index: int) -> np.ndarray:
-    """The first ``Q`` (cols x r) of tensor ``index``, the same on every rank."""
-    rows, cols = matrix_shape(shape)
+def powersgd_initial_q(shape: Sequence[int], rank: int, seed: int, index: int,
+                       out_last: bool = False) -> np.ndarray:
+    """The first ``Q`` (cols x r of :func:`matrix_shape`) of tensor ``index``, the same on every
+    rank."""
+    rows, cols = matrix_shape(shape, out_last)
     r = min(rank, rows, cols)
     return philox(seed, 0, index).standard_normal((cols, r), dtype=np.float32)
 

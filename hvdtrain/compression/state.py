@@ -111,6 +111,12 @@ def unpack(entry: Mapping[str, Any], method: str, slots: list[Slot], where: str)
         raise HvdtrainError(f"{where}: its compression state is for {saved!r}, this run uses "
                             f"comm.compression={method!r}")
     step = int(arrays["step"]) if "step" in arrays else 0
+    for s in slots:
+        got = arrays[s.key].shape[s.per_rank:] if s.key in arrays else s.initial.shape
+        if got != s.initial.shape:
+            raise HvdtrainError(f"{where}: its compression state {s.key} has shape {got}, this "
+                                f"run's is {s.initial.shape} (another model, or a version that "
+                                "laid PowerSGD's matrices out otherwise)")
     shared = {s.key: arrays[s.key] for s in slots if not s.per_rank and s.key in arrays}
     rows = {s.key: arrays[s.key] for s in slots if s.per_rank and s.key in arrays}
     return Saved(step, shared, rows)

@@ -44,8 +44,8 @@ def _kernel(method: str, comm: CommSettings, seed: int, index: int, grad: Tensor
     if method == "qsgd":
         noise = k.uniform(tensor(np.array(ref.noise_seed(seed, 0, 0, index), np.int64)), n)
         return lambda: k.qsgd_compress(grad, comm.bucket, noise)
-    m = k.reshape(grad, ref.matrix_shape(shape))
-    q = tensor(ref.powersgd_initial_q(shape, comm.rank, seed, index))
+    m = k.reshape(grad, ref.matrix_shape(shape, k.out_last))
+    q = tensor(ref.powersgd_initial_q(shape, comm.rank, seed, index, k.out_last))
     return lambda: k.matmul(k.transpose(m), k.orthogonalize(k.matmul(m, q)))
 
 
@@ -56,7 +56,8 @@ def method_profiles(comm: Any, seed: int, shapes: Sequence[tuple[int, ...]],
     framework tensors, model order) of ``shapes``; ``comm`` is the run's ``comm`` section."""
     out = {}
     for method in METHODS:
-        plan = make_plan(dataclasses.replace(comm, compression=method), seed, shapes)
+        plan = make_plan(dataclasses.replace(comm, compression=method), seed, shapes,
+                         out_last=kernels.out_last)
         seconds = 0.0
         for t, grad in zip(plan.tensors, grads, strict=True):
             if method != "none" and (t.compressed or method == "fp16"):

@@ -138,6 +138,8 @@ def clip_factor(tensors: Sequence[tf.Tensor], max_norm: float) -> tf.Tensor:
 class Kernels:
     """The TensorFlow kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
 
+    out_last = True
+
     zero_at = staticmethod(zero_at)
     fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)
@@ -272,4 +274,5 @@ def make_compressing(comm: CommSettings, seed: int, rank: int, size: int,
     """The exchange for ``comm.compression`` over gradients of these shapes (the model's order);
     ``opt``: the run's optimizer, where the exchange may apply its update rule, which reads the
     parameters (``weights``, in the same order) for weight decay."""
-    return CompressingExchange(make_plan(comm, seed, shapes), rank, size, opt, weights)
+    return CompressingExchange(make_plan(comm, seed, shapes, out_last=Kernels.out_last), rank, size,
+                              opt, weights)

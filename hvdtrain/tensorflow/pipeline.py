@@ -310,8 +310,8 @@ def make_stage_exchange(comm: CommSettings, seed: int, rank: int, size: int,
     make_exchange`). ``places``: each gradient's place among the whole model's trainable
     variables, which seeds its random draws (random-k's indices, qsgd's noise, PowerSGD's first
     ``Q``), so that a stage draws what the whole model's exchange draws."""
-    return StageExchange(make_plan(comm, seed, shapes, places), rank, size, process_set, root,
-                         opt, weights)
+    plan = make_plan(comm, seed, shapes, places, compression.Kernels.out_last)
+    return StageExchange(plan, rank, size, process_set, root, opt, weights)
 
 
 def check_schedule(schedule: str) -> None:

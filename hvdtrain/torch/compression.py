@@ -122,6 +122,8 @@ def clip_factor(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tenso
 class Kernels:
     """The torch kernels as :class:`hvdtrain.compression.kernels.Kernels`."""
 
+    out_last = False
+
     zero_at = staticmethod(zero_at)
     fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)

@@ -25,9 +25,11 @@ from tests.conftest import TF_CONFIG, quiet_config
 from tests.unit.numpy_world import Hub, NumpyExchange
 
 F32 = np.float32
-# Two matrices that every method compresses, a bias that travels dense (under min_size), and a
-# 1x80 matrix that PowerSGD leaves dense (rank 2 factors would not be smaller).
-SHAPES = [(24, 16), (16,), (16, 10), (1, 80)]
+# Two matrices that every method compresses, a bias that travels dense (under min_size), a
+# 1x80 matrix that PowerSGD leaves dense (rank 2 factors would not be smaller), and a Keras
+# convolution kernel (kh, kw, in, out), which PowerSGD factors as 36 x 8 (outputs last).
+SHAPES = [(24, 16), (16,), (16, 10), (1, 80), (3, 3, 4, 8)]
+OUT_LAST = tfc.Kernels.out_last
 METHODS = ["none", "fp16", "topk", "randomk", "qsgd", "powersgd"]
 
 
@@ -180,14 +182,15 @@ class Reference:
     def __init__(self, c: CommConfig, seed: int) -> None:
         self.c, self.seed = c, seed
         self.residuals: dict[int, np.ndarray] = {}
-        self.q = {i: ref.powersgd_initial_q(s, c.rank, seed, i) for i, s in enumerate(SHAPES)}
+        self.q = {i: ref.powersgd_initial_q(s, c.rank, seed, i, OUT_LAST)
+                  for i, s in enumerate(SHAPES)}
 
     def run(self, grads: list[np.ndarray], step: int, noise) -> list[np.ndarray]:
         return [self.one(i, g, step, noise) for i, g in enumerate(grads)]
 
     def one(self, i: int, g: np.ndarray, step: int, noise) -> np.ndarray:
         c, n = self.c, g.size
-        if not make_plan(c, self.seed, SHAPES).tensors[i].compressed:
+        if not make_plan(c, self.seed, SHAPES, out_last=OUT_LAST).tensors[i].compressed:
             return g  # the dense mean over one rank (none and fp16 skip the exchange at size 1)
         if c.compression == "qsgd":
             codes, scales = ref.qsgd_compress(g, c.bucket, noise(step, i, n))
@@ -201,8 +204,8 @@ class Reference:
             values = ref.randomk_compress(acc, idx, ref.randomk_scale(n, k, c.error_feedback))
             sent = ref.randomk_mean([values], idx, n)
         else:
-            mean, self.q[i], (own,) = ref.powersgd_mean([acc.reshape(ref.matrix_shape(g.shape))],
-                                                        self.q[i])
+            matrix = acc.reshape(ref.matrix_shape(g.shape, OUT_LAST))
+            mean, self.q[i], (own,) = ref.powersgd_mean([matrix], self.q[i])
             sent = own.reshape(-1)
             np.testing.assert_allclose(mean.reshape(-1), sent, atol=1e-6)  # one rank: mean = own
         self.residuals[i] = ref.new_residual(acc, sent)
@@ -249,7 +252,7 @@ def test_qsgd_noise_is_a_function_of_its_seed():
 def expected_wire_bytes(c: CommConfig) -> int:
     """Bytes per rank per step from the reference's wire formulas."""
     total = 0
-    for s, t in zip(SHAPES, make_plan(c, 0, SHAPES).tensors, strict=True):
+    for s, t in zip(SHAPES, make_plan(c, 0, SHAPES, out_last=OUT_LAST).tensors, strict=True):
         n = int(np.prod(s))
         if not t.compressed:
             total += 4 * n
@@ -260,7 +263,7 @@ def expected_wire_bytes(c: CommConfig) -> int:
         elif c.compression == "qsgd":
             total += n + 4 * ref.qsgd_buckets(n, c.bucket)
         else:
-            rows, cols = ref.matrix_shape(s)
+            rows, cols = ref.matrix_shape(s, OUT_LAST)
             total += 4 * min(c.rank, rows, cols) * (rows + cols)
     return total
 
@@ -293,7 +296,7 @@ def test_state_round_trip_is_exact():
     second = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
     second.load_state_dict(arrays, "test")
     second.broadcast()
-    assert second.step == 2 and sorted(residuals(second)) == sorted(residuals(first)) == [0, 2]
+    assert second.step == 2 and sorted(residuals(second)) == sorted(residuals(first)) == [0, 2, 4]
     for s in first.slots:
         np.testing.assert_array_equal(first.store.numpy(s.key), second.store.numpy(s.key))
     grads = [tf.constant(g) for g in grads_of(3)]
@@ -307,6 +310,10 @@ def test_state_round_trip_is_exact():
     third.broadcast()
     for i, residual in residuals(third).items():
         np.testing.assert_allclose(residual, 2 * arrays[f"residual/{i}"][0], rtol=1e-6)
+    wrong_q = {**arrays, "q/4": np.zeros((96, 2), F32)}  # Keras's kernel height as the rows
+    with pytest.raises(HvdtrainError, match=r"compression state q/4 has shape \(96, 2\), this "
+                                            r"run's is \(8, 2\)"):
+        tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(wrong_q, "x")
     with pytest.raises(HvdtrainError, match="compression state is for 'powersgd'"):
         tfx.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(
             arrays, "x")

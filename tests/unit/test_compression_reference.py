@@ -114,6 +114,16 @@ def test_powersgd_at_full_rank_is_the_exact_mean(shape):
     assert new_q.shape == (ref.matrix_shape(shape)[1], full)
 
 
+def test_matrix_shape_takes_a_layers_outputs_as_one_side():
+    """A convolution's outputs by the rest, in PyTorch's layout and in Keras's (outputs last):
+    the same matrix, transposed, never Keras's kernel height by the rest."""
+    assert ref.matrix_shape((128, 64, 3, 3)) == (128, 576)
+    assert ref.matrix_shape((3, 3, 64, 128), out_last=True) == (576, 128)
+    assert ref.matrix_shape((64, 10), out_last=True) == ref.matrix_shape((64, 10)) == (64, 10)
+    assert ref.powersgd_initial_q((3, 3, 64, 128), 2, 0, 0, out_last=True).shape == (128, 2)
+    assert ref.low_rank_pays((3, 3, 4, 8), 2, out_last=True)
+
+
 def test_powersgd_low_rank_is_an_orthogonal_projection():
     p = ref.orthogonalize(np.random.default_rng(5).standard_normal((20, 3)).astype(np.float32))
     np.testing.assert_allclose(p.T @ p, np.eye(3), atol=1e-5)
