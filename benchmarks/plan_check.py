@@ -33,8 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 import harness
 import ps_links
 
@@ -80,35 +78,7 @@ def profile(work: Path) -> Path:
     return out
 
 
-@dataclass(frozen=True)
-class Link:
-    """The link between nodes a cluster file describes: as ``hvdtrain plan calibrate`` measured
-    it, or the shaped rate with 50 us and no per-call overhead."""
-
-    gbit: float
-    latency_us: float = 50.0
-    overhead_us: float = 0.0
-
-
-def calibrate(work: Path, rate: str, timeout: float) -> Link:
-    """``hvdtrain plan calibrate`` between the first two namespace nodes (as docs/planner.md
-    shows it): the link it measured."""
-    out = work / f"calibrated-{rate}.yaml"
-    env = {**os.environ, "PATH": f"{ps_links.CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    argv = [harness.horovodrun(), "-np", "2", "-H", "node1:1,node2:1", "--gloo",
-            "--network-interfaces", ps_links.IFACE, str(harness.python().parent / "hvdtrain"),
-            "plan", "calibrate", "--out", str(out)]
-    proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise harness.BenchError(f"plan calibrate at {rate}: exit {proc.returncode}\n"
-                                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    tree = yaml.safe_load(out.read_text())
-    return Link(tree["inter"]["bandwidth_gbit_s"], tree["inter"]["latency_us"],
-                tree["message_overhead_us"])
-
-
-def cluster_file(work: Path, rate: str, n: int, link: Link) -> Path:
+def cluster_file(work: Path, rate: str, n: int, link: ps_links.Link) -> Path:
     """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, the
     link between nodes (and to the servers) ``link``, and each rank's compute at the share of
     this machine's cores it gets beside n - 1 others (the profile ran one rank alone)."""
@@ -141,7 +111,8 @@ def predictions(prof: Path, cluster: Path, n: int) -> dict[str, dict]:
     return found
 
 
-def measure(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict[str, Link]]:
+def measure(args: argparse.Namespace, work: Path
+            ) -> tuple[list[dict], dict[str, ps_links.Link]]:
     """Every (rate, n, check): predicted and measured step, link-bound or not; and per rate the
     link the cluster files described (calibrated unless ``--nominal``)."""
     prof = profile(work)
@@ -149,9 +120,7 @@ def measure(args: argparse.Namespace, work: Path) -> tuple[list[dict], dict[str,
     for rate in args.rates.split(","):
         ns = [int(v) for v in args.workers.split(",")]
         ps_links.cluster("start", str(2 * max(ns)), "--bandwidth", rate)
-        links[rate] = (Link(ps_links.RATES[rate] / 1e9) if args.nominal
-                       else calibrate(work, rate, args.timeout))
-        harness.log(f"{rate}: the cluster files' link {links[rate]}")
+        links[rate] = ps_links.link(rate, args.nominal, work, args.timeout)
         for n in ns:
             plan = predictions(prof, cluster_file(work, rate, n, links[rate]), n)
             pipe = next((name for name in plan if name.startswith("pipeline P=2 ")
@@ -235,9 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     described = ("the links' nominal rate (50 us, no per-call overhead)" if args.nominal else
                  "the link `hvdtrain plan calibrate` measured between two of the nodes at each "
                  "rate (Gloo, as docs/planner.md runs it): " + "; ".join(
-                     f"{rate}: {link.gbit * 1e3:.1f} Mbit/s ({link.gbit * 1e9 / ps_links.RATES[rate]:.2f} "
-                     f"x the shaped rate), latency {link.latency_us:.0f} us, overhead "
-                     f"{link.overhead_us:.0f} us" for rate, link in links.items()))
+                     link.describe(rate) for rate, link in links.items()))
     notes = ["The model: " + ps_links.MODEL[0] + " on digits, batch 32 a worker; the plan from a "
              "one-rank profile of it on this machine and a cluster file of " + described +
              ", whose `compute_speed` is the share of this machine's cores a worker gets beside "

@@ -10,7 +10,8 @@ algorithm, and over Gloo) and dedicated parameter servers on k = 1..n extra node
 interleaved in rounds with the ring at n = 4 run twice (A and A', the A/A control).
 
 Beside each measured step time, the communication time the formulas give for the gradient bytes
-M and link rate B: the ring's 2(n-1)/n x M/B (Patarasuk & Yuan), BytePS's
+M and link rate B (what ``hvdtrain plan calibrate`` measures between two of the nodes, TCP's share
+of the shaped rate; ``--nominal``: the shaped rate itself): the ring's 2(n-1)/n x M/B (Patarasuk & Yuan), BytePS's
 2n(n-1)M / ((n^2 + kn - 2k) B) for k CPU servers (Jiang et al., OSDI 2020; it assumes the workers'
 spare bandwidth serves part of the sum too), and the bound of dedicated servers alone,
 max(1, n/k) x M/B (each worker sends and receives M; each server link carries n M / k each way).
@@ -32,7 +33,10 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 import harness
 
@@ -46,6 +50,8 @@ GRADIENT_BYTES = 4 * PARAMS
 MODEL = [f"model.options.hidden=[{HIDDEN},{HIDDEN}]", "train.threads=1"]
 """Every namespace node sees the machine's cores: one compute thread a rank everywhere."""
 TARGET = 0.75
+FIT = 0.2
+"""How far a step may lie from its formula + outside time (issue 35: within 20%)."""
 MPI_RING = {"OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
             "OMPI_MCA_coll_tuned_allreduce_algorithm": "4"}
 """The ring under MPI runs Open MPI's ring algorithm: left to choose, Open MPI picks another for
@@ -69,6 +75,52 @@ def dedicated_s(n: int, k: int, rate: float) -> float:
     """Dedicated servers alone: the busier of a worker's link (M each way) and a server's (n M / k
     each way), full duplex."""
     return max(1.0, n / k) * GRADIENT_BYTES / rate
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between two nodes: as ``hvdtrain plan calibrate`` measured it, or the shaped rate
+    with 50 us and no per-call overhead."""
+
+    gbit: float
+    latency_us: float = 50.0
+    overhead_us: float = 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The rate B of the formulas, in bytes a second."""
+        return self.gbit * 1e9 / 8
+
+    def describe(self, rate: str) -> str:
+        """The link as the notes give it."""
+        return (f"{rate}: {self.gbit * 1e3:.1f} Mbit/s ({self.gbit * 1e9 / RATES[rate]:.2f} x the "
+                f"shaped rate), latency {self.latency_us:.0f} us, overhead "
+                f"{self.overhead_us:.0f} us")
+
+
+def calibrate(work: Path, rate: str, timeout: float) -> Link:
+    """``hvdtrain plan calibrate`` between the first two namespace nodes (Gloo, as docs/planner.md
+    shows it): the link it measured."""
+    out = work / f"calibrated-{rate}.yaml"
+    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    argv = [harness.horovodrun(), "-np", "2", "-H", "node1:1,node2:1", "--gloo",
+            "--network-interfaces", IFACE, str(harness.python().parent / "hvdtrain"),
+            "plan", "calibrate", "--out", str(out)]
+    proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise harness.BenchError(f"plan calibrate at {rate}: exit {proc.returncode}\n"
+                                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    tree = yaml.safe_load(out.read_text())
+    return Link(tree["inter"]["bandwidth_gbit_s"], tree["inter"]["latency_us"],
+                tree["message_overhead_us"])
+
+
+def link(rate: str, nominal: bool, work: Path, timeout: float) -> Link:
+    """The started cluster's link at ``rate``: calibrated, or the shaped rate where ``nominal``."""
+    found = Link(RATES[rate] / 1e9) if nominal else calibrate(work, rate, timeout)
+    harness.log(f"{rate}: the link {found}")
+    return found
 
 
 def cluster(*args: str) -> None:
@@ -130,13 +182,16 @@ Times = dict[str, list[tuple[float, float]]]
 """Per setting name, per round: the job's step time and its time outside the exchange."""
 
 
-def measure(args: argparse.Namespace) -> dict[str, Times]:
-    """Per rate: each setting's times by round (the order reversed on odd rounds)."""
+def measure(args: argparse.Namespace, work: Path) -> tuple[dict[str, Times], dict[str, Link]]:
+    """Per rate: each setting's times by round (the order reversed on odd rounds), and the link
+    (calibrated unless ``--nominal``)."""
     found: dict[str, Times] = {}
+    links: dict[str, Link] = {}
     chosen = settings(args.quick)
     nodes = max(n + k for _, n, k in chosen)
     for rate in args.rates.split(","):
         cluster("start", str(nodes), "--bandwidth", rate)
+        links[rate] = link(rate, args.nominal, work, args.timeout)
         found[rate] = {name: [] for name, _, _ in chosen}
         for round_index in range(args.rounds):
             for name, n, k in harness.round_order(chosen, round_index):
@@ -146,44 +201,50 @@ def measure(args: argparse.Namespace) -> dict[str, Times]:
                 harness.log(f"{rate} {name.strip()}: {seconds:.3f} s a step ({local:.3f} s "
                             "outside the exchange)")
                 found[rate][name].append((seconds, local))
-    return found
+    return found, links
 
 
-def table(rate: str, times: Times, quick: bool) -> tuple[str, dict[str, float]]:
-    """One rate's Markdown table and each setting's median step time."""
-    bps = RATES[rate] / 8
+def table(rate: str, times: Times, quick: bool, bps: float
+          ) -> tuple[str, dict[str, float], dict[str, float]]:
+    """One rate's Markdown table (formulas at ``bps`` bytes a second) and each setting's median
+    step time and its ratio to formula + outside time."""
     medians = {name: statistics.median(t for t, _ in values) for name, values in times.items()}
+    fits = {}
     rows = ["| setting | step time, s (median) | runs | formula, s | measured / formula | "
             "outside the exchange, s | measured / (formula + outside) | BytePS formula, s |",
             "|---|---|---|---|---|---|---|---|"]
     for name, n, k in settings(quick):
         formula = dedicated_s(n, k, bps) if k else ring_s(n, bps)
         local = statistics.median(o for _, o in times[name])
+        fits[name] = medians[name] / (formula + local)
         byteps = f"{byteps_s(n, k, bps):.3f}" if k else ""
         label = name.strip() + (" (A/A control)" if name != name.strip() else "")
         rows.append(f"| {label} | {medians[name]:.3f} | {len(times[name])} | {formula:.3f} | "
-                    f"{medians[name] / formula:.2f} | {local:.3f} | "
-                    f"{medians[name] / (formula + local):.2f} | {byteps} |")
-    return f"At {rate} a link:\n\n" + "\n".join(rows), medians
+                    f"{medians[name] / formula:.2f} | {local:.3f} | {fits[name]:.2f} | {byteps} |")
+    return f"At {rate} a link:\n\n" + "\n".join(rows), medians, fits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measures every rate, prints the section and, unless ``--no-write``, writes it."""
     p = harness.parser("ps_links.py", __doc__.splitlines()[0], SIZES, timeout=600.0)
     p.add_argument("--rates", default="100mbit,1gbit", help=f"comma-separated: {', '.join(RATES)}")
+    p.add_argument("--nominal", action="store_true",
+                   help="the formulas at the links' shaped rate instead of the calibrated one")
     args = harness.parse(p, argv)
     if args.quick:
         args.rates = "100mbit"
         args.command = harness.command_line(p, args)
     machine = harness.machine_record()
-    try:
-        found = measure(args)
-    finally:
-        cluster("stop")
+    with tempfile.TemporaryDirectory(prefix="hvdtrain-ps-links-") as tmp:
+        try:
+            found, links = measure(args, Path(tmp))
+        finally:
+            cluster("stop")
     blocks, verdicts = [], []
     for rate, times in found.items():
-        block, medians = table(rate, times, args.quick)
+        block, medians, fits = table(rate, times, args.quick, links[rate].bytes_per_s)
         blocks.append(block)
+        within = sum(abs(f - 1) <= FIT for f in fits.values())
         if not args.quick:
             ratio = medians["ps n=4 k=4"] / medians["ring n=4"]
             control = medians["ring n=4 "] / medians["ring n=4"]
@@ -191,14 +252,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 times["ps n=4 k=4"], times["ring n=4"], strict=True))
             state = "met" if ratio <= TARGET else "not met"
             verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f}, {state} (by round "
-                            f"{rounds}; A/A {control:.2f})")
+                            f"{rounds}; A/A {control:.2f}); {within} of {len(fits)} steps "
+                            f"within {FIT:.0%} of formula + outside time "
+                            f"({min(fits.values()):.2f}-{max(fits.values()):.2f})")
     notes = [f"Gradients: {GRADIENT_BYTES / 1e6:.1f} MB a step (MLP 64-{HIDDEN}-{HIDDEN}-10, "
              "float32); batch 32 a worker on digits; one job a setting and round, "
              f"{args.rounds} round(s), the order reversed on odd rounds; the median of steps 3 to "
              f"{args.steps} of each job.",
              "The formula column: the ring's bandwidth term for the ring, the dedicated servers' "
              "bound max(1, n/k) M/B for servers; both count communication only (the step also "
-             "computes, and the ring's latency terms are left out). Outside the exchange: the "
+             "computes, and the ring's latency terms are left out), with B "
+             + ("the links' shaped rate" if args.nominal else "the rate `hvdtrain plan "
+                "calibrate` measured between two of the nodes (Gloo; what TCP carries of the "
+                "shaped rate)") + ": " + "; ".join(lk.describe(r) for r, lk in links.items())
+             + ". Outside the exchange: the "
              "median over the same steps of `step_time_s` less `comm_time_s` (the wait for the "
              "exchange after the backward pass), on worker 0: compute, data and conversions; "
              "measured / (formula + outside) compares the step with a link-bound exchange that "
