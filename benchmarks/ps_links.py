@@ -11,10 +11,11 @@ interleaved in rounds with the ring at n = 4 run twice (A and A', the A/A contro
 
 Beside each measured step time, the communication time the formulas give for the gradient bytes
 M and link rate B (what ``hvdtrain plan calibrate`` measures between two of the nodes, TCP's share
-of the shaped rate; ``--nominal``: the shaped rate itself): the ring's 2(n-1)/n x M/B (Patarasuk & Yuan), BytePS's
-2n(n-1)M / ((n^2 + kn - 2k) B) for k CPU servers (Jiang et al., OSDI 2020; it assumes the workers'
-spare bandwidth serves part of the sum too), and the bound of dedicated servers alone,
-max(1, n/k) x M/B (each worker sends and receives M; each server link carries n M / k each way).
+of the shaped rate; ``--nominal``: the shaped rate itself): the ring's 2(n-1)/n x M/B (Patarasuk
+& Yuan), BytePS's 2n(n-1)M / ((n^2 + kn - 2k) B) for k CPU servers (Jiang et al., OSDI 2020; it
+assumes the workers' spare bandwidth serves part of the sum too), and the bound of dedicated
+servers alone, max(1, n/k) x M/B (each worker sends and receives M; each server link carries
+n M / k each way).
 Target: dedicated servers with k = n at n = 4 take at most 0.75 x the ring's step time.
 
 Usage (from the repository root; about 15 minutes on 2 cores)::

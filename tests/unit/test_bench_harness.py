@@ -25,6 +25,7 @@ import harness  # noqa: E402
 import index  # noqa: E402
 import monitoring  # noqa: E402
 import overhead  # noqa: E402
+import plan_check  # noqa: E402
 import resnet_worker  # noqa: E402
 import scaling  # noqa: E402
 import workload  # noqa: E402
@@ -598,3 +599,19 @@ def test_timeline_counts_a_fused_response_once_and_the_unnested_rest(tmp_path, c
     assert rows["GLOO_ALLREDUCE"] == [11.0, 5.5]
     assert rows["MEMCPY_IN_FUSION_BUFFER"] == [2.0, 1.0]
     assert rows["ALLREDUCE not nested"] == [1.0, 0.5]
+
+
+def test_plan_check_ranks_ties_as_either_order():
+    """A pair the plan orders one way and measurement the other is a disagreement only where the
+    measured steps differ by more than plan_check.TIE; Gloo's ring is left out of the ranking."""
+    def row(label, predicted, measured):
+        return {"rate": "100mbit", "n": 2, "label": label, "predicted": predicted,
+                "measured": measured, "link_bound": True}
+    close = [row("ring (MPI)", 1.6, 1.67), row("servers S=2", 1.64, 1.64),
+             row("ring (Gloo)", 0.1, 9.0)]
+    assert plan_check.swapped(close[:2]) == []
+    assert ": same but for ties" in plan_check.ranking_agrees(close)[0]
+    apart = [row("ring (MPI)", 1.6, 2.0), row("servers S=2", 1.64, 1.64)]
+    assert plan_check.swapped(apart) == [("ring (MPI)", "servers S=2")]
+    line = plan_check.ranking_agrees(apart)
+    assert ": differs" in line[0] and plan_check.verdict(apart, line).startswith("not met")
