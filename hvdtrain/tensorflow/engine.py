@@ -73,7 +73,8 @@ def l2_decay(o: OptimConfig, plain: bool) -> float:
     return 0.0 if plain or o.name == "adamw" else o.weight_decay
 
 
-def _set_threads(count: int) -> None:
+def set_threads(count: int) -> None:
+    """TensorFlow's op pools at ``count`` threads (a warning where its runtime already runs)."""
     try:
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
@@ -133,7 +134,7 @@ class TensorFlowEngine(Engine):
                                            comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
-        _set_threads(compute_threads(cfg.train.threads, self.local_size))
+        set_threads(compute_threads(cfg.train.threads, self.local_size))
         self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
         self.precision = Precision(cfg.train.precision)
 

@@ -20,11 +20,12 @@ import tensorflow as tf
 from hvdtrain.adapters import make_adapter
 from hvdtrain.config import Config
 from hvdtrain.driver import make_dataset
+from hvdtrain.horovod_start import compute_threads
 from hvdtrain.plan.measure import medians, method_profiles
 from hvdtrain.plan.profile import LayerProfile, ModelProfile, TensorProfile, model_key
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow.compression import Kernels
-from hvdtrain.tensorflow.engine import make_optimizer
+from hvdtrain.tensorflow.engine import make_optimizer, set_threads
 from hvdtrain.tensorflow.models import ClassifierAdapter
 
 
@@ -108,7 +109,10 @@ def _tensors(layers: list[LayerProfile], mods: list[Any], model: Any,
 
 
 def profile_model(cfg: Config, steps: int) -> ModelProfile:
-    """Profiles ``cfg``'s model on ``data.batch_size`` training samples for ``steps`` steps."""
+    """Profiles ``cfg``'s model on ``data.batch_size`` training samples for ``steps`` steps,
+    with the compute threads one rank alone on this host would train with (``train.threads``)."""
+    threads = compute_threads(cfg.train.threads, 1)
+    set_threads(threads)
     dataset = make_dataset(cfg)
     adapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name), cfg.model.options,
                            cfg.model.name, ClassifierAdapter)
@@ -128,4 +132,4 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
         batch_size=int(x.shape[0]), forward_s=fwd, backward_s=bwd, update_s=upd,
         tensors=_tensors(layers, mods, model, bwd), layers=layers, compression=methods,
         source=f"measured by hvdtrain plan profile: {steps} steps, one rank, TensorFlow "
-               f"{tf.__version__}")
+               f"{tf.__version__}, {threads} thread(s)")

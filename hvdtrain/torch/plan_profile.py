@@ -18,6 +18,7 @@ import torch
 from hvdtrain.adapters import make_adapter
 from hvdtrain.config import Config
 from hvdtrain.driver import make_dataset
+from hvdtrain.horovod_start import compute_threads
 from hvdtrain.plan.measure import medians, method_profiles
 from hvdtrain.plan.profile import LayerProfile, ModelProfile, TensorProfile, model_key
 from hvdtrain.registry import MODELS
@@ -94,7 +95,9 @@ def _time_layers(adapter: Any, mods: list[torch.nn.Module], x: Any,
 
 
 def profile_model(cfg: Config, steps: int) -> ModelProfile:
-    """Profiles ``cfg``'s model on ``data.batch_size`` training samples for ``steps`` steps."""
+    """Profiles ``cfg``'s model on ``data.batch_size`` training samples for ``steps`` steps,
+    with the compute threads one rank alone on this host would train with (``train.threads``)."""
+    torch.set_num_threads(compute_threads(cfg.train.threads, 1))
     dataset = make_dataset(cfg)
     adapter = make_adapter(MODELS["torch"].get(cfg.model.name), cfg.model.options, cfg.model.name,
                            ClassifierAdapter)

@@ -17,9 +17,11 @@ def _hvdtrain(*args: str) -> subprocess.CompletedProcess:
 
 def test_profile_then_plan(tmp_path: Path) -> None:
     profile = tmp_path / "digits_tf.json"
-    made = _hvdtrain("plan", "profile", "configs/digits_tf.yaml", "--out", str(profile))
+    made = _hvdtrain("plan", "profile", "configs/digits_tf.yaml", "train.threads=1", "--out",
+                     str(profile))
     assert made.returncode == 0, made.stderr[-3000:]
     data = json.loads(profile.read_text())
+    assert data["source"].endswith(", 1 thread(s)")  # as a rank of train.threads=1 trains
     assert data["model"] == {"framework": "tensorflow", "name": "mlp", "options": {"hidden": [128]}}
     # From the layer chain: the head's gradients are ready before fc1's.
     assert [t["name"] for t in data["tensors"]] == ["head/kernel", "head/bias", "fc1/kernel",

@@ -17,9 +17,11 @@ def _hvdtrain(*args: str) -> subprocess.CompletedProcess:
 
 def test_profile_then_plan(tmp_path: Path) -> None:
     profile = tmp_path / "digits.json"
-    made = _hvdtrain("plan", "profile", "configs/digits_torch.yaml", "--out", str(profile))
+    made = _hvdtrain("plan", "profile", "configs/digits_torch.yaml", "train.threads=1", "--out",
+                     str(profile))
     assert made.returncode == 0, made.stderr
     data = json.loads(profile.read_text())
+    assert data["source"].endswith(", 1 thread(s)")  # as a rank of train.threads=1 trains
     # The MLP 64 -> 128 -> 10: two weights and two biases.
     assert sorted(t["bytes"] for t in data["tensors"]) == [40, 512, 4 * 1280, 4 * 64 * 128]
     assert [x["params"] for x in data["layers"] if x["params"]] == [64 * 128 + 128, 128 * 10 + 10]
