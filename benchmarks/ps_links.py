@@ -18,7 +18,7 @@ servers alone, max(1, n/k) x M/B (each worker sends and receives M; each server 
 n M / k each way).
 Target: dedicated servers with k = n at n = 4 take at most 0.75 x the ring's step time.
 
-Usage (from the repository root; about 15 minutes on 2 cores)::
+Usage (from the repository root; about 30 minutes on 2 cores at the default 2 rounds)::
 
     .venv/bin/python benchmarks/ps_links.py
     .venv/bin/python benchmarks/ps_links.py --quick --no-write   # 100 Mbit/s, n = 2 only
