@@ -146,6 +146,8 @@ T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
 """Student's t at 97.5% by degrees of freedom (seeds - 1): the 95% interval of a mean."""
 BARS = {"fp16": 0.005, "qsgd": 0.005, "topk": 0.01, "powersgd": 0.01}
 """Largest mean accuracy drop below ``none``'s on digits, per method."""
+ISSUE_ONLY = tuple(m for m in LOSS_BARS if m not in BARS)
+"""The methods judged on the MLPs by issue 36's bars alone (no digits bar): ``topk-0.1%``."""
 SPEEDUP_TARGET = 3.0
 
 
@@ -595,7 +597,7 @@ def target_text(datasets: Sequence[str], methods: Sequence[str] = ()) -> str:
     """The index's target: the digits bars unless only :data:`TITLES`' datasets ran (and issue
     36's for the other methods run on the classifiers, :func:`issue_verdict`), and theirs."""
     parts = [] if set(datasets) <= set(TITLES) else [TARGET_TEXT]
-    issue = [m for m in methods if m in LOSS_BARS and m not in BARS]
+    issue = [m for m in methods if m in ISSUE_ONLY]
     if parts and issue:
         parts.append("the MLPs: " + ", ".join(f"`{m}` -{100 * LOSS_BARS[m]:g}" for m in issue)
                      + " points (issue 36)")
@@ -627,10 +629,9 @@ def issue_verdict(records: list[dict]) -> str:
     """On the classifiers other than ResNet-18 (the MLPs, the 1-D CNN), issue 36's bars
     (:data:`LOSS_BARS`) for the methods without a digits bar (:data:`BARS`: ``topk-0.1%``), per
     dataset as :func:`bars_verdict` gives them; empty without such runs."""
-    issue = [m for m in LOSS_BARS if m not in BARS]
     datasets = dict.fromkeys(r["dataset"] for r in records if r["dataset"] not in TITLES)
     return "; ".join(part for ds in datasets
-                     if (part := bars_verdict(records, ACCURACY, ds, issue)))
+                     if (part := bars_verdict(records, ACCURACY, ds, ISSUE_ONLY)))
 
 
 def unjudged_verdict(records: list[dict]) -> str:
