@@ -1,10 +1,11 @@
 """`hvdtrain plan` against measurement on the namespace cluster's shaped links.
 
 The model is ps_links.py's communication-bound MLP (64-2048-2048-10, 17.4 MB of float32
-gradients). It is profiled once on one rank (``hvdtrain plan profile``); per link rate the link
-is measured by ``hvdtrain plan calibrate`` between two nodes (``--nominal``: the shaped rate is
-taken as it is); then, per worker count n (one rank a node, as ps_links.py runs them), the plan is
-made for a cluster file of that link with n server nodes, and each checked setting is trained
+gradients). It is profiled once on one rank (``hvdtrain plan profile``); per link rate and worker
+count n (one rank a node, as ps_links.py runs them) the link is measured by ``hvdtrain plan
+calibrate`` over n nodes under each controller, MPI and Gloo (``--nominal``: the shaped rate is
+taken as it is); the plan is made for a cluster file of each with n server nodes, and each
+checked setting, planned from the file of the controller it runs under, is trained
 for a few steps on the nodes of ``scripts/cluster_local.sh``: the ring (under MPI with Open
 MPI's ring algorithm, and under Gloo), dedicated parameter servers on n extra nodes, a 2-stage
 pipeline (n/2 copies) and two compression methods (``fp16``, overlapped with the backward pass,
@@ -47,6 +48,9 @@ ranking: one job each cannot order them (the ring's A/A control in ps_links.py v
 LINK_BOUND = 0.5
 """A setting is link-bound where its collectives (the plan's time-line's ``comm`` lane, overlapped
 or not) take at least this share of its step: not its compression kernels, nor a bubble."""
+CONTROLLERS = ("mpi", "gloo")
+"""Each worker count's link is calibrated under both, and each setting planned from the file of
+the controller it runs under: Open MPI's ring reaches less of a link than Gloo's as it grows."""
 CONFIG = harness.ROOT / "configs" / "digits_torch.yaml"
 SIZES = {"steps": (6, 5)}
 
@@ -84,13 +88,14 @@ def profile(work: Path) -> Path:
     return out
 
 
-def cluster_file(work: Path, rate: str, n: int, link: ps_links.Link) -> Path:
+def cluster_file(work: Path, rate: str, n: int, link: ps_links.Link, controller: str) -> Path:
     """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, the
-    link between nodes (and to the servers) ``link``, and each rank's compute at the share of
-    this machine's cores it gets beside n - 1 others (the profile ran one rank alone)."""
+    link between nodes (and to the servers) ``link`` as calibrated under ``controller``, and each
+    rank's compute at the share of this machine's cores it gets beside n - 1 others (the profile
+    ran one rank alone)."""
     speed = min(1.0, (os.cpu_count() or 1) / n)
     wire = f"bandwidth_gbit_s: {link.gbit:g}, latency_us: {link.latency_us:g}"
-    path = work / f"cluster-{rate}-{n}.yaml"
+    path = work / f"cluster-{rate}-{n}-{controller}.yaml"
     path.write_text(f"name: namespace_{rate}\nnodes: {n}\nranks_per_node: 1\n"
                     f"compute_speed: {speed:g}\n"
                     "intra: {bandwidth_gbit_s: 10, latency_us: 50}\n"
@@ -118,21 +123,26 @@ def predictions(prof: Path, cluster: Path, n: int) -> dict[str, dict]:
 
 
 def measure(args: argparse.Namespace, work: Path
-            ) -> tuple[list[dict], dict[str, ps_links.Link]]:
-    """Every (rate, n, check): predicted and measured step, link-bound or not; and per rate the
-    link the cluster files described (calibrated unless ``--nominal``)."""
+            ) -> tuple[list[dict], dict[tuple[str, int, str], ps_links.Link]]:
+    """Every (rate, n, check): predicted and measured step, link-bound or not; and per rate,
+    worker count and controller the link its cluster file described (calibrated over those n
+    nodes under that controller unless ``--nominal``)."""
     prof = profile(work)
     rows, links = [], {}
     for rate in args.rates.split(","):
         ns = [int(v) for v in args.workers.split(",")]
         ps_links.cluster("start", str(2 * max(ns)), "--bandwidth", rate)
-        links[rate] = ps_links.link(rate, args.nominal, work, args.timeout)
         for n in ns:
-            plan = predictions(prof, cluster_file(work, rate, n, links[rate]), n)
-            pipe = next((name for name in plan if name.startswith("pipeline P=2 ")
+            plans = {}
+            for controller in CONTROLLERS:
+                links[rate, n, controller] = ps_links.link(rate, args.nominal, work, args.timeout,
+                                                           n, controller)
+                plans[controller] = predictions(
+                    prof, cluster_file(work, rate, n, links[rate, n, controller], controller), n)
+            pipe = next((name for name in plans["mpi"] if name.startswith("pipeline P=2 ")
                          and "1f1b" in name and "interleaved" not in name), "")
-            for check in checks(n, pipe, plan.get(pipe, {}).get("how", "")):
-                point = plan.get(check.setting)
+            for check in checks(n, pipe, plans["mpi"].get(pipe, {}).get("how", "")):
+                point = plans[check.controller].get(check.setting)
                 if point is None:
                     harness.log(f"{rate} n={n} {check.label}: not in the plan, skipped")
                     continue
@@ -161,11 +171,11 @@ def swapped(group: Sequence[dict]) -> list[tuple[str, str]]:
 
 
 def ranking_agrees(rows: Sequence[dict]) -> list[str]:
-    """Per (rate, n): whether the plan orders the MPI settings as measured (Gloo's ring aside:
-    the plan prices one ring), pairs measured within :data:`TIE` of each other counted as ties."""
+    """Per (rate, n): whether the plan orders the settings as measured, pairs measured within
+    :data:`TIE` of each other counted as ties."""
     verdicts = []
     for key in sorted({(r["rate"], r["n"]) for r in rows}):
-        group = [r for r in rows if (r["rate"], r["n"]) == key and r["label"] != "ring (Gloo)"]
+        group = [r for r in rows if (r["rate"], r["n"]) == key]
         planned = [r["label"] for r in sorted(group, key=lambda r: r["predicted"])]
         measured = [r["label"] for r in sorted(group, key=lambda r: r["measured"])]
         pairs = swapped(group)
@@ -186,6 +196,17 @@ def table(rows: Sequence[dict]) -> str:
         lines.append(f"| {r['rate']} | {r['n']} | {r['label']} | {r['predicted']:.3f} | "
                      f"{r['measured']:.3f} | {ratio:.2f} | {'yes' if r['link_bound'] else 'no'} "
                      f"| {within if r['link_bound'] else '—'} |")
+    return "\n".join(lines)
+
+
+def link_table(links: dict[tuple[str, int, str], ps_links.Link]) -> str:
+    """The Markdown table of the links the cluster files described."""
+    lines = ["| link | ranks | controller | calibrated, Mbit/s | of the shaped rate | latency, us | "
+             "overhead, us |", "|---|---|---|---|---|---|---|"]
+    for (rate, n, controller), link in links.items():
+        lines.append(f"| {rate} | {n} | {controller} | {link.gbit * 1e3:.1f} | "
+                     f"{link.gbit * 1e9 / ps_links.RATES[rate]:.2f} | {link.latency_us:.0f} | "
+                     f"{link.overhead_us:.0f} |")
     return "\n".join(lines)
 
 
@@ -225,15 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps_links.cluster("stop")
     rankings = ranking_agrees(rows)
     described = ("the links' nominal rate (50 us, no per-call overhead)" if args.nominal else
-                 "the link `hvdtrain plan calibrate` measured between two of the nodes at each "
-                 "rate (Gloo, as docs/planner.md runs it): " + "; ".join(
-                     link.describe(rate) for rate, link in links.items()))
+                 "the link `hvdtrain plan calibrate` measured over the job's n nodes under the "
+                 "controller the setting runs with (the table below)")
     notes = ["The model: " + ps_links.MODEL[0] + " on digits, batch 32 a worker; the plan from a "
              "one-rank profile of it on this machine and a cluster file of " + described +
              ", whose `compute_speed` is the share of this machine's cores a worker gets beside "
              "the others (1 for n <= cores, else cores/n), made by this script.",
-             "Ranking (the MPI settings by step time; the plan prices one ring, the Gloo row "
-             "shows how Horovod's other controller runs it; two settings measured within "
+             "Ranking (every setting by step time, each planned from the link calibrated under "
+             "its own controller; two settings measured within "
              f"{TIE:.0%} of each other are a tie, which either order matches): "
              + "; ".join(rankings) + ".",
              "One job a setting; all ranks share this machine's 2 cores, so where the link is "
@@ -243,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           target="predictions within 15% where the link limits; the same "
                                  "ranking as measured", verdict=verdict(rows, rankings))
     harness.publish(harness.section_text("Planner against measurement on shaped links",
-                                         args.command, machine, [table(rows)], notes,
+                                         args.command, machine,
+                                         [table(rows), link_table(links)], notes,
                                          entry=entry), args)
     return 0
 

@@ -99,28 +99,34 @@ class Link:
                 f"{self.overhead_us:.0f} us")
 
 
-def calibrate(work: Path, rate: str, timeout: float) -> Link:
-    """``hvdtrain plan calibrate`` between the first two namespace nodes (Gloo, as docs/planner.md
-    shows it): the link it measured."""
-    out = work / f"calibrated-{rate}.yaml"
-    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    argv = [harness.horovodrun(), "-np", "2", "-H", "node1:1,node2:1", "--gloo",
+def calibrate(work: Path, rate: str, timeout: float, n: int = 2,
+              controller: str = "gloo") -> Link:
+    """``hvdtrain plan calibrate`` over the first ``n`` namespace nodes under ``controller`` (by
+    default Gloo between two, as docs/planner.md shows it; under MPI with the ring the jobs run):
+    the link it measured."""
+    out = work / f"calibrated-{rate}-{n}-{controller}.yaml"
+    env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}",
+           **(MPI_RING if controller == "mpi" else {})}
+    hosts = ",".join(f"node{i}:1" for i in range(1, n + 1))
+    argv = [harness.horovodrun(), "-np", str(n), "-H", hosts, f"--{controller}",
             "--network-interfaces", IFACE, str(harness.python().parent / "hvdtrain"),
             "plan", "calibrate", "--out", str(out)]
     proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:
-        raise harness.BenchError(f"plan calibrate at {rate}: exit {proc.returncode}\n"
-                                 f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise harness.BenchError(f"plan calibrate at {rate}, {n} ranks, {controller}: exit "
+                                 f"{proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     tree = yaml.safe_load(out.read_text())
     return Link(tree["inter"]["bandwidth_gbit_s"], tree["inter"]["latency_us"],
                 tree["message_overhead_us"])
 
 
-def link(rate: str, nominal: bool, work: Path, timeout: float) -> Link:
-    """The started cluster's link at ``rate``: calibrated, or the shaped rate where ``nominal``."""
-    found = Link(RATES[rate] / 1e9) if nominal else calibrate(work, rate, timeout)
-    harness.log(f"{rate}: the link {found}")
+def link(rate: str, nominal: bool, work: Path, timeout: float, n: int = 2,
+         controller: str = "gloo") -> Link:
+    """The started cluster's link at ``rate``: calibrated over ``n`` nodes under ``controller``,
+    or the shaped rate where ``nominal``."""
+    found = Link(RATES[rate] / 1e9) if nominal else calibrate(work, rate, timeout, n, controller)
+    harness.log(f"{rate}, {n} ranks, {controller}: the link {found}")
     return found
 
 

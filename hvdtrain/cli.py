@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser("plan", help="predict step time and scaling of every setting on a "
                           "cluster file; 'plan profile CONFIG --out P.json' measures a profile, "
-                          "'plan calibrate --out C.yaml' (2 ranks) a cluster file")
+                          "'plan calibrate --out C.yaml' (2+ ranks) a cluster file")
     plan.add_argument("overrides", nargs="*", metavar="[profile|calibrate] [CONFIG] [KEY=VALUE]",
                       help="'profile' or 'calibrate' to measure; the config file; dotted overrides")
     plan.add_argument("--cluster", help="cluster file (YAML; see docs/planner.md)")

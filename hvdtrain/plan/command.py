@@ -4,7 +4,7 @@
 [--json OUT.json] [--html OUT.html] [--plot OUT.png]`` prints the ranked table and writes the
 outputs asked for; without ``--profile`` it profiles CONFIG's model on this machine first.
 ``hvdtrain plan profile CONFIG --out PROFILE.json [KEY=VALUE ...]`` writes a profile;
-``horovodrun -np 2 ... hvdtrain plan calibrate --out CLUSTER.yaml`` writes a cluster file.
+``horovodrun -np N ... hvdtrain plan calibrate --out CLUSTER.yaml`` writes a cluster file.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def run(request: Request) -> Plan | ModelProfile | Cluster | None:
     items = list(request.items)
     if items and items[0] == "calibrate":
         if request.out is None or len(items) > 1:
-            raise ConfigError("hvdtrain plan calibrate --out CLUSTER.yaml: under horovodrun -np 2")
+            raise ConfigError("hvdtrain plan calibrate --out CLUSTER.yaml: under horovodrun -np N (N >= 2)")
         from hvdtrain.torch.plan_calibrate import calibrate
 
         return load_cluster(request.out) if calibrate(request.out) else None

@@ -1,5 +1,6 @@
 """``hvdtrain plan calibrate`` through Horovod's PyTorch ops: broadcast and allreduce sweeps
-between two ranks, timed on rank 0, turned into a cluster file by :mod:`hvdtrain.plan.calibrate`."""
+among the job's ranks, timed on rank 0, turned into a cluster file by
+:mod:`hvdtrain.plan.calibrate`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _timed(op: Callable[[], Any], repeats: int) -> float:
 
 
 def sweep(sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> Sweep:
-    """The sweep between this rank and the other (every rank calls it)."""
+    """The sweep among the job's ranks (every rank calls it)."""
     bcast, allred = [], []
     for size in sizes:
         buf = torch.ones(size // 4)
@@ -46,17 +47,19 @@ def sweep(sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> Sweep:
         bcast.append(_timed(broadcast, repeats))
         allred.append(_timed(allreduce, repeats))
     # Rank 0's figures for every rank: the file is one, whichever rank writes it.
-    return Sweep(tuple(sizes), *hvd.broadcast_object((tuple(bcast), tuple(allred)), root_rank=0))
+    return Sweep(tuple(sizes), *hvd.broadcast_object((tuple(bcast), tuple(allred)), root_rank=0),
+                 ranks=hvd.size())
 
 
 def calibrate(out: str | Path, sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> bool:
-    """Measures the link between the two ranks; rank 0 writes the cluster file and gets True."""
+    """Measures the link among the job's ranks; rank 0 writes the cluster file and gets True."""
     start_horovod(hvd, 0.0)
-    if hvd.size() != 2:
-        raise ConfigError(f"hvdtrain plan calibrate: runs at exactly 2 ranks (horovodrun -np 2, "
-                          f"one per host to measure the link between hosts), not {hvd.size()}")
+    if hvd.size() < 2:
+        raise ConfigError("hvdtrain plan calibrate: needs at least 2 ranks (horovodrun -np N, "
+                          "one per host to measure the link between hosts), not 1")
     hosts = hvd.allgather_object(socket.gethostname())
-    tree = cluster_tree(sweep(sizes, repeats), hosts, hvd.local_size())
+    controller = "mpi" if hvd.mpi_enabled() else "gloo"
+    tree = cluster_tree(sweep(sizes, repeats), hosts, hvd.local_size(), controller)
     if hvd.rank() == 0:
         Path(out).write_text("# Written by hvdtrain plan calibrate (docs/planner.md)\n"
                              + yaml.safe_dump(tree, sort_keys=False))

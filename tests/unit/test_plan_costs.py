@@ -139,5 +139,26 @@ def test_calibration_recovers_the_link() -> None:
     sweep = Sweep(SIZES, tuple(a + m / b for m in SIZES), tuple(o + 2 * a + m / b for m in SIZES))
     gbit, latency_us, overhead_us = link_of(sweep)
     assert (gbit, latency_us, overhead_us) == pytest.approx((8.0, 100.0, 50.0))
-    tree = cluster_tree(sweep, ["a", "b"], 1)
+    tree = cluster_tree(sweep, ["a", "b"], 1, "gloo")
     assert tree["nodes"] == 2 and tree["calibration"]["measured"] == "inter"
+    assert tree["calibration"]["controller"] == "gloo" and tree["calibration"]["ranks"] == 2
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_calibration_over_n_ranks_recovers_the_ring(n: int) -> None:
+    from hvdtrain.plan.calibrate import SIZES, Sweep, link_of
+    from hvdtrain.plan.cluster import Link
+    from hvdtrain.plan.costs import ring_allreduce
+
+    link = Link(bandwidth_gbit_s=0.08, latency_us=300.0)  # a ring reaching 80 Mbit/s
+    o = 2e-4
+    allreduce = tuple(ring_allreduce(m, n, link, o) for m in SIZES)
+    sweep = Sweep(SIZES, tuple(link.latency_s + m / link.bytes_per_s for m in SIZES), allreduce, n)
+    assert link_of(sweep) == pytest.approx((0.08, 300.0, 200.0))
+    # A broadcast dearer than a ring step (a tree of messages): the latency is what the smallest
+    # allreduce leaves for 2(n-1) of them, so the formula still gives the smallest allreduce back.
+    slow = Sweep(SIZES, tuple(3 * t for t in sweep.broadcast_s), allreduce, n)
+    gbit, latency_us, overhead_us = link_of(slow)
+    fitted = Link(bandwidth_gbit_s=gbit, latency_us=latency_us)
+    assert ring_allreduce(SIZES[0], n, fitted, overhead_us * 1e-6) == pytest.approx(allreduce[0])
+    assert latency_us == pytest.approx(300.0 + 100.0 / (n - 1)) and overhead_us == pytest.approx(0)
