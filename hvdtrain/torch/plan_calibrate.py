@@ -47,8 +47,8 @@ def sweep(sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> Sweep:
         bcast.append(_timed(broadcast, repeats))
         allred.append(_timed(allreduce, repeats))
     # Rank 0's figures for every rank: the file is one, whichever rank writes it.
-    return Sweep(tuple(sizes), *hvd.broadcast_object((tuple(bcast), tuple(allred)), root_rank=0),
-                 ranks=hvd.size())
+    bcast_s, allred_s = hvd.broadcast_object((tuple(bcast), tuple(allred)), root_rank=0)
+    return Sweep(tuple(sizes), bcast_s, allred_s, ranks=hvd.size())
 
 
 def calibrate(out: str | Path, sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> bool:
