@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,3 +26,11 @@ def test_calibrate_writes_a_cluster_file(tmp_path: Path) -> None:
     assert (record["ranks"], record["controller"]) == (3, "gloo")
     # Time grows with size: the largest allreduce takes longer than the smallest.
     assert record["allreduce_s"][-1] > record["allreduce_s"][0]
+
+
+def test_calibrate_alone_is_a_one_line_error(tmp_path: Path) -> None:
+    out = tmp_path / "calibrated.yaml"
+    proc = subprocess.run([sys.executable, "-m", "hvdtrain.cli", "plan", "calibrate", "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "needs at least 2 ranks" in proc.stderr and not out.exists()
