@@ -370,8 +370,8 @@ def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str,
     c = ctx.cluster
     link = c.intra if _same_node(ctx, stages) else c.inter
     share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
-    return pipeline_step(ctx.profile.layers, stages, micro, schedule, share / c.compute_speed,
-                         share, lambda b: costs.send(b, link, c.overhead_s), virtual)
+    return pipeline_step(ctx.profile.layers, stages, micro, schedule, share, share,
+                         lambda b: costs.send(b, link, c.overhead_s), virtual, c.compute_speed)
 
 
 def _same_node(ctx: _Ctx, stages: int) -> bool:

@@ -9,7 +9,8 @@ A profile is JSON::
      "forward_s": 0.004, "backward_s": 0.008, "update_s": 0.001,
      "tensors": [{"name": "head.bias", "bytes": 40, "ready_s": 0.0003}, ...],
      "layers": [{"name": "fc1", "params": 8320, "forward_s": 0.001, "backward_s": 0.002,
-                 "activation_bytes": 16384}, ...],
+                 "activation_bytes": 16384, "fixed_forward_s": 0.0002,
+                 "fixed_backward_s": 0.0009}, ...],
      "compression": {"none": {"ratio": 1.0, "kernel_s": 0.0, "collective": "allreduce"}, ...},
      "source": "how the figures were obtained"}
 
@@ -17,8 +18,10 @@ A profile is JSON::
 is the time from the start of the backward pass to that gradient's readiness, ``bytes`` its float32
 size. ``layers`` (optional; without it no pipeline setting applies) is the model's ordered layer
 list with each layer's share of the step and the bytes of its output for the whole batch (what a
-pipeline stage sends the next). ``compression`` gives each method's ratio (dense bytes / wire
-bytes), the time its kernels take per step on one rank, and its collective.
+pipeline stage sends the next), and the part of each time that a smaller batch does not shrink
+(optional, 0 by default; :func:`fixed_part` of the times at the batch and at a quarter of it), by
+which the plan prices a pipeline's micro-batches. ``compression`` gives each method's ratio
+(dense bytes / wire bytes), the time its kernels take per step on one rank, and its collective.
 """
 
 from __future__ import annotations
@@ -54,6 +57,26 @@ class LayerProfile:
     backward_s: float
     activation_bytes: int
     """Bytes of the layer's output for the profile's whole batch."""
+    fixed_forward_s: float = 0.0
+    """The part of ``forward_s`` that a smaller batch does not shrink (:func:`fixed_part`; 0: the
+    times scale with the batch, as for profiles written without it)."""
+    fixed_backward_s: float = 0.0
+    """The same for ``backward_s``: a weight gradient costs about the same at any batch."""
+
+    def seconds(self, share: float, speed: float) -> tuple[float, float]:
+        """Forward and backward seconds of ``share`` of the profile's batch on a rank of
+        ``speed``: the fixed part whole, the rest by the share."""
+        return ((self.fixed_forward_s + (self.forward_s - self.fixed_forward_s) * share) / speed,
+                (self.fixed_backward_s + (self.backward_s - self.fixed_backward_s) * share) / speed)
+
+
+def fixed_part(seconds: float, small_seconds: float, batch: int, small_batch: int) -> float:
+    """The intercept of the line through a layer's time at ``batch`` and at ``small_batch``,
+    kept within ``[0, seconds]``: what a micro-batch pays whatever its size."""
+    if small_batch >= batch:
+        return 0.0
+    slope = (seconds - small_seconds) / (batch - small_batch)
+    return min(seconds, max(0.0, seconds - slope * batch))
 
 
 @dataclass(frozen=True)
@@ -136,8 +159,13 @@ def _layer(where: str, i: int, item: Any) -> LayerProfile:
         raise ConfigError(f"{at}: expected a mapping")
     nums = {k: _number(at, k, _need(at, item, k))
             for k in ("params", "forward_s", "backward_s", "activation_bytes")}
+    fixed = {k: _number(at, k, item.get(k, 0.0)) for k in ("fixed_forward_s", "fixed_backward_s")}
+    for key, whole in (("fixed_forward_s", "forward_s"), ("fixed_backward_s", "backward_s")):
+        if fixed[key] > nums[whole]:
+            raise ConfigError(f"{at}: {key}={fixed[key]!r}: must be <= {whole} ({nums[whole]!r})")
     return LayerProfile(str(_need(at, item, "name")), int(nums["params"]), nums["forward_s"],
-                        nums["backward_s"], int(nums["activation_bytes"]))
+                        nums["backward_s"], int(nums["activation_bytes"]),
+                        fixed["fixed_forward_s"], fixed["fixed_backward_s"])
 
 
 def _method(where: str, name: str, item: Any) -> MethodProfile:

@@ -47,18 +47,18 @@ def split_layers(layers: list[LayerProfile], stages: int) -> list[list[LayerProf
 
 
 def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule: str,
-                  time_scale: float, byte_scale: float,
-                  transfer: Callable[[float], float], virtual: int = DEFAULT_VIRTUAL) -> PipelineStep:
-    """The step of one copy: ``time_scale`` turns the profile's layer times into one
-    micro-batch's (its share of the profiled batch over the compute speed), ``byte_scale`` the
-    activation bytes; ``transfer(bytes)`` is one message between neighbouring stages; ``virtual``
-    the pieces per rank of interleaved 1F1B."""
+                  share: float, byte_scale: float, transfer: Callable[[float], float],
+                  virtual: int = DEFAULT_VIRTUAL, speed: float = 1.0) -> PipelineStep:
+    """The step of one copy: one micro-batch is ``share`` of the profiled batch, on ranks of
+    compute ``speed`` (:meth:`LayerProfile.seconds`: a layer's fixed part whole, the rest by the
+    share), ``byte_scale`` scales the activation bytes; ``transfer(bytes)`` is one message between
+    neighbouring stages; ``virtual`` the pieces per rank of interleaved 1F1B."""
     if schedule == "interleaved_1f1b":
-        return interleaved_step(layers, stages, virtual, micro, time_scale, byte_scale, transfer)
+        return interleaved_step(layers, stages, virtual, micro, share, byte_scale, transfer, speed)
     pieces = split_layers(layers, stages)
     xfer = max((transfer(p[-1].activation_bytes * byte_scale) for p in pieces[:-1]), default=0.0)
-    fwd = max(sum(x.forward_s for x in p) for p in pieces) * time_scale
-    bwd = max(sum(x.backward_s for x in p) for p in pieces) * time_scale
+    fwd = max(_seconds(p, share, speed, 0) for p in pieces)
+    bwd = max(_seconds(p, share, speed, 1) for p in pieces)
     lists = [actions(schedule, s, stages, micro) for s in range(stages)]
     timeline = simulate(lists, forward_s=fwd + xfer, backward_s=bwd + xfer)
     return PipelineStep(max(timeline.finish), timeline.bubble, fwd + xfer, bwd + xfer,
@@ -66,9 +66,14 @@ def pipeline_step(layers: list[LayerProfile], stages: int, micro: int, schedule:
                         micro * (fwd + bwd + 2 * xfer))
 
 
+def _seconds(layers: list[LayerProfile], share: float, speed: float, which: int) -> float:
+    """Forward (``which`` 0) or backward (1) seconds of ``layers`` for one micro-batch."""
+    return sum(x.seconds(share, speed)[which] for x in layers)
+
+
 def interleaved_step(layers: list[LayerProfile], stages: int, virtual: int, micro: int,
-                     time_scale: float, byte_scale: float,
-                     transfer: Callable[[float], float]) -> PipelineStep:
+                     share: float, byte_scale: float, transfer: Callable[[float], float],
+                     speed: float = 1.0) -> PipelineStep:
     """Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
     Clusters Using Megatron-LM", SC 2021, section 2.2): the layers in ``P v`` pieces, piece ``i``
     on rank ``i % P``. A rank's pass over one micro-batch is its ``v`` pieces', each followed by a
@@ -77,8 +82,8 @@ def interleaved_step(layers: list[LayerProfile], stages: int, virtual: int, micr
     pieces = split_layers(layers, stages * virtual)
     xfer = max((transfer(p[-1].activation_bytes * byte_scale) for p in pieces[:-1]), default=0.0)
     ranks = [[x for piece in pieces[r::stages] for x in piece] for r in range(stages)]
-    fwd = max(sum(x.forward_s for x in r) for r in ranks) * time_scale + virtual * xfer
-    bwd = max(sum(x.backward_s for x in r) for r in ranks) * time_scale + virtual * xfer
+    fwd = max(_seconds(r, share, speed, 0) for r in ranks) + virtual * xfer
+    bwd = max(_seconds(r, share, speed, 1) for r in ranks) + virtual * xfer
     busy = micro * (fwd + bwd)
     idle = (stages - 1) * (fwd + bwd) / virtual
     return PipelineStep(busy + idle, idle / (busy + idle), fwd, bwd,

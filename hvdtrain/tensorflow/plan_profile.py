@@ -22,7 +22,13 @@ from hvdtrain.config import Config
 from hvdtrain.driver import make_dataset
 from hvdtrain.horovod_start import compute_threads
 from hvdtrain.plan.measure import medians, method_profiles
-from hvdtrain.plan.profile import LayerProfile, ModelProfile, TensorProfile, model_key
+from hvdtrain.plan.profile import (
+    LayerProfile,
+    ModelProfile,
+    TensorProfile,
+    fixed_part,
+    model_key,
+)
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow.compression import Kernels
 from hvdtrain.tensorflow.engine import make_optimizer, set_threads
@@ -79,19 +85,25 @@ def _chain(adapter: Any, mods: list[Any], x: tf.Tensor,
     return fwd, bwd, acts
 
 
-def _layers(adapter: Any, spec: Any, x: tf.Tensor, y: tf.Tensor,
-            steps: int) -> tuple[list[LayerProfile], list[Any]]:
-    """The layer list's profile and its layers (built), or nothing without a layer list."""
+def _layers(adapter: Any, spec: Any, x: tf.Tensor, y: tf.Tensor, steps: int,
+            small: tuple[tf.Tensor, tf.Tensor]) -> tuple[list[LayerProfile], list[Any]]:
+    """The layer list's profile and its layers (built), or nothing without a layer list; each
+    time with the part that the smaller batch ``small`` does not shrink (:func:`fixed_part`)."""
     factories = adapter.layers(spec)
     if not factories:
         return [], []
     mods = [f() for f in factories]
     rows = [_chain(adapter, mods, x, y) for _ in range(steps + 1)][1:]
     fwd, bwd = medians([r[0] for r in rows]), medians([r[1] for r in rows])
+    few = [_chain(adapter, mods, *small) for _ in range(steps + 1)][1:]
+    fwd_s, bwd_s = medians([r[0] for r in few]), medians([r[1] for r in few])
+    batch, batch_s = int(x.shape[0]), int(small[0].shape[0])
     names = [str(getattr(f, "name", i)) for i, f in enumerate(factories)]
     params = [sum(int(np.prod(v.shape)) for v in m.trainable_variables) for m in mods]
-    return [LayerProfile(*row) for row in zip(names, params, fwd, bwd, rows[0][2],
-                                              strict=True)], mods
+    return [LayerProfile(n, p, f, b, a, fixed_part(f, fs, batch, batch_s),
+                         fixed_part(b, bs, batch, batch_s))
+            for n, p, f, b, a, fs, bs in zip(names, params, fwd, bwd, rows[0][2], fwd_s, bwd_s,
+                                             strict=True)], mods
 
 
 def _tensors(layers: list[LayerProfile], mods: list[Any], model: Any,
@@ -122,8 +134,9 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
     train = dataset.train()
     batch = train.load(np.arange(min(cfg.data.batch_size, len(train))))
     x, y = tf.constant(batch.x), tf.constant(batch.y)
+    few = train.load(np.arange(max(1, int(x.shape[0]) // 4)))
     (fwd, bwd, upd), grads = _whole_model(adapter, model, make_optimizer(cfg.optim), x, y, steps)
-    layers, mods = _layers(adapter, spec, x, y, steps)
+    layers, mods = _layers(adapter, spec, x, y, steps, (tf.constant(few.x), tf.constant(few.y)))
     variables = model.trainable_variables
     methods = method_profiles(cfg.comm, cfg.seed, [tuple(v.shape) for v in variables],
                               [tf.reshape(g, [-1]) for g in grads], Kernels(), tf.constant, steps)

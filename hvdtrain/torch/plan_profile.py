@@ -20,7 +20,13 @@ from hvdtrain.config import Config
 from hvdtrain.driver import make_dataset
 from hvdtrain.horovod_start import compute_threads
 from hvdtrain.plan.measure import medians, method_profiles
-from hvdtrain.plan.profile import LayerProfile, ModelProfile, TensorProfile, model_key
+from hvdtrain.plan.profile import (
+    LayerProfile,
+    ModelProfile,
+    TensorProfile,
+    fixed_part,
+    model_key,
+)
 from hvdtrain.registry import MODELS
 from hvdtrain.torch.compression import Kernels
 from hvdtrain.torch.data import _as_tensors
@@ -52,21 +58,30 @@ def _whole_model(adapter: Any, model: torch.nn.Module, opt: torch.optim.Optimize
     return medians(times), medians(readies)
 
 
-def _layers(adapter: Any, spec: Any, x: Any, y: Any, steps: int) -> list[LayerProfile]:
+def _layers(adapter: Any, spec: Any, x: Any, y: Any, steps: int,
+            small: tuple[Any, Any], sizes: tuple[int, int]) -> list[LayerProfile]:
+    """The layer list's profile at the batch ``x``, with the part of each time that the smaller
+    batch ``small`` does not shrink (:func:`fixed_part`); ``sizes``: both batches' samples."""
     factories = adapter.layers(spec)
     if not factories:
         return []
     mods = [f() for f in factories]
     names = [str(getattr(f, "name", i)) for i, f in enumerate(factories)]
-    rows = []
-    for _ in range(steps + 1):
-        rows.append(_time_layers(adapter, mods, x, y))
-    rows = rows[1:]
-    fwd = medians([r[0] for r in rows])
-    bwd = medians([r[1] for r in rows])
-    acts = rows[0][2]
-    return [LayerProfile(n, sum(p.numel() for p in m.parameters()), f, b, a)
-            for n, m, f, b, a in zip(names, mods, fwd, bwd, acts, strict=True)]
+    fwd, bwd, acts = _timed_layers(adapter, mods, x, y, steps)
+    fwd_s, bwd_s, _ = _timed_layers(adapter, mods, *small, steps)
+    batch, batch_s = sizes
+    return [LayerProfile(n, sum(p.numel() for p in m.parameters()), f, b, a,
+                         fixed_part(f, fs, batch, batch_s), fixed_part(b, bs, batch, batch_s))
+            for n, m, f, b, a, fs, bs in zip(names, mods, fwd, bwd, acts, fwd_s, bwd_s,
+                                             strict=True)]
+
+
+def _timed_layers(adapter: Any, mods: list[torch.nn.Module], x: Any, y: Any,
+                  steps: int) -> tuple[list[float], list[float], list[int]]:
+    """Median forward and backward seconds per layer over ``steps`` passes after one untimed,
+    and each layer's output bytes."""
+    rows = [_time_layers(adapter, mods, x, y) for _ in range(steps + 1)][1:]
+    return medians([r[0] for r in rows]), medians([r[1] for r in rows]), rows[0][2]
 
 
 def _time_layers(adapter: Any, mods: list[torch.nn.Module], x: Any,
@@ -108,6 +123,8 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
     train = dataset.train()
     batch = train.load(np.arange(min(cfg.data.batch_size, len(train))))
     x, y = _as_tensors(batch.x, batch.y)
+    rows = len(batch.x) if hasattr(batch.x, "__len__") else cfg.data.batch_size
+    small = train.load(np.arange(max(1, rows // 4)))
     (fwd, bwd, upd), ready = _whole_model(adapter, model, opt, x, y, steps)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -121,8 +138,10 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
                               Kernels(), torch.from_numpy, steps)
     return ModelProfile(
         model=model_key(cfg.framework, cfg.model.name, cfg.model.options),
-        batch_size=len(batch.x) if hasattr(batch.x, "__len__") else cfg.data.batch_size,
+        batch_size=rows,
         forward_s=fwd, backward_s=bwd, update_s=upd, tensors=tensors,
-        layers=_layers(adapter, spec, x, y, steps), compression=methods,
+        layers=_layers(adapter, spec, x, y, steps, _as_tensors(small.x, small.y),
+                       (rows, max(1, rows // 4))),
+        compression=methods,
         source=f"measured by hvdtrain plan profile: {steps} steps, one rank, PyTorch "
                f"{torch.__version__}, {torch.get_num_threads()} thread(s)")

@@ -31,6 +31,10 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     assert [t["bytes"] for t in data["tensors"]] == [4 * 1280, 40, 4 * 64 * 128, 512]
     assert [x["params"] for x in data["layers"]] == [0, 64 * 128 + 128, 128 * 10 + 10]
     assert data["layers"][1]["activation_bytes"] == 32 * 128 * 4
+    # Timed at a quarter of the batch too: what a smaller batch does not shrink, within each time.
+    for key in ("forward_s", "backward_s"):
+        assert all(0 <= x["fixed_" + key] <= x[key] for x in data["layers"])
+    assert any(x["fixed_backward_s"] > 0 for x in data["layers"])
     methods = data["compression"]
     assert methods["fp16"]["ratio"] == 2.0 and methods["qsgd"]["collective"] == "allgather"
     assert methods["powersgd"]["kernel_s"] > 0

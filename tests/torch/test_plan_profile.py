@@ -26,6 +26,10 @@ def test_profile_then_plan(tmp_path: Path) -> None:
     assert sorted(t["bytes"] for t in data["tensors"]) == [40, 512, 4 * 1280, 4 * 64 * 128]
     assert [x["params"] for x in data["layers"] if x["params"]] == [64 * 128 + 128, 128 * 10 + 10]
     assert data["layers"][1]["activation_bytes"] == 32 * 128 * 4  # fc1's output, batch 32
+    # Timed at a quarter of the batch too: what a smaller batch does not shrink, within each time.
+    for key in ("forward_s", "backward_s"):
+        assert all(0 <= x["fixed_" + key] <= x[key] for x in data["layers"])
+    assert any(x["fixed_backward_s"] > 0 for x in data["layers"])
     methods = data["compression"]
     assert methods["none"]["ratio"] == 1.0 and methods["fp16"]["ratio"] == 2.0
     assert methods["topk"]["collective"] == "allgather" and methods["topk"]["ratio"] > 10

@@ -162,3 +162,34 @@ def test_calibration_over_n_ranks_recovers_the_ring(n: int) -> None:
     fitted = Link(bandwidth_gbit_s=gbit, latency_us=latency_us)
     assert ring_allreduce(SIZES[0], n, fitted, overhead_us * 1e-6) == pytest.approx(allreduce[0])
     assert latency_us == pytest.approx(300.0 + 100.0 / (n - 1)) and overhead_us == pytest.approx(0)
+
+
+def test_micro_batches_pay_the_fixed_part_whole() -> None:
+    from hvdtrain.errors import ConfigError
+    from hvdtrain.plan.profile import LayerProfile, fixed_part, profile_from_tree
+    from hvdtrain.plan.stages import pipeline_step
+
+    # 10 ms at 32 samples, 4 ms at 8: a line with 2 ms fixed and 0.25 ms a sample.
+    assert fixed_part(0.010, 0.004, 32, 8) == pytest.approx(0.002)
+    assert fixed_part(0.010, 0.0025, 32, 8) == 0.0  # scales with the batch: no fixed part
+    assert fixed_part(0.010, 0.012, 32, 8) == pytest.approx(0.010)  # capped at the whole
+    assert fixed_part(0.010, 0.004, 8, 8) == 0.0
+    plain = LayerProfile("fc", 100, 0.010, 0.020, 64)
+    fixed = LayerProfile("fc", 100, 0.010, 0.020, 64, 0.002, 0.008)
+    assert plain.seconds(0.25, 0.5) == pytest.approx((0.005, 0.010))
+    assert fixed.seconds(0.25, 0.5) == pytest.approx(((0.002 + 0.002) / 0.5, (0.008 + 0.003) / 0.5))
+    assert fixed.seconds(1.0, 1.0) == pytest.approx((0.010, 0.020))  # the whole batch as profiled
+    layers = [fixed, LayerProfile("head", 10, 0.010, 0.020, 64, 0.002, 0.008)]
+    small = pipeline_step(layers, 2, 8, "1f1b", 0.25, 0.25, lambda b: 0.0)
+    linear = pipeline_step([plain, plain], 2, 8, "1f1b", 0.25, 0.25, lambda b: 0.0)
+    assert small.forward_s == pytest.approx(0.004) and linear.forward_s == pytest.approx(0.0025)
+    assert small.span_s > linear.span_s
+    tree = {"format": "hvdtrain-plan-profile/1", "model": {"name": "m"}, "batch_size": 32,
+            "forward_s": 0.01, "backward_s": 0.02, "tensors": [{"name": "w", "bytes": 4,
+                                                                "ready_s": 0.0}],
+            "layers": [{"name": "fc", "params": 1, "forward_s": 0.01, "backward_s": 0.02,
+                        "activation_bytes": 4, "fixed_backward_s": 0.03}]}
+    with pytest.raises(ConfigError, match=r"layers\[0\]: fixed_backward_s=0.03: must be <= "):
+        profile_from_tree(tree)
+    tree["layers"][0]["fixed_backward_s"] = 0.01
+    assert profile_from_tree(tree).layers[0].fixed_backward_s == 0.01
