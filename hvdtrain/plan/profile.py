@@ -70,6 +70,21 @@ class LayerProfile:
                 (self.fixed_backward_s + (self.backward_s - self.fixed_backward_s) * share) / speed)
 
 
+def smaller_batch(batch: int) -> int:
+    """The second batch the profilers time the layers at: a quarter of the batch."""
+    return max(1, batch // 4)
+
+
+def layer_profiles(names: list[str], params: list[int], timed: tuple[list, list, list],
+                   small: tuple[list, list], batch: int, small_batch: int) -> list[LayerProfile]:
+    """The layer list's profile from the profilers' medians: ``timed`` forward and backward
+    seconds and output bytes per layer at ``batch``, ``small`` the seconds at ``small_batch``."""
+    fwd, bwd, acts = timed
+    return [LayerProfile(n, p, f, b, a, fixed_part(f, fs, batch, small_batch),
+                         fixed_part(b, bs, batch, small_batch))
+            for n, p, f, b, a, fs, bs in zip(names, params, fwd, bwd, acts, *small, strict=True)]
+
+
 def fixed_part(seconds: float, small_seconds: float, batch: int, small_batch: int) -> float:
     """The intercept of the line through a layer's time at ``batch`` and at ``small_batch``,
     kept within ``[0, seconds]``: what a micro-batch pays whatever its size."""

@@ -26,8 +26,9 @@ from hvdtrain.plan.profile import (
     LayerProfile,
     ModelProfile,
     TensorProfile,
-    fixed_part,
+    layer_profiles,
     model_key,
+    smaller_batch,
 )
 from hvdtrain.registry import MODELS
 from hvdtrain.tensorflow.compression import Kernels
@@ -94,16 +95,13 @@ def _layers(adapter: Any, spec: Any, x: tf.Tensor, y: tf.Tensor, steps: int,
         return [], []
     mods = [f() for f in factories]
     rows = [_chain(adapter, mods, x, y) for _ in range(steps + 1)][1:]
-    fwd, bwd = medians([r[0] for r in rows]), medians([r[1] for r in rows])
     few = [_chain(adapter, mods, *small) for _ in range(steps + 1)][1:]
-    fwd_s, bwd_s = medians([r[0] for r in few]), medians([r[1] for r in few])
-    batch, batch_s = int(x.shape[0]), int(small[0].shape[0])
     names = [str(getattr(f, "name", i)) for i, f in enumerate(factories)]
     params = [sum(int(np.prod(v.shape)) for v in m.trainable_variables) for m in mods]
-    return [LayerProfile(n, p, f, b, a, fixed_part(f, fs, batch, batch_s),
-                         fixed_part(b, bs, batch, batch_s))
-            for n, p, f, b, a, fs, bs in zip(names, params, fwd, bwd, rows[0][2], fwd_s, bwd_s,
-                                             strict=True)], mods
+    timed = (medians([r[0] for r in rows]), medians([r[1] for r in rows]), rows[0][2])
+    return layer_profiles(names, params, timed,
+                          (medians([r[0] for r in few]), medians([r[1] for r in few])),
+                          int(x.shape[0]), int(small[0].shape[0])), mods
 
 
 def _tensors(layers: list[LayerProfile], mods: list[Any], model: Any,
@@ -134,7 +132,7 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
     train = dataset.train()
     batch = train.load(np.arange(min(cfg.data.batch_size, len(train))))
     x, y = tf.constant(batch.x), tf.constant(batch.y)
-    few = train.load(np.arange(max(1, int(x.shape[0]) // 4)))
+    few = train.load(np.arange(smaller_batch(int(x.shape[0]))))
     (fwd, bwd, upd), grads = _whole_model(adapter, model, make_optimizer(cfg.optim), x, y, steps)
     layers, mods = _layers(adapter, spec, x, y, steps, (tf.constant(few.x), tf.constant(few.y)))
     variables = model.trainable_variables

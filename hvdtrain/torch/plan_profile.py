@@ -24,8 +24,9 @@ from hvdtrain.plan.profile import (
     LayerProfile,
     ModelProfile,
     TensorProfile,
-    fixed_part,
+    layer_profiles,
     model_key,
+    smaller_batch,
 )
 from hvdtrain.registry import MODELS
 from hvdtrain.torch.compression import Kernels
@@ -67,13 +68,9 @@ def _layers(adapter: Any, spec: Any, x: Any, y: Any, steps: int,
         return []
     mods = [f() for f in factories]
     names = [str(getattr(f, "name", i)) for i, f in enumerate(factories)]
-    fwd, bwd, acts = _timed_layers(adapter, mods, x, y, steps)
-    fwd_s, bwd_s, _ = _timed_layers(adapter, mods, *small, steps)
-    batch, batch_s = sizes
-    return [LayerProfile(n, sum(p.numel() for p in m.parameters()), f, b, a,
-                         fixed_part(f, fs, batch, batch_s), fixed_part(b, bs, batch, batch_s))
-            for n, m, f, b, a, fs, bs in zip(names, mods, fwd, bwd, acts, fwd_s, bwd_s,
-                                             strict=True)]
+    params = [sum(p.numel() for p in m.parameters()) for m in mods]
+    return layer_profiles(names, params, _timed_layers(adapter, mods, x, y, steps),
+                          _timed_layers(adapter, mods, *small, steps)[:2], *sizes)
 
 
 def _timed_layers(adapter: Any, mods: list[torch.nn.Module], x: Any, y: Any,
@@ -124,7 +121,7 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
     batch = train.load(np.arange(min(cfg.data.batch_size, len(train))))
     x, y = _as_tensors(batch.x, batch.y)
     rows = len(batch.x) if hasattr(batch.x, "__len__") else cfg.data.batch_size
-    small = train.load(np.arange(max(1, rows // 4)))
+    small = train.load(np.arange(smaller_batch(rows)))
     (fwd, bwd, upd), ready = _whole_model(adapter, model, opt, x, y, steps)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -141,7 +138,7 @@ def profile_model(cfg: Config, steps: int) -> ModelProfile:
         batch_size=rows,
         forward_s=fwd, backward_s=bwd, update_s=upd, tensors=tensors,
         layers=_layers(adapter, spec, x, y, steps, _as_tensors(small.x, small.y),
-                       (rows, max(1, rows // 4))),
+                       (rows, smaller_batch(rows))),
         compression=methods,
         source=f"measured by hvdtrain plan profile: {steps} steps, one rank, PyTorch "
                f"{torch.__version__}, {torch.get_num_threads()} thread(s)")
