@@ -137,6 +137,33 @@ def actions(schedule: str, stage: int, stages: int, micro: int) -> list[Action]:
     return _merge(own, _link_seen_from_upstream(downstream))
 
 
+def unblocked_actions(schedule: str, stage: int, stages: int, micro: int) -> list[Action]:
+    """The actions of ``stage`` as ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and
+    ``Schedule1F1B`` order them, each message beside its pass (their sends do not wait for the
+    receiver: :func:`simulate_unblocked` runs the lists). GPipe: every forward pass, then every
+    backward pass in micro-batch order. 1F1B: ``min(P - s, m)`` forward passes, one more than
+    :func:`compute_order`'s, then one backward and one forward in turn, then the rest."""
+    _check(schedule, stage, stages, micro)
+    if schedule == "gpipe":
+        order = [Action(FORWARD, i) for i in range(micro)] + [Action(BACKWARD, i)
+                                                               for i in range(micro)]
+    else:
+        warmup = min(stages - stage, micro)
+        order = [Action(FORWARD, i) for i in range(warmup)]
+        for i in range(micro - warmup):
+            order += [Action(BACKWARD, i), Action(FORWARD, warmup + i)]
+        order += [Action(BACKWARD, i) for i in range(micro - warmup, micro)]
+    before = {FORWARD: RECV_ACTIVATION if stage > 0 else "",
+              BACKWARD: RECV_GRADIENT if stage < stages - 1 else ""}
+    after = {FORWARD: SEND_ACTIVATION if stage < stages - 1 else "",
+             BACKWARD: SEND_GRADIENT if stage > 0 else ""}
+    out: list[Action] = []
+    for action in order:
+        out += [Action(kind, action.micro) for kind in (before[action.kind], action.kind,
+                                                         after[action.kind]) if kind]
+    return out
+
+
 def in_flight(order: Sequence[Action]) -> int:
     """The most micro-batches whose forward pass ran and backward pass did not, at any point of
     ``order``: the activations a stage holds at its peak."""
@@ -201,6 +228,56 @@ def simulate(lists: Sequence[Sequence[Action]], forward_s: float = 1.0,
                 trace += pair if action.kind in (SEND_ACTIVATION, SEND_GRADIENT) else pair[::-1]
                 pos[s] += 1
                 pos[other] += 1
+                moved = True
+        if not moved:
+            stuck = [f"stage {s}: {a[p]}" for s, (p, a) in enumerate(zip(pos, lists, strict=True))
+                     if p < len(a)]
+            raise RuntimeError("deadlock: " + "; ".join(stuck))
+    return Timeline(clock, busy, trace)
+
+
+def simulate_unblocked(lists: Sequence[Sequence[Action]], forward_s: float, backward_s: float,
+                       transfer_s: float) -> Timeline:
+    """Runs every stage's actions as ``torch.distributed.pipelining`` does: a send returns at
+    once (``isend``) and its message arrives ``transfer_s`` after it left, messages from one stage
+    to a neighbour leaving one after another (each direction of a link carries one at a time); a
+    receive waits for its message. Raises ``RuntimeError`` on a deadlock and when a message does
+    not match what its receiver expects."""
+    clock = [0.0] * len(lists)
+    busy = [0.0] * len(lists)
+    pos = [0] * len(lists)
+    trace: list[tuple[int, Action]] = []
+    cost = {FORWARD: forward_s, BACKWARD: backward_s}
+    sent_to = {SEND_ACTIVATION: 1, SEND_GRADIENT: -1}
+    from_peer = {RECV_ACTIVATION: (-1, SEND_ACTIVATION), RECV_GRADIENT: (1, SEND_GRADIENT)}
+    flying: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (from, to): (sent, arrival)
+    free: dict[tuple[int, int], float] = {}  # when each direction of a link is next free
+    while any(p < len(a) for p, a in zip(pos, lists, strict=True)):
+        moved = False
+        for s, todo in enumerate(lists):
+            while pos[s] < len(todo):
+                action = todo[pos[s]]
+                if action.kind in cost:
+                    clock[s] += cost[action.kind]
+                    busy[s] += cost[action.kind]
+                elif action.kind in sent_to:
+                    link = (s, s + sent_to[action.kind])
+                    if not 0 <= link[1] < len(lists):
+                        raise RuntimeError(f"stage {s}: {action} has no neighbour")
+                    free[link] = max(clock[s], free.get(link, 0.0)) + transfer_s
+                    flying.setdefault(link, []).append((action, free[link]))
+                else:
+                    step, expected = from_peer[action.kind]
+                    queue = flying.get((s + step, s))
+                    if not queue:
+                        break  # not sent yet
+                    message, arrival = queue.pop(0)
+                    if message != Action(expected, action.micro):
+                        raise RuntimeError(f"stage {s} {action} receives stage {s + step} "
+                                           f"{message}")
+                    clock[s] = max(clock[s], arrival)
+                trace.append((s, action))
+                pos[s] += 1
                 moved = True
         if not moved:
             stuck = [f"stage {s}: {a[p]}" for s, (p, a) in enumerate(zip(pos, lists, strict=True))

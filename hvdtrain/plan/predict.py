@@ -371,7 +371,8 @@ def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str,
     link = c.intra if _same_node(ctx, stages) else c.inter
     share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
     return pipeline_step(ctx.profile.layers, stages, micro, schedule, share, share,
-                         lambda b: costs.send(b, link, c.overhead_s), virtual, c.compute_speed)
+                         lambda b: costs.send(b, link, c.overhead_s), virtual, c.compute_speed,
+                         unblocked=ctx.profile.model.get("framework") == "torch")
 
 
 def _same_node(ctx: _Ctx, stages: int) -> bool:

@@ -616,3 +616,26 @@ def test_plan_check_ranks_ties_as_either_order():
     assert plan_check.swapped(apart) == [("ring (MPI)", "servers S=2")]
     line = plan_check.ranking_agrees(apart)
     assert ": differs" in line[0] and plan_check.verdict(apart, line).startswith("not met")
+
+
+def test_plan_check_judges_only_what_the_link_bounds():
+    """A row is judged (its ratio and its place in the judged ranking) only where measurement
+    found it link-bound; the table shows the plan's view and the unshaped step beside it."""
+    def row(label, predicted, measured, unshaped):
+        return {"rate": "1gbit", "n": 4, "label": label, "predicted": predicted,
+                "measured": measured, "unshaped": unshaped, "plan_link_bound": True,
+                "link_bound": measured - unshaped >= plan_check.LINK_BOUND * measured}
+    rows = [row("ring (MPI)", 0.26, 0.27, 0.10), row("ring fp16", 0.15, 0.16, 0.07),
+            row("servers S=4", 0.20, 0.42, 0.38)]
+    assert [r["link_bound"] for r in rows] == [True, True, False]
+    judged = plan_check.ranking_agrees(rows, bound_only=True)
+    assert ": same (" in judged[0] and "servers" not in judged[0]
+    assert ": differs" in plan_check.ranking_agrees(rows)[0]
+    assert plan_check.verdict(rows, judged).startswith("met: link-bound settings measured "
+                                                      "1.04-1.07 x")
+    assert "| 0.380 | yes | no | — |" in plan_check.table(rows)
+    alone = plan_check.ranking_agrees(rows[1:], bound_only=True)
+    assert ": nothing to rank (1 link-bound)" in alone[0]
+    assert plan_check.verdict(rows[1:], alone).startswith("met:")
+    rows[0]["measured"] = 0.4  # 1.54 x its plan
+    assert plan_check.verdict(rows, judged).startswith("not met")

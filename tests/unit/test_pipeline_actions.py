@@ -67,6 +67,54 @@ def test_the_simulator_reports_a_deadlock_and_a_mismatch():
         sch.simulate(crossed)
 
 
+@pytest.mark.parametrize(("schedule", "stages", "micro"), CASES)
+def test_unblocked_sends_complete_and_free_messages_keep_the_bubble(schedule, stages, micro):
+    """torch's orders, run with unblocked sends, complete: with free messages in the span of the
+    rendezvous lists; its 1F1B holds one micro-batch more than PipeDream-Flush's."""
+    lists = [sch.unblocked_actions(schedule, s, stages, micro) for s in range(stages)]
+    for s, todo in enumerate(lists):
+        for i in range(micro):
+            assert todo.index(Action(sch.FORWARD, i)) < todo.index(Action(sch.BACKWARD, i))
+        assert sorted(a.micro for a in todo if a.kind == sch.SEND_ACTIVATION) == (
+            list(range(micro)) if s < stages - 1 else [])
+        assert sorted(a.micro for a in todo if a.kind == sch.SEND_GRADIENT) == (
+            list(range(micro)) if s > 0 else [])
+        assert sch.in_flight(todo) == (micro if schedule == "gpipe" else min(stages - s, micro))
+    free = sch.simulate_unblocked(lists, 1.0, 2.0, 0.0)
+    assert len(free.trace) == sum(map(len, lists))
+    rendezvous = sch.simulate(stage_lists(schedule, stages, micro), 1.0, 2.0)
+    assert max(free.finish, default=0.0) == pytest.approx(max(rendezvous.finish, default=0.0))
+    slow = sch.simulate_unblocked(lists, 1.0, 2.0, 0.5)
+    # Every message on the critical path (P - 1 hops each way) is paid once, no more.
+    assert max(slow.finish, default=0.0) >= max(free.finish, default=0.0) + (
+        (stages - 1) * 2 * 0.5 if micro else 0.0) - 1e-12
+
+
+def test_unblocked_sends_overlap_the_next_pass():
+    """Two stages, GPipe, two micro-batches, passes of 1 s and messages of 0.5 s: stage 1 starts
+    at 1.5 s and runs on; the second activation waits for the first to leave the link (2.0-2.5 s);
+    stage 0 takes the last gradient at 6 s and finishes at 7 s, 2 x 0.5 s after the rendezvous'
+    span with free messages, (m + P - 1)(f + b) = 6 s."""
+    run = sch.simulate_unblocked(stage_lists("gpipe", 2, 2), 1.0, 1.0, 0.5)
+    assert run.finish == pytest.approx([7.0, 5.5])
+    torch = [sch.unblocked_actions("gpipe", s, 2, 2) for s in range(2)]
+    assert sch.simulate_unblocked(torch, 1.0, 1.0, 0.5).finish == pytest.approx([7.0, 5.5])
+    assert run.busy == [4.0, 4.0]
+    long = sch.simulate_unblocked(stage_lists("gpipe", 2, 2), 1.0, 1.0, 3.0)
+    assert long.finish[1] == pytest.approx(1 + 3 + 3 + 1 + 1 + 1)  # a1 leaves after a0: 7 s
+
+
+def test_the_unblocked_simulator_reports_a_deadlock_and_a_mismatch():
+    with pytest.raises(RuntimeError, match=r"deadlock: stage 0: recv_gradient\(0\)"):
+        sch.simulate_unblocked([[Action(sch.RECV_GRADIENT, 0)], []], 1.0, 1.0, 0.1)
+    crossed = [[Action(sch.SEND_ACTIVATION, 1)], [Action(sch.RECV_ACTIVATION, 0)]]
+    with pytest.raises(RuntimeError, match=r"recv_activation\(0\) receives stage 0 "
+                                           r"send_activation\(1\)"):
+        sch.simulate_unblocked(crossed, 1.0, 1.0, 0.1)
+    with pytest.raises(RuntimeError, match="has no neighbour"):
+        sch.simulate_unblocked([[Action(sch.SEND_GRADIENT, 0)]], 1.0, 1.0, 0.1)
+
+
 def test_a_wrong_schedule_or_stage_is_refused():
     with pytest.raises(ValueError, match="interleaved"):
         sch.actions("interleaved", 0, 2, 4)
