@@ -20,6 +20,10 @@ fixes the order on each link (its receive comes just before the forward pass tha
 send just after the backward pass that made it); the upstream stage places its messages to that
 order, sending as early and receiving as late as the order allows (:func:`_merge`). The tests run
 every stage's list with blocking messages (:func:`simulate`) and see it complete.
+
+The PyTorch engine runs ``torch.distributed.pipelining``'s own schedules, whose sends do not wait
+for their receiver: :func:`unblocked_actions` gives their order and :func:`simulate_unblocked`
+runs it, for the planner to price.
 """
 
 from __future__ import annotations
@@ -230,9 +234,7 @@ def simulate(lists: Sequence[Sequence[Action]], forward_s: float = 1.0,
                 pos[other] += 1
                 moved = True
         if not moved:
-            stuck = [f"stage {s}: {a[p]}" for s, (p, a) in enumerate(zip(pos, lists, strict=True))
-                     if p < len(a)]
-            raise RuntimeError("deadlock: " + "; ".join(stuck))
+            raise _deadlock(lists, pos)
     return Timeline(clock, busy, trace)
 
 
@@ -280,10 +282,15 @@ def simulate_unblocked(lists: Sequence[Sequence[Action]], forward_s: float, back
                 pos[s] += 1
                 moved = True
         if not moved:
-            stuck = [f"stage {s}: {a[p]}" for s, (p, a) in enumerate(zip(pos, lists, strict=True))
-                     if p < len(a)]
-            raise RuntimeError("deadlock: " + "; ".join(stuck))
+            raise _deadlock(lists, pos)
     return Timeline(clock, busy, trace)
+
+
+def _deadlock(lists: Sequence[Sequence[Action]], pos: Sequence[int]) -> RuntimeError:
+    """The error naming each stage's stuck action."""
+    stuck = [f"stage {s}: {a[p]}" for s, (p, a) in enumerate(zip(pos, lists, strict=True))
+             if p < len(a)]
+    return RuntimeError("deadlock: " + "; ".join(stuck))
 
 
 def bubble(stages: int, micro: int) -> float:
