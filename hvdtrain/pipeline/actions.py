@@ -28,7 +28,7 @@ runs it, for the planner to price.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ORDERED = ("gpipe", "1f1b")
@@ -201,40 +201,30 @@ def simulate(lists: Sequence[Sequence[Action]], forward_s: float = 1.0,
     a message does not match its neighbour's (another kind or micro-batch)."""
     clock = [0.0] * len(lists)
     busy = [0.0] * len(lists)
-    pos = [0] * len(lists)
     trace: list[tuple[int, Action]] = []
     cost = {FORWARD: forward_s, BACKWARD: backward_s}
     peer = {SEND_ACTIVATION: (1, RECV_ACTIVATION), RECV_ACTIVATION: (-1, SEND_ACTIVATION),
             SEND_GRADIENT: (-1, RECV_GRADIENT), RECV_GRADIENT: (1, SEND_GRADIENT)}
-    while any(p < len(a) for p, a in zip(pos, lists, strict=True)):
-        moved = False
-        for s, todo in enumerate(lists):
-            while pos[s] < len(todo):
-                action = todo[pos[s]]
-                if action.kind in cost:
-                    clock[s] += cost[action.kind]
-                    busy[s] += cost[action.kind]
-                    trace.append((s, action))
-                    pos[s] += 1
-                    moved = True
-                    continue
-                step, expected = peer[action.kind]
-                other = s + step
-                if not 0 <= other < len(lists):
-                    raise RuntimeError(f"stage {s}: {action} has no neighbour")
-                theirs = lists[other][pos[other]] if pos[other] < len(lists[other]) else None
-                if theirs is None or theirs.kind in cost or peer[theirs.kind][0] != -step:
-                    break  # the neighbour computes, has finished, or waits on its other link
-                if theirs != Action(expected, action.micro):
-                    raise RuntimeError(f"stage {s} {action} meets stage {other} {theirs}")
-                clock[s] = clock[other] = max(clock[s], clock[other])
-                pair = [(s, action), (other, theirs)]  # the send first: the receive takes its value
-                trace += pair if action.kind in (SEND_ACTIVATION, SEND_GRADIENT) else pair[::-1]
-                pos[s] += 1
-                pos[other] += 1
-                moved = True
-        if not moved:
-            raise _deadlock(lists, pos)
+
+    def step(s: int, action: Action, pos: list[int]) -> bool:
+        if action.kind in cost:
+            clock[s] += cost[action.kind]
+            busy[s] += cost[action.kind]
+            trace.append((s, action))
+            return True
+        other = _neighbour(lists, s, action, peer[action.kind][0])
+        theirs = lists[other][pos[other]] if pos[other] < len(lists[other]) else None
+        if theirs is None or theirs.kind in cost or peer[theirs.kind][0] != s - other:
+            return False  # the neighbour computes, has finished, or waits on its other link
+        if theirs != Action(peer[action.kind][1], action.micro):
+            raise RuntimeError(f"stage {s} {action} meets stage {other} {theirs}")
+        clock[s] = clock[other] = max(clock[s], clock[other])
+        pair = [(s, action), (other, theirs)]  # the send first: the receive takes its value
+        trace.extend(pair if action.kind in (SEND_ACTIVATION, SEND_GRADIENT) else pair[::-1])
+        pos[other] += 1
+        return True
+
+    _drive(lists, step)
     return Timeline(clock, busy, trace)
 
 
@@ -247,43 +237,59 @@ def simulate_unblocked(lists: Sequence[Sequence[Action]], forward_s: float, back
     not match what its receiver expects."""
     clock = [0.0] * len(lists)
     busy = [0.0] * len(lists)
-    pos = [0] * len(lists)
     trace: list[tuple[int, Action]] = []
     cost = {FORWARD: forward_s, BACKWARD: backward_s}
     sent_to = {SEND_ACTIVATION: 1, SEND_GRADIENT: -1}
     from_peer = {RECV_ACTIVATION: (-1, SEND_ACTIVATION), RECV_GRADIENT: (1, SEND_GRADIENT)}
     flying: dict[tuple[int, int], list[tuple[Action, float]]] = {}  # (from, to): (sent, arrival)
     free: dict[tuple[int, int], float] = {}  # when each direction of a link is next free
+
+    def step(s: int, action: Action, pos: list[int]) -> bool:
+        if action.kind in cost:
+            clock[s] += cost[action.kind]
+            busy[s] += cost[action.kind]
+        elif action.kind in sent_to:
+            link = (s, _neighbour(lists, s, action, sent_to[action.kind]))
+            free[link] = max(clock[s], free.get(link, 0.0)) + transfer_s
+            flying.setdefault(link, []).append((action, free[link]))
+        else:
+            offset, expected = from_peer[action.kind]
+            queue = flying.get((s + offset, s))
+            if not queue:
+                return False  # not sent yet
+            message, arrival = queue.pop(0)
+            if message != Action(expected, action.micro):
+                raise RuntimeError(f"stage {s} {action} receives stage {s + offset} {message}")
+            clock[s] = max(clock[s], arrival)
+        trace.append((s, action))
+        return True
+
+    _drive(lists, step)
+    return Timeline(clock, busy, trace)
+
+
+def _neighbour(lists: Sequence[Sequence[Action]], stage: int, action: Action, offset: int) -> int:
+    """The stage ``offset`` from ``stage`` that ``action`` talks to; raises where there is none."""
+    other = stage + offset
+    if not 0 <= other < len(lists):
+        raise RuntimeError(f"stage {stage}: {action} has no neighbour")
+    return other
+
+
+def _drive(lists: Sequence[Sequence[Action]],
+           step: Callable[[int, Action, list[int]], bool]) -> None:
+    """Moves every stage along its list: ``step(stage, action, positions)`` does the action and
+    says whether it could (a rendezvous moves its neighbour's position on too); raises when no
+    stage can move."""
+    pos = [0] * len(lists)
     while any(p < len(a) for p, a in zip(pos, lists, strict=True)):
         moved = False
         for s, todo in enumerate(lists):
-            while pos[s] < len(todo):
-                action = todo[pos[s]]
-                if action.kind in cost:
-                    clock[s] += cost[action.kind]
-                    busy[s] += cost[action.kind]
-                elif action.kind in sent_to:
-                    link = (s, s + sent_to[action.kind])
-                    if not 0 <= link[1] < len(lists):
-                        raise RuntimeError(f"stage {s}: {action} has no neighbour")
-                    free[link] = max(clock[s], free.get(link, 0.0)) + transfer_s
-                    flying.setdefault(link, []).append((action, free[link]))
-                else:
-                    step, expected = from_peer[action.kind]
-                    queue = flying.get((s + step, s))
-                    if not queue:
-                        break  # not sent yet
-                    message, arrival = queue.pop(0)
-                    if message != Action(expected, action.micro):
-                        raise RuntimeError(f"stage {s} {action} receives stage {s + step} "
-                                           f"{message}")
-                    clock[s] = max(clock[s], arrival)
-                trace.append((s, action))
+            while pos[s] < len(todo) and step(s, todo[pos[s]], pos):
                 pos[s] += 1
                 moved = True
         if not moved:
             raise _deadlock(lists, pos)
-    return Timeline(clock, busy, trace)
 
 
 def _deadlock(lists: Sequence[Sequence[Action]], pos: Sequence[int]) -> RuntimeError:
