@@ -157,14 +157,16 @@ def unblocked_actions(schedule: str, stage: int, stages: int, micro: int) -> lis
         for i in range(micro - warmup):
             order += [Action(BACKWARD, i), Action(FORWARD, warmup + i)]
         order += [Action(BACKWARD, i) for i in range(micro - warmup, micro)]
-    before = {FORWARD: RECV_ACTIVATION if stage > 0 else "",
-              BACKWARD: RECV_GRADIENT if stage < stages - 1 else ""}
-    after = {FORWARD: SEND_ACTIVATION if stage < stages - 1 else "",
-             BACKWARD: SEND_GRADIENT if stage > 0 else ""}
-    out: list[Action] = []
-    for action in order:
-        out += [Action(kind, action.micro) for kind in (before[action.kind], action.kind,
-                                                         after[action.kind]) if kind]
+    own = _upstream_link(order, stage)
+    if stage == stages - 1:
+        return own
+    out: list[Action] = []  # the downstream link's messages beside the passes, unordered by it
+    for action in own:
+        if action.kind == BACKWARD:
+            out.append(Action(RECV_GRADIENT, action.micro))
+        out.append(action)
+        if action.kind == FORWARD:
+            out.append(Action(SEND_ACTIVATION, action.micro))
     return out
 
 
