@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 import harness
 import ps_links
 
@@ -99,18 +101,21 @@ def profile(work: Path) -> Path:
 
 def cluster_file(work: Path, rate: str, n: int, link: ps_links.Link, controller: str) -> Path:
     """The namespace cluster at ``rate`` as a plan's cluster file: n nodes, n server nodes, the
-    link between nodes (and to the servers) ``link`` as calibrated under ``controller``, and each
-    rank's compute at the share of this machine's cores it gets beside n - 1 others (the profile
-    ran one rank alone)."""
-    speed = min(1.0, (os.cpu_count() or 1) / n)
-    wire = f"bandwidth_gbit_s: {link.gbit:g}, latency_us: {link.latency_us:g}"
+    link between nodes (and to the servers) ``link`` as calibrated under ``controller`` with the
+    calibration's sweep (which prices each ring step at its size; none with ``--nominal``), and
+    each rank's compute at the share of this machine's cores it gets beside n - 1 others (the
+    profile ran one rank alone)."""
+    wire = {"bandwidth_gbit_s": link.gbit, "latency_us": link.latency_us}
+    tree = {"name": f"namespace_{rate}", "nodes": n, "ranks_per_node": 1,
+            "compute_speed": min(1.0, (os.cpu_count() or 1) / n),
+            "intra": {"bandwidth_gbit_s": 10, "latency_us": 50}, "inter": wire,
+            "servers": {"nodes": n, **wire, "sum_gbyte_s": 0},
+            "message_overhead_us": link.overhead_us}
+    calibrated = ps_links.calibrated_file(work, rate, n, controller)
+    if calibrated.is_file():
+        tree["calibration"] = yaml.safe_load(calibrated.read_text())["calibration"]
     path = work / f"cluster-{rate}-{n}-{controller}.yaml"
-    path.write_text(f"name: namespace_{rate}\nnodes: {n}\nranks_per_node: 1\n"
-                    f"compute_speed: {speed:g}\n"
-                    "intra: {bandwidth_gbit_s: 10, latency_us: 50}\n"
-                    f"inter: {{{wire}}}\n"
-                    f"servers: {{nodes: {n}, {wire}, sum_gbyte_s: 0}}\n"
-                    f"message_overhead_us: {link.overhead_us:g}\n")
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
     return path
 
 

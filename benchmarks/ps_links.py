@@ -99,12 +99,17 @@ class Link:
                 f"{self.overhead_us:.0f} us")
 
 
+def calibrated_file(work: Path, rate: str, n: int, controller: str) -> Path:
+    """Where :func:`calibrate` writes the cluster file of ``rate`` over ``n`` nodes."""
+    return work / f"calibrated-{rate}-{n}-{controller}.yaml"
+
+
 def calibrate(work: Path, rate: str, timeout: float, n: int = 2,
               controller: str = "gloo") -> Link:
     """``hvdtrain plan calibrate`` over the first ``n`` namespace nodes under ``controller`` (by
     default Gloo between two, as docs/planner.md shows it; under MPI with the ring the jobs run):
     the link it measured."""
-    out = work / f"calibrated-{rate}-{n}-{controller}.yaml"
+    out = calibrated_file(work, rate, n, controller)
     env = {**os.environ, "PATH": f"{CLUSTER_DIR / 'bin'}{os.pathsep}{os.environ['PATH']}",
            **(MPI_RING if controller == "mpi" else {})}
     hosts = ",".join(f"node{i}:1" for i in range(1, n + 1))

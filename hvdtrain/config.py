@@ -496,7 +496,7 @@ def build(cls: type, tree: Any, prefix: str = "") -> Any:
     if not isinstance(tree, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}={shown(tree)}: "
                           "expected a mapping of keys")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     types = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in tree.items():

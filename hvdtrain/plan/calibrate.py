@@ -10,6 +10,11 @@ straight line fitted to the allreduce's larger sizes gives the bandwidth ``B`` t
 cycle and negotiation included) and the overhead of an allreduce call beyond its latencies ``o``.
 A controller's ring that reaches less of the link as it grows (Open MPI's, against Gloo's) shows
 as a lower ``B`` at that size: the plan then prices the ring as that job runs it.
+
+What a ring step took beyond ``a + c/B`` at each swept size (:func:`step_excess`) is what a
+straight line leaves out: over shaped TCP links a larger message's steps run slower than the
+smallest's, so that the larger sizes' line meets the axis above the overhead. The plan adds it to
+each ring step of the link measured (:meth:`hvdtrain.plan.cluster.Link.step_s`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def link_of(sweep: Sweep) -> tuple[float, float, float]:
                   left / (2 * (n - 1)))
     overhead = left - 2 * (n - 1) * latency
     return 8 / per_byte / 1e9, 1e6 * latency, 1e6 * overhead
+
+
+def step_excess(sweep: Sweep, latency_s: float, bytes_per_s: float, overhead_s: float
+                ) -> tuple[tuple[float, float], ...]:
+    """Per swept size, ``(c, e)``: a ring step's chunk ``c = m/n`` and what each of the ring's
+    ``2(n-1)`` steps took beyond ``a + c/B`` (the allreduce less ``o``, over ``2(n-1)``), at least
+    0. The smallest size's is 0 by :func:`link_of`'s construction."""
+    n = sweep.ranks
+    return tuple((m / n, max(0.0, (t - overhead_s) / (2 * (n - 1)) - latency_s - m / n / bytes_per_s))
+                 for m, t in zip(sweep.sizes, sweep.allreduce_s, strict=True))
 
 
 def cluster_tree(sweep: Sweep, hosts: Sequence[str], ranks_per_node: int,

@@ -25,6 +25,7 @@ import yaml
 
 from hvdtrain.config import _opt, build
 from hvdtrain.errors import ConfigError, os_failure
+from hvdtrain.plan.calibrate import Sweep, step_excess
 
 REQUIRED = ("nodes", "ranks_per_node", "intra", "inter")
 """Top-level keys a cluster file must give: no default would describe a real cluster."""
@@ -39,6 +40,10 @@ class Link:
     """Bandwidth each way, Gbit/s (10**9 bits per second), as the collectives reach it."""
     latency_us: float = _opt(0.0, min=0.0)
     """One-way latency of one message, microseconds (the alpha of the alpha-beta model)."""
+    excess: tuple[tuple[float, float], ...] = field(default=(), init=False, repr=False)
+    """``(chunk bytes, seconds)``: what a ring step of that chunk took beyond the alpha-beta model
+    where ``hvdtrain plan calibrate`` measured this link (:func:`~hvdtrain.plan.calibrate.step_excess`);
+    set from the file's ``calibration``, not a key of its own."""
 
     @property
     def bytes_per_s(self) -> float:
@@ -49,6 +54,29 @@ class Link:
     def latency_s(self) -> float:
         """Latency in seconds."""
         return self.latency_us * 1e-6
+
+    def step_s(self, chunk: float) -> float:
+        """One ring step that moves ``chunk`` bytes each way: ``alpha + c/B`` plus the calibrated
+        excess at ``c`` (interpolated between the measured chunks from 0 at none, the largest
+        measured chunk's beyond it)."""
+        return self.latency_s + chunk / self.bytes_per_s + _interpolate(self.excess, chunk)
+
+    def shared(self, by: int) -> Link:
+        """This link shared by ``by`` equal flows, as one of them sees it: ``B/by``, and the
+        excess of a step ``by`` times the chunk."""
+        link = Link(bandwidth_gbit_s=self.bandwidth_gbit_s / by, latency_us=self.latency_us)
+        link.excess = tuple((c / by, e) for c, e in self.excess)
+        return link
+
+
+def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear through ``(0, 0)`` and ``points`` (ascending x), flat beyond the last."""
+    x0, y0 = 0.0, 0.0
+    for x1, y1 in points:
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+        x0, y0 = x1, y1
+    return y0
 
 
 @dataclass(kw_only=True)
@@ -91,8 +119,9 @@ class Cluster:
     name: str = ""
     """A name for the tables (default: the file's stem)."""
     calibration: dict = _opt({})
-    """What ``hvdtrain plan calibrate`` measured (hosts, sizes, seconds): kept for the record,
-    not read by the plan."""
+    """What ``hvdtrain plan calibrate`` measured (hosts, ranks, sizes, seconds, the link
+    ``measured``): the plan adds each ring step's excess over the alpha-beta model at the sweep's
+    sizes to that link (:attr:`Link.excess`)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -109,6 +138,10 @@ class Cluster:
         for ok, key, value, why in checks:
             if not ok:
                 raise ConfigError(f"cluster key {key}={value!r}: {why}")
+        if self.calibration:
+            link = self.inter if self.calibration.get("measured", "inter") == "inter" else self.intra
+            link.excess = step_excess(_sweep_of(self.calibration), link.latency_s,
+                                      link.bytes_per_s, self.overhead_s)
 
     @property
     def overhead_s(self) -> float:
@@ -120,6 +153,27 @@ class Cluster:
         import dataclasses
 
         return dataclasses.asdict(self)
+
+
+def _sweep_of(record: dict) -> Sweep:
+    """The :class:`Sweep` a ``calibration`` record holds; a missing or impossible value is one
+    error naming its key."""
+    for key in ("ranks", "sizes", "allreduce_s"):
+        if key not in record:
+            raise ConfigError(f"cluster key calibration.{key}: missing (the record "
+                              "hvdtrain plan calibrate writes has it)")
+    ranks, sizes, seconds = record["ranks"], record["sizes"], record["allreduce_s"]
+    if not isinstance(ranks, int) or ranks < 2:
+        raise ConfigError(f"cluster key calibration.ranks={ranks!r}: must be an integer >= 2")
+    if record.get("measured", "inter") not in ("inter", "intra"):
+        raise ConfigError(f"cluster key calibration.measured={record['measured']!r}: "
+                          "must be inter or intra")
+    numbers = [isinstance(v, (int, float)) and v >= 0 for v in [*sizes, *seconds]] \
+        if isinstance(sizes, list) and isinstance(seconds, list) else [False]
+    if not all(numbers) or len(sizes) != len(seconds) or sorted(sizes) != sizes or not sizes:
+        raise ConfigError("cluster key calibration.sizes / calibration.allreduce_s: must be "
+                          "lists of numbers >= 0 of one length, the sizes ascending")
+    return Sweep(tuple(sizes), (), tuple(seconds), ranks)
 
 
 def cluster_from_tree(tree: Any, where: str = "cluster file") -> Cluster:

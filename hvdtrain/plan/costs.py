@@ -1,6 +1,8 @@
 """The time of one collective of ``m`` bytes per rank, by the alpha-beta model: a message costs a
-latency ``alpha`` plus its bytes over the bandwidth ``B``. Every formula and its source is in
-docs/planner.md; the unit tests check them against hand-computed values and their limits.
+latency ``alpha`` plus its bytes over the bandwidth ``B``; a ring's step also what a calibrated
+link measured beyond that at its chunk (:meth:`~hvdtrain.plan.cluster.Link.step_s`). Every
+formula and its source is in docs/planner.md; the unit tests check them against hand-computed
+values and their limits.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from hvdtrain.plan.cluster import Link
 
 def ring_allreduce(m: float, n: int, link: Link, overhead_s: float = 0.0) -> float:
     """Ring allreduce of ``m`` bytes over ``n`` ranks (Patarasuk & Yuan 2009, the bandwidth-optimal
-    bound): ``2(n-1) alpha + 2(n-1)/n m/B``, plus a fixed ``overhead_s`` per call; 0 for one rank."""
+    bound): ``2(n-1)`` steps of ``m/n`` bytes, ``2(n-1) alpha + 2(n-1)/n m/B``, plus a fixed
+    ``overhead_s`` per call; 0 for one rank."""
     if n <= 1 or m <= 0:
         return 0.0
-    return overhead_s + 2 * (n - 1) * link.latency_s + 2 * (n - 1) / n * m / link.bytes_per_s
+    return overhead_s + 2 * (n - 1) * link.step_s(m / n)
 
 
 def ring_allgather(m: float, n: int, link: Link, overhead_s: float = 0.0) -> float:
@@ -21,7 +24,7 @@ def ring_allgather(m: float, n: int, link: Link, overhead_s: float = 0.0) -> flo
     (n-1) m/B`` (each rank receives the other ``n-1`` contributions; Thakur et al. 2005)."""
     if n <= 1 or m <= 0:
         return 0.0
-    return overhead_s + (n - 1) * (link.latency_s + m / link.bytes_per_s)
+    return overhead_s + (n - 1) * link.step_s(m)
 
 
 def flat_allreduce(m: float, nodes: int, per_node: int, intra: Link, inter: Link,
@@ -33,11 +36,11 @@ def flat_allreduce(m: float, nodes: int, per_node: int, intra: Link, inter: Link
     if n <= 1 or m <= 0:
         return 0.0
     link = intra if nodes == 1 else _slower(intra if per_node > 1 else inter, inter, m / n)
-    return overhead_s + 2 * (n - 1) * (link.latency_s + m / n / link.bytes_per_s)
+    return overhead_s + 2 * (n - 1) * link.step_s(m / n)
 
 
 def _slower(a: Link, b: Link, chunk: float) -> Link:
-    return a if a.latency_s + chunk / a.bytes_per_s >= b.latency_s + chunk / b.bytes_per_s else b
+    return a if a.step_s(chunk) >= b.step_s(chunk) else b
 
 
 def hierarchical_allreduce(m: float, nodes: int, per_node: int, intra: Link, inter: Link,
@@ -50,8 +53,7 @@ def hierarchical_allreduce(m: float, nodes: int, per_node: int, intra: Link, int
         return 0.0
     within = 0.0
     if per_node > 1:
-        within = 2 * (per_node - 1) * intra.latency_s + \
-            2 * (per_node - 1) / per_node * m / intra.bytes_per_s
+        within = 2 * (per_node - 1) * intra.step_s(m / per_node)
     between = ring_allreduce(m, nodes, inter)
     return overhead_s + within + between
 

@@ -238,7 +238,7 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
     else:
-        worker = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
+        worker = c.inter.shared(g)
         sum_rate = c.servers.sum_gbyte_s * 1e9
 
         share, chunk = server_layout(m, k, ctx.knobs.chunk_kib)
@@ -388,11 +388,10 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
     copies = ranks // stages
     biggest = max(step.stage_bytes)
     if _same_node(ctx, stages):
-        shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / stages,
-                      latency_us=c.inter.latency_us)
+        shared = c.inter.shared(stages)
         dp = costs.hierarchical_allreduce(biggest, nodes, g // stages, c.intra, shared, o)
     else:
-        shared = Link(bandwidth_gbit_s=c.inter.bandwidth_gbit_s / g, latency_us=c.inter.latency_us)
+        shared = c.inter.shared(g)
         dp = costs.ring_allreduce(biggest, copies, shared, o)
     update = ctx.upd / stages
     micro = round(step.busy_s / (step.forward_s + step.backward_s)) if step.busy_s else 0

@@ -30,6 +30,12 @@ GOOD = {"nodes": 2, "ranks_per_node": 2, "intra": {"bandwidth_gbit_s": 10, "late
     ({"inter": {"bandwidth_gbit_s": 0, "latency_us": 1}}, "inter.bandwidth_gbit_s=0.0: must be > 0"),
     ({"servers": {"nodes": 2}}, "servers.bandwidth_gbit_s=0.0: must be > 0 with server nodes"),
     ({"ranks_per_node": "four"}, "ranks_per_node='four': expected an integer"),
+    ({"calibration": {"ranks": 2, "sizes": [1]}}, "calibration.allreduce_s: missing"),
+    ({"calibration": {"ranks": 1, "sizes": [1], "allreduce_s": [1]}},
+     "calibration.ranks=1: must be an integer >= 2"),
+    ({"calibration": {"ranks": 2, "sizes": [4, 1], "allreduce_s": [1, 2]}}, "the sizes ascending"),
+    ({"calibration": {"ranks": 2, "sizes": [1], "allreduce_s": [1], "measured": "x"}},
+     "calibration.measured='x': must be inter or intra"),
 ])
 def test_cluster_errors_name_the_key(change: dict, message: str) -> None:
     tree = {**GOOD, **change}
