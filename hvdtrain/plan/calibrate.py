@@ -75,13 +75,15 @@ def link_of(sweep: Sweep) -> tuple[float, float, float]:
     return 8 / per_byte / 1e9, 1e6 * latency, 1e6 * overhead
 
 
-def step_excess(sweep: Sweep, latency_s: float, bytes_per_s: float, overhead_s: float
-                ) -> tuple[tuple[float, float], ...]:
+def step_excess(sweep: Sweep) -> tuple[tuple[float, float], ...]:
     """Per swept size, ``(c, e)``: a ring step's chunk ``c = m/n`` and what each of the ring's
     ``2(n-1)`` steps took beyond ``a + c/B`` (the allreduce less ``o``, over ``2(n-1)``), at least
-    0. The smallest size's is 0 by :func:`link_of`'s construction."""
+    0; ``a``, ``B`` and ``o`` the sweep's own (:func:`link_of`, by whose construction the
+    smallest size's is 0), so that a cluster file's link edited for another rate keeps it."""
     n = sweep.ranks
-    return tuple((m / n, max(0.0, (t - overhead_s) / (2 * (n - 1)) - latency_s - m / n / bytes_per_s))
+    gbit, latency_us, overhead_us = link_of(sweep)
+    per_byte, latency, overhead = 8 / (gbit * 1e9), latency_us * 1e-6, overhead_us * 1e-6
+    return tuple((m / n, max(0.0, (t - overhead) / (2 * (n - 1)) - latency - m / n * per_byte))
                  for m, t in zip(sweep.sizes, sweep.allreduce_s, strict=True))
 
 

@@ -17,6 +17,7 @@ impossible value is one :class:`~hvdtrain.errors.ConfigError` naming the key.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import yaml
 
 from hvdtrain.config import _opt, build
 from hvdtrain.errors import ConfigError, os_failure
-from hvdtrain.plan.calibrate import Sweep, step_excess
+from hvdtrain.plan.calibrate import Sweep, link_of, step_excess
 
 REQUIRED = ("nodes", "ranks_per_node", "intra", "inter")
 """Top-level keys a cluster file must give: no default would describe a real cluster."""
@@ -140,8 +141,7 @@ class Cluster:
                 raise ConfigError(f"cluster key {key}={value!r}: {why}")
         if self.calibration:
             link = self.inter if self.calibration.get("measured", "inter") == "inter" else self.intra
-            link.excess = step_excess(_sweep_of(self.calibration), link.latency_s,
-                                      link.bytes_per_s, self.overhead_s)
+            link.excess = step_excess(_sweep_of(self.calibration))
 
     @property
     def overhead_s(self) -> float:
@@ -158,7 +158,7 @@ class Cluster:
 def _sweep_of(record: dict) -> Sweep:
     """The :class:`Sweep` a ``calibration`` record holds; a missing or impossible value is one
     error naming its key."""
-    for key in ("ranks", "sizes", "allreduce_s"):
+    for key in ("ranks", "sizes", "broadcast_s", "allreduce_s"):
         if key not in record:
             raise ConfigError(f"cluster key calibration.{key}: missing (the record "
                               "hvdtrain plan calibrate writes has it)")
@@ -168,12 +168,19 @@ def _sweep_of(record: dict) -> Sweep:
     if record.get("measured", "inter") not in ("inter", "intra"):
         raise ConfigError(f"cluster key calibration.measured={record['measured']!r}: "
                           "must be inter or intra")
-    numbers = [isinstance(v, (int, float)) and v >= 0 for v in [*sizes, *seconds]] \
-        if isinstance(sizes, list) and isinstance(seconds, list) else [False]
-    if not all(numbers) or len(sizes) != len(seconds) or sorted(sizes) != sizes or not sizes:
-        raise ConfigError("cluster key calibration.sizes / calibration.allreduce_s: must be "
-                          "lists of numbers >= 0 of one length, the sizes ascending")
-    return Sweep(tuple(sizes), (), tuple(seconds), ranks)
+    lists = [record[k] for k in ("sizes", "broadcast_s", "allreduce_s")]
+    numbers = all(isinstance(v, list) for v in lists) and all(
+        isinstance(x, (int, float)) and x >= 0 for v in lists for x in v)
+    rising = numbers and all(a < b for a, b in itertools.pairwise(sizes))
+    if not rising or len({len(v) for v in lists}) != 1 or len(sizes) < 3:
+        raise ConfigError("cluster key calibration.sizes / broadcast_s / allreduce_s: must be "
+                          "lists of at least 3 numbers >= 0 of one length, the sizes rising")
+    sweep = Sweep(tuple(sizes), tuple(record["broadcast_s"]), tuple(seconds), ranks)
+    try:
+        link_of(sweep)
+    except ValueError as exc:
+        raise ConfigError(f"cluster key calibration.allreduce_s: {exc}") from None
+    return sweep
 
 
 def cluster_from_tree(tree: Any, where: str = "cluster file") -> Cluster:

@@ -18,6 +18,9 @@ from hvdtrain.plan.profile import check_matches, load_profile
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "hvdtrain" / "plan" / "published"
 PAPER = PUBLISHED / "horovod_paper.yaml"
+SWEEP = {"ranks": 2, "sizes": [1, 4, 16], "broadcast_s": [0.1, 0.2, 0.3],
+         "allreduce_s": [0.1, 0.2, 0.3]}
+"""A calibration record (what ``hvdtrain plan calibrate`` writes under ``calibration``)."""
 GOOD = {"nodes": 2, "ranks_per_node": 2, "intra": {"bandwidth_gbit_s": 10, "latency_us": 1},
         "inter": {"bandwidth_gbit_s": 1, "latency_us": 50}}
 
@@ -30,12 +33,12 @@ GOOD = {"nodes": 2, "ranks_per_node": 2, "intra": {"bandwidth_gbit_s": 10, "late
     ({"inter": {"bandwidth_gbit_s": 0, "latency_us": 1}}, "inter.bandwidth_gbit_s=0.0: must be > 0"),
     ({"servers": {"nodes": 2}}, "servers.bandwidth_gbit_s=0.0: must be > 0 with server nodes"),
     ({"ranks_per_node": "four"}, "ranks_per_node='four': expected an integer"),
-    ({"calibration": {"ranks": 2, "sizes": [1]}}, "calibration.allreduce_s: missing"),
-    ({"calibration": {"ranks": 1, "sizes": [1], "allreduce_s": [1]}},
-     "calibration.ranks=1: must be an integer >= 2"),
-    ({"calibration": {"ranks": 2, "sizes": [4, 1], "allreduce_s": [1, 2]}}, "the sizes ascending"),
-    ({"calibration": {"ranks": 2, "sizes": [1], "allreduce_s": [1], "measured": "x"}},
-     "calibration.measured='x': must be inter or intra"),
+    ({"calibration": {"ranks": 2, "sizes": [1]}}, "calibration.broadcast_s: missing"),
+    ({"calibration": {**SWEEP, "ranks": 1}}, "calibration.ranks=1: must be an integer >= 2"),
+    ({"calibration": {**SWEEP, "sizes": [1, 4, 4]}}, "the sizes rising"),
+    ({"calibration": {**SWEEP, "allreduce_s": [0.1, 0.1]}}, "of one length"),
+    ({"calibration": {**SWEEP, "allreduce_s": [0.3, 0.2, 0.1]}}, "does not grow with its size"),
+    ({"calibration": {**SWEEP, "measured": "x"}}, "calibration.measured='x': must be inter or intra"),
 ])
 def test_cluster_errors_name_the_key(change: dict, message: str) -> None:
     tree = {**GOOD, **change}

@@ -178,33 +178,33 @@ def test_a_calibrated_ring_is_priced_from_its_sweep() -> None:
     from hvdtrain.plan.calibrate import SIZES
     from hvdtrain.plan.cluster import cluster_from_tree
 
-    # A shaped link's sweep: the smallest sizes on alpha-beta's line, the larger on a line as
+    # A shaped link's sweep: the smallest sizes on alpha-beta's line, the larger half on a line as
     # steep but through 60 ms (8 ranks, 80 Mbit/s, 300 us): what a straight line leaves out.
     n, b, a = 8, 1e7, 3e-4
-    seconds = [2 * (n - 1) * a + 2 * (n - 1) / n * m / b + (0.06 if m >= 1 << 20 else 0.0)
+    seconds = [2 * (n - 1) * a + 2 * (n - 1) / n * m / b + (0.06 if m >= SIZES[3] else 0.0)
                for m in SIZES]
     tree = {"nodes": n, "ranks_per_node": 1, "intra": {"bandwidth_gbit_s": 10, "latency_us": 1},
             "inter": {"bandwidth_gbit_s": 0.08, "latency_us": 300},
-            "calibration": {"ranks": n, "sizes": list(SIZES), "allreduce_s": seconds}}
+            "calibration": {"ranks": n, "sizes": list(SIZES), "allreduce_s": seconds,
+                            "broadcast_s": [a + m / b for m in SIZES]}}
     link = cluster_from_tree(tree).inter
     # At the sweep's own sizes the ring gives back what was measured ...
     assert [costs.ring_allreduce(m, n, link) for m in SIZES] == pytest.approx(seconds)
     # ... between them it is interpolated, beyond the largest the excess is held (60 ms) ...
     bare = Link(bandwidth_gbit_s=0.08, latency_us=300)
-    middle = (SIZES[4] + SIZES[5]) / 2  # 1 MiB and 4 MiB: both 60 ms over the line
-    assert costs.ring_allreduce(middle, n, link) == pytest.approx(
-        costs.ring_allreduce(middle, n, bare) + 0.06)
-    assert costs.ring_allreduce(1e9, n, link) - costs.ring_allreduce(1e9, n, bare) == \
-        pytest.approx(0.06)
-    half = (SIZES[3] + SIZES[4]) / 2  # halfway from 0 excess to 60 ms
-    assert costs.ring_allreduce(half, n, link) - costs.ring_allreduce(half, n, bare) == \
-        pytest.approx(0.03)
-    # ... a step of another ring count pays the excess of its own chunk, and a link shared by g
-    # flows that of a g times larger chunk.
+    for m, excess in [((SIZES[4] + SIZES[5]) / 2, 0.06), (1e9, 0.06),
+                      ((SIZES[2] + SIZES[3]) / 2, 0.03)]:  # halfway from 0 to 60 ms
+        assert costs.ring_allreduce(m, n, link) - costs.ring_allreduce(m, n, bare) == \
+            pytest.approx(excess)
+    # ... a step of another ring count pays the excess of its own chunk, a link shared by g
+    # flows that of a g times larger chunk, and a link edited to another rate keeps it.
     assert costs.ring_allreduce(SIZES[-1] / 2, 4, link) == pytest.approx(
         costs.ring_allreduce(SIZES[-1] / 2, 4, bare) + 6 * 0.06 / 14)
     assert link.shared(4).step_s(SIZES[-1] / n / 4) == pytest.approx(
         bare.latency_s + SIZES[-1] / n / b + 0.06 / 14)
+    faster = cluster_from_tree({**tree, "inter": {"bandwidth_gbit_s": 0.8, "latency_us": 300}})
+    assert costs.ring_allreduce(SIZES[-1], n, faster.inter) == pytest.approx(
+        costs.ring_allreduce(SIZES[-1], n, Link(bandwidth_gbit_s=0.8, latency_us=300)) + 0.06)
     assert not cluster_from_tree({k: v for k, v in tree.items() if k != "calibration"}).inter.excess
 
 
