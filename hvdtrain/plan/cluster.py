@@ -26,7 +26,7 @@ import yaml
 
 from hvdtrain.config import _opt, build
 from hvdtrain.errors import ConfigError, os_failure
-from hvdtrain.plan.calibrate import Sweep, link_of, step_excess
+from hvdtrain.plan.calibrate import Sweep, step_excess
 
 REQUIRED = ("nodes", "ranks_per_node", "intra", "inter")
 """Top-level keys a cluster file must give: no default would describe a real cluster."""
@@ -141,7 +141,10 @@ class Cluster:
                 raise ConfigError(f"cluster key {key}={value!r}: {why}")
         if self.calibration:
             link = self.inter if self.calibration.get("measured", "inter") == "inter" else self.intra
-            link.excess = step_excess(_sweep_of(self.calibration))
+            try:
+                link.excess = step_excess(_sweep_of(self.calibration))
+            except ValueError as exc:  # a sweep link_of cannot fit
+                raise ConfigError(f"cluster key calibration.allreduce_s: {exc}") from None
 
     @property
     def overhead_s(self) -> float:
@@ -175,12 +178,7 @@ def _sweep_of(record: dict) -> Sweep:
     if not rising or len({len(v) for v in lists}) != 1 or len(sizes) < 3:
         raise ConfigError("cluster key calibration.sizes / broadcast_s / allreduce_s: must be "
                           "lists of at least 3 numbers >= 0 of one length, the sizes rising")
-    sweep = Sweep(tuple(sizes), tuple(record["broadcast_s"]), tuple(seconds), ranks)
-    try:
-        link_of(sweep)
-    except ValueError as exc:
-        raise ConfigError(f"cluster key calibration.allreduce_s: {exc}") from None
-    return sweep
+    return Sweep(tuple(sizes), tuple(record["broadcast_s"]), tuple(seconds), ranks)
 
 
 def cluster_from_tree(tree: Any, where: str = "cluster file") -> Cluster:
