@@ -130,10 +130,13 @@ def _plan(request: Request, items: list[str]) -> Plan:
     result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
     if config is not None:
         result.configured = configured_setting(cfg, cluster, result.knobs)
-    print(render.table(result))
+    written = []  # the files first: a console cut short (``| head``) must not lose them
     for path, write in ((request.json, render.write_json), (request.html, html.write_html),
                         (request.plot, render.write_plot)):
         if path:
             write(result, path)
-            print(f"[hvdtrain] wrote {path}")
+            written.append(path)
+    print(render.table(result))
+    for path in written:
+        print(f"[hvdtrain] wrote {path}")
     return result

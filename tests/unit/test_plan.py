@@ -159,6 +159,26 @@ def test_outputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert any("bucket" in (b.findtext("{http://www.w3.org/2000/svg}title") or "") for b in bars)
 
 
+
+class _ClosedPipe:
+    """A console whose reader has gone (``hvdtrain plan ... | head`` after head exits)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_outputs_are_written_before_the_table(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    out = [tmp_path / f for f in ("p.json", "p.html")]
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    assert main(["plan", "--profile", str(PUBLISHED / "vgg16.json"), "--cluster", str(PAPER),
+                 "--json", str(out[0]), "--html", str(out[1])]) != 0
+    assert all(path.is_file() and path.stat().st_size > 0 for path in out)
+
+
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_torch.yaml"
 
 
