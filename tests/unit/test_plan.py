@@ -159,7 +159,6 @@ def test_outputs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert any("bucket" in (b.findtext("{http://www.w3.org/2000/svg}title") or "") for b in bars)
 
 
-
 class _ClosedPipe:
     """A console whose reader has gone (``hvdtrain plan ... | head`` after head exits)."""
 
