@@ -211,19 +211,34 @@ def machine_record() -> dict[str, Any]:
     return record
 
 
+def commit_record(root: Path = ROOT) -> str:
+    """The commit a benchmark runs at, for its section's ``Commit:`` line: the short hash of HEAD,
+    with a note where the package or the benchmarks differ from it; ``unknown`` outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "hvdtrain", "benchmarks"],
+                               cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head} (with uncommitted changes to hvdtrain/ or benchmarks/)" if dirty else head
+
+
 def section_text(title: str, command: str, machine: Mapping[str, Any], blocks: Sequence[str],
                  notes: Sequence[str] = (), *, entry: Entry | None = None,
-                 date: str | None = None) -> str:
-    """A dated Markdown section: title, ``entry``'s index lines (the row of docs/benchmarks.md's
-    index: ``index.py``), the command that reproduces it, the machine, ``blocks`` (finished pieces
-    of Markdown, such as captioned tables), then the notes as a list."""
+                 date: str | None = None, commit: str | None = None) -> str:
+    """A dated Markdown section: title, ``entry``'s index, verdict, figure and target lines (the
+    row of docs/benchmarks.md's index: ``index.py``), the date and commit, the command that
+    reproduces it, the machine, ``blocks`` (finished pieces of Markdown, such as captioned
+    tables), then the notes as a list."""
     date = date or _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     machine_text = "; ".join(f"{key}: {value}" for key, value in machine.items())
     parts = [f"## {title}", ""]
     if entry:
         parts += [entry.lines().rstrip("\n"), ""]
-    parts += [f"Date: {date}", "", "Reproduce (from the repository root):", "",
-             "```", command, "```", "", f"Machine: {machine_text}.", ""]
+    parts += [f"Date: {date}", "", f"Commit: {commit or commit_record()}", "",
+              "Reproduce (from the repository root):", "",
+              "```", command, "```", "", f"Machine: {machine_text}.", ""]
     for block in blocks:
         parts += [block.rstrip("\n"), ""]
     parts += [f"- {note}" for note in notes]

@@ -154,7 +154,7 @@ def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]
                 f"recovered, {summary['hangs']} hangs")
     section = "\n".join([
         "## Checkpoint soak: SIGKILL while saving", "", entry.lines(),
-        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}", "", f"Commit: {harness.commit_record()}", "",
         "Reproduce (from the repository root):", "", "```",
         f".venv/bin/python scripts/soak_checkpoint.py --trials {args.trials} --seed {args.seed} "
         f"--max-delay {args.max_delay}", "```", "", f"Machine: {machine}.", "",
