@@ -40,6 +40,8 @@ class Schedule:
     rounds: bool = False
     """Whether ``m`` must be a multiple of ``max(1, m // P)`` (torch's interleaved rounds)."""
     experimental: bool = False
+    refused: str = ""
+    """Why the config refuses this schedule with stages (empty: it runs)."""
 
     def pieces_of(self, pipe_rank: int, stages: int, virtual: int) -> list[int]:
         """The global indices of the pieces (torch's stage indices) that ``pipe_rank`` of a
@@ -65,6 +67,8 @@ class Schedule:
 
 _BOTH = ("torch", "tensorflow")
 _TORCH = ("torch",)
+_V_EVAL = ("torch.distributed.pipelining 2.13 cannot evaluate with this schedule (its eval() runs "
+           "a backward action); use interleaved_zero_bubble or interleaved_1f1b")
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("gpipe", "ScheduleGPipe", _BOTH, (1, 1), "loop", "one"),
@@ -74,9 +78,12 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              rounds=True),
     Schedule("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", _TORCH, (2, None), "loop",
              "one", rounds=True, experimental=True),
+    # The V schedules train, but torch 2.13's eval() of them runs a backward action and raises
+    # ("can't steal_bwd_input if this stage doesn't have backward") at the first evaluation.
     Schedule("zbv_zero_bubble", "ScheduleZBVZeroBubble", _TORCH, (2, 2), "v", "ranks",
-             experimental=True),
-    Schedule("dualpipev", "ScheduleDualPipeV", _TORCH, (2, 2), "v", "pieces", experimental=True),
+             experimental=True, refused=_V_EVAL),
+    Schedule("dualpipev", "ScheduleDualPipeV", _TORCH, (2, 2), "v", "pieces", experimental=True,
+             refused=_V_EVAL),
 )}
 """Every ``pipeline.schedule``, by name."""
 
@@ -101,6 +108,8 @@ def check_pipeline(*, stages: int, microbatches: int, schedule: str, virtual_sta
     m = microbatch_count(stages, microbatches, virtual_stages)
     if stages > 1:
         _check_framework(plan, framework)
+        if plan.refused:
+            raise ConfigError(f"pipeline.schedule={schedule!r}: {plan.refused}")
         _check_microbatches(plan, stages, virtual_stages, m)
         _check_split(split, stages * virtual_stages)
     return m

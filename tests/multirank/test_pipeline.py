@@ -1,14 +1,16 @@
 """Pipeline stages composed with Horovod data parallelism, under horovodrun (Gloo and MPI).
 
 At ``-np 4`` with 2 stages x 2 copies, and at ``-np 2`` with 2 stages and one copy, the parameters
-after one epoch equal one process trained on the global batch (to float tolerance), for GPipe,
-1F1B and interleaved 1F1B: the schedules, the padding of the epoch's short last step (1,437
-samples: its 29 leave one copy 15 and the other 14 of 32 rows, two of four micro-batches empty),
-the loss weighting and the stage's Horovod average in its process set all have to be right. All
-schedules run back to back in one launch per controller.
+after one epoch equal one process trained on the global batch (to float tolerance), for every
+schedule the config accepts (GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble): the
+schedules, the padding of the epoch's short last step (1,437 samples: its 29 leave one copy 15 and
+the other 14 of 32 rows, two of four micro-batches empty), the loss weighting and the stage's
+Horovod average in its process set all have to be right. A launch trains several schedules back
+to back.
 
-`make test` runs Gloo's launch (every schedule) and the 2-rank pipeline with 1F1B; MPI's launch and
-the 2-rank GPipe are `long` (`make test-long`): each launch trains every one of its runs.
+`make test` runs Gloo's launch of every schedule, MPI's launch of 1F1B alone (the cheapest row that
+averages a stage in an MPI process set) and the 2-rank pipeline with 1F1B; MPI's other schedules
+and the 2-rank GPipe are `long` (`make test-long`).
 """
 
 from __future__ import annotations
@@ -29,21 +31,29 @@ from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
           "train.stall_timeout_s=120")
 SCHEDULES = {"gpipe": "pipeline.schedule=gpipe", "1f1b": "pipeline.schedule=1f1b",
-             "interleaved": "pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2"}
+             "interleaved": "pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2",
+             "interleaved_zb": "pipeline.schedule=interleaved_zero_bubble,pipeline.virtual_stages=2"}
+# zbv_zero_bubble and dualpipev are refused by the config (hvdtrain/pipeline/schedules.py).
 # 2 copies x 32 samples at lr 0.05 (scaled by the 2 copies) against one process with 64 at 0.1.
 PER_COPY = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON
 WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON
-# Gloo in `make test`; MPI, the same checks again, in `make test-long`.
-CONTROLLERS = ["gloo", pytest.param("mpi", marks=pytest.mark.long)]
+# The -np 4 launches, by controller: the first of each in `make test`, the second `long`.
+LAUNCHES = {"gloo": (["gpipe", "1f1b", "interleaved", "interleaved_zb"], []),
+            "mpi": (["1f1b"], ["gpipe", "interleaved", "interleaved_zb"])}
+ROWS = [(controller, name) if n == 0 else pytest.param(controller, name, marks=pytest.mark.long)
+        for controller, groups in LAUNCHES.items() for n, group in enumerate(groups)
+        for name in group]
+"""(controller, schedule) of the -np 4 equality."""
 ATOL = 1e-5  # float32 sums in another order over 23 steps; a wrong weight moves them by 1e-3
 
 
-def launch(np_: int, controller: str, out: Path, runs: list[str]) -> Launch:
+def launch(np_: int, controller: str, out: Path, runs: list[str],
+           hidden: tuple[int, ...] = (32, 16)) -> Launch:
     """The multirank worker under horovodrun on the digits MLP with two hidden layers (six layers:
-    interleaved 1F1B's four pieces then leave every rank some parameters)."""
+    interleaved 1F1B's four pieces then leave every rank some parameters), or ``hidden``."""
     out.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load(CONFIG.read_text())
-    config["model"]["options"]["hidden"] = [32, 16]
+    config["model"]["options"]["hidden"] = list(hidden)
     (out / "config.yaml").write_text(yaml.safe_dump(config))
     proc = horovodrun(np_, controller, [PYTHON, WORKER, str(out), str(out / "config.yaml"), *runs],
                       timeout=900)
@@ -59,14 +69,16 @@ def reference(tmp_path_factory) -> Launch:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    cache: dict[str, Launch] = {}
+    """``four_ranks(controller, schedule)``: the -np 4 launch that trains ``schedule``."""
+    cache: dict[tuple[str, int], Launch] = {}
 
-    def get(controller: str) -> Launch:
-        if controller not in cache:
-            runs = [f"{name}:{PER_COPY},{extra}" for name, extra in SCHEDULES.items()]
-            cache[controller] = launch(4, controller, tmp_path_factory.mktemp(f"pipe4-{controller}"),
-                                       runs)
-        return cache[controller]
+    def get(controller: str, schedule: str) -> Launch:
+        group = next(n for n, names in enumerate(LAUNCHES[controller]) if schedule in names)
+        if (controller, group) not in cache:
+            runs = [f"{name}:{PER_COPY},{SCHEDULES[name]}" for name in LAUNCHES[controller][group]]
+            cache[controller, group] = launch(
+                4, controller, tmp_path_factory.mktemp(f"pipe4-{controller}-{group}"), runs)
+        return cache[controller, group]
 
     return get
 
@@ -87,10 +99,9 @@ def assert_same_model(got: dict[str, np.ndarray], want: dict[str, np.ndarray], a
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("controller", "schedule"), ROWS)
 def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, controller, schedule):
-    launched = four_ranks(controller)
+    launched = four_ranks(controller, schedule)
     want, _ = reference.rank("ref", 0)
     copy0, copy1 = whole_model(launched, schedule, [0, 1]), whole_model(launched, schedule, [2, 3])
     assert_same_model(copy0, want, ATOL)
@@ -104,11 +115,11 @@ def test_two_stages_by_two_copies_equal_one_process(four_ranks, reference, contr
     assert final["train_loss"] == pytest.approx(ref_final["train_loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", LAUNCHES["gloo"][0])
 def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(four_ranks, schedule):
     """Gloo's launch: every train record carries both stages' figures and the measured bubble
     (their sizes are timings, not asserted, beyond their ranges)."""
-    path = four_ranks("gloo").out / schedule / "metrics.jsonl"
+    path = four_ranks("gloo", schedule).out / schedule / "metrics.jsonl"
     records = [r for r in read_jsonl(path) if "step_time_median_s" in r]
     assert records
     for record in records:
@@ -128,15 +139,16 @@ def test_1f1b_holds_fewer_micro_batches_activations_on_the_first_stage(four_rank
     frees part of a micro-batch's saved tensors one backward pass late (seen: 0.6 of GPipe's,
     docs/benchmarks.md): well under GPipe's, the same on every machine."""
     def peak(schedule: str) -> float:  # the last window's (the first includes torch's set-up)
-        path = four_ranks("gloo").out / schedule / "metrics.jsonl"
+        path = four_ranks("gloo", schedule).out / schedule / "metrics.jsonl"
         return [r for r in read_jsonl(path) if "stage_activation_mb_stage0" in r][-1][
             "stage_activation_mb_stage0"]
     assert peak("1f1b") / peak("gpipe") < 3 / 4
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_only_the_last_stage_reports_and_every_test_sample_counts_once(four_ranks, controller):
-    counts = [four_ranks(controller).rank("1f1b", r)[1]["local_eval"]["count"] for r in range(4)]
+    launched = four_ranks(controller, "1f1b")
+    counts = [launched.rank("1f1b", r)[1]["local_eval"]["count"] for r in range(4)]
     assert counts == [0, 180, 0, 180]
 
 

@@ -7,8 +7,9 @@ step of 13: the last micro-batch holds one sample of copy 0 and none of copy 1, 
 run three micro-batches to copy 0's four. Several trainings share each launch: TensorFlow's
 start-up is most of a launch's time.
 
-`make test` runs the one-process reference and Gloo's -np 4 launch (gpipe, 1f1b with a split by
-index, qsgd); the -np 2 launches and everything under MPI are `long` (`make test-long`).
+`make test` runs the one-process reference, Gloo's -np 4 launch (gpipe, 1f1b with a split by
+index, qsgd) and MPI's -np 4 launch of 1f1b alone (the cheapest MPI row with a stage's average in a
+process set of 2 copies); the -np 2 launches and MPI's gpipe and qsgd are `long` (`make test-long`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conftest import read_jsonl
+from hvdtrain.compression import make_plan
+from hvdtrain.config import load_config
+from tests.conftest import TF_CONFIG, read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 COMMON = ("model.options.hidden=[32],optim.lr=0.05,optim.scale_lr=false,optim.warmup_steps=0,"
@@ -27,12 +30,16 @@ NP4 = {"gpipe": PIPE.format(b=8, s="gpipe"),
        "qsgd": PIPE.format(b=8, s="1f1b") + ",comm.compression=qsgd"}
 NP2 = {"gpipe": PIPE.format(b=16, s="gpipe"), "1f1b": PIPE.format(b=16, s="1f1b")}
 LONG = pytest.mark.long
+# The launches: per (np, controller), groups of runs, each group one launch.
+GROUPS = {(1, "gloo"): [["one"]], (4, "gloo"): [["gpipe", "1f1b", "qsgd"]],
+          (4, "mpi"): [["1f1b"], ["gpipe", "qsgd"]],
+          (2, "gloo"): [["gpipe", "1f1b"]], (2, "mpi"): [["gpipe", "1f1b"]]}
 CONTROLLERS = ["gloo", pytest.param("mpi", marks=LONG)]
-# (controller, np, run): one launch in `make test`, the rest of the matrix in `make test-long`.
-MATRIX = [("gloo", 4, "gpipe"), ("gloo", 4, "1f1b")] + [
+# (controller, np, run): Gloo's -np 4 and MPI's -np 4 1f1b in `make test`, the rest `long`.
+MATRIX = [("gloo", 4, "gpipe"), ("gloo", 4, "1f1b"), ("mpi", 4, "1f1b")] + [
     pytest.param(c, n, r, marks=LONG) for c, n, r in
-    [("gloo", 2, "gpipe"), ("gloo", 2, "1f1b"), ("mpi", 4, "gpipe"), ("mpi", 4, "1f1b"),
-     ("mpi", 2, "gpipe"), ("mpi", 2, "1f1b")]]
+    [("gloo", 2, "gpipe"), ("gloo", 2, "1f1b"), ("mpi", 4, "gpipe"), ("mpi", 2, "gpipe"),
+     ("mpi", 2, "1f1b")]]
 # A test's first launch trains up to three epochs at -np 4 (about 4 minutes under Gloo on 2 busy
 # cores, more under MPI) after the one-process reference.
 pytestmark = pytest.mark.timeout(1500)
@@ -40,17 +47,19 @@ pytestmark = pytest.mark.timeout(1500)
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """Launched on first use: the one-process reference, and per controller the -np 4 and -np 2
-    pipelines."""
-    cache: dict[tuple[int, str], Launch] = {}
+    """``launches(np, controller, run)``: the launch (of :data:`GROUPS`) that trains ``run``, on
+    first use; ``run`` "one" is the one-process reference."""
+    cache: dict[tuple[int, str, int], Launch] = {}
 
-    def get(np_: int, controller: str) -> Launch:
-        if (np_, controller) not in cache:
-            out = tmp_path_factory.mktemp(f"pipe-np{np_}-{controller}")
+    def get(np_: int, controller: str, run: str) -> Launch:
+        group = next(n for n, runs in enumerate(GROUPS[np_, controller]) if run in runs)
+        if (np_, controller, group) not in cache:
+            out = tmp_path_factory.mktemp(f"pipe-np{np_}-{controller}-{group}")
             runs = {1: {"one": COMMON.format(b=16)}, 4: NP4, 2: NP2}[np_]
-            cache[np_, controller] = launch_worker(
-                np_, controller, "tensorflow", out, [f"{k}:{v}" for k, v in runs.items()])
-        return cache[np_, controller]
+            cache[np_, controller, group] = launch_worker(
+                np_, controller, "tensorflow", out,
+                [f"{k}:{runs[k]}" for k in GROUPS[np_, controller][group]])
+        return cache[np_, controller, group]
 
     return get
 
@@ -65,7 +74,7 @@ def stage_params(launch: Launch, run: str, ranks: list[int]) -> list[np.ndarray]
 
 
 def reference(launches) -> tuple[list[np.ndarray], dict]:
-    one = launches(1, "gloo")
+    one = launches(1, "gloo", "one")
     params, record = one.rank("one", 0)
     return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))], record
 
@@ -73,7 +82,7 @@ def reference(launches) -> tuple[list[np.ndarray], dict]:
 @pytest.mark.parametrize(("controller", "np_", "run"), MATRIX)
 def test_stages_train_as_one_process_on_the_global_batch(launches, controller, np_, run):
     expected, one = reference(launches)
-    launch = launches(np_, controller)
+    launch = launches(np_, controller, run)
     copies = [[0, 1], [2, 3]] if np_ == 4 else [[0, 1]]
     got = stage_params(launch, run, copies[0])
     assert [p.shape for p in got] == [p.shape for p in expected]
@@ -91,7 +100,7 @@ def test_stages_train_as_one_process_on_the_global_batch(launches, controller, n
 def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(launches):
     """Gloo's -np 4 launch: the train records carry both stages' figures and the measured bubble
     (timings: only their ranges are checked)."""
-    records = [r for r in read_jsonl(launches(4, "gloo").out / "1f1b" / "metrics.jsonl")
+    records = [r for r in read_jsonl(launches(4, "gloo", "1f1b").out / "1f1b" / "metrics.jsonl")
                if "step_time_median_s" in r]
     assert records
     for record in records:
@@ -102,13 +111,33 @@ def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measur
             assert record[f"stage_rss_mb_stage{stage}"] > 0
 
 
+def qsgd_bytes(launch: Launch, rank: int) -> tuple[int, int]:
+    """The bytes a step's exchange hands to Horovod on ``rank`` by the compression plan of its
+    stage's gradients (``comm.compression: qsgd`` at the config's ``min_size`` and ``bucket``),
+    and the float32 bytes they stand for."""
+    cfg = load_config(TF_CONFIG, NP4["qsgd"].split(","), environ={})
+    plan = make_plan(cfg.comm, cfg.seed, [p.shape for p in launch.rank("qsgd", rank)[0].values()])
+    return plan.wire_bytes(), plan.dense_bytes()
+
+
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_compression_runs_within_each_stage_group(launches, controller):
     _, one = reference(launches)
-    launch = launches(4, controller)
+    launch = launches(4, controller, "qsgd")
     summary = launch.summary("qsgd")
     # qsgd rounds stochastically: it trains, close to the uncompressed result, not equal to it.
     assert summary["final"]["eval_accuracy"] >= one["summary"]["final"]["eval_accuracy"] - 0.05
     for a, b in zip(stage_params(launch, "qsgd", [0, 1]), stage_params(launch, "qsgd", [2, 3]),
                     strict=True):
         assert np.array_equal(a, b)
+    # What each stage sends: fc1's kernel (2,048 elements, over min_size) as a byte a value and a
+    # float32 scale per bucket of 512 (2,064 bytes), its bias dense (128); the head's 330
+    # parameters, all under min_size, dense (1,320). A record is the mean over the 4 ranks.
+    per_rank = [qsgd_bytes(launch, rank) for rank in range(4)]
+    assert per_rank[0] == per_rank[2] == (2064 + 128, 4 * 2080)
+    assert per_rank[1] == per_rank[3] == (1320, 1320)
+    logged = [r for r in read_jsonl(launch.out / "qsgd" / "metrics.jsonl") if "wire_bytes" in r]
+    assert logged
+    for record in logged:
+        assert record["wire_bytes"] == sum(w for w, _ in per_rank) / 4
+        assert record["dense_bytes"] == sum(d for _, d in per_rank) / 4
