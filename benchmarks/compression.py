@@ -72,8 +72,7 @@ METHODS = {
     "topk-0.1%": ["comm.compression=topk", "comm.ratio=0.001"],
     "topk-plain": ["comm.compression=topk", "comm.momentum_correction=false",
                    "comm.compress_momentum=false"],
-    "topk-dgc": ["comm.compression=topk", "comm.momentum_correction=true",
-                 "comm.compress_momentum=true"],
+    "topk-dgc": ["comm.compression=topk"],  # + the optimizer's update rule: RULES
     "topk-noEF": ["comm.compression=topk", "comm.error_feedback=false"],
     "randomk": ["comm.compression=randomk"],
     "qsgd": ["comm.compression=qsgd"],
@@ -83,6 +82,8 @@ METHODS = {
 random-k average compressed gradients with error feedback), top-k at 0.1%, top-k with the update
 rules on (``topk-dgc``: DGC with SGD momentum, compressed momentum with Adam), top-k averaging
 gradients whatever the defaults (``topk-plain``) and top-k without error feedback as controls."""
+RULES = {"sgd": "comm.momentum_correction=true", "adam": "comm.compress_momentum=true"}
+"""Per optimizer, the update rule that ``topk-dgc`` turns on (the config refuses the other)."""
 DATASETS = {
     "digits": [],
     "mnist1d": ["data.name=mnist1d", "model.options.hidden=[256,256]", "train.epochs=6"],
@@ -278,12 +279,31 @@ def worker(argv: Sequence[str]) -> int:
                                    f"log.dir={run_dir}", f"seed={args.seed}",
                                    *DATASETS.get(args.dataset, []),
                                    *optimizer_overrides(args.dataset, args.optimizer),
-                                   *METHODS[method], *args.extra],
+                                   *run_overrides(method, args.optimizer, args.extra)],
                           environ={})
         result = train(cfg)
         if result.engine.rank == 0:
             print(json.dumps(measure(result, method, args, run_dir)), flush=True)
     return 0
+
+
+def run_overrides(method: str, optimizer: str, extra: Sequence[str]) -> list[str]:
+    """A variant's overrides under ``optimizer``, then the ``--train-extra`` ones that its run
+    reads: a ``comm`` key of a method or an update rule (``comm.min_size``,
+    ``comm.sparsity_warmup_steps``, ...) goes only to the runs of that method or rule, as the
+    config refuses a key that would do nothing (:mod:`hvdtrain.compression.compat`)."""
+    from hvdtrain.compression.compat import METHOD_KEYS, RULE_KEYS
+
+    own = [*METHODS[method], *([RULES[optimizer]] if method == "topk-dgc" else [])]
+    compression = next(o.split("=", 1)[1] for o in own if o.startswith("comm.compression="))
+    rules = {o.split("=")[0].removeprefix("comm.") for o in own if o.endswith("=true")}
+    out = list(own)
+    for item in extra:
+        key = item.split("=", 1)[0].removeprefix("comm.")
+        if compression in METHOD_KEYS.get(key, (compression,)) and RULE_KEYS.get(key, "") in (
+                "", *rules):
+            out.append(item)
+    return out
 
 
 # Driver side -----------------------------------------------------------------------------------
@@ -701,7 +721,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--netns", default="hvdtrain-bench", help="the slow link's network namespace")
     p.add_argument("--work", default="/tmp/hvdtrain-bench-compression", help="run directories")
     p.add_argument("--train-extra", action="append", default=[],
-                   help="config override added to the accuracy runs (repeatable)")
+                   help="config override added to the accuracy runs (repeatable); a comm "
+                        "key of one method or update rule goes to that method's or rule's runs")
     p.add_argument("--tag", default="",
                    help="words added to the section's title and index label, so that a run of a "
                         "few methods gets a section of its own beside the full run's (which a "

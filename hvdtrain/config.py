@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.compression import METHODS
+from hvdtrain.compression import METHODS, check_comm
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, shown
 from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
@@ -108,15 +108,27 @@ class OptimConfig:
     lr: float = _opt(0.05, min=0.0)
     """Learning rate for one rank; multiplied by the world size when ``scale_lr`` is on."""
     momentum: float = _opt(0.9, min=0.0, max=1.0)
-    """SGD momentum (ignored by Adam)."""
+    """SGD momentum (Adam and AdamW have none: refused with them unless left at 0.9)."""
     weight_decay: float = _opt(0.0, min=0.0)
     """L2 weight decay."""
     scale_lr: bool = True
     """Multiply ``lr`` by the world size, as the global batch grows with it (Goyal et al., 2017)."""
     warmup_steps: int = _opt(0, min=0)
-    """Steps of linear warm-up from ``lr`` to the scaled learning rate (0: none)."""
+    """Steps of linear warm-up from ``lr`` to the scaled learning rate (0: none; needs
+    ``scale_lr``, without which the two rates are the same)."""
     schedule: str = _opt("constant", choices=("constant", "cosine"))
     """Learning-rate shape after warm-up."""
+
+    def __post_init__(self) -> None:
+        # Settings that would do nothing are refused, not ignored (as check_comm does for comm).
+        if self.name != "sgd" and self.momentum != 0.9:
+            raise ConfigError(f"optim.momentum={self.momentum:g} does nothing with optim.name="
+                              f"{self.name!r}: only SGD has momentum (Adam's betas are fixed at "
+                              "0.9 and 0.999); leave it at its default 0.9")
+        if self.warmup_steps and not self.scale_lr:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} does nothing with "
+                              "optim.scale_lr=false: the warm-up rises from optim.lr to the scaled "
+                              "rate, which is optim.lr itself; set optim.warmup_steps=0")
 
 
 BF16_REFUSED = ("comm.compression='bf16': Horovod 0.28.1 cannot carry it: its PyTorch ops refuse "
@@ -245,9 +257,6 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
     if ps.consistency != "bsp":
         raise ConfigError(f"{method} and ps.consistency={ps.consistency!r}: the servers' "
                           "optimizer takes dense pushes only; use bsp, or none or fp16")
-    if comm.momentum_correction or comm.compress_momentum:
-        raise ConfigError(f"{method}: comm.momentum_correction and comm.compress_momentum are "
-                          "update rules of the ring's compressing exchange; set them false")
 
 
 def check_colocated(cfg: Config) -> None:
@@ -405,6 +414,7 @@ class Config:
         check_ps(self.comm, self.ps, self.elastic)
         check_colocated(self)
         check_ps_async(self)
+        check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
 
     @property
     def run_dir(self) -> Path:

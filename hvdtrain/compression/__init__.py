@@ -2,7 +2,8 @@
 (:mod:`~hvdtrain.compression.plans`: tensors, rounds of collectives, state, byte counts), its state
 and re-sharding (:mod:`~hvdtrain.compression.state`), the exchange that runs a plan
 (:mod:`~hvdtrain.compression.exchange`) and the NumPy spec the framework kernels are tested against
-(:mod:`~hvdtrain.compression.reference`).
+(:mod:`~hvdtrain.compression.reference`); which ``comm`` settings take effect together
+(:func:`check_comm`, :mod:`~hvdtrain.compression.compat`).
 
 This module imports neither a framework nor :mod:`hvdtrain.config` (which validates
 ``comm.compression`` against :data:`METHODS`); plans load when :func:`make_plan` first needs one.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hvdtrain.compression.compat import check_comm
 from hvdtrain.registry import Registry
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ _ENTRIES = {
     "qsgd": "hvdtrain.compression.plans:QSGD",
     "powersgd": "hvdtrain.compression.plans:PowerSGD",
 }
+
+__all__ = ["METHODS", "PLANS", "check_comm", "make_plan"]
 
 METHODS: tuple[str, ...] = tuple(_ENTRIES)
 """The ``comm.compression`` methods, in the order they are documented."""

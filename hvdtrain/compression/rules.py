@@ -24,14 +24,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from hvdtrain.compression import reference as ref
+from hvdtrain.compression.compat import adam_misfit, dgc_misfit
 from hvdtrain.compression.kernels import Context, Tensor
 from hvdtrain.compression.plans import Plan, Stage, TensorPlan
 from hvdtrain.compression.state import MOMENTUM, RESIDUAL, VARIANCE, VELOCITY, Slot, slot_key
-
-DGC_METHODS = ("topk", "randomk")
-"""The methods that take DGC's momentum correction with SGD momentum."""
-ADAM_METHODS = ("topk", "randomk", "qsgd")
-"""The methods that compress Adam's momentum (1-bit Adam's design) with Adam and AdamW."""
 
 
 class RuleSettings(Protocol):
@@ -233,12 +229,17 @@ class CompressedAdam(Rule):
 
 
 def make_rule(plan: Plan, comm: RuleSettings, opt: OptimizerSettings | None) -> Rule:
-    """The rule for this plan and optimizer (None: the framework keeps its optimizer)."""
+    """The rule for this plan and optimizer (None: the framework keeps its optimizer).
+
+    DGC and compressed Adam where :mod:`hvdtrain.compression.compat` says they run; the config
+    refuses a rule turned on where they do not (:func:`~hvdtrain.compression.compat.check_comm`),
+    so plain averaging here means the config asked for it. Code that builds an exchange itself
+    may turn both rules on: the optimizer picks one."""
     if opt is None:
         return Rule(plan, comm, OptimizerSettings("sgd"))
-    if (opt.name == "sgd" and opt.momentum > 0 and comm.momentum_correction
-            and comm.error_feedback and plan.method in DGC_METHODS):
+    feedback = comm.error_feedback
+    if comm.momentum_correction and not dgc_misfit(plan.method, feedback, opt.name, opt.momentum):
         return DGC(plan, comm, opt)
-    if opt.name in ("adam", "adamw") and comm.compress_momentum and plan.method in ADAM_METHODS:
+    if comm.compress_momentum and not adam_misfit(plan.method, feedback, opt.name):
         return CompressedAdam(plan, comm, opt)
     return Rule(plan, comm, opt)

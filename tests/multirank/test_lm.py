@@ -87,8 +87,11 @@ def test_tensorflow_two_ranks_train_the_lm_with_dense_and_compressed_exchanges(t
 # Every method at the LM's defaults (Adam), in 2 stages x 2 copies: the exchange runs within each
 # stage's process set, the stages' split runs through the transformer blocks.
 STAGED = ("pipeline.stages=2,pipeline.microbatches=2,data.batch_size=8,train.max_steps=30,"
-          "optim.warmup_steps=5,comm.min_size=256,comm.ratio=0.1")
-METHODS = ["fp16", "topk", "randomk", "qsgd", "powersgd"]
+          "optim.warmup_steps=5")
+METHODS = {"fp16": "", "topk": ",comm.min_size=256,comm.ratio=0.1",
+           "randomk": ",comm.min_size=256,comm.ratio=0.1", "qsgd": ",comm.min_size=256",
+           "powersgd": ",comm.min_size=256"}
+"""Each method and its parameters (a key the method does not read is refused)."""
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +104,8 @@ def staged(tmp_path_factory):
             corpus = docs_corpus(tmp_path_factory.mktemp(f"text-{framework}") / "docs")
             cache[framework] = launch(
                 4, tmp_path_factory.mktemp(f"lm-staged-{framework}"),
-                [f"{m}:data.options.root={corpus},{STAGED},comm.compression={m}"
-                 for m in METHODS], framework)
+                [f"{m}:data.options.root={corpus},{STAGED},comm.compression={m}{params}"
+                 for m, params in METHODS.items()], framework)
         return cache[framework]
 
     return get

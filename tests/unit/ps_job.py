@@ -129,12 +129,17 @@ def compressing_worker(world, cfg, out: Path, steps: int, save_at: int, resume: 
     return record
 
 
+PARAMS = {"topk": ["comm.ratio=0.05", "comm.min_size=256"],
+          "randomk": ["comm.ratio=0.05", "comm.min_size=256"],
+          "qsgd": ["comm.min_size=256", "comm.bucket=128"]}
+"""Each method's parameters (a key the method does not read is refused)."""
+
+
 def main() -> None:
     mode, out, servers = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     compression = sys.argv[4] if len(sys.argv) > 4 else "none"
     cfg = load_config(None, ["comm.topology=ps", f"ps.servers={servers}", "ps.chunk_kib=1",
-                             f"comm.compression={compression}", "comm.ratio=0.05",
-                             "comm.min_size=256", "comm.bucket=128",
+                             f"comm.compression={compression}", *PARAMS.get(compression, []),
                              "ps.timeout_s=3", f"log.dir={out}"], environ={})
     world = split(servers)
     if mode == "fail":

@@ -4,6 +4,7 @@ through a checkpoint and an elastic resize."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
-from hvdtrain.compression.rules import OptimizerSettings
+from hvdtrain.compression.rules import DGC, CompressedAdam, OptimizerSettings, Rule, make_rule
 from hvdtrain.config import CommConfig, ConfigError, load_config
 from tests.unit.numpy_world import F32, Hub, NumpyExchange
 from tests.unit.test_compression_exchange import SEED, SHAPES, grads_of, on_ranks
@@ -219,8 +220,163 @@ def test_adam_warm_up_must_leave_a_variance_to_freeze():
         load_config(None, ["comm.adam_warmup_steps=0"], environ={})
 
 
-@pytest.mark.parametrize("key", ["momentum_correction", "compress_momentum"])
-def test_both_frameworks_take_the_update_rules(key):
-    for framework in ("torch", "tensorflow"):
-        cfg = load_config(None, [f"framework={framework}", f"comm.{key}=true"], environ={})
-        assert getattr(cfg.comm, key)
+# Refusals: a rule or key that would do nothing is a one-line error at validation ------------------
+
+TOPOLOGY = ("the update rules run in the ring's compressing exchange, and parameter servers only sum "
+            "gradients")
+REFUSED = [
+    (["comm.momentum_correction=true"], "comm.momentum_correction=true does nothing with "
+     "comm.compression='none': DGC corrects the momentum of sparsified gradients, topk and randomk only"),
+    *[(["comm.momentum_correction=true", f"comm.compression={m}"],
+       f"comm.momentum_correction=true does nothing with comm.compression={m!r}: DGC corrects the "
+       "momentum of sparsified gradients, topk and randomk only") for m in ("fp16", "qsgd", "powersgd")],
+    *[(["comm.momentum_correction=true", "comm.compression=topk", f"optim.name={o}"],
+       f"comm.momentum_correction=true does nothing with optim.name={o!r}: DGC corrects SGD momentum "
+       "(comm.compress_momentum is Adam's)") for o in ("adam", "adamw")],
+    (["comm.momentum_correction=true", "comm.compression=randomk", "optim.momentum=0"],
+     "comm.momentum_correction=true does nothing with optim.momentum=0: DGC corrects SGD momentum, "
+     "and there is none"),
+    (["comm.momentum_correction=true", "comm.compression=topk", "comm.error_feedback=false"],
+     "comm.momentum_correction=true does nothing with comm.error_feedback=false: DGC accumulates the "
+     "velocity in the error-feedback residual"),
+    (["comm.compress_momentum=true", "comm.compression=topk"], "comm.compress_momentum=true does "
+     "nothing with optim.name='sgd': it compresses Adam's and AdamW's momentum "
+     "(comm.momentum_correction is SGD's)"),
+    *[(["comm.compress_momentum=true", "optim.name=adam", f"comm.compression={m}"],
+       f"comm.compress_momentum=true does nothing with comm.compression={m!r}: compressed momentum is "
+       "sent by topk, randomk and qsgd only") for m in ("none", "fp16", "powersgd")],
+    (["comm.compress_momentum=true", "optim.name=adamw", "comm.compression=randomk",
+      "comm.error_feedback=false"], "comm.compress_momentum=true does nothing with "
+     "comm.error_feedback=false: compressed Adam always keeps error feedback (1-bit Adam's error "
+     "compensation)"),
+    # Both rules on: the optimizer's own one runs, the other is refused.
+    (["comm.compression=topk", "comm.momentum_correction=true", "comm.compress_momentum=true"],
+     "comm.compress_momentum=true does nothing with optim.name='sgd'"),
+]
+"""Overrides of the defaults (SGD, momentum 0.9, ring) and the whole message."""
+
+SUB_KEYS = [("momentum_masking", "true", "momentum_correction", "false"),
+            ("clip_norm", "1.0", "momentum_correction", "0.0"),
+            ("sparsity_warmup_steps", "0", "momentum_correction", "250"),
+            ("adam_warmup_steps", "3", "compress_momentum", "200")]
+"""Each key read by one update rule only: a value it may take, its rule, its default."""
+METHOD_KEYS = [("ratio", "0.1", "0.01", ("topk", "randomk"), "topk and randomk"),
+               ("rank", "4", "2", ("powersgd",), "powersgd"),
+               ("bucket", "64", "512", ("qsgd",), "qsgd"),
+               ("min_size", "0", "1024", ("topk", "randomk", "qsgd", "powersgd"),
+                "topk, randomk, qsgd and powersgd"),
+               ("error_feedback", "false", "true", ("topk", "randomk", "powersgd"),
+                "topk, randomk and powersgd")]
+"""Each method parameter: a value, its default, the methods that read it, as the message lists them."""
+METHODS = ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
+STAGES = ["pipeline.stages=2", "pipeline.microbatches=2"]
+RING_AND_STAGES = pytest.mark.parametrize("where", [[], STAGES], ids=["ring", "stages"])
+
+
+def refusal(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, environ={})
+    return str(info.value)
+
+
+@RING_AND_STAGES
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize(("overrides", "message"), REFUSED)
+def test_an_update_rule_that_would_do_nothing_is_refused(overrides, message, framework, where):
+    got = refusal([f"framework={framework}", *where, *overrides])
+    assert got.startswith(message) and "\n" not in got, got
+
+
+@pytest.mark.parametrize("overrides", [
+    ["comm.compression=topk", "comm.momentum_correction=true"],  # runs on the ring
+    ["comm.compression=fp16", "comm.momentum_correction=true", "ps.placement=colocated"],
+    ["comm.compression=qsgd", "comm.compress_momentum=true", "optim.name=adam"],
+    ["comm.compression=none", "comm.momentum_correction=true"],  # the topology is named first
+    ["comm.compression=fp16", "comm.compress_momentum=true", "optim.name=sgd"],
+])
+def test_the_update_rules_are_refused_with_parameter_servers(overrides):
+    rule = next(o.split("=")[0] for o in overrides if o.startswith("comm.") and "momentum" in o)
+    assert refusal(["comm.topology=ps", *overrides]) == (
+        f"{rule}=true does nothing with comm.topology='ps': {TOPOLOGY}")
+
+
+@RING_AND_STAGES
+@pytest.mark.parametrize(("key", "value", "rule", "default"), SUB_KEYS)
+def test_a_rules_key_without_its_rule_is_refused(key, value, rule, default, where):
+    for method in METHODS:
+        assert refusal([*where, f"comm.compression={method}", f"comm.{key}={value}"]) == (
+            f"comm.{key}={value} does nothing with comm.{rule}=false: only that rule reads it; set "
+            f"comm.{rule}=true or leave comm.{key} at its default {default}")
+
+
+@RING_AND_STAGES
+@pytest.mark.parametrize(("key", "value", "default", "readers", "listed"), METHOD_KEYS)
+def test_a_method_parameter_is_refused_with_a_method_that_does_not_read_it(
+        key, value, default, readers, listed, where):
+    for method in METHODS:
+        overrides = [*where, f"comm.compression={method}", f"comm.{key}={value}"]
+        if method in readers:
+            assert str(getattr(load_config(None, overrides, environ={}).comm, key)).lower() == value
+        else:
+            assert refusal(overrides) == (
+                f"comm.{key}={value} does nothing with comm.compression={method!r}: only {listed} "
+                f"read it; leave it at its default {default}")
+
+
+VALID = [
+    (["comm.compression=topk", "comm.momentum_correction=true"], "DGC"),
+    (["comm.compression=randomk", "comm.momentum_correction=true", "optim.momentum=0.5",
+      "comm.momentum_masking=true", "comm.clip_norm=2", "comm.sparsity_warmup_steps=0"], "DGC"),
+    *[([f"comm.compression={m}", "comm.compress_momentum=true", f"optim.name={o}",
+        "comm.adam_warmup_steps=5"], "CompressedAdam")
+      for m in ("topk", "randomk", "qsgd") for o in ("adam", "adamw")],
+    # The sub-keys at their defaults (as a config file may spell them) with the rules off.
+    (["comm.compression=qsgd", "comm.sparsity_warmup_steps=250", "comm.adam_warmup_steps=200",
+      "comm.clip_norm=0", "comm.ratio=0.01", "comm.error_feedback=true"], "Rule"),
+]
+
+
+@RING_AND_STAGES
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize(("overrides", "rule"), VALID)
+def test_the_combinations_the_rules_run_in_are_accepted(overrides, rule, framework, where):
+    cfg = load_config(None, [f"framework={framework}", *where, *overrides], environ={})
+    plan = make_plan(cfg.comm, SEED, SHAPES)
+    opt = OptimizerSettings(cfg.optim.name, momentum=cfg.optim.momentum)
+    assert type(make_rule(plan, cfg.comm, opt)).__name__ == rule
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_config_refuses_a_rule_exactly_where_the_exchange_would_not_run_it(method):
+    """One rule: with a rule turned on, the config loads where :func:`make_rule` picks it and
+    refuses where it would fall back to plain averaging, over every method, optimizer, SGD
+    momentum and error feedback."""
+    for flag, name, momentum, feedback in itertools.product(
+            ("momentum_correction", "compress_momentum"), ("sgd", "adam", "adamw"), (0.0, 0.9),
+            (True, False)):
+        if name != "sgd" and momentum != 0.9:
+            continue  # optim.momentum is refused with Adam (test_config_errors.py)
+        feedback_key = [] if feedback or method not in ("topk", "randomk", "powersgd") else [
+            "comm.error_feedback=false"]
+        overrides = [f"comm.compression={method}", f"comm.{flag}=true", f"optim.name={name}",
+                     f"optim.momentum={momentum}", *feedback_key]
+        c = CommConfig(compression=method, error_feedback=feedback or not feedback_key,
+                       **{flag: True})
+        opt = OptimizerSettings(name, momentum=momentum)
+        runs = make_rule(make_plan(c, SEED, SHAPES), c, opt).updates
+        try:
+            load_config(None, overrides, environ={})
+            loads = True
+        except ConfigError as exc:
+            assert str(exc).startswith(f"comm.{flag}=true does nothing with "), exc
+            loads = False
+        assert loads == runs, overrides
+
+
+def test_code_that_builds_an_exchange_itself_may_turn_both_rules_on():
+    """Outside the config (a user's own loop), the optimizer picks its rule of the two."""
+    c = comm("topk")
+    plan = make_plan(c, SEED, SHAPES)
+    assert isinstance(make_rule(plan, c, SGD), DGC)
+    assert isinstance(make_rule(plan, c, OptimizerSettings("adamw")), CompressedAdam)
+    assert type(make_rule(plan, c, OptimizerSettings("sgd"))) is Rule  # no momentum to correct

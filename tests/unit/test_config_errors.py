@@ -174,6 +174,12 @@ def hvdtrain(*args: str) -> subprocess.CompletedProcess:
     ("train.stall_timeout_s=1e10", "train.stall_timeout_s=10000000000.0: must be <= 1000000.0"),
     ("comm.cycle_time_ms=1e300", "comm.cycle_time_ms=1e+300: must be <= 1000.0"),
     ("log.dir={a: {b: 1}}", "log.dir={'a': {'b': 1}}: expected a string"),
+    # Settings that would do nothing (hvdtrain.compression.compat, OptimConfig).
+    ("comm.momentum_correction=true", "comm.momentum_correction=true does nothing with "
+     "comm.compression='none'"),
+    (("comm.compression=qsgd", "comm.ratio=0.1"), "comm.ratio=0.1 does nothing with "
+     "comm.compression='qsgd'"),
+    ("optim.scale_lr=false", "optim.warmup_steps=20 does nothing with optim.scale_lr=false"),
 ])
 def test_the_cli_turns_bad_values_into_one_line_and_exit_2(override, message, tmp_path):
     overrides = (override,) if isinstance(override, str) else override
@@ -193,6 +199,28 @@ def test_fp16_with_every_compression_loads_in_both_frameworks(overrides):
     """Both engines unscale before an exchange that keeps state between steps (hvdtrain.step)."""
     cfg = load_config(None, overrides, environ={})
     assert cfg.comm.compression == overrides[2].split("=")[1]
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_sgd_momentum_with_adam_is_refused_unless_left_at_its_default(name):
+    for momentum in (0.0, 0.5, 0.99):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"optim.name={name}", f"optim.momentum={momentum}"], environ={})
+        assert str(info.value) == (
+            f"optim.momentum={momentum:g} does nothing with optim.name={name!r}: only SGD has "
+            "momentum (Adam's betas are fixed at 0.9 and 0.999); leave it at its default 0.9")
+    assert load_config(None, [f"optim.name={name}", "optim.momentum=0.9"], environ={}).optim.name == name
+    assert load_config(None, ["optim.name=sgd", "optim.momentum=0"], environ={}).optim.momentum == 0
+
+
+def test_a_warm_up_without_lr_scaling_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["optim.warmup_steps=5", "optim.scale_lr=false"], environ={})
+    assert str(info.value) == (
+        "optim.warmup_steps=5 does nothing with optim.scale_lr=false: the warm-up rises from "
+        "optim.lr to the scaled rate, which is optim.lr itself; set optim.warmup_steps=0")
+    for overrides in (["optim.warmup_steps=5"], ["optim.warmup_steps=0", "optim.scale_lr=false"]):
+        load_config(None, overrides, environ={})
 
 
 def test_slurm_submit_with_log_dir_naming_a_file_is_the_user_error_train_gives(tmp_path):

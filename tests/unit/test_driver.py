@@ -40,7 +40,8 @@ RULES = {
     "adamw-topk": ("comm.compression=topk", "optim.name=adamw", "optim.lr=0.01",
                    "optim.weight_decay=0.01", "comm.adam_warmup_steps=3",
                    "comm.compress_momentum=true"),
-    "adam-qsgd": ("comm.compression=qsgd", "optim.name=adam", "optim.lr=0.01",
+    # comm.ratio back to its default: qsgd does not read it, and a key that does nothing is refused.
+    "adam-qsgd": ("comm.compression=qsgd", "comm.ratio=0.01", "optim.name=adam", "optim.lr=0.01",
                   "comm.adam_warmup_steps=3", "comm.compress_momentum=true"),
 }
 

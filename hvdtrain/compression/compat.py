@@ -1,0 +1,145 @@
+"""Which ``comm`` settings take effect with which method, optimizer and topology: one rule, used by
+the config's validation (:func:`check_comm`) and by the exchange when it picks its update rule
+(:func:`dgc_misfit` and :func:`adam_misfit`, in :func:`hvdtrain.compression.rules.make_rule`).
+
+A setting that would do nothing in the combination given is refused with one line naming the keys
+and the reason, when the config is validated (before any process group starts), whatever the
+topology and with pipeline stages too:
+
+- the update rules: ``comm.momentum_correction`` (DGC) needs ``topk`` or ``randomk``, SGD with
+  momentum and error feedback; ``comm.compress_momentum`` needs ``topk``, ``randomk`` or ``qsgd``
+  with Adam or AdamW; both run in the ring's compressing exchange only, not with parameter servers;
+- their sub-keys (DGC's ``momentum_masking``, ``clip_norm``, ``sparsity_warmup_steps``; compressed
+  Adam's ``adam_warmup_steps``) set away from their defaults while the rule is off;
+- a method's parameters (``ratio``, ``rank``, ``bucket``, ``min_size``, ``error_feedback=false``)
+  set away from their defaults with a method that does not read them.
+
+Framework-free, and free of :mod:`hvdtrain.config` (which calls it): the defaults are read from
+the settings' own dataclass fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+from hvdtrain.errors import ConfigError
+
+DGC_METHODS = ("topk", "randomk")
+"""The methods that take DGC's momentum correction with SGD momentum."""
+ADAM_METHODS = ("topk", "randomk", "qsgd")
+"""The methods that compress Adam's momentum (1-bit Adam's design) with Adam and AdamW."""
+ADAM_OPTIMIZERS = ("adam", "adamw")
+"""The optimizers whose momentum ``comm.compress_momentum`` compresses."""
+
+METHOD_KEYS = {
+    "ratio": ("topk", "randomk"),
+    "rank": ("powersgd",),
+    "bucket": ("qsgd",),
+    "min_size": ("topk", "randomk", "qsgd", "powersgd"),
+    "error_feedback": ("topk", "randomk", "powersgd"),
+}
+"""Per ``comm`` key, the methods that read it (``none`` and ``fp16`` send every tensor whole; qsgd
+keeps no residual)."""
+RULE_KEYS = {"momentum_masking": "momentum_correction", "clip_norm": "momentum_correction",
+             "sparsity_warmup_steps": "momentum_correction",
+             "adam_warmup_steps": "compress_momentum"}
+"""The keys read only by an update rule, and the key that turns that rule on."""
+
+
+class CommSettings(Protocol):
+    """The ``comm`` settings checked here (:class:`hvdtrain.config.CommConfig` has them)."""
+
+    compression: str
+    error_feedback: bool
+    momentum_correction: bool
+    compress_momentum: bool
+    topology: str
+
+
+class OptimSettings(Protocol):
+    """The ``optim`` settings the update rules depend on (:class:`hvdtrain.config.OptimConfig`)."""
+
+    name: str
+    momentum: float
+
+
+def dgc_misfit(method: str, error_feedback: bool, optimizer: str, momentum: float) -> str | None:
+    """Why DGC's momentum correction does nothing with this ``comm.compression``,
+    ``comm.error_feedback``, optimizer (``sgd``, ``adam``, ``adamw``) and SGD momentum, as the
+    end of a one-line error; None where it runs (on the ring)."""
+    if method not in DGC_METHODS:
+        return (f"comm.compression={method!r}: DGC corrects the momentum of sparsified "
+                "gradients, topk and randomk only")
+    if optimizer != "sgd":
+        return (f"optim.name={optimizer!r}: DGC corrects SGD momentum (comm.compress_momentum is "
+                "Adam's)")
+    if not momentum > 0:
+        return f"optim.momentum={momentum:g}: DGC corrects SGD momentum, and there is none"
+    if not error_feedback:
+        return ("comm.error_feedback=false: DGC accumulates the velocity in the error-feedback "
+                "residual")
+    return None
+
+
+def adam_misfit(method: str, error_feedback: bool, optimizer: str) -> str | None:
+    """Why compressing Adam's momentum does nothing with this ``comm.compression``,
+    ``comm.error_feedback`` and optimizer, as the end of a one-line error; None where it runs (on
+    the ring)."""
+    if method not in ADAM_METHODS:
+        return (f"comm.compression={method!r}: compressed momentum is sent by topk, randomk and "
+                "qsgd only")
+    if optimizer not in ADAM_OPTIMIZERS:
+        return (f"optim.name={optimizer!r}: it compresses Adam's and AdamW's momentum "
+                "(comm.momentum_correction is SGD's)")
+    if not error_feedback:
+        return ("comm.error_feedback=false: compressed Adam always keeps error feedback "
+                "(1-bit Adam's error compensation)")
+    return None
+
+
+def check_comm(comm: CommSettings, optim: OptimSettings) -> None:
+    """Raises a one-line :class:`ConfigError` for a ``comm`` setting that would do nothing with
+    the rest of ``comm`` and ``optim`` (see the module docstring). ``comm`` is a dataclass
+    instance: a key counts as set where it differs from its field's default."""
+    method, feedback = comm.compression, comm.error_feedback
+    rules = {"momentum_correction": dgc_misfit(method, feedback, optim.name, optim.momentum),
+             "compress_momentum": adam_misfit(method, feedback, optim.name)}
+    for rule, misfit in rules.items():
+        if getattr(comm, rule) and comm.topology != "ring":
+            misfit = (f"comm.topology={comm.topology!r}: the update rules run in the ring's "
+                      "compressing exchange, and parameter servers only sum gradients")
+        if getattr(comm, rule) and misfit is not None:
+            raise ConfigError(f"comm.{rule}=true does nothing with {misfit}")
+    changed, defaults = _changed(comm), _defaults(comm)
+    for key, rule in RULE_KEYS.items():
+        if key in changed and not getattr(comm, rule):
+            raise ConfigError(f"comm.{key}={_shown(changed[key])} does nothing with comm.{rule}="
+                              f"false: only that rule reads it; set comm.{rule}=true or leave "
+                              f"comm.{key} at its default {_shown(defaults[key])}")
+    for key, methods in METHOD_KEYS.items():
+        if key in changed and method not in methods:
+            raise ConfigError(f"comm.{key}={_shown(changed[key])} does nothing with "
+                              f"comm.compression={method!r}: only {_listed(methods)} read it; "
+                              f"leave it at its default {_shown(defaults[key])}")
+
+
+def _defaults(settings: Any) -> dict[str, Any]:
+    """The defaults of a settings dataclass's fields, by name."""
+    return {f.name: f.default for f in dataclasses.fields(settings)
+            if f.default is not dataclasses.MISSING}
+
+
+def _changed(settings: Any) -> dict[str, Any]:
+    """The fields of a settings dataclass that differ from their defaults, by name."""
+    return {name: getattr(settings, name) for name, default in _defaults(settings).items()
+            if getattr(settings, name) != default}
+
+
+def _shown(value: Any) -> str:
+    """A value as a config file writes it (``true``, ``0.05``, ``'topk'``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
