@@ -155,8 +155,9 @@ class CommConfig:
     momentum_correction: bool = False
     """``topk`` and ``randomk`` with SGD momentum: Deep Gradient Compression's momentum
     correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
-    applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback``). Off by
-    default: its gain is not yet measured over seeds on every model (docs/benchmarks.md)."""
+    applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback`` and
+    ``optim.momentum`` > 0; refused where it would not run, :mod:`hvdtrain.compression.compat`).
+    Off by default: its gain is not yet measured over seeds on every model (docs/benchmarks.md)."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
     momentum factor masking). Off by default: it cost accuracy on the MNIST-1D CNN
@@ -171,7 +172,8 @@ class CommConfig:
     """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (off by default until
     measured over seeds in a real run, docs/benchmarks.md): 1-bit Adam's design. Dense
     Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
-    momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update."""
+    momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update
+    (refused where it would not run, :mod:`hvdtrain.compression.compat`)."""
     adam_warmup_steps: int = _opt(200, min=1)
     """With ``compress_momentum``: steps of dense Adam before the variance freezes."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
