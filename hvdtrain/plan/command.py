@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
+from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.plan.cluster import Cluster, load_cluster
 from hvdtrain.plan.predict import Knobs, Plan, pieces_per_rank, pipeline_name, plan
-from hvdtrain.plan.profile import ModelProfile, check_matches, load_profile, save_profile
+from hvdtrain.plan.profile import RATIO_KEYS, ModelProfile, check_matches, load_profile, save_profile
 from hvdtrain.plan.stages import PLANNED_SCHEDULES
+from hvdtrain.world import World
 
 PROFILE_STEPS = 5
 """Steps ``hvdtrain plan profile`` times (after one untimed step that warms up)."""
@@ -76,11 +78,30 @@ def run(request: Request) -> Plan | ModelProfile | Cluster | None:
     return _plan(request, items)
 
 
+def knobs_of(cfg: Config) -> Knobs:
+    """What the plan reads of ``cfg``, through the functions training reads it with: the
+    accumulated passes of :class:`hvdtrain.world.World`, ``pipeline.microbatches`` as configured
+    (each pipeline setting resolves it with training's ``microbatch_count``), and a pipeline
+    copy's batch ``data.batch_size`` (docs/pipeline.md)."""
+    dedicated = cfg.comm.topology == "ps" and cfg.ps.placement == "dedicated"
+    return Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
+                 microbatches=cfg.pipeline.microbatches,
+                 virtual_stages=cfg.pipeline.virtual_stages, chunk_kib=cfg.ps.chunk_kib,
+                 ps_overlap=cfg.ps.overlap, accumulation=World.of(cfg, 1).accumulation,
+                 stages=cfg.pipeline.stages, servers=cfg.ps.servers if dedicated else 0,
+                 comm={k: float(getattr(cfg.comm, k)) for k in RATIO_KEYS})
+
+
 def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
     """The name of the setting ``cfg`` runs, as the plan names it; a one-line error when it
-    cannot run on ``cluster`` at any node count."""
+    cannot run on ``cluster`` at any node count, or when the plan would price another run."""
     most = cluster.nodes * cluster.ranks_per_node
     stages = cfg.pipeline.stages
+    if cfg.train.precision != "fp32":
+        # The profile times float32 compute (hvdtrain plan profile does not autocast).
+        raise ConfigError(f"train.precision={cfg.train.precision!r}: the plan prices float32 "
+                          "compute only (its profile times fp32); plan with "
+                          "train.precision=fp32")
     if stages > 1:
         if not any(n * cluster.ranks_per_node % stages == 0
                    for n in range(1, cluster.nodes + 1)):
@@ -91,15 +112,23 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
             raise ConfigError(f"pipeline.schedule={cfg.pipeline.schedule!r}: the plan prices "
                               f"{' and '.join(PLANNED_SCHEDULES)} only")
         schedule = cfg.pipeline.schedule
-        return pipeline_name(stages, knobs.microbatches or 4 * stages, schedule,
-                             pieces_per_rank(schedule, knobs))
+        virtual = pieces_per_rank(schedule, knobs)
+        return pipeline_name(stages, microbatch_count(stages, cfg.pipeline.microbatches,
+                                                      virtual), schedule, virtual)
+    if cfg.comm.topology == "ps" and cfg.ps.consistency != "bsp":
+        raise ConfigError(f"ps.consistency={cfg.ps.consistency!r}: the plan prices bsp only (every "
+                          "step waits for all workers); plan with ps.consistency=bsp")
     if cfg.comm.topology == "ps" and cfg.ps.placement == "colocated":
         return "ps sharded update"
     if cfg.comm.topology == "ps":
         if not cluster.servers.nodes:
             raise ConfigError("comm.topology=ps: the cluster file has no server nodes "
                               "(servers.nodes); add them or plan comm.topology=ring")
-        return f"ps dedicated S={cluster.servers.nodes}"
+        if cfg.ps.servers > cluster.servers.nodes:
+            raise ConfigError(f"ps.servers={cfg.ps.servers}: the cluster file has "
+                              f"{cluster.servers.nodes} server node(s) (servers.nodes), one "
+                              "server rank each")
+        return f"ps dedicated S={cfg.ps.servers}"
     if most < 2:
         return "ring"
     return "ring" if cfg.comm.compression == "none" else f"ring {cfg.comm.compression}"
@@ -115,10 +144,7 @@ def _plan(request: Request, items: list[str]) -> Plan:
     knobs: Knobs | None = None
     if config is not None:
         cfg = load_config(config, overrides)
-        knobs = Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
-                      microbatches=cfg.pipeline.microbatches,
-                      virtual_stages=cfg.pipeline.virtual_stages, chunk_kib=cfg.ps.chunk_kib,
-                      ps_overlap=cfg.ps.overlap)
+        knobs = knobs_of(cfg)
     if request.profile is not None:
         model = load_profile(request.profile)
         if config is not None:
@@ -130,6 +156,13 @@ def _plan(request: Request, items: list[str]) -> Plan:
     result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
     if config is not None:
         result.configured = configured_setting(cfg, cluster, result.knobs)
+        row = next((p for p in result.predictions if p.setting == result.configured), None)
+        if row is None:  # a profile without the config's compression method
+            raise ConfigError(f"the profile has no figures for the config's setting "
+                              f"({result.configured}, comm.compression={cfg.comm.compression}); "
+                              "profile this config with hvdtrain plan profile")
+        if row.reason:  # the config's own run must be the one priced
+            raise ConfigError(f"the config's setting ({result.configured}): {row.reason}")
     written = []  # the files first: a console cut short (``| head``) must not lose them
     for path, write in ((request.json, render.write_json), (request.html, html.write_html),
                         (request.plot, render.write_plot)):

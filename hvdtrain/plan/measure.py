@@ -20,7 +20,7 @@ from hvdtrain.compression import METHODS, make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.kernels import Kernels, Tensor
 from hvdtrain.compression.plans import CommSettings
-from hvdtrain.plan.profile import MethodProfile
+from hvdtrain.plan.profile import RATIO_KEYS, MethodProfile
 
 
 def medians(rows: Sequence[Sequence[float]]) -> list[float]:
@@ -68,5 +68,6 @@ def method_profiles(comm: Any, seed: int, shapes: Sequence[tuple[int, ...]],
                     run()
                 seconds += (time.perf_counter() - start) / repeats
         out[method] = MethodProfile(plan.dense_bytes() / max(1, plan.wire_bytes()), seconds,
-                                    plan.collective)
+                                    plan.collective, {k: float(getattr(comm, k))
+                                                      for k in RATIO_KEYS})
     return out

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hvdtrain.pipeline.schedules import SCHEDULES
+from hvdtrain.errors import ConfigError
+from hvdtrain.pipeline.schedules import SCHEDULES, check_pipeline, microbatch_count
 from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
-from hvdtrain.plan.profile import MethodProfile, ModelProfile
+from hvdtrain.plan.profile import RATIO_KEYS, MethodProfile, ModelProfile
 from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
 from hvdtrain.ps.layout import Layout, server_chunk
 
@@ -28,13 +29,25 @@ class Knobs:
     """What the run config sets that the prediction depends on."""
 
     batch_size: int
-    """Samples per rank per step (``data.batch_size``)."""
+    """``data.batch_size`` as training reads it: a rank's batch of one backward pass, and with
+    pipeline stages a pipeline copy's batch (split into its micro-batches)."""
     cycle_ms: float = 0.0
     """``comm.cycle_time_ms`` (0: Horovod's 1 ms)."""
     microbatches: int = 0
-    """``pipeline.microbatches`` (0: four per stage)."""
+    """``pipeline.microbatches`` as configured (0: ``P x v``, resolved per setting by training's
+    :func:`hvdtrain.pipeline.schedules.microbatch_count`)."""
     virtual_stages: int = 0
     """``pipeline.virtual_stages`` of interleaved 1F1B (0 or 1: :data:`DEFAULT_VIRTUAL`)."""
+    accumulation: int = 1
+    """``train.backward_passes_per_step``: backward passes a rank accumulates before each
+    exchange (:attr:`hvdtrain.world.World.accumulation`); pipelines take 1 (training refuses more)."""
+    stages: int = 1
+    """``pipeline.stages`` of the config: its settings without stages say ``pipeline.stages=1``."""
+    servers: int = 0
+    """``ps.servers`` of a config with dedicated servers (0: one server a server node)."""
+    comm: dict[str, float] = field(default_factory=dict)
+    """The config's ``comm`` keys of :data:`~hvdtrain.plan.profile.RATIO_KEYS` (empty without a
+    config): a method whose ratio the profile measured at other values is not priced."""
     fusion_threshold: int = FUSION_THRESHOLD
     chunk_kib: int = 4096
     """``ps.chunk_kib``: the most a dedicated server's chunk holds."""
@@ -63,6 +76,9 @@ class Point:
     efficiency: float | None = None
     comm_s: float | None = None
     """Communication the step waits for beyond its compute."""
+    batch: int | None = None
+    """Samples a step takes over every rank (the global batch): ``data.batch_size`` x ranks x
+    accumulated passes, with stages ``data.batch_size`` x copies."""
     reason: str | None = None
 
 
@@ -78,6 +94,8 @@ class Prediction:
     """Why the setting does not apply at all (then ``points`` is empty)."""
     timeline: list[Segment] = field(default_factory=list)
     """One step at the largest node count where it runs."""
+    microbatches: int | None = None
+    """A pipeline's micro-batches a step, as training resolves ``pipeline.microbatches``."""
 
     @property
     def best(self) -> Point | None:
@@ -131,6 +149,11 @@ class _Ctx:
         return self.fwd + self.bwd + self.upd
 
     @property
+    def lead(self) -> float:
+        """The passes a rank accumulates before the step's last (compute only, no exchange)."""
+        return (self.knobs.accumulation - 1) * (self.fwd + self.bwd)
+
+    @property
     def cycle_s(self) -> float:
         return (self.knobs.cycle_ms or DEFAULT_CYCLE_MS) / 1000
 
@@ -139,10 +162,14 @@ class _Ctx:
         return self.cluster.intra if nodes == 1 else self.cluster.inter
 
 
-def _point(ctx: _Ctx, nodes: int, ranks: int, step: float, samples: float) -> Point:
-    base = ctx.knobs.batch_size / ctx.compute
+def _point(ctx: _Ctx, nodes: int, ranks: int, step: float, samples: int, passes: int) -> Point:
+    """A step of ``samples`` over ``ranks``; ``passes`` backward passes a rank runs on its
+    ``data.batch_size`` (1 for a pipeline copy's batch) for one rank alone's rate."""
+    alone = (passes - 1) * (ctx.fwd + ctx.bwd) + ctx.compute
+    base = passes * ctx.knobs.batch_size / alone
     rate = samples / step
-    return Point(nodes, ranks, step, rate, rate / (ranks * base), max(0.0, step - ctx.compute))
+    return Point(nodes, ranks, step, rate, rate / (ranks * base), max(0.0, step - alone),
+                 batch=samples)
 
 
 def _dense(ctx: _Ctx, nodes: int, cost: Callable[[float], float], ratio: float = 1.0,
@@ -173,28 +200,43 @@ def _after(ctx: _Ctx, comm_s: float, kernel_s: float, label: str) -> tuple[float
     return end + ctx.upd, segs
 
 
-def _sweep(ctx: _Ctx, pred: Prediction,
-           step: Callable[[int], Outcome]) -> Prediction:
-    """Fills ``pred.points`` for 1 to the cluster's nodes; ``step`` returns a reason to skip."""
+def _sweep(ctx: _Ctx, pred: Prediction, step: Callable[[int], Outcome],
+           stages: int = 1) -> Prediction:
+    """Fills ``pred.points`` for 1 to the cluster's nodes; ``step`` returns a reason to skip.
+    Without stages each rank runs ``train.backward_passes_per_step`` passes, the exchange in the
+    last (``step`` prices that one); with them a copy of ``stages`` ranks takes one batch."""
     g = ctx.cluster.ranks_per_node
+    passes = ctx.knobs.accumulation if stages == 1 else 1
     for nodes in range(1, ctx.cluster.nodes + 1):
         got = step(nodes)
         if isinstance(got, str):
             pred.points.append(Point(nodes, nodes * g, reason=got))
             continue
         seconds, segs = got
-        pred.points.append(_point(ctx, nodes, nodes * g, seconds, ctx.knobs.batch_size * nodes * g))
+        lead = (passes - 1) * (ctx.fwd + ctx.bwd)
+        if lead:
+            segs = [Segment("compute", f"{passes - 1} accumulated pass(es)", 0.0, lead),
+                    *(Segment(s.lane, s.label, s.start_s + lead, s.end_s + lead) for s in segs)]
+        # The global batch as training's sampler counts it (ShardedSampler.step_samples over the
+        # data-parallel ranks: every rank, or a pipeline's copies).
+        samples = ctx.knobs.batch_size * (nodes * g // stages) * passes
+        pred.points.append(_point(ctx, nodes, nodes * g, seconds + lead, samples, passes))
         pred.timeline = segs
     return pred
 
 
+def _whole(ctx: _Ctx, how: str) -> str:
+    """``how`` for a setting without stages, under a config with them."""
+    return f"pipeline.stages=1 {how}" if ctx.knobs.stages > 1 else how
+
+
 def _rings(ctx: _Ctx) -> list[Prediction]:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    flat = Prediction("ring", "comm.compression=none")
+    flat = Prediction("ring", _whole(ctx, "comm.compression=none"))
     _sweep(ctx, flat, lambda n: _dense(ctx, n, lambda m: costs.flat_allreduce(
         m, n, g, c.intra, c.inter, o)))
-    hier = Prediction("ring hierarchical", "comm.compression=none with "
-                      "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment")
+    hier = Prediction("ring hierarchical", _whole(ctx, "comm.compression=none with "
+                      "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment"))
     _sweep(ctx, hier, lambda n: _dense(ctx, n, lambda m: costs.hierarchical_allreduce(
         m, n, g, c.intra, c.inter, o)))
     return [flat, hier]
@@ -206,7 +248,11 @@ def _compressed(ctx: _Ctx) -> list[Prediction]:
     for method, prof in ctx.profile.compression.items():
         if method == "none":
             continue
-        pred = Prediction(f"ring {method}", f"comm.compression={method}")
+        pred = Prediction(f"ring {method}", _whole(ctx, f"comm.compression={method}"))
+        pred.reason = _ratio_misfit(ctx, prof) or None
+        out.append(pred)
+        if pred.reason:
+            continue
         kernel = prof.kernel_s * ctx.tscale
         if method in OVERLAPPED:
             def dense(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
@@ -223,20 +269,38 @@ def _compressed(ctx: _Ctx) -> list[Prediction]:
                 return _after(ctx, t, k if n * g > 1 else 0.0, f"{p.collective} of "
                               f"{wire / 1e6:.2f} MB")
             _sweep(ctx, pred, step)
-        out.append(pred)
     return out
+
+
+def _ratio_misfit(ctx: _Ctx, prof: MethodProfile) -> str:
+    """Why a method's measured ratio does not price the config's run ("" when it does): the
+    profile measured it at other ``comm`` settings than the config's."""
+    if not ctx.knobs.comm:
+        return ""
+    if not prof.settings:
+        return ("the profile does not record the comm settings its ratio was measured at; "
+                "profile this config again (hvdtrain plan profile)")
+    differ = [k for k in RATIO_KEYS if k in ctx.knobs.comm
+              and float(prof.settings.get(k, float("nan"))) != float(ctx.knobs.comm[k])]
+    return "" if not differ else (
+        "its ratio was measured at " + ", ".join(f"comm.{k}={prof.settings.get(k)}" for k in differ)
+        + ", the config has " + ", ".join(f"{ctx.knobs.comm[k]}" for k in differ)
+        + "; profile this config again (hvdtrain plan profile)")
 
 
 def _servers(ctx: _Ctx) -> list[Prediction]:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    k, m = c.servers.nodes, ctx.profile.gradient_bytes
-    dedicated = Prediction(f"ps dedicated S={k}", f"comm.topology=ps ps.servers={k} (one server "
-                           "rank on each server node)")
+    k, m = ctx.knobs.servers or c.servers.nodes, ctx.profile.gradient_bytes
+    dedicated = Prediction(f"ps dedicated S={k}", _whole(ctx, f"comm.topology=ps ps.servers={k} "
+                           "(one server rank on each server node)"))
     colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain: BytePS's summation "
                            "on every worker (hvdtrain's ps.placement=colocated is the sharded "
                            "update)")
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
+    elif k > c.servers.nodes:
+        dedicated.reason = (f"ps.servers={k}: the cluster file has {c.servers.nodes} server "
+                            "node(s), one server rank each")
     else:
         worker = c.inter.shared(g)
         sum_rate = c.servers.sum_gbyte_s * 1e9
@@ -287,7 +351,7 @@ def _sharded(ctx: _Ctx) -> Prediction:
     a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
     this rank's 1/N of the parameters."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    pred = Prediction("ps sharded update", "comm.topology=ps ps.placement=colocated")
+    pred = Prediction("ps sharded update", _whole(ctx, "comm.topology=ps ps.placement=colocated"))
     framework = str(ctx.profile.model.get("framework", ""))
     if framework == "tensorflow":
         pred.reason = "the sharded update (ps.placement=colocated) runs with PyTorch only"
@@ -311,29 +375,50 @@ def _stage_counts(ctx: _Ctx) -> list[int]:
     while p <= max(most, 2) and p // 2 <= max(1, len(ctx.profile.layers)):
         counts.append(p)
         p *= 2
+    if ctx.knobs.stages > 1 and ctx.knobs.stages not in counts:  # the config's own, priced too
+        counts = sorted([*counts, ctx.knobs.stages])
     return counts
 
 
 def _pipelines(ctx: _Ctx) -> list[Prediction]:
     out = []
     for stages in _stage_counts(ctx):
-        micro = ctx.knobs.microbatches or 4 * stages
         for schedule in PLANNED_SCHEDULES:
             virtual = pieces_per_rank(schedule, ctx.knobs)
+            micro = microbatch_count(stages, ctx.knobs.microbatches, virtual)
             pred = Prediction(pipeline_name(stages, micro, schedule, virtual),
                               f"pipeline.stages={stages} pipeline.microbatches={micro} "
-                              f"pipeline.schedule={schedule} data.batch_size="
-                              f"{ctx.knobs.batch_size * stages}"
-                              + (f" pipeline.virtual_stages={virtual}" if virtual > 1 else ""))
-            pred.reason = _pipeline_misfit(ctx, stages, virtual, schedule)
+                              f"pipeline.schedule={schedule}"
+                              + (f" pipeline.virtual_stages={virtual}" if virtual > 1 else "")
+                              + (" train.backward_passes_per_step=1"
+                                 if ctx.knobs.accumulation > 1 else ""), microbatches=micro)
+            pred.reason = (_pipeline_misfit(ctx, stages, virtual, schedule)
+                           or _pipeline_refused(ctx, stages, schedule, virtual, micro) or None)
             if not pred.reason:
                 step = _pipeline_step(ctx, stages, micro, schedule, virtual)
 
                 def point(n: int, s: int = stages, st: PipelineStep = step) -> Outcome:
                     return _pipeline_point(ctx, n, s, st)
-                _sweep(ctx, pred, point)
+                _sweep(ctx, pred, point, stages)
             out.append(pred)
     return out
+
+
+def _pipeline_refused(ctx: _Ctx, stages: int, schedule: str, virtual: int, micro: int) -> str:
+    """What training's checks of the ``pipeline`` section say of this setting ("" when it runs):
+    :func:`hvdtrain.pipeline.schedules.check_pipeline`, and a copy's batch a multiple of ``m``."""
+    framework = str(ctx.profile.model.get("framework", ""))
+    if framework not in SCHEDULES[schedule].frameworks:
+        framework = SCHEDULES[schedule].frameworks[0]  # a published profile's: any that runs it
+    try:
+        check_pipeline(stages=stages, microbatches=ctx.knobs.microbatches, schedule=schedule,
+                       virtual_stages=virtual, split="auto", framework=framework)
+    except ConfigError as err:
+        return str(err)
+    if ctx.knobs.batch_size % micro:
+        return (f"data.batch_size={ctx.knobs.batch_size}: with pipeline stages it is a copy's "
+                f"batch, split into pipeline.microbatches={micro}: must be a multiple of it")
+    return ""
 
 
 def pieces_per_rank(schedule: str, knobs: Knobs) -> int:
@@ -369,7 +454,8 @@ def _pipeline_step(ctx: _Ctx, stages: int, micro: int, schedule: str,
     ``P`` divides the ranks per node, else they span nodes)."""
     c = ctx.cluster
     link = c.intra if _same_node(ctx, stages) else c.inter
-    share = ctx.knobs.batch_size * stages / micro / ctx.profile.batch_size
+    # A copy's batch is data.batch_size, as training samples it (docs/pipeline.md).
+    share = ctx.knobs.batch_size / micro / ctx.profile.batch_size
     return pipeline_step(ctx.profile.layers, stages, micro, schedule, share, share,
                          lambda b: costs.send(b, link, c.overhead_s), virtual, c.compute_speed,
                          unblocked=ctx.profile.model.get("framework") == "torch")
@@ -414,4 +500,5 @@ def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs) -> Plan:
             return (1, 0, 0.0)
         return (0, -best.nodes, -(best.samples_per_s or 0.0))
     preds.sort(key=rank)
-    return Plan(profile.name, cluster, knobs, knobs.batch_size / ctx.compute, preds)
+    alone = ctx.lead + ctx.compute
+    return Plan(profile.name, cluster, knobs, knobs.accumulation * knobs.batch_size / alone, preds)

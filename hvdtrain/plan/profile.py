@@ -11,7 +11,9 @@ A profile is JSON::
      "layers": [{"name": "fc1", "params": 8320, "forward_s": 0.001, "backward_s": 0.002,
                  "activation_bytes": 16384, "fixed_forward_s": 0.0002,
                  "fixed_backward_s": 0.0009}, ...],
-     "compression": {"none": {"ratio": 1.0, "kernel_s": 0.0, "collective": "allreduce"}, ...},
+     "compression": {"none": {"ratio": 1.0, "kernel_s": 0.0, "collective": "allreduce",
+                              "settings": {"ratio": 0.01, "rank": 2, "min_size": 1024,
+                                           "bucket": 512}}, ...},
      "source": "how the figures were obtained"}
 
 ``tensors`` lists the gradients in the order they become ready in the backward pass: ``ready_s``
@@ -21,7 +23,8 @@ list with each layer's share of the step and the bytes of its output for the who
 pipeline stage sends the next), and the part of each time that a smaller batch does not shrink
 (optional, 0 by default; :func:`fixed_part` of the times at the batch and at a quarter of it), by
 which the plan prices a pipeline's micro-batches. ``compression`` gives each method's ratio
-(dense bytes / wire bytes), the time its kernels take per step on one rank, and its collective.
+(dense bytes / wire bytes), the time its kernels take per step on one rank, its collective, and
+the ``comm`` settings the ratio was measured at (``settings``, optional).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from hvdtrain.errors import ConfigError, os_failure
 
 FORMAT = "hvdtrain-plan-profile/1"
 COLLECTIVES = ("allreduce", "allgather")
+RATIO_KEYS = ("ratio", "rank", "min_size", "bucket")
+"""The ``comm`` keys a compression method's bytes ratio depends on (its plan's byte counts)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,9 @@ class MethodProfile:
     ratio: float
     kernel_s: float
     collective: str = "allreduce"
+    settings: dict[str, float] = field(default_factory=dict)
+    """The ``comm`` keys the ratio was measured at (:data:`RATIO_KEYS`;
+    empty in a profile written before they were recorded, and in the published ones)."""
 
 
 @dataclass
@@ -190,8 +198,13 @@ def _method(where: str, name: str, item: Any) -> MethodProfile:
     collective = item.get("collective", "allreduce")
     if collective not in COLLECTIVES:
         raise ConfigError(f"{at}.collective={collective!r}: must be one of {', '.join(COLLECTIVES)}")
+    settings = item.get("settings", {})
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{at}.settings: expected a mapping of comm keys")
     return MethodProfile(_number(at, "ratio", _need(at, item, "ratio"), positive=True),
-                         _number(at, "kernel_s", _need(at, item, "kernel_s")), collective)
+                         _number(at, "kernel_s", _need(at, item, "kernel_s")), collective,
+                         {str(k): _number(f"{at}.settings", str(k), v)
+                          for k, v in settings.items()})
 
 
 def profile_from_tree(tree: Any, where: str = "profile") -> ModelProfile:

@@ -73,18 +73,33 @@ def test_published_profiles_match_the_public_sizes() -> None:
             4 * params, rel=0.01)
 
 
-def test_published_ranking_of_the_horovod_paper() -> None:
-    """What the plan reproduces of Horovod's published scaling (docs/planner.md, "A published
-    result"): VGG-16 (bandwidth-bound) scales worst, well below the two compute-bound models;
-    each figure within 10 points of the reported 90% (Inception V3, ResNet-101) and of VGG-16's
-    79% at 128 GPUs and 68% at 512 (the hierarchical allreduce at 512)."""
-    vgg, resnet, inception = (_efficiency(m) for m in ("vgg16", "resnet101", "inception_v3"))
-    assert vgg < 0.9 and resnet > vgg + 0.1 and inception > vgg + 0.1
-    for gpus, reported in ((128, {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79}),
-                           (512, {"inception_v3": 0.90, "resnet101": 0.90})):
+REPORTED = {128: ("ring", {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.79}),
+            512: ("ring hierarchical", {"inception_v3": 0.90, "resnet101": 0.90, "vgg16": 0.68})}
+"""Horovod's published scaling efficiencies (docs/planner.md, "A published result"): its README's
+128-GPU chart and the 512-GPU chart of its docs/benchmarks.rst; per GPU count the allreduce the
+plan is judged with (at 512 the hierarchical one: the flat ring puts VGG-16 12 points high)."""
+FIGURE = 0.10
+"""Each model's figure: within 10 points of the reported one."""
+GAP = 0.5
+"""The gap between VGG-16 and each compute-bound model: within half of the reported gap (11
+points at 128 GPUs, 22 at 512), so that a plan with equal figures (100% everywhere) fails."""
+EQUAL = 0.02
+"""Inception V3 and ResNet-101, reported equal at both scales: within 2 points of each other."""
+
+
+def test_published_scaling_of_the_horovod_paper() -> None:
+    """Each model's figure within its tolerance, and the order and the gaps between the models as
+    reported: VGG-16 (bandwidth-bound) below the two compute-bound models by about the reported
+    gap, the two compute-bound models level."""
+    for gpus, (setting, reported) in REPORTED.items():
+        got = {m: _efficiency(m, setting, gpus) for m in reported}
         for model, figure in reported.items():
-            assert abs(_efficiency(model, gpus=gpus) - figure) <= 0.10
-    assert abs(_efficiency("vgg16", "ring hierarchical", 512) - 0.68) <= 0.10
+            assert abs(got[model] - figure) <= FIGURE, (gpus, model, got[model], figure)
+        assert got["vgg16"] < min(got["inception_v3"], got["resnet101"]), (gpus, got)
+        assert abs(got["inception_v3"] - got["resnet101"]) <= EQUAL, (gpus, got)
+        for model in ("inception_v3", "resnet101"):
+            gap, want = got[model] - got["vgg16"], reported[model] - reported["vgg16"]
+            assert abs(gap - want) <= GAP * want, (gpus, model, gap, want)
 
 
 def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
@@ -104,7 +119,7 @@ def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
     why = {p.setting: p.reason for p in plan(keras, cluster, Knobs(64)).predictions}
     assert why["ps sharded update"] == "the sharded update (ps.placement=colocated) runs with " \
         "PyTorch only"
-    assert why["pipeline P=2 m=8 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
+    assert why["pipeline P=2 m=4 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
 
 
 def test_dedicated_servers_overlap_the_backward_pass_under_pytorch_only() -> None:
@@ -128,9 +143,9 @@ def test_dedicated_servers_overlap_the_backward_pass_under_pytorch_only() -> Non
 def test_not_applicable_settings_say_why() -> None:
     result = plan(load_profile(PUBLISHED / "vgg16.json"), load_cluster(PAPER), Knobs(64))
     why = {p.setting: p.reason for p in result.predictions if p.best is None}
-    assert "more stages (32) than the model's layers (16)" in why["pipeline P=32 m=128 1f1b"]
+    assert "more stages (32) than the model's layers (16)" in why["pipeline P=32 m=32 1f1b"]
     assert "more 16 x 2 pieces than the model's layers (16)" in why[
-        "pipeline P=16 m=64 interleaved_1f1b v=2"]
+        "pipeline P=16 m=32 interleaved_1f1b v=2"]
     assert "no server nodes" in why["ps dedicated S=0"]
 
 
@@ -202,7 +217,7 @@ def test_the_configured_setting_is_marked() -> None:
 
     cluster = cluster_from_tree(GOOD)
     cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=gpipe"], environ={})
-    assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=8 gpipe"
+    assert configured_setting(cfg, cluster, Knobs(32)) == "pipeline P=2 m=2 gpipe"
     cfg = load_config(CONFIG, ["pipeline.stages=2", "pipeline.schedule=interleaved_1f1b",
                                "pipeline.virtual_stages=4", "pipeline.microbatches=8"], environ={})
     assert configured_setting(cfg, cluster, Knobs(32, microbatches=8, virtual_stages=4)) == (
