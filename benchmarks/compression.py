@@ -522,9 +522,9 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
            "Compression ms/step: hvdtrain's exchange less its waits for Horovod; — where the "
            "cast runs inside Horovod's hooks. Step ms: training time / steps."]
     for fw, drops in accuracy_drops(records).items():
-        parts = [f"{m} {100 * d:+.2f} points ({'met' if ok else 'missed'}, bar "
-                 f"-{100 * BARS[m]:g})" for m, (d, ok) in drops.items()]
-        out.append(f"Result, accuracy on digits against none, {fw}: {'; '.join(parts)}.")
+        parts = [f"{m} {-100 * d:+.2f} points ({'met' if ok else 'missed'}, bar "
+                 f"{100 * BARS[m]:g})" for m, (d, ok) in drops.items()]
+        out.append(f"Result, loss against `none` on digits, {fw}: {'; '.join(parts)}.")
     if not slow:
         out.append("Time to accuracy over a slow link: between two nodes, in the section "
                    "\"Two nodes: time to accuracy per compression method\" "
@@ -538,8 +538,8 @@ def notes(records: list[dict], slow: list[dict]) -> list[str]:
     return out
 
 
-TARGET_TEXT = ("mean accuracy on digits against `none`, at worst: "
-               + ", ".join(f"`{m}` -{100 * bar:g}" for m, bar in BARS.items())
+TARGET_TEXT = ("mean accuracy loss against `none` on digits at most: "
+               + ", ".join(f"`{m}` {100 * bar:g}" for m, bar in BARS.items())
                + " points (the time to accuracy over a slow link: the two-node section)")
 """The accuracy bars in words, for the index."""
 
@@ -550,10 +550,10 @@ def accuracy_verdict(records: list[dict]) -> str:
     for fw, drops in accuracy_drops(records).items():
         if not drops:
             continue
-        missed = [m for m, (_, ok) in drops.items() if not ok]
+        missed = [f"{m} {100 * (-d - BARS[m]):.2f}" for m, (d, ok) in drops.items() if not ok]
         worst = min(drops, key=lambda m: drops[m][0])
-        parts.append(f"{fw} {'missed by ' + ', '.join(missed) if missed else 'met'} (lowest: "
-                     f"{worst} {100 * drops[worst][0]:+.2f} points)")
+        parts.append(f"{fw} {'missed by ' + ', '.join(missed) + ' points' if missed else 'met'} "
+                     f"(highest loss: {worst} {-100 * drops[worst][0]:+.2f} points)")
     return "; ".join(parts) or "no method with an accuracy bar measured"
 
 
@@ -607,8 +607,8 @@ def runs(args: argparse.Namespace, methods: Sequence[str],
 LM_TARGET_TEXT = (f"the language model: `topk` eval perplexity at most "
                   f"{100 * LM_LOSS_BARS['topk']:g}% above `none`'s")
 """The LM's bar in words, for the index (added where the LM was measured)."""
-IMAGES_TARGET_TEXT = ("ResNet-18 on generated images: mean accuracy against `none`, at worst: "
-                      + ", ".join(f"`{m}` -{100 * bar:g}" for m, bar in LOSS_BARS.items())
+IMAGES_TARGET_TEXT = ("ResNet-18 on generated images: mean accuracy loss against `none` at most: "
+                      + ", ".join(f"`{m}` {100 * bar:g}" for m, bar in LOSS_BARS.items())
                       + " points")
 """ResNet-18's bars in words, for the index (added where it was measured)."""
 
@@ -619,7 +619,7 @@ def target_text(datasets: Sequence[str], methods: Sequence[str] = ()) -> str:
     parts = [] if set(datasets) <= set(TITLES) else [TARGET_TEXT]
     issue = [m for m in methods if m in ISSUE_ONLY]
     if parts and issue:
-        parts.append("the MLPs: " + ", ".join(f"`{m}` -{100 * LOSS_BARS[m]:g}" for m in issue)
+        parts.append("the MLPs: " + ", ".join(f"`{m}` {100 * LOSS_BARS[m]:g}" for m in issue)
                      + " points (issue 36)")
     parts += [IMAGES_TARGET_TEXT] * (IMAGES in datasets) + [LM_TARGET_TEXT] * (LM in datasets)
     return "; ".join(parts)
@@ -634,8 +634,9 @@ def bars_verdict(records: list[dict], metric: Metric, dataset: str,
     judged = [m for m in metric.bars if methods is None or m in methods]
     parts = []
     for (fw, ds, m), (mean, _, _) in paired_losses(measured, ["none", *judged], metric):
-        parts.append(f"{fw} {ds} {m} {'met' if mean <= metric.bars[m] else 'missed'} "
-                     f"({100 * mean:+.2f}{metric.unit})")
+        excess = mean - metric.bars[m]
+        status = "met" if excess <= 0 else f"missed by {100 * excess:.2f}{metric.unit}"
+        parts.append(f"{fw} {ds} {m} {status} (loss {100 * mean:+.2f}{metric.unit})")
     return "; ".join(parts)
 
 

@@ -154,10 +154,13 @@ def judge(ratio: float, control: float, target: float, tolerance: float = 0.10, 
 
 
 def brief(verdict: Verdict, row: Row | None = None) -> str:
-    """``verdict`` in a few words, for a section's index line: status, ratio (with ``row``'s 95%
-    interval when given) and the A/A control."""
+    """``verdict`` in a few words, for a section's index line: status (a miss with its distance to
+    the target), ratio (with ``row``'s 95% interval when given) and the A/A control."""
     interval = f" (interval {row.low:.3f}-{row.high:.3f})" if row else ""
-    return f"{verdict.status}: {verdict.ratio:.3f}{interval}, A/A {verdict.control:.3f}"
+    status = verdict.status
+    if status == "missed":  # a miss says by how much (docs/benchmarks.md's verdicts)
+        status = f"missed by {abs(verdict.ratio - verdict.target):.3f}"
+    return f"{status}: {verdict.ratio:.3f}{interval}, A/A {verdict.control:.3f}"
 
 
 def by_name(rows: Sequence[Row]) -> dict[str, Row]:

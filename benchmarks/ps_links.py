@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             control = medians["ring n=4 "] / medians["ring n=4"]
             rounds = ", ".join(f"{p / r:.2f}" for (p, _), (r, _) in zip(
                 times["ps n=4 k=4"], times["ring n=4"], strict=True))
-            state = "met" if ratio <= TARGET else "not met"
+            state = "met" if ratio <= TARGET else f"missed by {ratio - TARGET:.2f}"
             verdicts.append(f"{rate}: ps k=4 / ring at n=4 {ratio:.2f}, {state} (by round "
                             f"{rounds}; A/A {control:.2f}); {within} of {len(fits)} steps "
                             f"within {FIT:.0%} of formula + outside time "

@@ -150,7 +150,8 @@ def record_markdown(args: argparse.Namespace, summary: dict, records: list[dict]
     entry = harness.Entry(  # the section's row of docs/benchmarks.md's index (benchmarks/index.py)
         label="Checkpoint soak", script="scripts/soak_checkpoint.py",
         target="every trial recovers, no hang",
-        verdict=f"{'met' if met else 'missed'}: {summary['completed']} of {summary['trials']} "
+        verdict=f"{'met' if met else 'missed by ' + str(summary['trials'] - summary['completed'])}"
+                f": {summary['completed']} of {summary['trials']} "
                 f"recovered, {summary['hangs']} hangs")
     section = "\n".join([
         "## Checkpoint soak: SIGKILL while saving", "", entry.lines(),

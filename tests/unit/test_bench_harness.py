@@ -382,7 +382,7 @@ def test_compression_lm_loss_is_the_paired_relative_perplexity_increase():
     results = cells(compression.results_table(records, ["none", "topk"], compression.PERPLEXITY))
     assert results[0][2:4] == ["perplexity mean", "perplexity min–max"]
     assert results[2][:3] == ["torch lm adam none", "2", "18.00"]
-    assert compression.verdict(records) == "torch lm adam topk met (+1.75% perplexity)"
+    assert compression.verdict(records) == "torch lm adam topk met (loss +1.75% perplexity)"
 
 
 def test_compression_lm_trains_on_the_lm_config_with_its_own_optimizer():
@@ -410,8 +410,9 @@ def test_compression_images_train_resnet18_with_its_own_optimizer_and_are_judged
                for m, seed, acc in [("none", 0, 0.80), ("none", 1, 0.84), ("topk", 0, 0.78),
                                     ("topk", 1, 0.83), ("qsgd", 0, 0.80), ("qsgd", 1, 0.841),
                                     ("topk-dgc", 0, 0.70)]]  # topk-dgc: no bar, not judged
-    assert compression.verdict(records) == ("torch images sgd topk missed (+1.50 points); "
-                                            "torch images sgd qsgd met (-0.05 points)")
+    assert compression.verdict(records) == ("torch images sgd topk missed by 0.50 points (loss "
+                                            "+1.50 points); torch images sgd qsgd met (loss "
+                                            "-0.05 points)")
     digits = [{**r, "dataset": "digits"} for r in records]
     assert compression.verdict(digits + records).endswith(compression.verdict(records))
     args = compression.parse_args(["--datasets", "images,lm", "--seeds", "3", "--lm-steps", "300"])
@@ -429,12 +430,12 @@ def test_compression_topk_01_on_the_mlps_is_judged_by_issue_36s_bar_and_a_tag_na
                for ds in ("digits", "mnist1d")
                for m, seed, acc in [("none", 0, 0.90), ("none", 1, 0.92),
                                     ("topk-0.1%", 0, 0.89), ("topk-0.1%", 1, 0.90)]]
-    assert compression.verdict(records) == ("torch digits sgd topk-0.1% met (+1.50 points); "
-                                            "torch mnist1d sgd topk-0.1% met (+1.50 points)")
+    assert compression.verdict(records) == ("torch digits sgd topk-0.1% met (loss +1.50 points); "
+                                            "torch mnist1d sgd topk-0.1% met (loss +1.50 points)")
     records += [{**records[3], "method": "topk", "accuracy": 0.91}]  # digits, seed 1: its bars too
-    assert compression.verdict(records).startswith("torch met (lowest: topk")
+    assert compression.verdict(records).startswith("torch met (highest loss: topk")
     assert compression.target_text(["digits"], ["none", "topk-0.1%"]) == (
-        compression.TARGET_TEXT + "; the MLPs: `topk-0.1%` -2 points (issue 36)")
+        compression.TARGET_TEXT + "; the MLPs: `topk-0.1%` 2 points (issue 36)")
     assert compression.target_text(["digits"], ["none", "topk"]) == compression.TARGET_TEXT
     assert compression.target_text(["images"], ["none", "topk-0.1%"]) == (
         compression.IMAGES_TARGET_TEXT)

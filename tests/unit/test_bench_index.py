@@ -35,8 +35,10 @@ Machine: cores: 2.
 
 FIELDS = ("Verdict: ", "Figure: ", "Target: ", "Date: ", "Commit: ", "Machine: ")
 """The lines every section has, each once; its command is the fenced block after ``Reproduce``."""
-VERDICT = re.compile(r"^(met|missed by \d|inconclusive|no target|not measured)")
-"""How a verdict starts: as measured, a miss with its distance, or why none is judged."""
+VERDICT = re.compile(r"\b(met\b|missed by \d|inconclusive\b|no target\b|not measured\b)")
+"""A verdict's words: as measured, a miss with its distance, or why none is judged."""
+BARE_MISS = re.compile(r"\bmissed\b(?! by \d)")
+"""A miss that does not say by how much."""
 STALE = re.compile(r"Stale: measured at [0-9a-f]{7,40}, before [0-9a-f]{7,40}\b[^;]*\([^)]+\)[^;]*;"
                    r" not rerun$")
 SOFTENED = ("at the target", "by the rule", "nearly", "almost", "only by", "within noise of")
@@ -156,13 +158,35 @@ def test_every_section_has_its_seven_fields_once():
         assert re.match(r"([0-9a-f]{7,40}\b|none \(|unknown \()", commit), (title, commit)
 
 
+def verdict_problems(verdict: str) -> list[str]:
+    """What makes a verdict other than as measured: no status word, a miss without its distance,
+    a softening word, a stale mark without its commits and change."""
+    problems = []
+    if not VERDICT.search(verdict):
+        problems.append("no status")
+    if BARE_MISS.search(verdict):
+        problems.append("a miss without its distance")
+    problems += [f"softened: {word!r}" for word in SOFTENED if word in verdict]
+    if "Stale" in verdict and not STALE.search(verdict):
+        problems.append("a stale mark without 'measured at X, before Y (what); not rerun'")
+    return problems
+
+
 def test_verdicts_are_as_measured_and_stale_ones_name_the_change():
     for title, entry in index.sections(index.DOC.read_text()):
-        verdict = entry.verdict
-        assert VERDICT.match(verdict), f"{title}: {verdict!r} starts with none of {VERDICT.pattern}"
-        assert not any(word in verdict for word in SOFTENED), f"{title}: softened: {verdict!r}"
-        if "Stale" in verdict:
-            assert STALE.search(verdict), f"{title}: {verdict!r}"
+        assert verdict_problems(entry.verdict) == [], f"{title}: {entry.verdict!r}"
+
+
+@pytest.mark.parametrize("verdict, problem", [
+    ("at the target, missed by the rule by 0.002", "softened: 'at the target'"),
+    ("missed (1.032 against 1.03)", "a miss without its distance"),
+    ("1.032 against 1.03", "no status"),
+    ("met. Stale: measured at abc1234; not rerun", "a stale mark without"),
+])
+def test_a_verdict_not_as_measured_is_reported(verdict, problem):
+    assert any(p.startswith(problem) for p in verdict_problems(verdict))
+    assert verdict_problems("missed by 0.002 (1.032). Stale: measured at abc1234, before "
+                            "def5678 (a change); not rerun") == []
 
 
 def index_problems(text: str) -> list[str]:
