@@ -66,6 +66,7 @@ from hvdtrain.torch.stages import (
     SavedActivations,
     build_pieces,
     describe_layers,
+    make_optimizer_state,
     make_stage_exchange,
     pad_rows,
     pipeline_groups,
@@ -293,7 +294,8 @@ class PipelineEngine(TorchEngine, PartedState):
         """Every rank takes its stage's share of rank 0's state: of the checkpoint rank 0 restored
         (from a checkpoint in parts, each rank reads the parts that hold its layers; from one
         written whole, rank 0 sends each rank its share by torch's scatter), or else that of copy
-        0's rank of its stage (a broadcast in the stage's process set)."""
+        0's rank of its stage (a broadcast in the stage's process set), whose fresh optimizer made
+        its state as the ring's does (:func:`~hvdtrain.torch.stages.make_optimizer_state`)."""
         restored = self._restored if self.rank == 0 else None
         kind = self.collectives.broadcast_object(
             [None if restored is None else restored.get("parts", "whole")])[0]
@@ -310,6 +312,9 @@ class PipelineEngine(TorchEngine, PartedState):
                 self._apply(model, optimizer, compression, "the restored checkpoint")
             self._restored = None
             return
+        # A fresh start: the optimizer's state as the ring makes it (Adam's step count, weight
+        # decay's first change), on every rank before the stage's copies take copy 0's.
+        make_optimizer_state(self.optimizer)
         if self.stage_set is None:
             return
         root = self.layout.rank_of(self.stage, 0)

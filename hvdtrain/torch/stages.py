@@ -245,6 +245,23 @@ def stage_sets(layout: Layout, method: str) -> list[Any]:
     return [stage_process_set(ranks) for ranks in layout.stage_groups()]
 
 
+def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Makes a fresh optimizer's state as Horovod's ``broadcast_optimizer_state`` does on the ring
+    (:meth:`hvdtrain.torch.engine.TorchEngine.broadcast_state`): one step with zero gradients at
+    the optimizer's initial rate. That step is not a no-op: Adam's step count starts at 1 (so its
+    first real update's bias correction is the ring's), and weight decay changes the weights once
+    (and SGD's momentum). A stage must take it too to train as the ring does. Nothing where the
+    optimizer already has state (a restored checkpoint's)."""
+    if optimizer.state_dict()["state"]:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p in params:
+        p.grad = None
+
+
 def make_stage_exchange(comm: CommSettings, seed: int, layout: Layout, rank: int,
                         process_set: Any, params: Sequence[torch.Tensor], places: Sequence[int],
                         optimizer: torch.optim.Optimizer
