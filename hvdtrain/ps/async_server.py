@@ -26,23 +26,36 @@ import numpy as np
 from hvdtrain.ps import protocol
 from hvdtrain.ps.layout import Layout
 from hvdtrain.ps.optim import OPTIMIZERS, Clocks, ShardOptimizer
+from hvdtrain.ps.protocol import check, float_field
 from hvdtrain.ps.shards import pack, state_names, unpack
 from hvdtrain.ps.world import PSWorld
 
 
 def read_init(world: PSWorld, elements: int) -> tuple[ShardOptimizer, tuple[str, ...]]:
     """The shard's optimizer from worker 0's ``INIT``: its hyper-parameters, parameters and (when
-    resumed) state; returns it with the names of its state vectors."""
-    comm, source = world.comm, world.worker_ranks[0]
-    hyper = np.zeros(protocol.HYPER_LENGTH, np.float64)
-    counts = np.zeros(2, np.int64)
-    comm.Recv(hyper, source=source, tag=protocol.INIT)
-    comm.Recv(counts, source=source, tag=protocol.INIT)
-    name = OPTIMIZERS[int(hyper[0])]
+    resumed) state; returns it with the names of its state vectors. Every field is checked before
+    use: the buffer's size follows from the layout and a state count of 0 or the optimizer's."""
+    source = worker = world.worker_ranks[0]
+    hyper = protocol.receive(world, np.zeros(protocol.HYPER_LENGTH, np.float64), source,
+                             protocol.INIT, "INIT's hyper-parameters")
+    index = float(hyper[0])
+    check(index.is_integer() and 0 <= index < len(OPTIMIZERS), world, worker, "INIT's optimizer",
+          index, f"must be 0 .. {len(OPTIMIZERS) - 1} ({', '.join(OPTIMIZERS)})")
+    for field, value in zip(("momentum", "weight_decay", "eps"), hyper[[1, 2, 5]], strict=True):
+        float_field(world, worker, f"INIT's {field}", float(value))
+    for field, value in zip(("beta1", "beta2"), hyper[3:5], strict=True):
+        float_field(world, worker, f"INIT's {field}", float(value), high=1.0, high_open=True)
+    name = OPTIMIZERS[int(index)]
     names = state_names(name, float(hyper[1]))
+    counts = protocol.receive(world, np.zeros(2, np.int64), source, protocol.INIT,
+                              "INIT's counts")
     steps, arrays = (int(v) for v in counts)
-    buffer = np.zeros((1 + arrays) * elements, np.float32)
-    comm.Recv(buffer, source=source, tag=protocol.INIT)
+    check(steps >= 0, world, worker, "INIT's steps", steps, "must be >= 0")
+    allowed = sorted({0, len(names)})  # none before the first step
+    check(arrays in allowed, world, worker, "INIT's arrays", arrays,
+          f"must be {' or '.join(map(str, allowed))} ({name} keeps {len(names)} state vectors)")
+    buffer = protocol.receive(world, np.zeros((1 + arrays) * elements, np.float32), source,
+                              protocol.INIT, "INIT's parameters")
     params, state = unpack(buffer, elements, names, arrays)
     optimizer = ShardOptimizer(name, params, lr=0.0, momentum=float(hyper[1]),
                                weight_decay=float(hyper[2]),
@@ -72,8 +85,9 @@ class AsyncServer:
     def __init__(self, world: PSWorld, layout: Layout, wire: str, consistency: str,
                  staleness: int) -> None:
         self.world, self.ranks = world, world.worker_ranks
-        server = world.server_index
-        sizes = [stop - start for start, stop in map(layout.bounds, layout.owned(server))]
+        self.consistency = consistency
+        self.chunks = layout.owned(world.server_index)
+        sizes = [stop - start for start, stop in map(layout.bounds, self.chunks)]
         offsets = np.cumsum([0, *sizes])
         self.spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
         elements = int(offsets[-1])
@@ -89,32 +103,52 @@ class AsyncServer:
 
     def serve(self) -> int:
         """Applies pushes until every worker said ``DONE``; returns the pushes applied."""
-        comm = self.world.comm
         controls = [np.zeros(protocol.CONTROL_LENGTH, np.int64) for _ in self.ranks]
-        requests: list[Any] = [comm.Irecv(c, source=r, tag=protocol.CONTROL)
-                               for c, r in zip(controls, self.ranks, strict=True)]
+        requests: list[Any] = [self._control(c, r) for c, r in zip(controls, self.ranks,
+                                                                   strict=True)]
         done, last = 0, 0
         while done < len(self.ranks):
             w = last = wait_any(requests, last + 1)
             message = controls[w]
-            op = int(message[0])
+            op = self.check_control(w, message)
             if op == protocol.OP_DONE:
                 requests[w], done = None, done + 1
                 continue
             if op == protocol.OP_PUSH:
                 self.push(w, int(message[2]), protocol.control_lr(message))
-            elif op == protocol.OP_STATE:
+            else:
                 self.send_state(w)
-            requests[w] = comm.Irecv(message, source=self.ranks[w], tag=protocol.CONTROL)
+            requests[w] = self._control(message, self.ranks[w])
             self.release()
         self._finish_sends()
         return self.clocks.version
 
+    def _control(self, message: np.ndarray, rank: int) -> protocol.Receive:
+        return protocol.Receive(self.world, message, rank, protocol.CONTROL, "CONTROL")
+
+    def check_control(self, w: int, message: np.ndarray) -> int:
+        """Worker ``w``'s operation, once every field of its ``CONTROL`` is in range: a known
+        operation (``LOAD`` is ``bsp``'s), a step, a version this server has reached, and a
+        finite learning rate."""
+        rank, world = self.ranks[w], self.world
+        op, step, version = (int(v) for v in message[:3])
+        known = {k: v for k, v in protocol.OPERATIONS.items() if k != protocol.OP_LOAD}
+        check(op in known, world, rank, "CONTROL's operation", op,
+              f"unknown to {self.consistency} servers (known: "
+              f"{', '.join(f'{k} {v}' for k, v in known.items())})")
+        check(step >= 0, world, rank, "CONTROL's step", step, "must be >= 0")
+        if op == protocol.OP_PUSH:
+            check(0 <= version <= self.clocks.version, world, rank, "CONTROL's version", version,
+                  f"this server is at version {self.clocks.version}")
+            float_field(world, rank, "CONTROL's lr", protocol.control_lr(message))
+        return op
+
     def push(self, w: int, version: int, lr: float) -> None:
         """Receives worker ``w``'s gradient, applies it, and answers its pull unless held."""
-        comm, rank, got = self.world.comm, self.ranks[w], self.received[w]
-        protocol.waitall([comm.Irecv(protocol.raw(got[a:b]), source=rank, tag=protocol.PUSH)
-                  for a, b in self.spans])
+        rank, got = self.ranks[w], self.received[w]
+        protocol.waitall([protocol.Receive(self.world, got[a:b], rank, protocol.PUSH,
+                                           f"PUSH of chunk {chunk}")
+                          for (a, b), chunk in zip(self.spans, self.chunks, strict=True)])
         self.optimizer.lr = lr
         self.optimizer.step(got)
         stale = self.clocks.applied(w, version)

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.compression.state import reshard
+from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps import protocol, shards
 from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
 from hvdtrain.ps.layout import Layout, owner, travel_order
@@ -21,8 +22,8 @@ class PSClient:
     as ``wire`` (float32, or float16 for half the bytes) or compressed as ``settings`` say
     (:mod:`hvdtrain.ps.codec`; ``bsp`` only).
 
-    Every chunk's pull is posted at once (``Irecv``) and the pushes (``Isend``) go out
-    :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time in
+    Every chunk's pull is posted at once (:class:`hvdtrain.ps.protocol.Receive`, which checks
+    its size) and the pushes (``Isend``) go out :data:`hvdtrain.ps.protocol.PUSH_WINDOW` at a time in
     :func:`hvdtrain.ps.layout.travel_order` (round robin over the servers, from this worker's own
     first server on, each server's chunks in descending index order), so the servers sum early
     chunks while later ones still travel and pulls overlap pushes. :meth:`push_pull` pushes a
@@ -41,6 +42,10 @@ class PSClient:
         self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
         self.settings = settings or WireSettings("fp16" if wire == "float16" else "none")
         self.layout = Layout(total, chunk, len(world.servers))
+        if self.layout.count > protocol.MAX_CHUNKS:  # the servers would refuse this HELLO
+            raise HvdtrainError(f"ps.chunk_kib: the {total}-element gradient would travel in "
+                                f"{self.layout.count} chunks of {chunk} elements, more than the "
+                                f"{protocol.MAX_CHUNKS} a server lays out: raise ps.chunk_kib")
         place = world.worker_ranks.index(world.rank)  # this worker's first server
         self.routes = [(*self.layout.bounds(c), world.servers[owner(c, self.layout.servers)], c)
                        for c in travel_order(self.layout, place, self.descending)]
@@ -120,8 +125,9 @@ class PSClient:
         """Posts the step's pulls, then pushes each chunk of ``flat`` once nothing of it is
         missing (:attr:`_missing`, which the caller's thread lowers), and waits for both."""
         comm, requests = self.world.comm, self._controls(protocol.OP_PUSH)
-        requests += [(comm.Irecv(protocol.raw(b), source=server, tag=protocol.PULL), server)
-                     for (_, _, server, _), pulled in zip(self.routes, self.pulls, strict=True)
+        requests += [(protocol.Receive(self.world, b, server, protocol.PULL,
+                                       f"PULL of chunk {chunk}"), server)
+                     for (_, _, server, chunk), pulled in zip(self.routes, self.pulls, strict=True)
                      for b in pulled]
         residual, rank = self.residual, self.world.rank
         in_flight: list[list[np.ndarray]] = []  # alive until the sends complete
@@ -142,8 +148,11 @@ class PSClient:
 
     def _decode(self) -> np.ndarray:
         """The step's pulls decoded into :attr:`summed`; counts the step."""
-        for (start, stop, _, _), codec, pulled in zip(self.routes, self.pull_codecs, self.pulls,
-                                                      strict=True):
+        for (start, stop, server, chunk), codec, pulled in zip(self.routes, self.pull_codecs,
+                                                               self.pulls, strict=True):
+            problem = codec.problem(pulled, stop - start)
+            if problem:  # decoding would wrap it
+                raise protocol.refused(self.world, server, f"PULL of chunk {chunk} with {problem}")
             self.summed[start:stop] = codec.decode(pulled, stop - start)
         self.step += 1
         self.pulled_bytes = sum(b.nbytes for pulled in self.pulls for b in pulled)
@@ -166,11 +175,13 @@ class PSClient:
             return None
         rows = np.empty((len(workers), self.layout.total), np.float32)
         rows[0] = self.residual
-        requests += [(comm.Irecv(rows[i], source=r, tag=protocol.ROWS), r)
+        requests += [(protocol.Receive(self.world, rows[i], r, protocol.ROWS,
+                                       "ROWS (push residuals)"), r)
                      for i, r in enumerate(workers) if i]
         parts = [np.empty(self.layout.elements(i), np.float32)
                  for i in range(len(servers) if from_servers else 0)]
-        requests += [(comm.Irecv(part, source=s, tag=protocol.STATE), s)
+        requests += [(protocol.Receive(self.world, part, s, protocol.STATE,
+                                       "STATE (pull residuals)"), s)
                      for part, s in zip(parts, servers, strict=False)]
         self._wait(requests, "a checkpoint (fetching the residuals)")
         if not from_servers:
@@ -193,15 +204,21 @@ class PSClient:
             self._wait([(comm.Isend(head, dest=r, tag=protocol.ROWS), r) for r in workers[1:]],
                        "the start (handing out the step)")
         else:
-            self._wait([(comm.Irecv(head, source=workers[0], tag=protocol.ROWS), workers[0])],
+            self._wait([(protocol.Receive(self.world, head, workers[0], protocol.ROWS,
+                                          "ROWS (step)"), workers[0])],
                        "the start (waiting for worker 0)")
+            protocol.check(head[0] >= 0, self.world, workers[0], "ROWS' step", int(head[0]),
+                           "must be >= 0")
+            protocol.check(head[1] in (0, 1), self.world, workers[0], "ROWS' resumed",
+                           int(head[1]), "must be 0 or 1")
         self.step = int(head[0])
         if not head[1] or self.residual is None:
             return
         servers = self.world.servers if self.settings.server_feedback else ()
         requests = self._controls(protocol.OP_LOAD) if servers else []
         if self.world.rank != workers[0]:
-            requests.append((comm.Irecv(self.residual, source=workers[0], tag=protocol.ROWS),
+            requests.append((protocol.Receive(self.world, self.residual, workers[0],
+                                              protocol.ROWS, "ROWS (push residuals)"),
                              workers[0]))
         else:
             assert saved is not None  # head[1] says so
@@ -287,13 +304,20 @@ class AsyncPSClient(PSClient):
         for index, server in enumerate(self.world.servers):
             message = protocol.control(protocol.OP_PUSH, self.step, self.versions[index], lr)
             requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
-            requests.append((comm.Irecv(self.answers[index], source=server,
-                                        tag=protocol.VERSIONS), server))
-        requests += [(comm.Irecv(self.params[start:stop], source=server, tag=protocol.PULL),
-                      server) for start, stop, server, _ in self.routes]
+            requests.append((protocol.Receive(self.world, self.answers[index], server,
+                                              protocol.VERSIONS, "VERSIONS"), server))
+        requests += [(protocol.Receive(self.world, self.params[start:stop], server,
+                                       protocol.PULL, f"PULL of chunk {chunk}"), server)
+                     for start, stop, server, chunk in self.routes]
         pushes = ([(comm.Isend(sent[start:stop], dest=server, tag=protocol.PUSH), server)]
                   for start, stop, server, _ in self.routes)
         self._wait(requests, f"step {self.step}", pushes)
+        for server, (version, stale) in zip(self.world.servers, self.answers.tolist(),
+                                            strict=True):
+            protocol.check(version >= 0, self.world, server, "VERSIONS' version", version,
+                           "must be >= 0")
+            protocol.check(stale >= 0, self.world, server, "VERSIONS' staleness", stale,
+                           "must be >= 0")
         self.step += 1
         self.versions = [int(v) for v in self.answers[:, 0]]
         self.staleness = int(self.answers[:, 1].max())
@@ -305,18 +329,27 @@ class AsyncPSClient(PSClient):
         versions it now holds), the optimizer's steps and its state as whole vectors (empty
         before the first step)."""
         comm, total = self.world.comm, self.layout.total
-        requests, buffers, headers = [], [], []
+        requests, buffers, headers, bodies = [], [], [], []
         for index, server in enumerate(self.world.servers):
             header = np.zeros(3, np.int64)
-            buffer = np.zeros((1 + len(names)) * self.layout.elements(index), np.float32)
+            elements = self.layout.elements(index)
+            buffer = np.zeros((1 + len(names)) * elements, np.float32)
             headers.append(header)
             buffers.append(buffer)
-            requests.append((comm.Irecv(header, source=server, tag=protocol.STATE), server))
-            requests.append((comm.Irecv(buffer, source=server, tag=protocol.STATE), server))
+            requests.append((protocol.Receive(self.world, header, server, protocol.STATE,
+                                              "STATE's header"), server))
+            # The parameters alone before the first step (no state yet), else with the state.
+            bodies.append(protocol.Receive(self.world, buffer, server, protocol.STATE,
+                                           "STATE's parameters", (4 * elements, buffer.nbytes)))
+            requests.append((bodies[-1], server))
             message = protocol.control(protocol.OP_STATE, self.step)
             requests.append((comm.Isend(message, dest=server, tag=protocol.CONTROL), server))
         self._wait(requests, "a checkpoint (fetching the servers' state)")
         arrays = int(headers[0][2])
+        for index, (server, header, body) in enumerate(zip(self.world.servers, headers, bodies,
+                                                           strict=True)):
+            self._check_state(server, header, body.count // 4, self.layout.elements(index),
+                              arrays, len(names))
         state = {n: np.zeros(total, np.float32) for n in names[:arrays]}
         for index, (header, buffer) in enumerate(zip(headers, buffers, strict=True)):
             params, shard_state = shards.unpack(buffer, self.layout.elements(index), names, arrays)
@@ -325,3 +358,19 @@ class AsyncPSClient(PSClient):
                 shards.put(state[name], values, self.layout, index)
             self.versions[index] = int(header[0])
         return int(headers[0][1]), state
+
+    def _check_state(self, server: int, header: np.ndarray, received: int, elements: int,
+                     arrays: int, names: int) -> None:
+        """Refuses a ``STATE`` answer whose header is out of range or disagrees with the other
+        servers' (``arrays``) or with the elements it carried (``received``)."""
+        version, steps, count = (int(v) for v in header)
+        for field, value in (("version", version), ("steps", steps)):
+            protocol.check(value >= 0, self.world, server, f"STATE's {field}", value,
+                           "must be >= 0")
+        protocol.check(count == arrays and count in (0, names), self.world, server,
+                       "STATE's arrays", count,
+                       f"must be 0 or {names}, as every server's ({arrays} from the first)")
+        protocol.check(received == (1 + count) * elements, self.world, server,
+                       "STATE's parameters", f"{received} elements",
+                       f"{count} state vector(s) of a {elements}-element shard take "
+                       f"{(1 + count) * elements}")

@@ -107,6 +107,11 @@ class Codec:
         """The float32 chunk that :meth:`encode`'s ``buffers`` stand for."""
         return buffers[0] if buffers[0].dtype == np.float32 else buffers[0].astype(np.float32)
 
+    def problem(self, buffers: Sequence[np.ndarray], n: int) -> str | None:
+        """What in received ``buffers`` (of the sizes :meth:`shapes` gives) no encoder sends, or
+        None: checked before :meth:`decode`, which would wrap a negative index."""
+        return None
+
 
 class TopK(Codec):
     """``topk``: the ``k = max(1, floor(ratio n))`` largest magnitudes, values and indices."""
@@ -124,6 +129,13 @@ class TopK(Codec):
 
     def decode(self, buffers: Sequence[np.ndarray], n: int) -> np.ndarray:
         return ref.scatter(buffers[0], buffers[1], n)
+
+    def problem(self, buffers: Sequence[np.ndarray], n: int) -> str | None:
+        indices = buffers[1]
+        if indices.size and not 0 <= int(indices.min()) <= int(indices.max()) < n:
+            bad = int(indices.min()) if int(indices.min()) < 0 else int(indices.max())
+            return f"index {bad} outside [0, {n})"
+        return None
 
 
 class RandomK(TopK):
@@ -158,6 +170,12 @@ class QSGD(Codec):
 
     def decode(self, buffers: Sequence[np.ndarray], n: int) -> np.ndarray:
         return ref.qsgd_decompress(buffers[0], buffers[1], self.bucket)
+
+    def problem(self, buffers: Sequence[np.ndarray], n: int) -> str | None:
+        codes = buffers[0]
+        if codes.size and int(codes.min()) < -ref.QSGD_LEVELS:  # -128: no level of the encoder
+            return f"code {int(codes.min())} outside [-{ref.QSGD_LEVELS}, {ref.QSGD_LEVELS}]"
+        return None
 
 
 class Scheme:

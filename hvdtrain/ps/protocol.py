@@ -43,18 +43,29 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
 MPI keeps the order of messages with the same source, tag and communicator, so a chunk needs no
 header: the n-th ``PUSH`` a server receives from a worker in a step is its n-th owned chunk in
 that order, and so is the n-th ``PULL`` a worker receives from a server.
+
+Nothing received is trusted (:class:`Receive`): a message is matched by a probe and taken only when
+its size is exactly the one expected, before a byte of it lands (a short message would leave
+garbage in the buffer; a long one Open MPI 4.1 may crash on while truncating), and its fields are
+checked against their ranges before use (:func:`check`). A peer that breaks the protocol gets a
+:class:`ProtocolError` naming its rank and the field, and nothing is allocated by a size it sent:
+a server sizes its buffers from ``HELLO`` only after bounding it (:data:`MAX_CHUNKS`,
+:func:`available_bytes`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from hvdtrain.errors import EnvironmentFailure
+from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 
 VERSION = 5
 """Bumped whenever a message changes: a worker and a server of different versions refuse."""
@@ -66,6 +77,9 @@ INIT, VERSIONS, STATE, ROWS = 7105, 7106, 7107, 7108
 OP_PUSH, OP_DONE, OP_STATE, OP_LOAD = 1, 2, 3, 4
 """The operations of a ``CONTROL`` message."""
 
+OPERATIONS = {OP_PUSH: "PUSH", OP_DONE: "DONE", OP_STATE: "STATE", OP_LOAD: "LOAD"}
+"""Every operation's name; ``ssp``/``asp`` servers know all but ``LOAD``."""
+
 CONSISTENCIES = ("bsp", "ssp", "asp")
 """``ps.consistency`` values, by their index in ``HELLO``."""
 
@@ -76,7 +90,18 @@ HYPER_LENGTH = 6
 WIRE_DTYPES = ("float32", "float16")
 """What chunks travel as: float32, or float16 with ``comm.compression=fp16`` (half the bytes)."""
 
-HELLO_LENGTH = 14
+HELLO_FIELDS = ("version", "total", "chunk", "servers", "workers", "wire", "consistency",
+                "staleness", "method", "ratio", "error_feedback", "bucket", "min_size", "seed")
+"""The names of ``HELLO``'s fields, in order (error messages name them)."""
+
+HELLO_LENGTH = len(HELLO_FIELDS)
+
+MAX_CHUNKS = 1 << 20
+"""The most chunks a flat vector may be cut into: a server lays out every chunk (a Python loop) and
+receives one message per chunk and worker a step, so a ``HELLO`` past this is refused before
+anything is laid out. Workers refuse a ``ps.chunk_kib`` that would reach it
+(:class:`hvdtrain.ps.client.PSClient`): a million chunks of the smallest, 1 KiB, are 256 Mi
+elements."""
 
 PUSH_WINDOW = 2
 """A worker's chunk pushes in flight at once, in chunk order: the first chunks reach their
@@ -106,6 +131,137 @@ def control(op: int, step: int, version: int = 0, lr: float = 0.0) -> np.ndarray
 def control_lr(message: np.ndarray) -> float:
     """The learning rate of a ``CONTROL`` message."""
     return float(message[3:4].view(np.float64)[0])
+
+
+class ProtocolError(HvdtrainError):
+    """A peer sent what the protocol does not allow: a message of the wrong size, a field out of
+    its range, an unknown operation, or what the other workers contradict. The message names the
+    peer and the field, on one line."""
+
+
+def peer_name(world: Any, rank: int) -> str:
+    """``parameter server 0 (rank 2 on host node3)`` or ``worker 1 (rank 1 on host node1)``."""
+    prefix = "parameter " if rank in world.servers else ""
+    return prefix + world.name(rank)
+
+
+def refused(world: Any, rank: int, what: str) -> ProtocolError:
+    """The error for a message of ``rank`` that breaks the protocol: ``what`` it sent and why."""
+    return ProtocolError(f"{peer_name(world, rank)} sent {what}")
+
+
+def check(ok: bool, world: Any, rank: int, field: str, value: Any, rule: str) -> None:
+    """Raises :func:`refused` (``<field>=<value>: <rule>``) unless ``ok``."""
+    if not ok:
+        raise refused(world, rank, f"{field}={value}: {rule}")
+
+
+def in_range(world: Any, rank: int, field: str, value: int, choices: Sequence[Any]) -> None:
+    """Refuses ``value`` unless it indexes ``choices`` (a negative index must not wrap)."""
+    check(0 <= value < len(choices), world, rank, field, value,
+          f"must be 0 .. {len(choices) - 1} ({', '.join(map(str, choices))})")
+
+
+def float_field(world: Any, rank: int, field: str, value: float, low: float = 0.0,
+                high: float = math.inf, high_open: bool = False) -> None:
+    """Refuses ``value`` unless finite and in [``low``, ``high``] (or [``low``, ``high``))."""
+    above = value < high if high_open else value <= high
+    check(math.isfinite(value) and low <= value and above, world, rank, field, value,
+          f"must be finite and in [{low:g}, {high:g}{')' if high_open else ']'}")
+
+
+class Mailbox:
+    """The receives waiting for messages of one peer and tag on one communicator, in the order
+    they were posted: a message is matched by a probe (``MPI_Improbe``) and handed to the oldest
+    waiting :class:`Receive`, which checks its size before it takes it. MPI keeps the order of
+    one peer's messages of one tag, so receives posted in order get the messages in order, as
+    with ``Irecv``."""
+
+    def __init__(self, comm: Any, peer: int, tag: int) -> None:
+        from mpi4py import MPI  # already started by hvdtrain.ps.world's split
+
+        self.comm, self.peer, self.tag = comm, peer, tag
+        self.status, self.byte = MPI.Status(), MPI.BYTE
+        self.waiting: deque[Receive] = deque()
+        self.lock = threading.Lock()  # a worker's push thread and its main thread both receive
+
+    def match(self) -> None:
+        """Hands every message that has arrived to the receives waiting, oldest first."""
+        with self.lock:
+            while self.waiting:
+                message = self.comm.Improbe(self.peer, self.tag, self.status)
+                if message is None:
+                    return
+                self.waiting.popleft().take(message, self.status.Get_count(self.byte))
+
+
+_MAILBOXES: dict[tuple[int, int, int], Mailbox] = {}
+"""By (communicator, peer, tag); a mailbox keeps its communicator alive, so ids are not reused."""
+
+
+def mailbox(comm: Any, peer: int, tag: int) -> Mailbox:
+    """The :class:`Mailbox` of ``peer`` and ``tag`` on ``comm``."""
+    key = (id(comm), peer, tag)
+    if key not in _MAILBOXES:
+        _MAILBOXES[key] = Mailbox(comm, peer, tag)
+    return _MAILBOXES[key]
+
+
+class Receive:
+    """A receive into ``buffer`` of one message from ``peer`` with ``tag`` (posted at once, like
+    ``Irecv``; :meth:`Test` as a request's): a message of any other size than ``buffer``'s bytes
+    (or one of ``sizes``) is refused, unread, with a :class:`ProtocolError` naming the peer and
+    ``field``. :attr:`count` is the bytes received."""
+
+    def __init__(self, world: Any, buffer: np.ndarray, peer: int, tag: int, field: str,
+                 sizes: Sequence[int] = ()) -> None:
+        self.world, self.buffer, self.peer, self.field = world, raw(buffer), peer, field
+        self.sizes = tuple(sizes) or (self.buffer.nbytes,)
+        self.request: Any = None
+        self.count = -1
+        self.box = mailbox(world.comm, peer, tag)
+        with self.box.lock:
+            self.box.waiting.append(self)
+
+    def take(self, message: Any, count: int) -> None:
+        """Receives ``message`` (``count`` bytes) if it has an expected size; else refuses it."""
+        if count not in self.sizes:
+            expected = " or ".join(map(str, self.sizes))
+            raise refused(self.world, self.peer, f"{self.field} of {count} bytes where {expected} "
+                                                 "belong")
+        self.count = count
+        self.request = message.Irecv(self.buffer)
+
+    def Test(self) -> bool:  # a request's name: wait() tests requests and these alike
+        """Whether the message has arrived whole (raises if it has the wrong size)."""
+        if self.request is None:
+            if self.box.waiting and self.box.waiting[0] is self:
+                self.box.match()  # only the oldest probes: a later one cannot take first
+            if self.request is None:
+                return False
+        return bool(self.request.Test())
+
+
+def receive(world: Any, buffer: np.ndarray, peer: int, tag: int, field: str) -> np.ndarray:
+    """Receives one message into ``buffer`` (:class:`Receive`), waiting as a server waits
+    (:func:`waitall`: no time limit); returns ``buffer``."""
+    waitall([Receive(world, buffer, peer, tag, field)])
+    return buffer
+
+
+def available_bytes() -> int | None:
+    """Memory this machine can still give (``MemAvailable``), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 class ServerLost(EnvironmentFailure):

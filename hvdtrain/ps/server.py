@@ -19,15 +19,25 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps import protocol
-from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
+from hvdtrain.ps.codec import METHODS, SPARSE, WireSettings, encode, pull_scheme, push_scheme
 from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.protocol import ProtocolError, check, in_range, refused
 from hvdtrain.ps.world import PSWorld
 
+__all__ = ["ProtocolError", "Shard", "read_controls", "read_hello", "run_server", "serve",
+           "sum_step"]
 
-class ProtocolError(HvdtrainError):
-    """Workers sent what a server cannot serve (a different version, layout or step)."""
+INDEX_LIMIT = 2**31 - 1
+"""The largest chunk a sparse method may send: its indices within a chunk travel as int32."""
+
+BYTES_PER_ELEMENT = 8
+"""A bound on the bytes per element of a server's shard for each worker (its receive buffers,
+and under ``ssp``/``asp`` its answers), beside :data:`SHARD_BYTES` for the shard itself."""
+
+SHARD_BYTES = 32
+"""A bound on the bytes per element of a server's own vectors: sums, residuals and the pull's
+encoding (``bsp``), or parameters, two optimizer moments and ``INIT``'s buffer (``ssp``/``asp``)."""
 
 
 class Shard:
@@ -58,6 +68,15 @@ class Shard:
         """Elements this server sums per step."""
         return sum(self.sizes)
 
+    def check(self, i: int, world: PSWorld) -> None:
+        """Refuses chunk ``i``'s pushes where they hold what no worker encodes (an index out of
+        the chunk, which :meth:`add` would wrap), naming the worker."""
+        codec, n = self.pushes[i], self.sizes[i]
+        for rank, received in zip(world.worker_ranks, self.received, strict=True):
+            problem = codec.problem(received[i], n)
+            if problem:
+                raise refused(world, rank, f"PUSH of chunk {self.chunks[i]} with {problem}")
+
     def add(self, i: int) -> None:
         """Chunk ``i``'s sum over the workers' decoded pushes, in worker order."""
         total, codec, n = self.sums[i], self.pushes[i], self.sizes[i]
@@ -73,22 +92,74 @@ class Shard:
 
 def read_hello(world: PSWorld) -> tuple[Layout, str, str, int, WireSettings]:
     """The layout, wire dtype, consistency, staleness bound and compression settings every worker
-    announced; they must agree with each other and with this server."""
-    messages = np.zeros((len(world.worker_ranks), protocol.HELLO_LENGTH), np.int64)
-    for i, rank in enumerate(world.worker_ranks):
-        world.comm.Recv(messages[i], source=rank, tag=protocol.HELLO)
-    first = messages[0]
-    if (messages != first).any():
-        raise ProtocolError(f"the workers announced different layouts: {messages.tolist()}")
-    version, total, chunk, servers, workers, wire, consistency, staleness = (
-        int(v) for v in first[:8])
-    if version != protocol.VERSION:
-        raise ProtocolError(f"the workers speak protocol {version}, this server {protocol.VERSION}")
-    if (servers, workers) != (len(world.servers), len(world.worker_ranks)):
-        raise ProtocolError(f"the workers count {servers} server(s) and {workers} worker(s), "
-                            f"the job has {len(world.servers)} and {len(world.worker_ranks)}")
-    return (Layout(total, chunk, servers), protocol.WIRE_DTYPES[wire],
-            protocol.CONSISTENCIES[consistency], staleness, WireSettings.from_ints(first[8:]))
+    announced; each ``HELLO`` is checked field by field, then they must agree with each other and
+    with this server, and the shard they ask for must fit this machine's memory."""
+    ranks = world.worker_ranks
+    messages = np.zeros((len(ranks), protocol.HELLO_LENGTH), np.int64)
+    for i, rank in enumerate(ranks):
+        check_hello(world, rank, protocol.receive(world, messages[i], rank, protocol.HELLO,
+                                                  "HELLO"))
+    for i, rank in enumerate(ranks[1:], start=1):
+        differ = np.flatnonzero(messages[i] != messages[0])
+        if differ.size:
+            field = protocol.HELLO_FIELDS[int(differ[0])]
+            raise refused(world, rank, f"HELLO's {field}={int(messages[i][differ[0]])} where "
+                                       f"{world.name(ranks[0])} sent {int(messages[0][differ[0]])}: "
+                                       "the workers must agree")
+    total, chunk, servers = (int(v) for v in messages[0, 1:4])
+    wire, consistency, staleness = (int(v) for v in messages[0, 5:8])
+    layout = Layout(total, chunk, servers)
+    check_memory(world, layout)
+    return (layout, protocol.WIRE_DTYPES[wire], protocol.CONSISTENCIES[consistency], staleness,
+            WireSettings.from_ints(messages[0, 8:].tolist()))
+
+
+def check_hello(world: PSWorld, rank: int, message: np.ndarray) -> None:
+    """Refuses a ``HELLO`` of ``rank`` with a field out of its range, naming the field."""
+    fields = dict(zip(protocol.HELLO_FIELDS, (int(v) for v in message), strict=True))
+
+    def at_least(name: str, low: int) -> None:
+        check(fields[name] >= low, world, rank, f"HELLO's {name}", fields[name], f"must be >= {low}")
+
+    version = fields["version"]
+    check(version == protocol.VERSION, world, rank, "HELLO's version", version,
+          f"this server speaks protocol {protocol.VERSION}")
+    for name, actual in (("servers", len(world.servers)), ("workers", len(world.worker_ranks))):
+        check(fields[name] == actual, world, rank, f"HELLO's {name}", fields[name],
+              f"the job has {actual}")
+    at_least("total", 0)
+    at_least("chunk", 1)
+    in_range(world, rank, "HELLO's wire", fields["wire"], protocol.WIRE_DTYPES)
+    in_range(world, rank, "HELLO's consistency", fields["consistency"], protocol.CONSISTENCIES)
+    at_least("staleness", 0)
+    in_range(world, rank, "HELLO's method", fields["method"], METHODS)
+    check(fields["error_feedback"] in (0, 1), world, rank, "HELLO's error_feedback",
+          fields["error_feedback"], "must be 0 or 1")
+    for name in ("bucket", "min_size", "seed"):
+        at_least(name, 0)
+    if METHODS[fields["method"]] in SPARSE:
+        ratio = float(message[protocol.HELLO_FIELDS.index("ratio"):][:1].view(np.float64)[0])
+        protocol.float_field(world, rank, "HELLO's ratio", ratio, high=1.0)
+        check(ratio > 0, world, rank, "HELLO's ratio", ratio, "must be > 0")
+        check(fields["chunk"] <= INDEX_LIMIT, world, rank, "HELLO's chunk", fields["chunk"],
+              f"must be <= {INDEX_LIMIT} (indices travel as int32)")
+    count = -(-fields["total"] // fields["chunk"])
+    check(count <= protocol.MAX_CHUNKS, world, rank, "HELLO's total", fields["total"],
+          f"{count} chunks of {fields['chunk']} elements, more than the "
+          f"{protocol.MAX_CHUNKS} a server lays out")
+
+
+def check_memory(world: PSWorld, layout: Layout) -> None:
+    """Refuses a layout whose shard would need more memory than this machine has available,
+    before anything is allocated for it (naming the workers' ``total``)."""
+    available = protocol.available_bytes()
+    elements = layout.elements(world.server_index)
+    needed = elements * (BYTES_PER_ELEMENT * len(world.worker_ranks) + SHARD_BYTES)
+    if available is not None and needed > available:
+        raise refused(world, world.worker_ranks[0],
+                      f"HELLO's total={layout.total} (as every worker did): this server's shard "
+                      f"of {elements} elements needs up to {needed / 2**30:.1f} GiB, the machine "
+                      f"has {available / 2**30:.1f} GiB available")
 
 
 def read_controls(world: PSWorld, step: int | None) -> tuple[int, int]:
@@ -97,14 +168,20 @@ def read_controls(world: PSWorld, step: int | None) -> tuple[int, int]:
     control: a resumed run goes on from its checkpoint's step)."""
     ranks = world.worker_ranks
     messages = np.zeros((len(ranks), protocol.CONTROL_LENGTH), np.int64)
-    requests = [world.comm.Irecv(messages[i], source=r, tag=protocol.CONTROL)
-                for i, r in enumerate(ranks)]
-    protocol.waitall(requests)
-    ops, steps = set(messages[:, 0].tolist()), set(messages[:, 1].tolist())
-    if len(ops) != 1 or len(steps) != 1 or (step is not None and steps != {step}):
-        raise ProtocolError(f"at step {step} the workers asked for {messages[:, :2].tolist()} "
-                            "([operation, step] by worker): they disagree")
-    return int(messages[0, 0]), int(messages[0, 1])
+    protocol.waitall([protocol.Receive(world, messages[i], r, protocol.CONTROL, "CONTROL")
+                      for i, r in enumerate(ranks)])
+    for rank, (op, at) in zip(ranks, messages[:, :2].tolist(), strict=True):
+        check(op in protocol.OPERATIONS, world, rank, "CONTROL's operation", op,
+              f"unknown (known: {', '.join(f'{k} {v}' for k, v in protocol.OPERATIONS.items())})")
+        check(at >= 0, world, rank, "CONTROL's step", at, "must be >= 0")
+    first_op, first_step = messages[0, :2].tolist()
+    for rank, (op, at) in zip(ranks, messages[:, :2].tolist(), strict=True):
+        check(op == first_op, world, rank, "CONTROL's operation", op,
+              f"{world.name(ranks[0])} asked for {first_op} in the same step: the workers must "
+              "agree")
+        check(at == (first_step if step is None else step), world, rank, "CONTROL's step", at,
+              f"the workers are at step {first_step if step is None else step}")
+    return int(first_op), int(first_step)
 
 
 def sum_step(world: PSWorld, shard: Shard, step: int = 0) -> None:
@@ -112,12 +189,13 @@ def sum_step(world: PSWorld, shard: Shard, step: int = 0) -> None:
     descending chunk order (the order the workers push in: :mod:`hvdtrain.ps.protocol`)."""
     comm, ranks = world.comm, world.worker_ranks
     order = range(len(shard.sums) - 1, -1, -1)
-    arriving = {i: [comm.Irecv(protocol.raw(b), source=r, tag=protocol.PUSH)
+    arriving = {i: [protocol.Receive(world, b, r, protocol.PUSH, f"PUSH of chunk {shard.chunks[i]}")
                     for w, r in enumerate(ranks) for b in shard.received[w][i]]
                 for i in order}
     leaving, in_flight = [], []
     for i in order:
         protocol.waitall(arriving[i])
+        shard.check(i, world)
         shard.add(i)
         # qsgd's pull noise is drawn as for a rank after the last worker's: whichever server
         # owns the chunk, so that a run resumed on another number of servers draws the same.
@@ -152,16 +230,14 @@ def serve(world: PSWorld) -> int:
 
 def exchange_state(world: PSWorld, shard: Shard, op: int) -> None:
     """``OP_STATE``: sends worker 0 the shard's pull residuals; ``OP_LOAD``: takes them from it."""
-    if shard.residual is None:
-        raise ProtocolError(f"the workers asked for operation {op}, but this server keeps no "
-                            "state (no error feedback)")
     source = world.worker_ranks[0]
+    check(shard.residual is not None, world, source, "CONTROL's operation", op,
+          f"{protocol.OPERATIONS[op]}, but this server keeps no state (no error feedback)")
+    assert shard.residual is not None  # checked above
     if op == protocol.OP_STATE:
         world.comm.Send(shard.residual, dest=source, tag=protocol.STATE)
-    elif op == protocol.OP_LOAD:
-        world.comm.Recv(shard.residual, source=source, tag=protocol.INIT)
     else:
-        raise ProtocolError(f"the workers asked for operation {op}, which bsp servers lack")
+        protocol.receive(world, shard.residual, source, protocol.INIT, "INIT (pull residuals)")
 
 
 @contextmanager
