@@ -366,8 +366,9 @@ LABELS = {"bandwidth": "Two nodes: allreduce bandwidth", "training": "Two nodes:
 
 def target(args: argparse.Namespace) -> str:
     """The part's target in words, for the index."""
-    return {"bandwidth": f"Horovod bus bandwidth >= {LINK_TARGET} x link rate at "
-                         f"{LINK_FROM >> 20} MB and up, where the link limits",
+    return {"bandwidth": f"Horovod's allreduce time / the link rate's bound <= {1 / LINK_TARGET:.3f} "
+                         f"(bus bandwidth >= {LINK_TARGET} x link rate) at {LINK_FROM >> 20} MB and "
+                         "up, where the link limits",
             "training": "none (what a link costs)",
             "compression": f"best method reaches {args.target} accuracy >= {SPEEDUP_TARGET:g}x "
                            "sooner than `none` at 100 Mbit/s"}[args.part]

@@ -200,7 +200,7 @@ def loading_section(framework: str, args: argparse.Namespace, work: Path) -> str
                    else f"missed by {100 * (wait.share - wait.target):.2f}%")
     entry = harness.Entry(
         label=f"Input pipeline, {name}", script="data.py --parts loading",
-        target=f"disk with workers / in memory samples/s >= {SPEED_TARGET}; data wait < "
+        target=f"disk with workers / in memory time per sample <= {1 / SPEED_TARGET:.3f}; data wait < "
                f"{100 * WAIT_TARGET:.0f}% of step time",
         verdict=f"ResNet-18 width {args.width}, {args.train} images: whole run "
                 f"{harness.brief(speed_verdict(whole), disk_whole)}; steady state "

@@ -82,9 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     judged = "; ".join(f"over {'Gloo' if name == GLOO else 'MPI'} {harness.brief(v, named[name])}"
                        for name, v in verdicts(rows).items())
     entry = harness.Entry(
-        label="hvdtrain vs PyTorch DDP", script="ddp.py", target=f"hvdtrain / DDP >= {TARGET}",
-        verdict=f"{judged}; {args.rounds} rounds; hvdtrain / the hand-written Horovod loop "
-                f"{named[GLOO].median / named[HANDWRITTEN].median:.3f}")
+        label="hvdtrain vs PyTorch DDP", script="ddp.py",
+        target=f"hvdtrain / DDP time per sample <= {1 / TARGET:.3g}",
+        verdict=f"{judged}; {args.rounds} rounds; hvdtrain / the hand-written Horovod loop, time "
+                f"per sample {named[HANDWRITTEN].median / named[GLOO].median:.3f}")
     harness.publish(harness.section_text(
         "hvdtrain vs PyTorch DDP: ResNet-18 on synthetic images, 2 processes (samples/s)",
         args.command, machine, [harness.table_block("", rows, **fmt)], notes, entry=entry), args)

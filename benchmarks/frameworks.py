@@ -41,9 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     blocks = [harness.table_block("Whole run (samples / wall time):", whole, **fmt),
               harness.table_block(f"Steady state ({workload.STEADY_SPAN}):", steady, **fmt)]
     entry = harness.Entry(label="Frameworks", script="frameworks.py", target="none (a comparison)",
-                          verdict="TensorFlow / PyTorch samples/s: " + ", ".join(
-                              f"{harness.by_name(rows)[CANDIDATE].ratio:.3f} {label} (A/A "
-                              f"{harness.by_name(rows)[CONTROL].ratio:.3f})"
+                          verdict="no target; TensorFlow / PyTorch time per sample: " + ", ".join(
+                              f"{1 / harness.by_name(rows)[CANDIDATE].ratio:.3f} {label} (A/A "
+                              f"{1 / harness.by_name(rows)[CONTROL].ratio:.3f})"
                               for label, rows in (("whole run", whole), ("steady state", steady))))
     harness.publish(harness.section_text(
         "Frameworks: hvdtrain PyTorch trainer vs hvdtrain TensorFlow trainer (samples/s)",

@@ -155,12 +155,19 @@ def judge(ratio: float, control: float, target: float, tolerance: float = 0.10, 
 
 def brief(verdict: Verdict, row: Row | None = None) -> str:
     """``verdict`` in a few words, for a section's index line: status (a miss with its distance to
-    the target), ratio (with ``row``'s 95% interval when given) and the A/A control."""
-    interval = f" (interval {row.low:.3f}-{row.high:.3f})" if row else ""
+    the target), ratio (with ``row``'s 95% interval when given) and the A/A control. A rate's
+    ratios (``higher_is_better``) are given as time ratios, their inverse: above 1 is slower."""
+    if verdict.higher_is_better:  # a rate: its time ratio, docs/benchmarks.md's convention
+        interval = f" (interval {1 / row.high:.3f}-{1 / row.low:.3f})" if row else ""
+        ratio, control, target = 1 / verdict.ratio, 1 / verdict.control, 1 / verdict.target
+    else:
+        interval = f" (interval {row.low:.3f}-{row.high:.3f})" if row else ""
+        ratio, control, target = verdict.ratio, verdict.control, verdict.target
     status = verdict.status
     if status == "missed":  # a miss says by how much (docs/benchmarks.md's verdicts)
-        status = f"missed by {abs(verdict.ratio - verdict.target):.3f}"
-    return f"{status}: {verdict.ratio:.3f}{interval}, A/A {verdict.control:.3f}"
+        status = f"missed by {abs(ratio - target):.3f}"
+    rate = f" (rate ratio {verdict.ratio:.3f})" if verdict.higher_is_better else ""
+    return f"{status}: {ratio:.3f}{interval}{rate}, A/A {control:.3f}"
 
 
 def by_name(rows: Sequence[Row]) -> dict[str, Row]:

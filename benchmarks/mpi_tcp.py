@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ps_links.cluster("stop")
     grid = harness.markdown_grid(["transfer", "median s", "bound s", "x bound"], rows)
     both_on, both_off = float(rows[1][3]), float(rows[3][3])
-    verdict = (f"both ways at once {both_on:.2f} x the one-message bound with put, "
+    verdict = (f"no target; both ways at once {both_on:.2f} x the one-message bound with put, "
                f"{both_off:.2f} x without; Horovod's allreduce {rows[4][3]} x the ring's bound "
                f"(Open MPI's choice, put on), {rows[5][3]} x (put off), {rows[6][3]} x (ring)")
     notes = ["Bounds: M/B for one message; the ring's 2(n-1)/n M/B for the allreduce "

@@ -240,3 +240,16 @@ def test_a_written_section_has_the_fields_and_its_commit(tmp_path):
     given = harness.section_text("T", "python x.py", {"cores": 2}, [], entry=entry, commit="abc1234")
     assert "Commit: abc1234" in given.splitlines()
     assert harness.commit_record(tmp_path) == "unknown (not a git checkout)"
+
+
+def test_a_rate_is_judged_as_its_time_ratio_and_a_miss_by_its_distance():
+    """A rate's verdict (samples/s, higher is better) reads as a time ratio, above 1 slower."""
+    sys.path.insert(0, str(index.DOC.parents[1] / "benchmarks"))
+    import harness
+
+    slower = harness.brief(harness.judge(0.8, 1.0, 0.9, higher_is_better=True))
+    assert slower == "missed by 0.139: 1.250 (rate ratio 0.800), A/A 1.000"
+    faster = harness.brief(harness.judge(1.25, 1.0, 1.0, higher_is_better=True))
+    assert faster == "met: 0.800 (rate ratio 1.250), A/A 1.000"
+    assert harness.brief(harness.judge(1.05, 1.0, 1.03)) == "missed by 0.020: 1.050, A/A 1.000"
+    assert verdict_problems(slower) == verdict_problems(faster) == []
