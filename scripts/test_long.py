@@ -79,17 +79,21 @@ def git(*args: str) -> str:
                           check=True).stdout.strip()
 
 
-def record(results: list[Result], started: datetime.datetime) -> str:
-    """The block written between the markers."""
+def tree_state() -> str:
+    """The commit the run starts from, and whether tracked files differ from it."""
     commit = git("rev-parse", "--short=12", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no")
-    tree = (" with uncommitted changes to tracked files in the working tree" if dirty
-            else ", clean working tree")
+    return f"`{commit}`" + (" with uncommitted changes to tracked files in the working tree"
+                            if dirty else ", clean working tree")
+
+
+def record(results: list[Result], started: datetime.datetime, tree: str) -> str:
+    """The block written between the markers."""
     rows = "\n".join(r.line() for r in results)
     total = sum(r.seconds for r in results) / 60
     return (f"{BEGIN}\nLast green `make test-long` (written by the run itself, "
             "`scripts/test_long.py`): started "
-            f"{started:%Y-%m-%d %H:%M} UTC, commit `{commit}`{tree}, {total:.0f} minutes.\n\n"
+            f"{started:%Y-%m-%d %H:%M} UTC, commit {tree}, {total:.0f} minutes.\n\n"
             "| invocation | passed | failed | errors | skipped | minutes |\n"
             f"|---|---|---|---|---|---|\n{rows}\n{END}")
 
@@ -105,6 +109,7 @@ def rewrite(text: str, block: str) -> str:
 
 def main() -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
+    tree = tree_state()  # at the start: the code the tests ran
     with tempfile.TemporaryDirectory(prefix="test-long-") as tmp:
         results = [run(args, Path(tmp), n) for n, args in enumerate(INVOCATIONS)]
     for result in results:
@@ -112,7 +117,7 @@ def main() -> int:
     if not all(r.green for r in results):
         print("test-long: not green: docs/testing.md keeps its previous record", file=sys.stderr)
         return 1
-    DOC.write_text(rewrite(DOC.read_text(), record(results, started)))
+    DOC.write_text(rewrite(DOC.read_text(), record(results, started, tree)))
     print(f"test-long: green: recorded in {DOC.relative_to(ROOT)}")
     return 0
 

@@ -17,12 +17,27 @@ are ordered so that none starts more than two launches (pytest-timeout's 600 s i
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
+import subprocess
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import BIN, assert_accuracy_near, assert_loss_near, horovodrun, read_jsonl
+from hvdtrain.checkpoint import verify
+from tests.conftest import (
+    BIN,
+    assert_accuracy_near,
+    assert_loss_near,
+    horovodrun,
+    read_jsonl,
+    run_env,
+)
 from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
 
 
@@ -199,3 +214,88 @@ def test_top_k_residuals_resume_on_another_number_of_servers(ps_launch, framewor
     whole, _ = ps_launch(framework, 2, 1).rank("topk", 0)
     for key in whole:
         assert np.array_equal(resumed[key], whole[key]), key
+
+
+def pid_of_mpi_rank(rank: int, marker: str) -> int:
+    """The process of MPI rank ``rank`` whose command line holds ``marker``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if marker.encode() in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
+            return int(proc.name)
+    raise AssertionError(f"no process of MPI rank {rank} found")
+
+
+def wait_for_step(path: Path, step: int, timeout: float) -> None:
+    """Waits until ``path`` holds a train record of ``step`` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines[:-1]:  # the last line may be half written
+            record = json.loads(line)
+            if "step_time_median_s" in record and record["step"] >= step:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not reach step {step}")
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+KILLED_BOUND_S = 120
+"""How long the workers may outlive a killed server: Open MPI's launcher tears the job down at
+once (seconds); the bound is generous for 2 busy cores."""
+
+
+@pytest.mark.timeout(600)
+def test_a_server_killed_ends_the_job_names_its_rank_and_leaves_a_checkpoint_to_resume(tmp_path):
+    """SIGKILL to the server (rank 2 of 2 workers + 1 server) mid-run: the job exits 137 (Open
+    MPI's launcher passes on the killed rank's signal), names the rank, both workers are gone
+    within :data:`KILLED_BOUND_S`, no summary is written, and every checkpoint but one the kill
+    may have interrupted verifies; a run on the ring resumes from the newest that verifies."""
+    run = tmp_path / "run"
+    args = [str(CONFIGS["torch"]), "log.every_steps=5", "log.wandb=disabled", f"log.dir={run}",
+            "checkpoint.every_steps=5"]
+    proc = subprocess.Popen([str(BIN / "horovodrun"), "-np", "3", "--mpi", str(BIN / "hvdtrain"),
+                             "train", *args, "train.epochs=200", "comm.topology=ps"],
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_step(run / "metrics.jsonl", 10, timeout=300)  # checkpoints at 5 and 10
+        workers = [pid_of_mpi_rank(rank, str(run)) for rank in (0, 1)]
+        os.kill(pid_of_mpi_rank(2, str(run)), signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=KILLED_BOUND_S + 60)
+        waited = time.monotonic() - killed
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, out[-2000:] + err[-2000:]
+    assert re.search(r"process rank 2 with PID \d+ .*exited on signal 9", out + err), err[-3000:]
+    assert waited < KILLED_BOUND_S and not any(alive(pid) for pid in workers), waited
+    assert not (run / "summary.json").exists()
+
+    saved = sorted((run / "checkpoints").glob("step-*.ckpt"))
+    steps = [int(path.stem.split("-")[1]) for path in saved]
+    assert all(step % 5 == 0 for step in steps) and steps[-1] >= 10, steps
+    valid = [step for step, path in zip(steps, saved, strict=True) if verify(path) is None]
+    assert valid in (steps, steps[:-1]), (steps, valid)  # only the last write may be cut short
+
+    # The ring at one process with the same global batch (64) continues from it.
+    more = valid[-1] + 5
+    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, "data.batch_size=64",
+                              f"train.max_steps={more}", "checkpoint.resume=auto"],
+                             env=run_env(), capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"step-{valid[-1]:08d}.ckpt" in resumed.stdout + resumed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == more and summary["world_size"] == 1
+    assert "topology" not in summary  # the ring's
