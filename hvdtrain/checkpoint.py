@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -290,12 +290,38 @@ def _step_of(path: Path) -> int:
         return -1
 
 
+def part_problem(entry: Any) -> str | None:
+    """Why a manifest's part entry names no file of the checkpoint's directory, or None: its
+    ``file`` must be a bare file name, as hvdtrain writes it (``step-N.stage-S.part``). A path
+    (``../x``, ``/x``, ``sub/x``) is refused rather than cut to its last component, so that what
+    is verified and what is read are one file (:func:`part_file`)."""
+    name = entry.get("file") if isinstance(entry, Mapping) else None
+    if not isinstance(name, str):
+        return "a part entry names no file"
+    separators = [sep for sep in (os.sep, os.altsep, "/") if sep]
+    if name in ("", ".", "..") or "\0" in name or any(sep in name for sep in separators):
+        return f"part {name!r} is not a file name in the checkpoint's directory: refused"
+    return None
+
+
+def part_file(directory: Path, entry: Any, where: str) -> Path:
+    """The file that a manifest's part ``entry`` names in ``directory`` (the checkpoint's), as
+    :func:`verify` checks it and both frameworks' readers read it; a one-line
+    :class:`HvdtrainError` naming ``where`` for an entry that names a path (:func:`part_problem`)."""
+    problem = part_problem(entry)
+    if problem:
+        raise HvdtrainError(f"{where}: {problem}")
+    return directory / entry["file"]
+
+
 def parts_of(checkpoint: Path) -> list[Path]:
     """The part files that the manifest of ``checkpoint`` lists (none for a checkpoint written
-    whole, or whose manifest cannot be read)."""
+    whole, or whose manifest cannot be read; an entry that names a path is left out: pruning
+    never removes a file outside the directory)."""
     try:
         manifest = json.loads(manifest_path(checkpoint).read_text())
-        return [checkpoint.parent / Path(p["file"]).name for p in manifest.get("parts") or ()]
+        entries = manifest.get("parts") or ()
+        return [checkpoint.parent / p["file"] for p in entries if part_problem(p) is None]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return []
 
@@ -330,7 +356,10 @@ def verify(path: Path) -> str | None:
                                               for p in parts):
         return "the manifest's list of parts is not an hvdtrain one"
     for part in parts:
-        problem = _file_problem(path.parent / Path(part["file"]).name, part)
+        problem = part_problem(part)
+        if problem:
+            return problem
+        problem = _file_problem(part_file(path.parent, part, str(path)), part)
         if problem:
             return f"part {part['file']}: {problem}"
     return None

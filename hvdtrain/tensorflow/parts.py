@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdtrain.checkpoint import sha256_of
+from hvdtrain.checkpoint import part_file, sha256_of
 from hvdtrain.compression.state import merge_named
 from hvdtrain.errors import HvdtrainError
 
@@ -120,13 +120,16 @@ def read_part(path: Path, names: Collection[str], where: str, sha256: str | None
 def read_parts(directory: Path, manifest: Iterable[Mapping[str, Any]], names: Collection[str],
                where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The arrays of ``names`` held by the parts that ``manifest`` lists (each checked against its
-    sha256; an entry two parts hold, such as ``opt/``, is the first part's), and those parts'
-    exchange states merged (slots by variable name:
+    sha256; an entry two parts hold, such as ``opt/``, is the first part's; an entry that names
+    a path rather than a file of ``directory`` is refused: :func:`hvdtrain.checkpoint.part_file`),
+    and those parts' exchange states merged (slots by variable name:
     :func:`hvdtrain.compression.state.merge_named`)."""
     values: dict[str, np.ndarray] = {}
     states = []
     for part in manifest:
-        found, state = read_part(directory / str(part["file"]), names, where, part.get("sha256"))
+        # The very file verify() checked; an entry that names a path is refused.
+        found, state = read_part(part_file(directory, part, where), names, where,
+                                 part.get("sha256"))
         values |= {k: v for k, v in found.items() if k not in values}
         states.append(state)
     return values, merge_named(states, where)

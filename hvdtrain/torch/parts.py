@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdtrain.checkpoint import not_a_checkpoint, sha256_of
+from hvdtrain.checkpoint import not_a_checkpoint, part_file, sha256_of
 from hvdtrain.compression.state import merge_named
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.state import StagePart, merge_parts
@@ -63,10 +63,11 @@ def part_bytes(modules: Iterable[nn.Module], params: Sequence[str],
 
 def read_parts(directory: Path, entries: Sequence[Mapping[str, Any]], where: str) -> list[StagePart]:
     """The parts that ``entries`` (manifest entries) name, from ``directory``, each checked
-    against its sha256 first; one-line errors naming the part."""
+    against its sha256 first; one-line errors naming the part, and for an entry that names a
+    path rather than a file of ``directory`` (:func:`hvdtrain.checkpoint.part_file`)."""
     parts = []
     for entry in entries:
-        path = directory / Path(str(entry["file"])).name
+        path = part_file(directory, entry, where)  # the very file verify() checked
         try:
             same = sha256_of(path) == entry.get("sha256")
         except OSError as exc:
