@@ -178,9 +178,17 @@ def real_client(world: PSWorld) -> None:
     client.push_pull(np.arange(TOTAL, dtype=np.float32))
 
 
-CLIENT_CASES = {"pull_short": scripted_server("short"), "pull_index_negative":
-                scripted_server("index")}
-"""Client cases: the server rank runs a script, worker 0 the real client (worker 1 idles)."""
+def too_many_chunks(world: PSWorld) -> None:
+    """Worker 0's real client for a gradient of 2^30 elements in chunks of 1 KiB: 4 Mi chunks,
+    which it refuses before it sends (or allocates) anything."""
+    PSClient(world, 2**30, 256, timeout_s=60, settings=TOPK)
+
+
+CLIENT_CASES = {"pull_short": (scripted_server("short"), real_client),
+                "pull_index_negative": (scripted_server("index"), real_client),
+                "client_too_many_chunks": (lambda world: None, too_many_chunks)}
+"""Client cases: what the server rank runs (a script) and worker 0 (the real client); worker 1
+idles."""
 
 
 def outcome(run: Any, world: PSWorld) -> dict[str, Any]:
@@ -204,12 +212,12 @@ def main() -> None:
         elif world.rank in by_rank:
             by_rank[world.rank](case)
         world.comm.Barrier()
-    for name, script in CLIENT_CASES.items():
+    for name, (script, client) in CLIENT_CASES.items():
         case = dataclasses.replace(world, comm=world.comm.Dup())
         if world.is_server:
             script(case)
         elif world.rank == 0:
-            records[name] = outcome(real_client, case)
+            records[name] = outcome(client, case)
         world.comm.Barrier()
     (out / f"rank{world.rank}.json").write_text(json.dumps(records))
     world.comm.Barrier()

@@ -89,6 +89,14 @@ def test_the_server_refuses_a_broken_message_naming_the_sender_and_the_field(job
     assert says in message, message
 
 
+def test_a_worker_refuses_a_chunk_size_that_servers_would_refuse_before_it_sends(job):
+    _, out = job
+    got = records(out, 0).get("client_too_many_chunks")
+    assert got == {"type": "HvdtrainError", "error": (
+        f"ps.chunk_kib: the {2**30}-element gradient would travel in {2**22} chunks of 256 "
+        f"elements, more than the {MAX_CHUNKS} a server lays out: raise ps.chunk_kib")}, got
+
+
 @pytest.mark.parametrize("case", sorted(CLIENT_CASES))
 def test_a_worker_refuses_a_broken_answer_naming_the_server_and_the_field(job, case):
     proc, out = job
