@@ -306,8 +306,8 @@ class PipelineConfig:
     """Order of the micro-batches' forward and backward passes: ``1f1b`` (at most ``P``
     micro-batches in flight; ``m >= P``), ``gpipe`` (all forwards, then all backwards),
     ``interleaved_1f1b`` (``virtual_stages`` pieces per rank: a smaller bubble for more traffic);
-    PyTorch only and experimental: ``interleaved_zero_bubble``, ``zbv_zero_bubble`` and
-    ``dualpipev`` (both ``virtual_stages: 2``)."""
+    PyTorch only and experimental: ``interleaved_zero_bubble``; ``zbv_zero_bubble`` and
+    ``dualpipev`` are refused with stages (torch 2.13 cannot evaluate with them)."""
     virtual_stages: int = _opt(1, min=1)
     """Model pieces per rank (``v``): 1, except for the interleaved and zero-bubble schedules."""
     split: str | list = "auto"

@@ -1,14 +1,16 @@
 """Pipeline checkpoints that do not depend on the split, under horovodrun (Gloo).
 
-One launch sequence for PyTorch: at ``-np 4`` (2 stages x 2 copies) a run writes checkpoints in
-parts every 10 steps; a run resumed from its step 10 with the same split ends bit-identical to it,
-one resumed with another split agrees within ``ATOL``; at ``-np 1`` (no stages) a run resumed from
-the same parted checkpoint agrees too, and a run without stages writes an ordinary checkpoint; at
-``-np 2`` (2 stages, one copy) a run resumed from that ordinary checkpoint agrees with it.
-TensorFlow with Adam: the same four checks at ``-np 2`` (2 stages) and ``-np 1``.
+One launch sequence for PyTorch, on the digits MLP with three hidden layers (eight layers, four
+with parameters): at ``-np 4`` (2 stages x 2 copies) a run writes checkpoints in parts every 10
+steps; a run resumed from its step 10 with the same split ends bit-identical to it, one resumed
+with another split, and one at 4 stages x 1 copy (another number of stages and of copies), agree
+within ``ATOL``; at ``-np 1`` (no stages) a run resumed from the same parted checkpoint agrees too,
+and a run without stages writes an ordinary checkpoint; at ``-np 2`` (2 stages, one copy) a run
+resumed from that ordinary checkpoint agrees with it. TensorFlow with Adam: the same four checks
+at ``-np 2`` (2 stages) and ``-np 1``. A stop signal to one stage of a PyTorch pipeline stops both
+after the same step with a checkpoint in parts, from which a run without stages finishes.
 
-`make test` runs the PyTorch and the TensorFlow sequences (about a minute each alone); a stop
-signal to one stage with a resume without stages is `long` (`make test-long`).
+`make test` runs all three (the PyTorch and TensorFlow sequences about a minute each alone).
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
           "train.stall_timeout_s=120,checkpoint.every_steps=10,checkpoint.keep=3")
 PIPE = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON  # at -np 4: 2 copies
-WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON  # the same global batch, no stages
+WHOLE = ("data.batch_size=64,optim.lr=0.1," + COMMON  # the same global batch, no stages
+         + ",pipeline.microbatches=0")  # (no micro-batches without stages: refused)
 OTHER_SPLIT = "pipeline.split=[4]"  # layers 0-3 on stage 0; `auto` puts 0-2 there
+HIDDEN = (32, 32, 32)  # flatten, fc1, relu1, fc2, relu2, fc3, relu3, head: 4 stages can split it
+FOUR = "data.batch_size=64,optim.lr=0.1,pipeline.stages=4," + COMMON
+"""4 stages x 1 copy on the global batch of 64: `auto` gives each a layer with parameters."""
 
 
 def step(out: Path, run: str, number: int) -> str:
@@ -60,12 +66,13 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     launched4 = launch(4, "gloo", four, [
         f"full:{PIPE}",
         f"same:{PIPE},{step10(four, 'full')}",
-        f"other:{PIPE},{OTHER_SPLIT},{step10(four, 'full')}"])
+        f"other:{PIPE},{OTHER_SPLIT},{step10(four, 'full')}",
+        f"four:{FOUR},{step10(four, 'full')}"], hidden=HIDDEN)
     ckpts = four / "full" / "checkpoints"
     manifest = json.loads((ckpts / "step-00000010.json").read_text())
     assert [p["file"] for p in manifest["parts"]] == ["step-00000010.stage-0.part",
                                                       "step-00000010.stage-1.part"]
-    assert [p["layers"] for p in manifest["parts"]] == [[0, 1, 2], [3, 4, 5]]
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1, 2], [3, 4, 5, 6, 7]]
     assert sorted(p.name for p in ckpts.glob("*.part")) == [
         f"step-000000{s}.stage-{k}.part" for s in (10, 20, 23) for k in (0, 1)]
     full = whole_model(launched4, "full", [0, 1])
@@ -77,16 +84,24 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     assert read_jsonl(four / "same" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
     assert_close(whole_model(launched4, "other", [0, 1]), full, ATOL)
     assert launched4.rank("other", 0)[0].keys() == {"1.weight", "1.bias", "3.weight", "3.bias"}
+    # 2 stages x 2 copies -> 4 stages x 1 copy: each rank reads the parts that hold its layers.
+    assert launched4.summary("four")["pipeline"] == "4 stages x 1 copies"
+    assert [sorted(launched4.rank("four", r)[0]) for r in range(4)] == [
+        [f"{layer}.{kind}" for kind in ("bias", "weight")] for layer in (1, 3, 5, 7)]
+    assert_close(whole_model(launched4, "four", [0, 1, 2, 3]), full, ATOL)
+    assert read_jsonl(four / "four" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
+    assert launched4.summary("four")["steps"] == 23
 
     one = tmp_path / "np1"
-    launched1 = launch(1, "gloo", one, [f"none:{WHOLE},{step10(four, 'full')}", f"whole:{WHOLE}"])
+    launched1 = launch(1, "gloo", one, [f"none:{WHOLE},{step10(four, 'full')}", f"whole:{WHOLE}"],
+                       hidden=HIDDEN)
     assert_close(launched1.rank("none", 0)[0], full, ATOL)
     assert not list((one / "whole" / "checkpoints").glob("*.part"))
 
     two = tmp_path / "np2"
     launched2 = launch(2, "gloo", two, [
         f"from_whole:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},"
-        f"{step10(one, 'whole')}"])
+        f"{step10(one, 'whole')}"], hidden=HIDDEN)
     assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
     final = launched2.summary("from_whole")["final"]
     assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
@@ -156,30 +171,39 @@ def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_che
                      ATOL)
 
 
-@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_a_stop_signal_to_one_stage_checkpoints_in_parts_and_resumes_without_stages(tmp_path):
     """SIGUSR1 to stage 1 stops both stages after the same step, with a checkpoint in parts that
-    verifies; a run without stages resumes from it (``resume=auto``) and finishes."""
+    verifies; a run without stages resumes from it (``resume=auto``) and finishes the epoch after
+    the stop (the pipeline was told 20 epochs only so that it cannot end before the signal)."""
     run = tmp_path / "run"
-    args = [str(CONFIG), "train.epochs=20", "log.every_steps=5", "log.wandb=disabled",
-            f"log.dir={run}"]
+    args = [str(CONFIG), "log.every_steps=5", "log.wandb=disabled", f"log.dir={run}"]
     proc = subprocess.Popen(
         [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
-         "train", *args, "pipeline.stages=2", "pipeline.microbatches=4"],
+         "train", *args, "train.epochs=20", "pipeline.stages=2", "pipeline.microbatches=4"],
         env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_records(run / "metrics.jsonl", 4, timeout=300)
     os.kill(pid_of_rank(1, str(run)), signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
+    # Each rank exits 75 (stopped on request: resume later); horovodrun itself exits nonzero.
+    codes = dict(re.findall(r"Process (\d) exit with status code (\d+)", out + err))
+    assert proc.returncode != 0 and codes == {"0": "75", "1": "75"}, out[-2000:] + err[-2000:]
     stops = re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", out + err)
     assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-2000:] + err[-2000:]
     assert stops[0][1] == stops[1][1]
-    ckpt = run / "checkpoints" / f"step-{int(stops[0][1]):08d}.ckpt"
+    stopped = int(stops[0][1])
+    ckpt = run / "checkpoints" / f"step-{stopped:08d}.ckpt"
     assert verify(ckpt) is None and len(parts_of(ckpt)) == 2
+    assert not (run / "summary.json").exists()
 
-    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, "checkpoint.resume=auto"],
+    epochs = max(3, stopped // 45 + 1)  # 45 steps an epoch (1,437 samples, batch 32)
+    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, f"train.epochs={epochs}",
+                              "checkpoint.resume=auto"],
                              env=run_env(), capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["samples"] == 20 * 1437 and summary["world_size"] == 1
+    assert summary["samples"] == epochs * 1437 and summary["world_size"] == 1
+    assert summary["steps"] == epochs * 45
+    logged = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "step_time_median_s" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == epochs * 45, logged
     assert summary["final"]["eval_accuracy"] >= 0.9

@@ -275,11 +275,14 @@ def test_a_server_killed_ends_the_job_names_its_rank_and_leaves_a_checkpoint_to_
         os.kill(pid_of_mpi_rank(2, str(run)), signal.SIGKILL)
         killed = time.monotonic()
         out, err = proc.communicate(timeout=KILLED_BOUND_S + 60)
+        while any(alive(pid) for pid in workers) and time.monotonic() < killed + KILLED_BOUND_S:
+            time.sleep(0.2)  # the launcher may exit before its ranks are reaped
         waited = time.monotonic() - killed
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGKILL, out[-2000:] + err[-2000:]
     assert re.search(r"process rank 2 with PID \d+ .*exited on signal 9", out + err), err[-3000:]
+    print(f"the workers ended {waited:.1f} s after the server was killed")
     assert waited < KILLED_BOUND_S and not any(alive(pid) for pid in workers), waited
     assert not (run / "summary.json").exists()
 
@@ -290,12 +293,42 @@ def test_a_server_killed_ends_the_job_names_its_rank_and_leaves_a_checkpoint_to_
     assert valid in (steps, steps[:-1]), (steps, valid)  # only the last write may be cut short
 
     # The ring at one process with the same global batch (64) continues from it.
-    more = valid[-1] + 5
-    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, "data.batch_size=64",
-                              f"train.max_steps={more}", "checkpoint.resume=auto"],
+    more, ring = valid[-1] + 5, tmp_path / "ring"
+    resumed = subprocess.run([str(BIN / "hvdtrain"), "train", *args, f"log.dir={ring}",
+                              "data.batch_size=64", f"train.max_steps={more}",
+                              f"checkpoint.resume={saved[steps.index(valid[-1])]}"],
                              env=run_env(), capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"step-{valid[-1]:08d}.ckpt" in resumed.stdout + resumed.stderr
-    summary = json.loads((run / "summary.json").read_text())
+    summary = json.loads((ring / "summary.json").read_text())
     assert summary["steps"] == more and summary["world_size"] == 1
+    logged = [r["step"] for r in read_jsonl(ring / "metrics.jsonl") if "step_time_median_s" in r]
+    assert logged[0] > valid[-1] and logged[-1] == more, logged  # on from the checkpoint's step
     assert "topology" not in summary  # the ring's
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_to_every_rank_stops_workers_and_server_with_a_checkpoint(tmp_path):
+    """SIGTERM to the workers and the server at once (as a scheduler's preemption sends it): the
+    server keeps serving until the workers have checkpointed after the same step and said they are
+    done; the job exits 75 and the checkpoint verifies."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([str(BIN / "horovodrun"), "-np", "3", "--mpi", str(BIN / "hvdtrain"),
+                             "train", str(CONFIGS["torch"]), "log.every_steps=5",
+                             "log.wandb=disabled", f"log.dir={run}", "train.epochs=200",
+                             "comm.topology=ps"],
+                            env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_step(run / "metrics.jsonl", 5, timeout=300)
+        for rank in (2, 0, 1):  # the server first: it must outlast the signal
+            os.kill(pid_of_mpi_rank(rank, str(run)), signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, out[-2000:] + err[-2000:]
+    stops = re.findall(r"hvdtrain: stopped on request at step (\d+)", out + err)
+    assert len(stops) == 2 and stops[0] == stops[1], out[-2000:] + err[-2000:]  # the workers
+    assert "parameter server" not in err  # no worker lost its server
+    ckpt = run / "checkpoints" / f"step-{int(stops[0]):08d}.ckpt"
+    assert verify(ckpt) is None
+    assert not (run / "summary.json").exists()
