@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from hvdtrain.compression import METHODS, check_comm
-from hvdtrain.configcheck import check_section, coerce_value, nearest_key, shown
+from hvdtrain.configcheck import check_section, coerce_value, nearest_key, refuse_unread, shown
 from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
 from hvdtrain.pipeline.schedules import SCHEDULE_NAMES, check_pipeline
@@ -66,7 +66,18 @@ class DataConfig:
     thread. Which samples a step trains on, in what order, does not depend on it."""
     prefetch: int = _opt(2, min=1)
     """Micro-batches each loader worker keeps ready ahead of training (PyTorch's
-    ``prefetch_factor``; ``tf.data`` prefetches ``workers x prefetch``)."""
+    ``prefetch_factor``; ``tf.data`` prefetches ``workers x prefetch``); refused with
+    ``workers: 0``."""
+
+
+def check_data_unread(data: DataConfig) -> None:
+    """``data.prefetch`` with no loader worker to prefetch, as a one-line error. (``workers`` and
+    ``prefetch`` with data in memory are accepted: the data set decides that when it is built on
+    each rank, which the config cannot see; docs/configuration.md.)"""
+    if data.workers == 0:
+        refuse_unread("data.", data, ["prefetch"], "data.workers=0", "the batches are gathered "
+                      "on the training thread, and no loader worker prefetches",
+                      "data.workers to 1 or more (-1: half the rank's cores)")
 
 
 @dataclass(kw_only=True)
@@ -98,7 +109,18 @@ class TrainConfig:
     """Slow this rank down on purpose by ``slow_ms`` per step (-1: none): a straggler for
     experiments, such as ``ps.consistency=asp`` against ``bsp`` (docs/parameter-servers.md)."""
     slow_ms: float = _opt(0.0, min=0.0, max=1e6)
-    """Milliseconds ``slow_rank`` sleeps in every step, inside the step's time."""
+    """Milliseconds ``slow_rank`` sleeps in every step, inside the step's time (each of the two
+    is refused without the other)."""
+
+
+def check_train_unread(train: TrainConfig) -> None:
+    """``train.slow_ms`` without ``slow_rank``, and the reverse, as one-line errors."""
+    if train.slow_rank < 0:
+        refuse_unread("train.", train, ["slow_ms"], "train.slow_rank=-1", "no rank is slowed",
+                      "train.slow_rank to the rank to slow")
+    elif train.slow_ms == 0:
+        refuse_unread("train.", train, ["slow_rank"], "train.slow_ms=0.0", "the rank would "
+                      "sleep 0 ms a step", "train.slow_ms")
 
 
 @dataclass(kw_only=True)
@@ -291,6 +313,36 @@ def check_ps_async(cfg: Config) -> None:
                           "loss scaler between ranks; use fp32 or bf16")
 
 
+PS_OVERLAP_READ = ("ps.overlap is read by dedicated servers under bsp with PyTorch and "
+                   "comm.compression none or fp16 only")
+"""Where ``ps.overlap`` takes effect (:class:`hvdtrain.torch.ps.TorchPSExchange` streams a dense
+push; TensorFlow, the servers' optimizer and the sharded update push after the pass)."""
+
+
+def check_ps_unread(cfg: Config) -> None:
+    """The ``ps`` settings that would do nothing in ``cfg``, as one-line errors: any of them on
+    the ring, ``ps.servers`` and ``ps.timeout_s`` with colocated servers (there are none to
+    count or wait for), ``ps.overlap`` outside the combination that streams the push."""
+    ps, topology = cfg.ps, cfg.comm.topology
+    if topology != "ps":
+        refuse_unread("ps.", ps, [f.name for f in dataclasses.fields(ps)],
+                      f"comm.topology={topology!r}", "only parameter servers read the ps "
+                      "section", "comm.topology=ps")
+        return
+    if ps.placement == "colocated":
+        refuse_unread("ps.", ps, ["servers", "timeout_s"], "ps.placement='colocated'",
+                      "the sharded update has no server processes (every worker owns a shard)",
+                      "ps.placement=dedicated")
+    misfit = [(ps.placement != "dedicated", f"ps.placement={ps.placement!r}"),
+              (ps.consistency != "bsp", f"ps.consistency={ps.consistency!r}"),
+              (cfg.framework != "torch", f"framework={cfg.framework!r}"),
+              (cfg.comm.compression not in ("none", "fp16"),
+               f"comm.compression={cfg.comm.compression!r}")]
+    for bad, given in misfit:
+        if bad:
+            refuse_unread("ps.", ps, ["overlap"], given, PS_OVERLAP_READ)
+
+
 @dataclass(kw_only=True)
 class PipelineConfig:
     stages: int = _opt(1, min=1)
@@ -329,6 +381,15 @@ class CheckpointConfig:
     directory, if there is one; or the path of a checkpoint file to continue from."""
 
 
+def check_checkpoint_unread(checkpoint: CheckpointConfig) -> None:
+    """``every_steps`` and ``keep`` with checkpoints off, as a one-line error (``resume`` is read
+    either way: it loads a checkpoint, and writing them is what ``enabled`` turns off)."""
+    if not checkpoint.enabled:
+        refuse_unread("checkpoint.", checkpoint, ["every_steps", "keep"],
+                      "checkpoint.enabled=false", "no checkpoint is written",
+                      "checkpoint.enabled=true")
+
+
 @dataclass(kw_only=True)
 class ElasticConfig:
     enabled: bool = False
@@ -344,6 +405,14 @@ class ElasticConfig:
     record_indices: bool = False
     """Write the sample indices trained on, per epoch, to ``indices/epoch-<e>.npy`` in the run
     directory (committed steps only), to check that each sample was used exactly once."""
+
+
+def check_elastic_unread(elastic: ElasticConfig) -> None:
+    """The ``elastic`` settings with elastic mode off, as a one-line error."""
+    if not elastic.enabled:
+        refuse_unread("elastic.", elastic, ["commit_every", "on_resize", "record_indices"],
+                      "elastic.enabled=false", "only elastic mode commits, resizes and records "
+                      "indices", "elastic.enabled=true")
 
 
 @dataclass(kw_only=True)
@@ -390,6 +459,23 @@ class LogConfig:
     """Consecutive logs a rank must be slow before it is reported."""
 
 
+def check_log_unread(log: LogConfig) -> None:
+    """The ``log`` settings of a sink that is off, as one-line errors."""
+    if not log.console:
+        refuse_unread("log.", log, ["console_every_s", "progress"], "log.console=false",
+                      "nothing is printed", "log.console=true")
+    if not log.jsonl:
+        refuse_unread("log.", log, ["jsonl_every_s"], "log.jsonl=false", "metrics.jsonl is not "
+                      "written", "log.jsonl=true")
+    if log.wandb == "disabled":
+        refuse_unread("log.", log, ["wandb_project"], "log.wandb='disabled'", "no W&B run is "
+                      "made", "log.wandb=offline")
+        if not log.tensorboard:
+            refuse_unread("log.", log, ["dashboard_every_s"],
+                          "log.tensorboard=false and log.wandb='disabled'",
+                          "no dashboard takes records", "log.tensorboard=true")
+
+
 @dataclass(kw_only=True)
 class Config:
     name: str = "run"
@@ -417,6 +503,13 @@ class Config:
         check_colocated(self)
         check_ps_async(self)
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
+        # The other settings that would do nothing (the pipeline's: in _check_pipeline).
+        check_data_unread(self.data)
+        check_train_unread(self.train)
+        check_ps_unread(self)
+        check_checkpoint_unread(self.checkpoint)
+        check_elastic_unread(self.elastic)
+        check_log_unread(self.log)
 
     @property
     def run_dir(self) -> Path:
@@ -432,6 +525,10 @@ def _check_pipeline(cfg: Config) -> None:
     """The ``pipeline`` section against the schedules and the rest of ``cfg``: a one-line
     :class:`ConfigError` for what cannot run (see docs/pipeline.md)."""
     pipe = cfg.pipeline
+    if pipe.stages == 1:  # before the schedules' checks: they would ask for more of the same
+        refuse_unread("pipeline.", pipe, ["microbatches", "schedule", "virtual_stages", "split"],
+                      "pipeline.stages=1", "without stages every rank trains the whole model",
+                      "pipeline.stages to 2 or more")
     m = check_pipeline(stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,
                        virtual_stages=pipe.virtual_stages, split=pipe.split,
                        framework=cfg.framework)

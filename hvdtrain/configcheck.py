@@ -86,3 +86,52 @@ def check_section(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{path}={shown(value)}: must be >= {lo}")
         if hi is not None and value > hi:
             raise ConfigError(f"{path}={shown(value)}: must be <= {hi}")
+
+
+def changed_fields(settings: Any) -> dict[str, Any]:
+    """The fields of a settings dataclass that differ from their defaults, by name: the keys a
+    config sets (a file that spells out a default sets nothing)."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+            if getattr(settings, f.name) != _default(f)}
+
+
+def field_default(settings: Any, name: str) -> Any:
+    """The default of field ``name`` of a settings dataclass."""
+    return _default(next(f for f in dataclasses.fields(settings) if f.name == name))
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    factory = f.default_factory
+    return factory() if callable(factory) else dataclasses.MISSING
+
+
+def written(value: Any) -> str:
+    """A value as a config file or an override writes it (``true``, ``0.5``, ``'lines'``)."""
+    return str(value).lower() if isinstance(value, bool) else shown(value)
+
+
+def refuse_unread(prefix: str, settings: Any, names: Iterable[str], given: str, why: str,
+                  switch: str = "") -> None:
+    """Raises one line naming the keys of section ``settings`` among ``names`` that are set away
+    from their defaults, where ``given`` (the settings that leave them unread) holds: ``KEY=VALUE
+    does nothing with GIVEN: WHY; set SWITCH or leave KEY at its default D``. A setting that
+    would do nothing is refused rather than ignored (docs/configuration.md)."""
+    wanted = set(names)
+    changed = {name: value for name, value in changed_fields(settings).items() if name in wanted}
+    if not changed:
+        return
+    keys = [f"{prefix}{name}={written(value)}" for name, value in changed.items()]
+    if len(keys) == 1:
+        name = next(iter(changed))
+        leave = (f"leave {prefix}{name} at its default "
+                 f"{written(field_default(settings, name))}")
+        head = f"{keys[0]} does"
+    else:
+        defaults = ", ".join(f"{prefix}{name}={written(field_default(settings, name))}"
+                             for name in changed)
+        leave = f"leave them at their defaults ({defaults})"
+        head = f"{', '.join(keys[:-1])} and {keys[-1]} do"
+    fix = f"set {switch} or {leave}" if switch else leave
+    raise ConfigError(f"{head} nothing with {given}: {why}; {fix}")

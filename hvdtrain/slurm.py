@@ -178,7 +178,9 @@ def render(config_path: str | Path, overrides: Sequence[str] = (),
     import jinja2
 
     options.validate()
-    cfg = load_config(config_path, overrides)  # a bad config fails here, not in the queue
+    # As the job will run it (--elastic adds elastic.enabled=true): a bad config fails here, not
+    # in the queue.
+    cfg = load_config(config_path, _job_overrides(overrides, options))
     servers_per_node = _servers_per_node(cfg, options)
     run_dir = run_dir_of(cfg)
     env = jinja2.Environment(loader=jinja2.FunctionLoader(_template_source), autoescape=False,
@@ -244,7 +246,7 @@ def check(config_path: str | Path, overrides: Sequence[str] = (),
           options: JobOptions = JobOptions(), script: str | None = None) -> list[str]:
     """Problems with the job script (rendered unless ``script`` is given); an empty list if none."""
     text = render(config_path, overrides, options) if script is None else script
-    cfg = load_config(config_path, overrides)
+    cfg = load_config(config_path, _job_overrides(overrides, options))
     problems = []
     found = _NP.search(text)
     launched = int(found.group(1) or found.group(2)) if found else None
@@ -296,7 +298,7 @@ def submit(config_path: str | Path, overrides: Sequence[str] = (),
        options: JobOptions = JobOptions()) -> str:
     """Writes ``job.sbatch`` into the run directory, submits it and returns the job id."""
     text = render(config_path, overrides, options)
-    run_dir = run_dir_of(load_config(config_path, overrides))
+    run_dir = run_dir_of(load_config(config_path, _job_overrides(overrides, options)))
     run_dir.create()  # a log.dir that cannot hold the run: the one-line error `train` gives
     if shutil.which("sbatch") is None:
         raise HvdtrainError("sbatch not found: submit on a Slurm login node (or render the script)")

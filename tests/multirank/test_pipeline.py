@@ -28,14 +28,14 @@ from tests.conftest import BIN, CONFIG, horovodrun, read_jsonl, run_env
 from tests.multirank.conftest import CONFIGS, PYTHON, WORKER, Launch
 from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
 
-COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
+COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,"
           "train.stall_timeout_s=120")
 SCHEDULES = {"gpipe": "pipeline.schedule=gpipe", "1f1b": "pipeline.schedule=1f1b",
              "interleaved": "pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2",
              "interleaved_zb": "pipeline.schedule=interleaved_zero_bubble,pipeline.virtual_stages=2"}
 # zbv_zero_bubble and dualpipev are refused by the config (hvdtrain/pipeline/schedules.py).
 # 2 copies x 32 samples at lr 0.05 (scaled by the 2 copies) against one process with 64 at 0.1.
-PER_COPY = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2," + COMMON
+PER_COPY = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2,pipeline.microbatches=4," + COMMON
 WHOLE = "data.batch_size=64,optim.lr=0.1," + COMMON
 # The -np 4 launches, by controller: the first of each in `make test`, the second `long`.
 LAUNCHES = {"gloo": (["gpipe", "1f1b", "interleaved", "interleaved_zb"], []),
@@ -154,7 +154,8 @@ def test_only_the_last_stage_reports_and_every_test_sample_counts_once(four_rank
 
 @pytest.mark.parametrize("name", ["1f1b", pytest.param("gpipe", marks=pytest.mark.long)])
 def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory, name):
-    run = f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,{COMMON},{SCHEDULES[name]}"
+    run = (f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,pipeline.microbatches=4,"
+           f"{COMMON},{SCHEDULES[name]}")
     launch2 = launch(2, "gloo", tmp_path_factory.mktemp(f"pipe2-{name}"), [run])
     want, _ = reference.rank("ref", 0)
     assert_same_model(whole_model(launch2, name, [0, 1]), want, ATOL)
@@ -176,6 +177,7 @@ def test_a_stage_rank_killed_ends_every_rank_nonzero(tmp_path, framework):
     cmd = [str(BIN / "horovodrun"), "-np", "4", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
            "train", str(CONFIGS[framework]), "train.epochs=200", "log.every_steps=5", "log.wandb=disabled",
            "pipeline.stages=2", "pipeline.microbatches=4", "checkpoint.enabled=false",
+           "checkpoint.every_steps=0",
            f"train.stall_timeout_s={STALL_S}", f"log.dir={run}"]
     proc = subprocess.Popen(cmd, env=run_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -23,7 +23,7 @@ from tests.conftest import TF_CONFIG, read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 COMMON = ("model.options.hidden=[32],optim.lr=0.05,optim.scale_lr=false,optim.warmup_steps=0,"
-          "train.epochs=1,checkpoint.enabled=false,data.batch_size={b}")
+          "train.epochs=1,checkpoint.enabled=false,checkpoint.every_steps=0,data.batch_size={b}")
 PIPE = COMMON + ",pipeline.stages=2,pipeline.microbatches=4,pipeline.schedule={s}"
 NP4 = {"gpipe": PIPE.format(b=8, s="gpipe"),
        "1f1b": PIPE.format(b=8, s="1f1b") + ",pipeline.split=[2]",  # by index: shapes by message

@@ -35,7 +35,8 @@ COMMON = ("optim.name=sgd,optim.lr=0.1,optim.scale_lr=false,optim.warmup_steps=0
           "train.epochs=1,log.every_steps=5,checkpoint.every_steps=10,checkpoint.keep=5,"
           "comm.ratio=0.1,comm.min_size=100")
 TOPK = "comm.compression=topk," + COMMON
-RANDOMK = "comm.compression=randomk,checkpoint.enabled=false," + COMMON
+RANDOMK = ("comm.compression=randomk," + COMMON
+           + ",checkpoint.enabled=false,checkpoint.every_steps=0,checkpoint.keep=3")
 STAGES = "pipeline.stages=2,pipeline.microbatches=4,pipeline.schedule=1f1b"
 # fc1's kernel (layer 1, stage 0) and the head's (layer 3, stage 1): each stage's residuals.
 RESIDUALS = {"stage-0": ["compression/residual/1.0"],

@@ -18,7 +18,8 @@ from tests.text_data import LM_CONFIGS, docs_corpus
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}
 BIG = ("model.options.d_model=512", "model.options.layers=8", "data.batch_size=8",
-       "train.max_steps=4", "checkpoint.enabled=false", "log.console=false")
+       "train.max_steps=4", "checkpoint.enabled=false", "checkpoint.every_steps=0",
+       "log.console=false")
 LIMIT = ("--mem-per-cpu", "950M")  # per rank; a replica peaks near 1.2 GB here, a stage near 0.7
 
 

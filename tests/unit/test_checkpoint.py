@@ -70,7 +70,8 @@ def test_elastic_keep_global_batch_accumulates_what_the_missing_ranks_did():
     from hvdtrain.elastic import world_at
     from hvdtrain.world import World
 
-    cfg = load_config("configs/digits_torch.yaml", ["elastic.on_resize=keep_global_batch"], environ={})
+    cfg = load_config("configs/digits_torch.yaml",
+                      ["elastic.enabled=true", "elastic.on_resize=keep_global_batch"], environ={})
     assert world_at(cfg, 2, 2) == World.of(cfg, 2) == World(2, 1, cfg.optim.lr)
     one = world_at(cfg, 2, 1)
     assert one.accumulation == 2

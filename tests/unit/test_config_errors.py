@@ -5,6 +5,8 @@ its type promises) or raises one ``ConfigError`` of one line; the CLI turns that
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import faulthandler
 import math
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from hvdtrain.cli import EXIT_ENVIRONMENT, EXIT_USAGE, parse_args
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
-from tests.conftest import CONFIG, ROOT, run_env
+from tests.conftest import CONFIG, ROOT, TF_CONFIG, run_env
 
 # Bounded and derandomized: the same examples on every run, and no database in the checkout.
 PROPERTY = settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -268,3 +270,176 @@ def test_the_environment_failure_code_differs_from_the_user_error_and_resubmit_c
     from hvdtrain.signals import EXIT_RESUBMIT
 
     assert len({EXIT_USAGE, EXIT_ENVIRONMENT, EXIT_RESUBMIT, 0, 1}) == 5
+
+
+# Settings that would do nothing in the combination given: one line naming the keys, the setting
+# that leaves them unread and what to do (hvdtrain.config's check_*_unread, _check_pipeline;
+# comm and optim: tests/unit/test_compression_rules.py and the cases above).
+UNREAD = [
+    (["ps.servers=2", "ps.chunk_kib=8"],
+     "ps.servers=2 and ps.chunk_kib=8 do nothing with comm.topology='ring': only parameter servers "
+     "read the ps section; set comm.topology=ps or leave them at their defaults (ps.servers=1, "
+     "ps.chunk_kib=4096)"),
+    (["ps.overlap=false"],
+     "ps.overlap=false does nothing with comm.topology='ring': only parameter servers read the ps "
+     "section; set comm.topology=ps or leave ps.overlap at its default true"),
+    (["comm.topology=ps", "ps.placement=colocated", "ps.servers=2"],
+     "ps.servers=2 does nothing with ps.placement='colocated': the sharded update has no server "
+     "processes (every worker owns a shard); set ps.placement=dedicated or leave ps.servers at its "
+     "default 1"),
+    (["comm.topology=ps", "ps.placement=colocated", "ps.timeout_s=60"],
+     "ps.timeout_s=60.0 does nothing with ps.placement='colocated': the sharded update has no "
+     "server processes (every worker owns a shard); set ps.placement=dedicated or leave "
+     "ps.timeout_s at its default 300.0"),
+    (["comm.topology=ps", "ps.overlap=false", "ps.placement=colocated"],
+     "ps.overlap=false does nothing with ps.placement='colocated': ps.overlap is read by dedicated "
+     "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
+     "its default true"),
+    (["comm.topology=ps", "ps.overlap=false", "ps.consistency=asp"],
+     "ps.overlap=false does nothing with ps.consistency='asp': ps.overlap is read by dedicated "
+     "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
+     "its default true"),
+    (["comm.topology=ps", "ps.overlap=false", "framework=tensorflow"],
+     "ps.overlap=false does nothing with framework='tensorflow': ps.overlap is read by dedicated "
+     "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
+     "its default true"),
+    (["comm.topology=ps", "ps.overlap=false", "comm.compression=qsgd"],
+     "ps.overlap=false does nothing with comm.compression='qsgd': ps.overlap is read by dedicated "
+     "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
+     "its default true"),
+    (["elastic.commit_every=5"],
+     "elastic.commit_every=5 does nothing with elastic.enabled=false: only elastic mode commits, "
+     "resizes and records indices; set elastic.enabled=true or leave elastic.commit_every at its "
+     "default 10"),
+    (["elastic.on_resize=keep_global_batch", "elastic.record_indices=true"],
+     "elastic.on_resize='keep_global_batch' and elastic.record_indices=true do nothing with "
+     "elastic.enabled=false: only elastic mode commits, resizes and records indices; set "
+     "elastic.enabled=true or leave them at their defaults (elastic.on_resize='scale_lr', "
+     "elastic.record_indices=false)"),
+    (["checkpoint.enabled=false", "checkpoint.every_steps=50", "checkpoint.keep=1"],
+     "checkpoint.every_steps=50 and checkpoint.keep=1 do nothing with checkpoint.enabled=false: no "
+     "checkpoint is written; set checkpoint.enabled=true or leave them at their defaults "
+     "(checkpoint.every_steps=0, checkpoint.keep=3)"),
+    (["log.console=false", "log.progress=lines"],
+     "log.progress='lines' does nothing with log.console=false: nothing is printed; set "
+     "log.console=true or leave log.progress at its default 'auto'"),
+    (["log.console=false", "log.console_every_s=0"],
+     "log.console_every_s=0.0 does nothing with log.console=false: nothing is printed; set "
+     "log.console=true or leave log.console_every_s at its default 1.0"),
+    (["log.jsonl=false", "log.jsonl_every_s=5"],
+     "log.jsonl_every_s=5.0 does nothing with log.jsonl=false: metrics.jsonl is not written; set "
+     "log.jsonl=true or leave log.jsonl_every_s at its default 1.0"),
+    (["log.wandb=disabled", "log.wandb_project=mine"],
+     "log.wandb_project='mine' does nothing with log.wandb='disabled': no W&B run is made; set "
+     "log.wandb=offline or leave log.wandb_project at its default 'hvdtrain'"),
+    (["log.wandb=disabled", "log.tensorboard=false", "log.dashboard_every_s=0"],
+     "log.dashboard_every_s=0.0 does nothing with log.tensorboard=false and log.wandb='disabled': "
+     "no dashboard takes records; set log.tensorboard=true or leave log.dashboard_every_s at its "
+     "default 1.0"),
+    (["train.slow_ms=20"],
+     "train.slow_ms=20.0 does nothing with train.slow_rank=-1: no rank is slowed; set "
+     "train.slow_rank to the rank to slow or leave train.slow_ms at its default 0.0"),
+    (["train.slow_rank=1"],
+     "train.slow_rank=1 does nothing with train.slow_ms=0.0: the rank would sleep 0 ms a step; set "
+     "train.slow_ms or leave train.slow_rank at its default -1"),
+    (["pipeline.microbatches=4"],
+     "pipeline.microbatches=4 does nothing with pipeline.stages=1: without stages every rank "
+     "trains the whole model; set pipeline.stages to 2 or more or leave pipeline.microbatches at "
+     "its default 0"),
+    (["pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.split=[2, 4, 6]"],
+     "pipeline.schedule='interleaved_1f1b', pipeline.virtual_stages=2 and pipeline.split=[2, 4, 6] "
+     "do nothing with pipeline.stages=1: without stages every rank trains the whole model; set "
+     "pipeline.stages to 2 or more or leave them at their defaults (pipeline.schedule='1f1b', "
+     "pipeline.virtual_stages=1, pipeline.split='auto')"),
+    (["data.workers=0", "data.prefetch=4"],
+     "data.prefetch=4 does nothing with data.workers=0: the batches are gathered on the training "
+     "thread, and no loader worker prefetches; set data.workers to 1 or more (-1: half the rank's "
+     "cores) or leave data.prefetch at its default 2"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", UNREAD, ids=[m.split(" ")[0] for _, m in UNREAD])
+def test_a_setting_that_would_do_nothing_is_one_line_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, environ={})
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    # Each key of UNREAD where it is read, and its default spelt out where it is not.
+    ["comm.topology=ps", "ps.servers=2", "ps.chunk_kib=8", "ps.overlap=false", "ps.timeout_s=60"],
+    ["comm.topology=ps", "ps.overlap=false", "comm.compression=fp16"],
+    ["comm.topology=ps", "ps.placement=colocated", "ps.chunk_kib=8", "ps.servers=1"],
+    ["comm.topology=ps", "ps.consistency=ssp", "ps.staleness=2", "ps.overlap=true"],
+    ["ps.servers=1", "ps.placement=dedicated", "ps.overlap=true"],
+    ["elastic.enabled=true", "elastic.commit_every=5", "elastic.on_resize=keep_global_batch",
+     "elastic.record_indices=true"],
+    ["checkpoint.enabled=false", "checkpoint.every_steps=0", "checkpoint.keep=3",
+     "checkpoint.resume=auto"],  # a resume reads a checkpoint whether or not the run writes any
+    ["log.console=false", "log.jsonl=false", "log.wandb=disabled", "log.tensorboard=false",
+     "log.every_steps=5", "log.straggler_steps=2", "log.system=false", "log.console_every_s=1"],
+    ["log.wandb=disabled", "log.dashboard_every_s=0"],  # TensorBoard still takes records
+    ["log.tensorboard=false", "log.wandb_project=mine", "log.dashboard_every_s=0"],
+    ["train.slow_rank=1", "train.slow_ms=20"],
+    ["pipeline.stages=2", "pipeline.microbatches=4", "pipeline.schedule=gpipe"],
+    ["pipeline.stages=1", "pipeline.microbatches=0", "pipeline.schedule=1f1b"],
+    ["data.workers=2", "data.prefetch=4"],
+    ["data.workers=0", "data.prefetch=2"],
+])
+def test_the_same_keys_load_where_they_are_read(overrides):
+    load_config(None, overrides, environ={})
+
+
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def module_constants(path: Path) -> dict[str, typing.Any]:
+    """The top-level assignments of a test module that need none of its imports (its override
+    strings), evaluated without importing it: the multirank modules import torch, which the unit
+    tests must not load."""
+    namespace: dict[str, typing.Any] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign):
+            with contextlib.suppress(Exception):  # one that needs an import: not an override set
+                exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+    return namespace
+
+
+def test_every_shipped_config_loads_alone_under_slurm_and_with_the_tests_overrides():
+    """The configs, the Slurm templates' renders of them (which validate the job's own overrides:
+    ``--elastic`` adds ``elastic.enabled=true``) and the override sets of the pipeline equality
+    tests, which train the same keys with and without stages."""
+    from hvdtrain.slurm import JobOptions, render
+
+    assert len(SHIPPED) == 6
+    for path in SHIPPED:
+        load_config(path, [], environ={})
+        assert "hvdtrain" in render(path, ["elastic.commit_every=5"], JobOptions(elastic=True))
+        assert "hvdtrain" in render(path, ["checkpoint.enabled=false", "checkpoint.every_steps=0"])
+    multirank = ROOT / "tests" / "multirank"
+    pipe, ckpt, optimizers, tf, tf_compression = (
+        module_constants(multirank / f"test_pipeline{name}.py")
+        for name in ("", "_checkpoint", "_optimizers", "_tf", "_tf_compression"))
+    runs = {
+        CONFIG: [pipe["WHOLE"], pipe["PER_COPY"],
+                 *(f"{pipe['PER_COPY']},{s}" for s in pipe["SCHEDULES"].values()),
+                 ckpt["WHOLE"], ckpt["PIPE"], ckpt["FOUR"],
+                 *(f"{optimizers['COMMON']},{extra}{stages}"
+                   for extra in optimizers["OPTIMIZERS"].values()
+                   for stages in ("", "," + optimizers["STAGES"]))],
+        TF_CONFIG: [ckpt["TF_COMMON"], ckpt["TF_PIPE"], tf["COMMON"].format(b=16),
+                    *tf["NP4"].values(), tf_compression["RANDOMK"], tf_compression["TOPK"]],
+    }
+    for config, sets in runs.items():
+        for overrides in sets:  # as tests/multirank/worker.py splits them
+            load_config(config, [o for o in overrides.split(",") if o], environ={})
+
+
+@pytest.mark.parametrize("override, message", [(o[-1], m) for o, m in UNREAD if len(o) == 1])
+def test_train_and_plan_refuse_a_setting_that_would_do_nothing_with_the_same_line(override,
+                                                                                  message, tmp_path):
+    cluster = ROOT / "hvdtrain" / "plan" / "published" / "horovod_paper.yaml"
+    for args in (["train", str(CONFIG)], ["plan", str(CONFIG), "--cluster", str(cluster)]):
+        proc = hvdtrain(*args, f"log.dir={tmp_path / 'run'}", override)
+        assert proc.returncode == EXIT_USAGE, proc.stderr
+        assert proc.stderr.strip() == f"hvdtrain: error: {message}", proc.stderr

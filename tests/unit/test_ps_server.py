@@ -68,11 +68,13 @@ def test_impossible_combinations_are_one_line_errors(overrides, message):
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
-def test_staleness_belongs_to_ssp_even_on_the_ring():
-    for topology in ("ring", "ps"):
-        cfg = load_config(None, [f"comm.topology={topology}", "ps.consistency=ssp",
-                                 "ps.staleness=1"], environ={})
-        assert cfg.ps.staleness == 1
+def test_staleness_belongs_to_ssp_and_the_ring_reads_no_ps_key():
+    cfg = load_config(None, ["comm.topology=ps", "ps.consistency=ssp", "ps.staleness=1"],
+                      environ={})
+    assert cfg.ps.staleness == 1
+    with pytest.raises(ConfigError, match=r"^ps.consistency='ssp' and ps.staleness=1 do nothing "
+                       r"with comm.topology='ring'"):
+        load_config(None, ["ps.consistency=ssp", "ps.staleness=1"], environ={})
 
 
 def mpirun(np_: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
