@@ -116,7 +116,7 @@ LM_STEPS = (150, 20)
 """The LM's step budget: a full run's (the figure docs/frameworks.md's table used) and
 ``--quick``'s."""
 SLOW = ["model.options.hidden=[1024,1024]", "train.epochs=5", "optim.warmup_steps=0",
-        "optim.schedule=constant", "checkpoint.enabled=false"]
+        "optim.schedule=constant", "checkpoint.enabled=false", "checkpoint.every_steps=0"]
 """The slow-link workload: an MLP whose gradients take far longer on the link than its compute."""
 OPTIMIZERS = {
     "sgd": [],

@@ -111,7 +111,8 @@ def loading_overrides(framework: str, source: str, epochs: int,
             *data, f"data.batch_size={workload.BATCH_SIZE}", f"train.epochs={epochs}",
             "train.max_steps=0",
             f"train.eval_every_epochs={epochs}", "train.threads=0", "seed=0",
-            "checkpoint.enabled=false", "log.overwrite=true", f"log.dir={log_dir}",
+            "checkpoint.enabled=false", "checkpoint.every_steps=0",
+            "log.overwrite=true", f"log.dir={log_dir}",
             f"log.every_steps={LOG_EVERY}", "log.jsonl=true", *SINKS]
 
 
@@ -205,7 +206,8 @@ def memory_overrides(framework: str, root: Path, log_dir: Path, epochs: int = 1)
             "data.name=npy", f"data.options={{root: {root}, scale: {1 / 255}}}",
             "data.workers=-1", "data.batch_size=64", f"train.epochs={epochs}",
             f"train.eval_every_epochs={epochs}", "train.max_steps=0",
-            "train.threads=0", "seed=0", "checkpoint.enabled=false", "log.overwrite=true",
+            "train.threads=0", "seed=0", "checkpoint.enabled=false", "checkpoint.every_steps=0",
+            "log.overwrite=true",
             f"log.dir={log_dir}", "log.jsonl=false", *SINKS]
 
 

@@ -95,6 +95,7 @@ def bubble_worker(args: argparse.Namespace) -> None:
                 f"data.batch_size={args.rows * m}", f"data.eval_batch_size={args.rows * m}",
                 f"pipeline.stages={args.stages}", f"pipeline.microbatches={m}",
                 f"pipeline.schedule={schedule}", "checkpoint.enabled=false",
+                "checkpoint.every_steps=0",
                 f"comm.cycle_time_ms={args.cycle_ms}", "log.console=false", "log.wandb=disabled",
             ], environ={})
             dataset = make_dataset(cfg)

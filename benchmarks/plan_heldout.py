@@ -164,7 +164,7 @@ def step_time(n: int, servers: int, controller: str, extra: Sequence[str], steps
                 "--network-interfaces", ps_links.IFACE, _hvdtrain(), "train", str(CONFIG),
                 f"log.dir={out}", "log.wandb=disabled", "log.console=false", "log.every_steps=1",
                 f"train.max_steps={steps}", "optim.warmup_steps=0", "checkpoint.enabled=false",
-                *MODEL, *topology, *extra]
+                "checkpoint.every_steps=0", *MODEL, *topology, *extra]
         proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
                               timeout=timeout)
         if proc.returncode != 0:
@@ -180,30 +180,39 @@ def step_time(n: int, servers: int, controller: str, extra: Sequence[str], steps
 
 
 def run_all(record: dict, args: argparse.Namespace, bandwidth: str, key: str) -> None:
-    """Every predicted row trained once on links of ``bandwidth``; its step under ``key``."""
+    """Every predicted row not yet measured trained once on links of ``bandwidth``; its step
+    under ``key``, the record written to ``--out`` after each row."""
     ps_links.cluster("start", str(2 * max(WORKERS)), "--bandwidth", bandwidth)
     for row in record["rows"]:
+        if key in row:  # measured by the run that --resume goes on from
+            continue
         check = next(c for c in CHECKS if c[0] == row["label"])
         servers = row["n"] if check[3] else 0
         row[key] = step_time(row["n"], servers, row["controller"], check[4], args.steps,
                              args.timeout)
         harness.log(f"{bandwidth} n={row['n']} {row['label']}: {row[key]:.3f} s a step, "
                     f"predicted {row['predicted_s']:.3f}")
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def measure(args: argparse.Namespace) -> int:
     """Trains every predicted row; prints measured beside predicted (the prediction unchanged)."""
     record = json.loads(PREDICTION.read_text())
-    record["measured"] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"), "uptime_before": uptime(), "steps": args.steps}
+    if args.resume:  # an interrupted measurement: its rows are kept, not measured again
+        record = json.loads(Path(args.out).read_text())
+        assert [r["predicted_s"] for r in record["rows"]] == [
+            r["predicted_s"] for r in json.loads(PREDICTION.read_text())["rows"]]
+    record.setdefault("measured", {}).setdefault("runs", []).append({
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "uptime_before": uptime(), "steps": args.steps})
     try:
         run_all(record, args, RATE, "measured_s")
-        record["measured"]["uptime_shaped"] = uptime()
+        record["measured"]["runs"][-1]["uptime_shaped"] = uptime()
         if args.unshaped:
             run_all(record, args, "none", "unshaped_s")
     finally:
         ps_links.cluster("stop")
-    record["measured"]["uptime_after"] = uptime()
+    record["measured"]["runs"][-1]["uptime_after"] = uptime()
     print(measured_table(record))
     out = Path(args.out)
     out.write_text(json.dumps(record, indent=1) + "\n")
@@ -234,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--unshaped", action="store_true", help="measure: each job on unshaped links too")
     p.add_argument("--out", default="/tmp/plan_heldout_measured.json",
                    help="measure: where the measured record goes")
+    p.add_argument("--resume", action="store_true",
+                   help="measure: go on from --out, measuring only the rows it lacks")
     args = p.parse_args(argv)
     return predict(args) if args.step == "predict" else measure(args)
 

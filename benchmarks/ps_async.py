@@ -45,6 +45,7 @@ def run(mode: str, epochs: int, slow_ms: int, out: Path, timeout: float) -> dict
            "comm.topology=ps", f"ps.consistency={mode}", f"train.epochs={epochs}",
            "train.slow_rank=1", f"train.slow_ms={slow_ms}", "log.console=false",
            "log.tensorboard=false", "log.wandb=disabled", "checkpoint.enabled=false",
+           "checkpoint.every_steps=0",
            f"log.dir={out}"]
     proc = subprocess.run(cmd, cwd=harness.ROOT, env=harness.worker_env(), capture_output=True,
                           text=True, timeout=timeout)

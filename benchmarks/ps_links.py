@@ -159,6 +159,7 @@ def step_time(n: int, k: int, steps: int, timeout: float, controller: str = "mpi
                 str(harness.ROOT / "configs" / "digits_torch.yaml"), f"log.dir={out}",
                 "log.wandb=disabled", "log.console=false", "log.every_steps=1",
                 f"train.max_steps={steps}", "optim.warmup_steps=0", "checkpoint.enabled=false",
+                "checkpoint.every_steps=0",
                 *MODEL, *topology, *extra]
         proc = subprocess.run(argv, env=env, cwd=harness.ROOT, capture_output=True, text=True,
                               timeout=timeout)

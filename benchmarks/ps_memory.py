@@ -43,7 +43,8 @@ def worker(out: str, hidden: int, steps: int, overrides: Sequence[str]) -> None:
 
     cfg = load_config(harness.ROOT / "configs" / "digits_torch.yaml", [
         f"model.options.hidden=[{hidden},{hidden}]", "optim.name=adam", "data.batch_size=8",
-        f"train.max_steps={steps}", "checkpoint.enabled=false", "log.console=false",
+        f"train.max_steps={steps}", "checkpoint.enabled=false", "checkpoint.every_steps=0",
+        "log.console=false",
         "log.wandb=disabled", "log.tensorboard=false", f"log.dir={out}", "log.overwrite=true",
         *overrides], environ={})
     result = train(cfg)

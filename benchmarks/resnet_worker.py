@@ -126,6 +126,7 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
         f"train.threads={args.threads}", "optim.name=sgd", f"optim.lr={workload.BASE_LR}",
         f"optim.momentum={workload.MOMENTUM}", "optim.warmup_steps=0", "optim.schedule=constant",
         "optim.scale_lr=true", "comm.compression=none", "checkpoint.enabled=false",
+        "checkpoint.every_steps=0",
         "log.console=false", "log.wandb=disabled", "log.tensorboard=false",
         f"log.dir={out}", f"seed={workload.SEED}"], environ={})
     result, clock = train_clocked(cfg)

@@ -46,7 +46,8 @@ def run_hvdtrain(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         "model.name=resnet18", f"model.options.width={args.width}", "data.name=synthetic_images",
         f"data.batch_size={args.batch}", f"train.max_steps={args.steps}", "train.epochs=1000",
         f"train.device={args.device}", f"train.precision={precision}", "optim.warmup_steps=0",
-        "checkpoint.enabled=false", "log.console=false", "log.tensorboard=false",
+        "checkpoint.enabled=false", "checkpoint.every_steps=0",
+        "log.console=false", "log.tensorboard=false",
         "log.wandb=disabled",
         "log.system=false", f"log.dir={args.out}/hvdtrain-{precision}", "log.overwrite=true",
         f"log.every_steps={args.steps}", "train.eval_every_epochs=1000"], environ={})
