@@ -15,8 +15,9 @@ that skip that step move every weight by about a quarter of Adam's learning rate
 (loss 2nd decimal apart by step 2); SGD with momentum but no decay cannot tell.
 
 `make test` runs the one-process launch and Gloo's -np 2 launch (every optimizer, back to back in
-each); MPI's -np 2 launch (Adam) is `long`: `tests/multirank/test_pipeline.py` gives torch's stages
-an MPI row in `make test`.
+each). `long` (`make test-long`): MPI's -np 2 launch (Adam; `tests/multirank/test_pipeline.py`
+gives torch's stages an MPI row in `make test`), and Adam at -np 4, 2 stages x 2 copies of 32
+samples, where each stage's copies take copy 0's state in their process set.
 """
 
 from __future__ import annotations
@@ -45,9 +46,15 @@ STAGES = "pipeline.stages=2,pipeline.microbatches=4"  # one process has no micro
 # losses by about 1e-7 relative and weights by about 1e-7; without the zero-gradient step Adam's
 # first update differs by about 2.6e-3 a weight (a quarter of lr) and the losses in the 3rd digit.
 RTOL, ATOL = 1e-5, 1e-5
-LAUNCHES = {"gloo": list(OPTIMIZERS), "mpi": ["adam"]}
-ROWS = [("gloo", name) for name in OPTIMIZERS] + [
-    pytest.param("mpi", "adam", marks=pytest.mark.long)]
+LAUNCHES = {(2, "gloo"): list(OPTIMIZERS), (2, "mpi"): ["adam"], (4, "gloo"): ["adam"]}
+"""The staged launches' runs, by (ranks, controller)."""
+ROWS = [(2, "gloo", name) for name in OPTIMIZERS] + [
+    pytest.param(np_, controller, "adam", marks=pytest.mark.long)
+    for np_, controller in ((2, "mpi"), (4, "gloo"))]
+TWO_COPIES = "data.batch_size=32,optim.lr=0.005"
+"""At -np 4 (2 stages x 2 copies): the same global batch of 64 and, scaled by the 2 copies, the
+same rate. Only for runs without warm-up (it starts from the one-copy rate) or decay (Horovod's
+zero-gradient step decays at the unscaled rate, on the ring as well)."""
 pytestmark = pytest.mark.timeout(1500)
 
 
@@ -59,18 +66,19 @@ def one_process(tmp_path_factory) -> Launch:
 
 
 @pytest.fixture(scope="module")
-def two_stages(tmp_path_factory):
-    """``two_stages(controller)``: the -np 2 launch of 2 stages (one copy) for that controller's
-    runs (:data:`LAUNCHES`), on first use."""
-    cache: dict[str, Launch] = {}
+def staged(tmp_path_factory):
+    """``staged(np, controller)``: the launch of 2 stages at ``np`` ranks for its runs
+    (:data:`LAUNCHES`), on first use."""
+    cache: dict[tuple[int, str], Launch] = {}
 
-    def get(controller: str) -> Launch:
-        if controller not in cache:
-            runs = [f"{name}:{COMMON},{OPTIMIZERS[name]},{STAGES}"
-                    for name in LAUNCHES[controller]]
-            cache[controller] = launch(2, controller,
-                                       tmp_path_factory.mktemp(f"optim-np2-{controller}"), runs)
-        return cache[controller]
+    def get(np_: int, controller: str) -> Launch:
+        if (np_, controller) not in cache:
+            copies = f",{TWO_COPIES}" if np_ == 4 else ""
+            runs = [f"{name}:{COMMON},{OPTIMIZERS[name]},{STAGES}{copies}"
+                    for name in LAUNCHES[np_, controller]]
+            cache[np_, controller] = launch(
+                np_, controller, tmp_path_factory.mktemp(f"optim-np{np_}-{controller}"), runs)
+        return cache[np_, controller]
 
     return get
 
@@ -82,14 +90,16 @@ def step_losses(out: Path, run: str) -> list[float]:
     return [r["loss"] for r in records]
 
 
-@pytest.mark.parametrize(("controller", "name"), ROWS)
-def test_two_stages_equal_one_process_with_this_optimizer(one_process, two_stages, controller,
+@pytest.mark.parametrize(("np_", "controller", "name"), ROWS)
+def test_two_stages_equal_one_process_with_this_optimizer(one_process, staged, np_, controller,
                                                           name):
-    staged = two_stages(controller)
-    want, got = step_losses(one_process.out, name), step_losses(staged.out, name)
+    launched = staged(np_, controller)
+    want, got = step_losses(one_process.out, name), step_losses(launched.out, name)
     assert len(want) == 6
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=0, err_msg=f"{name}: step losses")
     assert want[-1] < want[0]  # it trains: the comparison is not of two idle runs
     ref, _ = one_process.rank(name, 0)
-    assert_same_model(whole_model(staged, name, [0, 1]), ref, ATOL)
-    assert staged.summary(name)["pipeline"] == "2 stages x 1 copies"
+    copies = [[0, 1], [2, 3]][:np_ // 2]
+    for ranks in copies:
+        assert_same_model(whole_model(launched, name, ranks), ref, ATOL)
+    assert launched.summary(name)["pipeline"] == f"2 stages x {len(copies)} copies"
