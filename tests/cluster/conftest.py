@@ -54,9 +54,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster() -> dict[str, str]:
-    """The two nodes, unshaped, with Slurm idle on both; yields the launcher's environment."""
-    was_up = cluster_script("status", check=False).returncode == 0
-    cluster_script("start", "2", "--bandwidth", "none")
+    """The two nodes, unshaped, with Slurm idle on both; yields the launcher's environment. A
+    cluster already started (by ``make test``, or by someone else, perhaps with more nodes or a
+    node whose ssh does not answer right now, which ``status`` reports by exiting 1) is used as it
+    is and left running: ``start 2`` would remove its nodes past the second."""
+    was_up = "no cluster started" not in cluster_script("status", check=False).stdout
+    if not was_up:
+        cluster_script("start", "2", "--bandwidth", "none")
     try:
         cluster_script("slurm", "start", "--nodes")
         yield cluster_env()
