@@ -258,7 +258,8 @@ class PSConfig:
 def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
     """The combinations of ``comm.topology=ps`` with the ``ps`` section and other sections that
     cannot run, as one-line errors (what only the launch can tell, such as the controller and the
-    number of ranks, is checked by :mod:`hvdtrain.ps.world`)."""
+    number of ranks, is checked by the layout of ranks, :class:`hvdtrain.layout.Layout`, and
+    :mod:`hvdtrain.ps.mpi`)."""
     if ps.staleness and ps.consistency != "ssp":
         raise ConfigError(f"ps.staleness={ps.staleness}: only ps.consistency=ssp has a staleness "
                           f"bound (ps.consistency={ps.consistency!r}); leave it 0")

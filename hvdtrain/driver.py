@@ -31,9 +31,10 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.layout import dedicated
 from hvdtrain.loop import Callback, Position, Stopped
 from hvdtrain.observe.watchdog import StallWatchdog
-from hvdtrain.ps.world import dedicated, end_job_at_exit, split
+from hvdtrain.ps.mpi import end_job_at_exit, split
 from hvdtrain.registry import DATASETS, MODELS
 from hvdtrain.rundir import RunDir
 from hvdtrain.session import Session, Start
@@ -158,7 +159,7 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
                              for key, column in zip(keys, zip(*placements, strict=True),
                                                     strict=True)}}
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
-        servers = cfg.ps.servers if cfg.ps.placement == "dedicated" else engine.size
+        servers = cfg.ps.servers if dedicated(cfg) else engine.size
         summary |= {"topology": "ps", "ps_placement": cfg.ps.placement, "ps_servers": servers}
     if engine.rank == 0:
         run_dir.write_summary(summary)

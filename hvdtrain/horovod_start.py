@@ -53,7 +53,7 @@ def start_horovod(hvd: Any, configured_ms: float, process_sets: bool = False,
     Horovod runs). Where Horovod already runs without them, that is an error.
 
     ``comm``: an mpi4py communicator to start on (``hvd.init(comm=...)``), the workers' where
-    parameter servers hold the job's last ranks (:func:`hvdtrain.ps.world.horovod_comm`); None
+    parameter servers hold the job's last ranks (:func:`hvdtrain.ps.mpi.horovod_comm`); None
     for Horovod's own world. A Horovod already running on another world is refused.
     """
     if not hvd.is_initialized():

@@ -101,7 +101,7 @@ def check_pipeline(*, stages: int, microbatches: int, schedule: str, virtual_sta
     """Raises a one-line :class:`ConfigError` for a ``pipeline`` section that no schedule runs;
     returns the micro-batch count (:func:`microbatch_count`). Without stages only the schedule's
     own ``virtual_stages`` is checked. The world size is checked at launch
-    (:class:`hvdtrain.pipeline.layout.Layout`); what spans other sections, in
+    (:class:`hvdtrain.layout.Layout`); what spans other sections, in
     :mod:`hvdtrain.config`."""
     plan = SCHEDULES[schedule]
     _check_virtual(plan, virtual_stages)

@@ -4,8 +4,9 @@ Server processes import NumPy and mpi4py only (:mod:`hvdtrain.ps.server`, and un
 ``ps.consistency=ssp``/``asp`` :mod:`hvdtrain.ps.async_server`, which runs
 :mod:`hvdtrain.ps.optim`'s optimizer on its shard); workers reach them through
 :class:`hvdtrain.ps.client.PSClient` (:class:`~hvdtrain.ps.client.AsyncPSClient`), which the ``ps``
-gradient exchange (:mod:`hvdtrain.ps.exchange`) drives. :mod:`hvdtrain.ps.world` splits the job
-into workers and servers; :mod:`hvdtrain.ps.layout` says which server owns which chunk of the flat
+gradient exchange (:mod:`hvdtrain.ps.exchange`) drives. :mod:`hvdtrain.ps.mpi` splits the job
+into workers and servers where the layout of ranks (:mod:`hvdtrain.layout`) puts them;
+:mod:`hvdtrain.ps.layout` says which server owns which chunk of the flat
 gradient and :mod:`hvdtrain.ps.shards` cuts vectors and optimizer state into those shards;
 :mod:`hvdtrain.ps.protocol` is what travels between them and :mod:`hvdtrain.ps.codec` what a
 chunk travels as under each ``comm.compression`` method. Colocated servers

@@ -25,10 +25,10 @@ import numpy as np
 
 from hvdtrain.ps import protocol
 from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.mpi import PSWorld
 from hvdtrain.ps.optim import OPTIMIZERS, Clocks, ShardOptimizer
 from hvdtrain.ps.protocol import check, float_field
 from hvdtrain.ps.shards import pack, state_names, unpack
-from hvdtrain.ps.world import PSWorld
 
 
 def read_init(world: PSWorld, elements: int) -> tuple[ShardOptimizer, tuple[str, ...]]:

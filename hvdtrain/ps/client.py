@@ -14,7 +14,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps import protocol, shards
 from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
 from hvdtrain.ps.layout import Layout, owner, travel_order
-from hvdtrain.ps.world import PSWorld
+from hvdtrain.ps.mpi import PSWorld
 
 
 class PSClient:

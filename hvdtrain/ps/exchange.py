@@ -30,9 +30,9 @@ from hvdtrain.exchange import GradientExchange, empty_stats
 from hvdtrain.ps.client import AsyncPSClient, PSClient
 from hvdtrain.ps.codec import WireSettings
 from hvdtrain.ps.layout import server_chunk
+from hvdtrain.ps.mpi import split
 from hvdtrain.ps.optim import OPTIMIZERS
 from hvdtrain.ps.shards import state_names
-from hvdtrain.ps.world import split
 
 WIRES = {"fp16": "float16"}
 """The dtype dense chunks travel as, by ``comm.compression`` (float32 for every other method)."""

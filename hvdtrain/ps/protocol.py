@@ -178,7 +178,7 @@ class Mailbox:
     with ``Irecv``."""
 
     def __init__(self, comm: Any, peer: int, tag: int) -> None:
-        from mpi4py import MPI  # already started by hvdtrain.ps.world's split
+        from mpi4py import MPI  # already started by hvdtrain.ps.mpi's split
 
         self.comm, self.peer, self.tag = comm, peer, tag
         self.status, self.byte = MPI.Status(), MPI.BYTE

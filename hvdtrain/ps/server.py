@@ -22,8 +22,8 @@ import numpy as np
 from hvdtrain.ps import protocol
 from hvdtrain.ps.codec import METHODS, SPARSE, WireSettings, encode, pull_scheme, push_scheme
 from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.mpi import PSWorld
 from hvdtrain.ps.protocol import ProtocolError, check, in_range, refused
-from hvdtrain.ps.world import PSWorld
 
 __all__ = ["ProtocolError", "Shard", "read_controls", "read_hello", "run_server", "serve",
            "sum_step"]

@@ -33,7 +33,8 @@ from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
-from hvdtrain.ps.world import horovod_comm, ps_settings
+from hvdtrain.layout import Layout
+from hvdtrain.ps.mpi import horovod_comm, ps_settings
 from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import rng, syncbn
@@ -133,6 +134,7 @@ class TensorFlowEngine(Engine):
                                            process_sets=cfg.pipeline.stages > 1,
                                            comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
+        self.layout = Layout.of(cfg, self.size)  # the job's ranks: who holds which part
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         set_threads(compute_threads(cfg.train.threads, self.local_size))
         self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
@@ -161,6 +163,7 @@ class TensorFlowEngine(Engine):
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         self.rank, self.size = rank, size
+        self.layout = self.layout.resized(size)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.accumulation = accumulation
         self._follow_world()

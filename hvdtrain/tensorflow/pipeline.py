@@ -46,9 +46,9 @@ from hvdtrain.data.contracts import ArraySpec, Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.layout import Layout
 from hvdtrain.pipeline import stage_step
 from hvdtrain.pipeline.actions import ORDERED
-from hvdtrain.pipeline.layout import Layout
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.split import layer_names, stage_bounds
 from hvdtrain.pipeline.stage_step import StageRunner
@@ -327,7 +327,7 @@ _SETS: dict[tuple[int, ...], Any] = {}
 """The process sets this process added to Horovod, by their ranks (Horovod refuses a second)."""
 
 
-def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, int], Any]]:
+def register_process_sets(layout: Layout) -> tuple[dict[int, Any], dict[tuple[int, int], Any]]:
     """Adds the stage groups and the two-rank links of every copy to Horovod (a collective, in
     the same order on every rank): ``(stage sets by stage, link sets by (copy, upstream
     stage))``. A group of every rank is Horovod's global set; a stage group of one copy is a set
@@ -349,7 +349,7 @@ def register_process_sets(layout: Any) -> tuple[dict[int, Any], dict[tuple[int, 
 
 class PipelineEngine(StageState, TensorFlowEngine):
     """The TensorFlow engine for ``pipeline.stages`` > 1: this rank holds one stage of one
-    pipeline copy (:class:`hvdtrain.pipeline.layout.Layout`); see the module docstring.
+    pipeline copy (:class:`hvdtrain.layout.Layout`); see the module docstring.
 
     ``size`` stays the world's (the loop and the writers count ranks); ``copies`` is the number
     of pipeline copies, the data-parallel width that the sampler and the exchange use."""
@@ -358,7 +358,7 @@ class PipelineEngine(StageState, TensorFlowEngine):
         check_schedule(cfg.pipeline.schedule)
         self._restored: dict[str, Any] | None = None  # rank 0's: where each rank reads its share
         self._start(cfg)  # with dynamic process sets: the stage groups and links are added now
-        self.layout = Layout(self.size, cfg.pipeline.stages)
+        # self.layout (the job's layout of ranks) was made as Horovod started.
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
         self.copies, self.root = self.layout.copies, self.layout.rank_of(self.stage, 0)
         stage_sets, links = register_process_sets(self.layout)

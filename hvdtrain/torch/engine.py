@@ -23,7 +23,8 @@ from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.horovod_start import compute_threads, start_horovod
-from hvdtrain.ps.world import horovod_comm, ps_settings
+from hvdtrain.layout import Layout
+from hvdtrain.ps.mpi import horovod_comm, ps_settings
 from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
@@ -84,6 +85,7 @@ class TorchEngine(Engine):
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, process_sets=process_sets,
                                            comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
+        self.layout = Layout.of(cfg, self.size)  # the job's ranks: who holds which part
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         return kind
@@ -97,7 +99,7 @@ class TorchEngine(Engine):
         self.exchange, self.optimizer = make_exchange(
             cfg.comm, cfg.seed, self.rank, self.size, self.model,
             make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step,
-            ps=ps_settings(cfg))
+            ps=ps_settings(cfg), layout=self.layout)
         self.precision.attach(self.optimizer)
         self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data,
                                     self.precision)
@@ -116,6 +118,7 @@ class TorchEngine(Engine):
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         self.rank, self.size = rank, size
+        self.layout = self.layout.resized(size)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.accumulation = accumulation
         self.exchange.resize(rank, size, accumulation)

@@ -2,7 +2,7 @@
 
 Each rank builds only its own pieces of the model from the adapter's layer factories
 (:meth:`hvdtrain.adapters.ModelAdapter.layers`), cut by :mod:`hvdtrain.pipeline.split` and placed
-by :class:`hvdtrain.pipeline.layout.Layout` and the schedule. ``torch.distributed.pipelining``
+by :class:`hvdtrain.layout.Layout` and the schedule. ``torch.distributed.pipelining``
 carries activations and their gradients between the stages of one pipeline copy over a torch
 process group of that copy's ranks (Gloo on CPU, NCCL on GPU); its rendezvous address is chosen by
 rank 0 and handed out by Horovod. Each stage's gradients are averaged over that stage's copies by
@@ -45,7 +45,7 @@ from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import PartedState
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.pipeline import SCHEDULES, Layout, Schedule, layer_names, stage_bounds
+from hvdtrain.pipeline import SCHEDULES, Schedule, layer_names, stage_bounds
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.state import (
     layer_of,
@@ -240,8 +240,7 @@ class PipelineEngine(TorchEngine, PartedState):
 
     def _place(self, cfg: Config) -> None:
         """Where this rank stands: its stage and copy, its pieces, who reads the data."""
-        pipe = cfg.pipeline
-        self.layout = Layout(self.size, pipe.stages)
+        pipe = cfg.pipeline  # self.layout: the job's layout of ranks, made as Horovod started
         self.stage, self.copy = self.layout.stage_of(self.rank), self.layout.copy_of(self.rank)
         self.schedule: Schedule = SCHEDULES[pipe.schedule]
         self.pieces = pipe.stages * pipe.virtual_stages

@@ -23,7 +23,7 @@ from hvdtrain.data import tree
 from hvdtrain.driver import launcher_host
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
-from hvdtrain.pipeline import Layout
+from hvdtrain.layout import Layout
 from hvdtrain.torch.collectives import TorchCollectives, any_rank
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression

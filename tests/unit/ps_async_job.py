@@ -20,7 +20,7 @@ import numpy as np
 from hvdtrain.config import load_config
 from hvdtrain.driver import train
 from hvdtrain.ps.exchange import ServerOptimizer, make_client
-from hvdtrain.ps.world import split
+from hvdtrain.ps.mpi import split
 
 SHAPES = [(1000,), (37, 11)]  # 1,407 elements: 6 chunks of 1 KiB over the servers
 LR = 0.1

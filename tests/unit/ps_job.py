@@ -33,7 +33,7 @@ from hvdtrain.config import load_config
 from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps.exchange import PSExchange, make_client
-from hvdtrain.ps.world import end_job_at_exit, split
+from hvdtrain.ps.mpi import end_job_at_exit, split
 
 SHAPES = [(1000,), (37, 11)]  # 1,407 elements: 6 chunks of 1 KiB over the servers
 FRAMEWORKS = ("torch", "tensorflow", "keras", "horovod")

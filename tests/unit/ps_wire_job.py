@@ -31,8 +31,8 @@ from hvdtrain.ps import protocol
 from hvdtrain.ps.client import PSClient
 from hvdtrain.ps.codec import WireSettings, push_scheme
 from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.mpi import PSWorld, split
 from hvdtrain.ps.server import serve
-from hvdtrain.ps.world import PSWorld, split
 
 TOTAL, CHUNK = 1407, 256  # 6 chunks: 5 of 256 elements and one of 127, all on the one server
 GOOD = WireSettings()

@@ -1,4 +1,4 @@
-"""The framework-free pipeline core: the layout of ranks, the split of the layer list, and the
+"""The framework-free pipeline core: the split of the layer list, and the
 config checks that stop an impossible pipeline before anything starts."""
 
 from __future__ import annotations
@@ -10,41 +10,9 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.pipeline import SCHEDULES, Layout, balanced_bounds, microbatch_count, stage_bounds
+from hvdtrain.pipeline import SCHEDULES, balanced_bounds, microbatch_count, stage_bounds
 from hvdtrain.pipeline.split import explicit_bounds, layer_names
 from hvdtrain.pipeline.state import merge_parts, misfit, select_part
-
-
-def test_layout_of_two_stages_by_two_copies():
-    layout = Layout(size=4, stages=2)
-    assert layout.copies == 2
-    assert layout.pipelines() == [[0, 1], [2, 3]]
-    assert layout.stage_groups() == [[0, 2], [1, 3]]
-    assert [(layout.stage_of(r), layout.copy_of(r)) for r in range(4)] == [(0, 0), (1, 0), (0, 1),
-                                                                          (1, 1)]
-    assert [layout.loads_data(r) for r in range(4)] == [True] * 4
-    assert layout.is_first(2) and layout.is_last(3) and not layout.is_last(0)
-
-
-@pytest.mark.parametrize("size, stages", [(1, 1), (4, 1), (4, 4), (6, 3), (12, 4), (8, 2)])
-def test_layout_partitions_the_world_both_ways(size, stages):
-    layout = Layout(size, stages)
-    for groups in (layout.pipelines(), layout.stage_groups()):
-        assert sorted(itertools.chain(*groups)) == list(range(size))
-    for rank in range(size):
-        stage, copy = layout.stage_of(rank), layout.copy_of(rank)
-        assert layout.rank_of(stage, copy) == rank
-        assert rank in layout.pipeline_ranks(copy) and rank in layout.stage_ranks(stage)
-    assert layout.rank_of(0, 0) == 0
-    middle = [r for r in range(size) if not layout.loads_data(r)]
-    assert len(middle) == max(0, stages - 2) * (size // stages)
-
-
-def test_layout_refuses_a_world_the_stages_do_not_divide():
-    with pytest.raises(ConfigError, match=r"pipeline.stages=3 does not divide the world size 4"):
-        Layout(4, 3)
-    with pytest.raises(ValueError, match="rank 4 outside"):
-        Layout(4, 2).stage_of(4)
 
 
 @pytest.mark.parametrize("costs, pieces, bounds", [

@@ -13,8 +13,9 @@ import pytest
 from hvdtrain.cli import main
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
+from hvdtrain.layout import Layout
 from hvdtrain.loop import make_sampler
-from hvdtrain.pipeline import Layout, microbatch_count
+from hvdtrain.pipeline import microbatch_count
 from hvdtrain.plan.cluster import Cluster, cluster_from_tree
 from hvdtrain.plan.command import configured_setting, knobs_of
 from hvdtrain.plan.predict import Prediction, plan

@@ -1,9 +1,11 @@
-"""The job split into workers and servers (``ps.placement=dedicated``), once per process.
+"""The MPI communicators of a job with dedicated servers (``ps.placement=dedicated``), made once
+per process from the layout of ranks (:class:`hvdtrain.layout.Layout`).
 
-The last ``ps.servers`` ranks of ``MPI.COMM_WORLD`` serve; the others train in a Horovod world of
-their own (``hvd.init(comm=workers)``), so worker rank 0 is rank 0 of the job and writes the run
-directory, and every Horovod collective (gradients, metrics, broadcasts) runs among workers only.
-Servers get ``MPI.UNDEFINED`` from the split and never import a framework or Horovod.
+The layout puts the servers on the job's last ``ps.servers`` ranks; ``MPI.COMM_WORLD`` is split
+so that the others train in a Horovod world of their own (``hvd.init(comm=workers)``), so worker
+rank 0 is rank 0 of the job and writes the run directory, and every Horovod collective
+(gradients, metrics, broadcasts) runs among workers only. Servers get ``MPI.UNDEFINED`` from the
+split and never import a framework or Horovod.
 
 mpi4py is imported here, before any Horovod starts: it initialises MPI with
 ``MPI_THREAD_MULTIPLE``, which Horovod's background thread beside the point-to-point traffic of
@@ -25,13 +27,15 @@ import numpy as np
 from hvdtrain.config import Config, PSConfig
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.horovod_start import open_mpi_defaults
+from hvdtrain.layout import Layout, dedicated
 
 _HOST_BYTES = 256
 
 
 @dataclass(frozen=True)
 class PSWorld:
-    """This process's place in a job with dedicated servers."""
+    """This process's place in a job with dedicated servers: the job's layout of ranks and the
+    communicators made from it."""
 
     comm: Any
     """``MPI.COMM_WORLD``: servers and workers talk point-to-point on it."""
@@ -39,32 +43,40 @@ class PSWorld:
     """The workers' communicator (Horovod's world), or None on a server."""
     rank: int
     """This process's rank in the job."""
-    size: int
-    """Ranks in the job, servers included."""
-    servers: tuple[int, ...]
-    """The servers' ranks in the job, in server order."""
+    layout: Layout
+    """Which ranks serve and which train."""
     hosts: tuple[str, ...]
     """Every rank's host name, by rank in the job (for error messages)."""
 
     @property
+    def size(self) -> int:
+        """Ranks in the job, servers included."""
+        return self.layout.size
+
+    @property
+    def servers(self) -> tuple[int, ...]:
+        """The servers' ranks in the job, in server order."""
+        return tuple(self.layout.server_ranks())
+
+    @property
     def is_server(self) -> bool:
         """Whether this process serves."""
-        return self.rank in self.servers
+        return self.layout.is_server(self.rank)
 
     @property
     def server_index(self) -> int:
         """This server's index (0 .. S - 1)."""
-        return self.servers.index(self.rank)
+        return self.layout.server_index(self.rank)
 
     @property
     def worker_ranks(self) -> tuple[int, ...]:
         """The workers' ranks in the job (worker i is rank i)."""
-        return tuple(r for r in range(self.size) if r not in self.servers)
+        return tuple(self.layout.worker_ranks())
 
     def name(self, rank: int) -> str:
         """``server 1 (rank 3 on host node2)`` or ``worker 0 (rank 0 on host node1)``."""
-        role = (f"server {self.servers.index(rank)}" if rank in self.servers
-                else f"worker {self.worker_ranks.index(rank)}")
+        role = (f"server {self.layout.server_index(rank)}" if self.layout.is_server(rank)
+                else f"worker {rank}")  # worker i is rank i
         return f"{role} (rank {rank} on host {self.hosts[rank]})"
 
 
@@ -98,15 +110,12 @@ def _split(servers: int, environ: Mapping[str, str]) -> PSWorld:
     from mpi4py import MPI  # initialises MPI (thread level MULTIPLE) before Horovod does
 
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
-    if servers >= size:
-        raise HvdtrainError(f"ps.servers={servers} with {size} rank(s) in the job leaves no "
-                            f"worker: launch more ranks than servers (e.g. -np {servers + 1})")
-    server_ranks = tuple(range(size - servers, size))
-    color = MPI.UNDEFINED if rank in server_ranks else 0
+    rank = world.Get_rank()
+    layout = Layout(size=world.Get_size(), servers=servers)  # refuses a job of servers only
+    color = MPI.UNDEFINED if layout.is_server(rank) else 0
     workers = world.Split(color, rank)
     return PSWorld(comm=world, workers=None if workers == MPI.COMM_NULL else workers,
-                   rank=rank, size=size, servers=server_ranks, hosts=_hosts(world))
+                   rank=rank, layout=layout, hosts=_hosts(world))
 
 
 def _hosts(world: Any) -> tuple[str, ...]:
@@ -137,11 +146,6 @@ def end_job_at_exit(world: PSWorld, exc: BaseException) -> None:
     ends every rank. Registered after mpi4py's own exit handler, it runs before that one.
     """
     atexit.register(world.comm.Abort, exit_code(exc))
-
-
-def dedicated(cfg: Config) -> bool:
-    """Whether ``cfg`` trains with dedicated server processes."""
-    return cfg.comm.topology == "ps" and cfg.ps.placement == "dedicated"
 
 
 def horovod_comm(cfg: Config) -> Any:
