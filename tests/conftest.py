@@ -124,10 +124,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # Set by pytest itself, by torch on its first use (OpenMP and inductor settings), and by hvdtrain's
-# engines before the process's first hvd.init (Horovod's cycle time, Open MPI's yielding), which
+# engines before the process's first hvd.init (cycle time, Open MPI's yielding and TCP flags), which
 # hold for the life of the process, as Horovod starts once per process: not leaks of a test.
 FRAMEWORK_SET = ("PYTEST_CURRENT_TEST", "KMP_", "TORCHINDUCTOR_", "HOROVOD_CYCLE_TIME",
-                 "OMPI_MCA_mpi_yield_when_idle")
+                 "OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl_tcp_flags")
 
 
 @pytest.fixture(autouse=True)
