@@ -1,9 +1,9 @@
-"""Optimizer memory per rank: the ring against colocated parameter servers (the sharded update).
+"""Optimizer memory per rank: the ring against the sharded update (once colocated servers).
 
-For N = 2 and 4 ranks (``horovodrun --gloo``), the ring (``comm.topology=ring``) and colocated
-servers (``comm.topology=ps ps.placement=colocated``) each train a wide MLP on digits (64-4096-
-4096-10: 17.1 M parameters) with Adam for a few steps, one job a setting, the settings
-interleaved in rounds. Every rank reports the bytes of the optimizer state it holds (the
+For N = 2 and 4 ranks (``horovodrun --gloo``), the ring (``comm.topology=ring``) and the
+sharded update (``shard.stage=1``; its rows keep the name ``colocated``) each train a wide
+MLP on digits (64-4096-4096-10: 17.1 M parameters) with Adam for a few steps, one job a
+setting, the settings interleaved in rounds. Every rank reports the bytes of the optimizer state it holds (the
 tensors in its optimizer's ``state``) and its peak resident memory (``summary.json``'s
 ``peak_rss_mb``). Checkpoints are off: gathering the state for one would add the whole state
 to rank 0's peak. Target: colocated optimizer state per rank = ring's / N (within 1%: Horovod's
@@ -32,7 +32,7 @@ sys.path.insert(0, str(harness.ROOT))  # this checkout's hvdtrain, even where no
 
 SIZES = {"rounds": (2, 1), "steps": (3, 2), "hidden": (4096, 256)}
 RANKS = (2, 4)
-PLACEMENTS = {"ring": [], "colocated": ["comm.topology=ps", "ps.placement=colocated"]}
+PLACEMENTS = {"ring": [], "colocated": ["shard.stage=1"]}
 TOLERANCE = 0.01
 
 

@@ -216,7 +216,7 @@ class CommConfig:
             raise ConfigError(f"comm.ratio={self.ratio!r}: must be > 0 and <= 1")
 
 
-PS_PLACEMENTS = ("dedicated", "colocated")
+PS_PLACEMENTS = ("dedicated",)
 PS_CONSISTENCIES = ("bsp", "ssp", "asp")
 
 
@@ -228,9 +228,8 @@ class PSConfig:
     """Server processes S. ``dedicated``: the last S ranks of the job serve and the others train,
     so the job needs more than S ranks (launch with ``horovodrun --mpi`` or ``mpirun``)."""
     placement: str = _opt("dedicated", choices=PS_PLACEMENTS)
-    """``dedicated``: server processes of their own, NumPy and mpi4py only, beside the workers;
-    ``colocated``: no server processes; every worker owns 1/N of the flat parameters and keeps
-    the optimizer state of that shard only (PyTorch; ``ps.servers`` is not read)."""
+    """``dedicated``: server processes of their own, NumPy and mpi4py only, beside the workers
+    (the only placement: the sharded update that was ``colocated`` is ``shard.stage=1``)."""
     consistency: str = _opt("bsp", choices=PS_CONSISTENCIES)
     """``bsp``: every step waits for all workers; the servers sum the gradients and the workers
     keep their own optimizers, so training equals the ring's. ``ssp`` (bounded staleness) and
@@ -243,7 +242,7 @@ class PSConfig:
     """Dedicated servers: the flat gradient travels in chunks of at most this many KiB (BytePS's
     partition: 4 MiB), smaller where a gradient would make fewer than 64 (not below 64 KiB), each
     owned by one server picked by hashing its index, so pushes and pulls of chunks overlap
-    (:func:`hvdtrain.ps.layout.server_chunk`). ``colocated``: the KiB per rank of each round."""
+    (:func:`hvdtrain.ps.layout.server_chunk`)."""
     overlap: bool = True
     """Dedicated servers under ``bsp``, PyTorch, a dense wire (``comm.compression`` ``none`` or
     ``fp16``): each chunk leaves as soon as the backward pass has produced all of its gradients,
@@ -253,6 +252,38 @@ class PSConfig:
     """A worker that waits this long for a server's answer stops the job with an error naming that
     server (dead or hung). A server answers a step once every worker pushed it, so the wait also
     covers the slowest worker's lag: keep it well above a step's time."""
+
+    def __post_init__(self) -> None:
+        # Before the choices, so that the old placement gets the new key rather than a list.
+        if self.placement == "colocated":
+            raise ConfigError(COLOCATED_GONE)
+
+
+COLOCATED_GONE = ("ps.placement='colocated' is gone: the sharded update is sharded data parallel "
+                  "now; set shard.stage=1 (with comm.topology=ring, docs/sharding.md)")
+"""The one line that refuses the old key of the sharded update."""
+
+
+SHARD_UNBUILT = ("shard.stage={stage}: sharding gradients (2) and parameters (3) is not built "
+                 "yet; use shard.stage=1 (optimizer state) or 0")
+
+
+@dataclass(kw_only=True)
+class ShardConfig:
+    """Sharded data parallel (docs/sharding.md): ZeRO's stages on Horovod's collectives."""
+
+    stage: int = _opt(0, min=0, max=3)
+    """0: off (every rank keeps the whole optimizer state). 1: the optimizer state is sharded:
+    each step reduce-scatters the flat gradient over a stage's data-parallel copies, every rank
+    updates the shard of the parameters it owns, and all-gathers the updated shards back, so a
+    rank keeps 1/N of the optimizer state and trains as the ring does. 2 and 3 are not built yet."""
+    chunk_kib: int = _opt(4096, min=1)
+    """``shard.stage=1``: the KiB per rank of each round of the reduce-scatter and the
+    all-gather, so that no collective holds a second copy of the whole gradient."""
+
+    def __post_init__(self) -> None:
+        if self.stage in (2, 3):
+            raise ConfigError(SHARD_UNBUILT.format(stage=self.stage))
 
 
 def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
@@ -276,28 +307,42 @@ def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
         raise ConfigError(f"{method}: PowerSGD's factors need two averaging rounds and one "
                           "orthogonalisation a step, which servers that only sum do not run; "
                           "use topk, randomk or qsgd, or comm.topology=ring")
-    if ps.placement == "colocated":
-        raise ConfigError(f"{method} and ps.placement=colocated: the sharded update's "
-                          "reduce-scatter carries none or fp16 only; use ps.placement=dedicated")
     if ps.consistency != "bsp":
         raise ConfigError(f"{method} and ps.consistency={ps.consistency!r}: the servers' "
                           "optimizer takes dense pushes only; use bsp, or none or fp16")
 
 
-def check_colocated(cfg: Config) -> None:
-    """``ps.placement=colocated`` (the sharded update, docs/parameter-servers.md) where it cannot
-    run, as one-line errors."""
-    if cfg.comm.topology != "ps" or cfg.ps.placement != "colocated":
+def check_shard(cfg: Config) -> None:
+    """``shard.stage=1`` (the sharded update, docs/sharding.md) where it cannot run, and its
+    settings where they would do nothing, as one-line errors."""
+    shard = cfg.shard
+    if not shard.stage:
+        refuse_unread("shard.", shard, ["chunk_kib"], "shard.stage=0",
+                      "only the sharded update reads it", "shard.stage=1")
         return
-    if cfg.framework != "torch":
-        raise ConfigError(f"ps.placement=colocated with framework={cfg.framework!r}: the sharded "
-                          "update is PyTorch only; use framework=torch or ps.placement=dedicated")
-    if cfg.ps.consistency != "bsp":
-        raise ConfigError(f"ps.consistency={cfg.ps.consistency!r} with ps.placement=colocated: "
-                          "the sharded update is bulk-synchronous; use bsp")
-    if cfg.train.precision == "fp16":
-        raise ConfigError("train.precision='fp16' with ps.placement=colocated: a shard's overflow "
-                          "would skip the step on one rank only; use fp32 or bf16")
+    given = f"shard.stage={shard.stage}"
+    refused = [
+        (cfg.framework != "torch", f"framework={cfg.framework!r} with {given}: the sharded "
+                                   "update is built for PyTorch only so far; use framework=torch "
+                                   "or shard.stage=0"),
+        (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {given}: the "
+                                      "sharded update reduce-scatters among the workers, "
+                                      "parameter servers sum on their own; use comm.topology=ring"),
+        (cfg.pipeline.stages > 1, f"pipeline.stages={cfg.pipeline.stages} with {given}: "
+                                  "sharding a stage's copies is not built yet; use "
+                                  "pipeline.stages=1 or shard.stage=0"),
+        (cfg.comm.compression not in ("none", "fp16"),
+         f"comm.compression={cfg.comm.compression!r} with {given}: the sharded update's "
+         "reduce-scatter carries none or fp16 only"),
+        (cfg.elastic.enabled, f"elastic.enabled=true with {given}: the shards cannot change "
+                              "their number of ranks yet; set elastic.enabled=false"),
+        (cfg.train.precision == "fp16", f"train.precision='fp16' with {given}: a shard's "
+                                        "overflow would skip the step on one rank only; use "
+                                        "fp32 or bf16"),
+    ]
+    for bad, message in refused:
+        if bad:
+            raise ConfigError(message)
 
 
 def check_ps_async(cfg: Config) -> None:
@@ -322,20 +367,14 @@ push; TensorFlow, the servers' optimizer and the sharded update push after the p
 
 def check_ps_unread(cfg: Config) -> None:
     """The ``ps`` settings that would do nothing in ``cfg``, as one-line errors: any of them on
-    the ring, ``ps.servers`` and ``ps.timeout_s`` with colocated servers (there are none to
-    count or wait for), ``ps.overlap`` outside the combination that streams the push."""
+    the ring, ``ps.overlap`` outside the combination that streams the push."""
     ps, topology = cfg.ps, cfg.comm.topology
     if topology != "ps":
         refuse_unread("ps.", ps, [f.name for f in dataclasses.fields(ps)],
                       f"comm.topology={topology!r}", "only parameter servers read the ps "
                       "section", "comm.topology=ps")
         return
-    if ps.placement == "colocated":
-        refuse_unread("ps.", ps, ["servers", "timeout_s"], "ps.placement='colocated'",
-                      "the sharded update has no server processes (every worker owns a shard)",
-                      "ps.placement=dedicated")
-    misfit = [(ps.placement != "dedicated", f"ps.placement={ps.placement!r}"),
-              (ps.consistency != "bsp", f"ps.consistency={ps.consistency!r}"),
+    misfit = [(ps.consistency != "bsp", f"ps.consistency={ps.consistency!r}"),
               (cfg.framework != "torch", f"framework={cfg.framework!r}"),
               (cfg.comm.compression not in ("none", "fp16"),
                f"comm.compression={cfg.comm.compression!r}")]
@@ -493,6 +532,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -501,7 +541,7 @@ class Config:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
         check_ps(self.comm, self.ps, self.elastic)
-        check_colocated(self)
+        check_shard(self)
         check_ps_async(self)
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in _check_pipeline).

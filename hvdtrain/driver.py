@@ -161,6 +161,8 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
         servers = cfg.ps.servers if dedicated(cfg) else engine.size
         summary |= {"topology": "ps", "ps_placement": cfg.ps.placement, "ps_servers": servers}
+    if cfg.shard.stage:  # and over how many ranks a stage's parameters are sharded
+        summary |= {"shard_stage": cfg.shard.stage, "shard_ranks": engine.size}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)

@@ -16,7 +16,7 @@ from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.plan.cluster import Cluster, load_cluster
-from hvdtrain.plan.predict import Knobs, Plan, pieces_per_rank, pipeline_name, plan
+from hvdtrain.plan.predict import SHARDED, Knobs, Plan, pieces_per_rank, pipeline_name, plan
 from hvdtrain.plan.profile import RATIO_KEYS, ModelProfile, check_matches, load_profile, save_profile
 from hvdtrain.plan.stages import PLANNED_SCHEDULES
 from hvdtrain.world import World
@@ -118,8 +118,8 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
     if cfg.comm.topology == "ps" and cfg.ps.consistency != "bsp":
         raise ConfigError(f"ps.consistency={cfg.ps.consistency!r}: the plan prices bsp only (every "
                           "step waits for all workers); plan with ps.consistency=bsp")
-    if cfg.comm.topology == "ps" and cfg.ps.placement == "colocated":
-        return "ps sharded update"
+    if cfg.shard.stage == 1:
+        return SHARDED
     if cfg.comm.topology == "ps":
         if not cluster.servers.nodes:
             raise ConfigError("comm.topology=ps: the cluster file has no server nodes "

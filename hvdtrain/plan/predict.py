@@ -294,8 +294,7 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     dedicated = Prediction(f"ps dedicated S={k}", _whole(ctx, f"comm.topology=ps ps.servers={k} "
                            "(one server rank on each server node)"))
     colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain: BytePS's summation "
-                           "on every worker (hvdtrain's ps.placement=colocated is the sharded "
-                           "update)")
+                           "on every worker (hvdtrain's sharded update is shard.stage=1)")
     if not k:
         dedicated.reason = "the cluster file has no server nodes (servers.nodes: 0)"
     elif k > c.servers.nodes:
@@ -334,7 +333,7 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
             return within + (costs.byteps(b, n, k, link, o) if n > 1 or k else 0.0)
         return _dense(ctx, n, cost)
     _sweep(ctx, colocated, colocated_step)
-    return [dedicated, colocated, _sharded(ctx)]
+    return [dedicated, colocated]
 
 
 def server_layout(gradient_bytes: float, servers: int, chunk_kib: int) -> tuple[float, float]:
@@ -346,15 +345,19 @@ def server_layout(gradient_bytes: float, servers: int, chunk_kib: int) -> tuple[
     return busiest / total, 4.0 * layout.chunk
 
 
+SHARDED = "shard stage 1"
+"""The plan's name of sharded data parallel at stage 1 (the sharded update)."""
+
+
 def _sharded(ctx: _Ctx) -> Prediction:
-    """hvdtrain's colocated servers (the sharded update, ZeRO stage 1's): after the backward pass
+    """Sharded data parallel at stage 1 (``shard.stage=1``, ZeRO's): after the backward pass
     a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
     this rank's 1/N of the parameters."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    pred = Prediction("ps sharded update", _whole(ctx, "comm.topology=ps ps.placement=colocated"))
+    pred = Prediction(SHARDED, _whole(ctx, "shard.stage=1"))
     framework = str(ctx.profile.model.get("framework", ""))
     if framework == "tensorflow":
-        pred.reason = "the sharded update (ps.placement=colocated) runs with PyTorch only"
+        pred.reason = "shard.stage=1 runs with PyTorch only so far"
         return pred
 
     def step(n: int) -> tuple[float, list[Segment]]:
@@ -492,7 +495,7 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
 def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs) -> Plan:
     """Every setting's prediction, ranked by samples/s at the most nodes it runs on."""
     ctx = _Ctx(profile, cluster, knobs)
-    preds = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), *_pipelines(ctx)]
+    preds = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), _sharded(ctx), *_pipelines(ctx)]
 
     def rank(p: Prediction) -> tuple[int, int, float]:
         best = p.best

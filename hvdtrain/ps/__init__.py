@@ -9,8 +9,7 @@ into workers and servers where the layout of ranks (:mod:`hvdtrain.layout`) puts
 :mod:`hvdtrain.ps.layout` says which server owns which chunk of the flat
 gradient and :mod:`hvdtrain.ps.shards` cuts vectors and optimizer state into those shards;
 :mod:`hvdtrain.ps.protocol` is what travels between them and :mod:`hvdtrain.ps.codec` what a
-chunk travels as under each ``comm.compression`` method. Colocated servers
-(``ps.placement=colocated``, the sharded update) have no server processes:
-:mod:`hvdtrain.ps.colocated` says which slice of the flat parameters each worker owns (the PyTorch
-side is :mod:`hvdtrain.torch.colocated`). See docs/parameter-servers.md.
+chunk travels as under each ``comm.compression`` method. The sharded update that once stood
+here as colocated servers is sharded data parallel now (``shard.stage=1``,
+:mod:`hvdtrain.shard`). See docs/parameter-servers.md.
 """

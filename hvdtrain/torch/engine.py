@@ -29,7 +29,6 @@ from hvdtrain.registry import MODELS
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
-from hvdtrain.torch.colocated import ShardedOptimizer
 from hvdtrain.torch.compression import to_torch
 from hvdtrain.torch.data import TorchLoader
 from hvdtrain.torch.device import place, resolve, summary
@@ -37,6 +36,7 @@ from hvdtrain.torch.exchange import make_exchange
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import merged_parts, read_state
 from hvdtrain.torch.precision import PlacedAdapter, Precision
+from hvdtrain.torch.shard import ShardedOptimizer
 from hvdtrain.torch.step import TorchKernels
 
 
@@ -99,7 +99,7 @@ class TorchEngine(Engine):
         self.exchange, self.optimizer = make_exchange(
             cfg.comm, cfg.seed, self.rank, self.size, self.model,
             make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step,
-            ps=ps_settings(cfg), layout=self.layout)
+            ps=ps_settings(cfg), layout=self.layout, shard=cfg.shard)
         self.precision.attach(self.optimizer)
         self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data,
                                     self.precision)

@@ -18,16 +18,16 @@ import torch
 
 from hvdtrain.compression import PLANS
 from hvdtrain.compression.plans import CommSettings
-from hvdtrain.config import PSConfig
+from hvdtrain.config import PSConfig, ShardConfig
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
 from hvdtrain.layout import Layout
 from hvdtrain.ps.exchange import ServerOptimizer, make_client
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.torch.collectives import any_rank
-from hvdtrain.torch.colocated import make_colocated
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.ps import ServerSide, TorchAsyncPSExchange, TorchPSExchange
+from hvdtrain.torch.shard import make_sharded
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
@@ -104,21 +104,23 @@ def async_ps(client: Any, rank: int, size: int, params: Sequence[torch.nn.Parame
 
 def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: torch.nn.Module,
                   optimizer: torch.optim.Optimizer, accumulation: int,
-                  ps: PSConfig | None = None, layout: Layout | None = None
+                  ps: PSConfig | None = None, layout: Layout | None = None,
+                  shard: ShardConfig | None = None
                   ) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
     optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
     compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam).
-    ``ps``: the parameter servers' settings where ``comm.topology=ps``: colocated servers get
-    the sharded optimizer of :mod:`hvdtrain.torch.colocated` in the optimizer's place; under
-    ``ssp``/``asp`` the servers run the optimizer (the step's optimizer is :class:`ServerSide`).
-    ``layout``: the job's layout of ranks; the sharded update shards over this rank's stage's
-    copies (None: every one of ``size`` ranks is a copy)."""
+    ``ps``: the parameter servers' settings where ``comm.topology=ps``; under ``ssp``/``asp``
+    the servers run the optimizer (the step's optimizer is :class:`ServerSide`). ``shard``: the
+    sharded data-parallel settings; at ``shard.stage=1`` the sharded optimizer of
+    :mod:`hvdtrain.torch.shard` stands in the optimizer's place. ``layout``: the job's layout of
+    ranks; the sharded update shards over this rank's stage's copies (None: every one of
+    ``size`` ranks is a copy)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if ps is not None and ps.placement == "colocated":
+    if shard is not None and shard.stage == 1:
         ranks = layout or Layout(size)
-        return make_colocated(optimizer, model, ranks.copy_of(rank), ranks.copies,
-                              chunk_elements(ps.chunk_kib), comm.compression)
+        return make_sharded(optimizer, model, ranks.copy_of(rank), ranks.copies,
+                            chunk_elements(shard.chunk_kib), comm.compression)
     if ps is not None:
         shapes = [p.shape for p in params]
         client = make_client(ps, comm, shapes, seed)

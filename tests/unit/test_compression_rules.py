@@ -289,7 +289,7 @@ def test_an_update_rule_that_would_do_nothing_is_refused(overrides, message, fra
 
 @pytest.mark.parametrize("overrides", [
     ["comm.compression=topk", "comm.momentum_correction=true"],  # runs on the ring
-    ["comm.compression=fp16", "comm.momentum_correction=true", "ps.placement=colocated"],
+    ["comm.compression=fp16", "comm.momentum_correction=true", "ps.consistency=asp"],
     ["comm.compression=qsgd", "comm.compress_momentum=true", "optim.name=adam"],
     ["comm.compression=none", "comm.momentum_correction=true"],  # the topology is named first
     ["comm.compression=fp16", "comm.compress_momentum=true", "optim.name=sgd"],

@@ -284,17 +284,11 @@ UNREAD = [
      "ps.overlap=false does nothing with comm.topology='ring': only parameter servers read the ps "
      "section; set comm.topology=ps or leave ps.overlap at its default true"),
     (["comm.topology=ps", "ps.placement=colocated", "ps.servers=2"],
-     "ps.servers=2 does nothing with ps.placement='colocated': the sharded update has no server "
-     "processes (every worker owns a shard); set ps.placement=dedicated or leave ps.servers at its "
-     "default 1"),
-    (["comm.topology=ps", "ps.placement=colocated", "ps.timeout_s=60"],
-     "ps.timeout_s=60.0 does nothing with ps.placement='colocated': the sharded update has no "
-     "server processes (every worker owns a shard); set ps.placement=dedicated or leave "
-     "ps.timeout_s at its default 300.0"),
-    (["comm.topology=ps", "ps.overlap=false", "ps.placement=colocated"],
-     "ps.overlap=false does nothing with ps.placement='colocated': ps.overlap is read by dedicated "
-     "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
-     "its default true"),
+     "ps.placement='colocated' is gone: the sharded update is sharded data parallel now; set "
+     "shard.stage=1 (with comm.topology=ring, docs/sharding.md)"),
+    (["shard.chunk_kib=8"],
+     "shard.chunk_kib=8 does nothing with shard.stage=0: only the sharded update reads it; set "
+     "shard.stage=1 or leave shard.chunk_kib at its default 4096"),
     (["comm.topology=ps", "ps.overlap=false", "ps.consistency=asp"],
      "ps.overlap=false does nothing with ps.consistency='asp': ps.overlap is read by dedicated "
      "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
@@ -369,7 +363,7 @@ def test_a_setting_that_would_do_nothing_is_one_line_naming_the_keys(overrides, 
     # Each key of UNREAD where it is read, and its default spelt out where it is not.
     ["comm.topology=ps", "ps.servers=2", "ps.chunk_kib=8", "ps.overlap=false", "ps.timeout_s=60"],
     ["comm.topology=ps", "ps.overlap=false", "comm.compression=fp16"],
-    ["comm.topology=ps", "ps.placement=colocated", "ps.chunk_kib=8", "ps.servers=1"],
+    ["shard.stage=1", "shard.chunk_kib=8", "ps.servers=1"],
     ["comm.topology=ps", "ps.consistency=ssp", "ps.staleness=2", "ps.overlap=true"],
     ["ps.servers=1", "ps.placement=dedicated", "ps.overlap=true"],
     ["elastic.enabled=true", "elastic.commit_every=5", "elastic.on_resize=keep_global_batch",

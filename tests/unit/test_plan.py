@@ -107,8 +107,8 @@ def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
 
     profile, cluster = load_profile(PUBLISHED / "resnet101.json"), cluster_from_tree(GOOD)
     result = plan(profile, cluster, Knobs(profile.batch_size))
-    pred = next(p for p in result.predictions if p.setting == "ps sharded update")
-    assert pred.how == "comm.topology=ps ps.placement=colocated"
+    pred = next(p for p in result.predictions if p.setting == "shard stage 1")
+    assert pred.how == "shard.stage=1"
     ring = costs.flat_allreduce(profile.gradient_bytes, 2, 2, cluster.intra, cluster.inter)
     # Not overlapped with the backward pass; each rank updates a quarter of the parameters.
     want = profile.forward_s + profile.backward_s + ring + profile.update_s / 4
@@ -117,8 +117,7 @@ def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
         "reduce-scatter", "update of this rank's shard", "allgather"]
     keras = dataclasses.replace(profile, model={**profile.model, "framework": "tensorflow"})
     why = {p.setting: p.reason for p in plan(keras, cluster, Knobs(64)).predictions}
-    assert why["ps sharded update"] == "the sharded update (ps.placement=colocated) runs with " \
-        "PyTorch only"
+    assert why["shard stage 1"] == "shard.stage=1 runs with PyTorch only so far"
     assert why["pipeline P=2 m=4 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
 
 

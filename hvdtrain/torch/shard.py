@@ -1,19 +1,20 @@
-"""Colocated parameter servers for PyTorch (``ps.placement=colocated``): the sharded update.
+"""Sharded data parallel at stage 1 for PyTorch (``shard.stage=1``): the sharded update.
 
-Every worker serves 1/N of the flat parameters (:mod:`hvdtrain.ps.colocated` says which): a step
-reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ColocatedExchange`), each
+Every rank of a stage's data-parallel copies owns 1/N of the flat parameters
+(:mod:`hvdtrain.shard` says which; the copies come from :class:`hvdtrain.layout.Layout`): a step
+reduce-scatters the flat gradient with Horovod's ``Average`` (:class:`ShardedExchange`), each
 rank's optimizer steps its own shard only, so its optimizer state covers 1/N of the model, and
 the updated shards are allgathered back into every rank's parameters (:class:`ShardedOptimizer`).
-Both collectives run in rounds of at most ``ps.chunk_kib`` per rank, so that neither Horovod nor
+Both collectives run in rounds of at most ``shard.chunk_kib`` per rank, so that neither Horovod nor
 this module holds a second copy of the whole gradient (Horovod's Gloo reduce-scatter copies its
 input); the gradients themselves live in one flat buffer. That is ZeRO stage 1's memory saving;
-the arithmetic is the ring's (an average, then the same element-wise update), so a colocated run
+the arithmetic is the ring's (an average, then the same element-wise update), so a sharded run
 trains as a ring run of the same ranks.
 
 Checkpoints hold the optimizer state in the whole model's layout, the one Horovod's
 ``DistributedOptimizer`` writes on the ring: rank 0 gathers the shards before it writes, and a
 restored state is cut into the shards of the current world. So a checkpoint moves between the
-ring, colocated servers and other numbers of ranks.
+ring, the sharded update and other numbers of ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.ps.colocated import pieces, round_ranges, segments, shard_bounds
+from hvdtrain.shard import pieces, round_ranges, segments, shard_bounds
 from hvdtrain.torch.collectives import any_rank
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -78,7 +79,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.count = len(every)  # the ring's param_groups name every parameter
         for p in self.params:
             if p.dtype != torch.float32 or not p.is_contiguous():
-                raise HvdtrainError("ps.placement=colocated: every trainable parameter must be "
+                raise HvdtrainError("shard.stage=1: every trainable parameter must be "
                                     "a contiguous float32 tensor")
         self.sizes = [p.numel() for p in self.params]
         self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
@@ -133,13 +134,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def allgather(self, shard: torch.Tensor, targets: Targets, tag: str) -> None:
         """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
-        ``targets`` by parameter, in :func:`~hvdtrain.ps.colocated.pieces` rounds of at most
+        ``targets`` by parameter, in :func:`~hvdtrain.shard.pieces` rounds of at most
         ``chunk`` elements per rank (a collective)."""
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             a, b = ranges[self.rank]
             got = hvd.allgather(shard[a - self.start:b - self.start].contiguous(),
-                                name=f"hvdtrain.colocated.{tag}.{k}")
+                                name=f"hvdtrain.shard.{tag}.{k}")
             at = 0
             for lo, hi in ranges:
                 self._write(got[at:at + hi - lo], lo, hi, targets)
@@ -152,7 +153,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             send = torch.cat([flat[lo:hi] for lo, hi in ranges])
-            got = hvd.reducescatter(send, name=f"hvdtrain.colocated.grads.{k}", op=hvd.Average,
+            got = hvd.reducescatter(send, name=f"hvdtrain.shard.grads.{k}", op=hvd.Average,
                                     compression=wire)
             a, b = ranges[self.rank]
             mine[a - self.start:b - self.start] = got
@@ -192,14 +193,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The state :meth:`gather` collected (rank 0), in the ring's layout."""
         if self._full is None:
-            raise HvdtrainError("ps.placement=colocated: the optimizer state is written after "
+            raise HvdtrainError("shard.stage=1: the optimizer state is written after "
                                 "gather() only, on rank 0")
         full, self._full = self._full, None
         return full
 
     def load_state_dict(self, full: Mapping[str, Any]) -> None:
         """Takes this rank's shard of a state in the whole model's layout (written by the ring,
-        or by colocated servers at any number of ranks); kept for :meth:`broadcast`."""
+        or by the sharded update at any number of ranks); kept for :meth:`broadcast`."""
         self._full = dict(full)
         self._apply(full)
 
@@ -210,7 +211,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         full = self._full if self.rank == root_rank else None
         self._full = None
         outline = hvd.broadcast_object(None if full is None else _outline(full),
-                                       root_rank=root_rank, name="hvdtrain.colocated.outline")
+                                       root_rank=root_rank, name="hvdtrain.shard.outline")
         if outline is None:
             if not self.inner.state:
                 self._zero_step()
@@ -219,7 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
             mine = (full["state"][index][key] if full is not None
                     else torch.empty(value.shape, dtype=value.dtype))
-            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.colocated.{index}.{key}")
+            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
 
         self._apply(outline, fetch)
 
@@ -227,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # As Horovod's broadcast_optimizer_state on the ring: a fresh optimizer makes its state
         # with one zero-gradient step, which changes the weights too where weight decay or Adam's
         # momentum acts (the ring then broadcasts rank 0's changed weights). Done the same way,
-        # a colocated run trains as the ring's (Adam's step count starts at 1 in both).
+        # a sharded run trains as the ring's (Adam's step count starts at 1 in both).
         self.shard.grad = torch.zeros_like(self.shard)
         self.step()
         self.shard.grad = None
@@ -265,7 +266,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 part[seg.flat - self.start:seg.flat - self.start + seg.length] = src
 
 
-class ColocatedExchange(GradientExchange):
+class ShardedExchange(GradientExchange):
     """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
     its own shard, which :class:`ShardedOptimizer` steps and allgathers back. ``wire_bytes``
     counts what a rank hands Horovod a step: the whole gradient (float16 under ``fp16``) and its
@@ -297,7 +298,7 @@ class ColocatedExchange(GradientExchange):
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         if (rank, size) != (self.rank, self.size):
-            raise HvdtrainError("ps.placement=colocated cannot change its number of ranks")
+            raise HvdtrainError("shard.stage=1 cannot change its number of ranks")
 
     def gather(self) -> None:
         self.optimizer.gather()
@@ -306,10 +307,10 @@ class ColocatedExchange(GradientExchange):
         self.optimizer.broadcast(root_rank)
 
 
-def make_colocated(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
+def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
                    size: int, chunk: int, compression: str
-                   ) -> tuple[ColocatedExchange, ShardedOptimizer]:
+                   ) -> tuple[ShardedExchange, ShardedOptimizer]:
     """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
     settings it keeps); ``chunk``: elements per rank in one round of either collective."""
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
-    return ColocatedExchange(sharded_opt, compression), sharded_opt
+    return ShardedExchange(sharded_opt, compression), sharded_opt

@@ -1,5 +1,6 @@
-"""Colocated servers in one process (Horovod size 1): a model with a frozen layer trains as the
-ring does, and the checkpoint's optimizer state names the parameters as the ring's."""
+"""The sharded update (``shard.stage=1``) in one process (Horovod size 1): a model with a
+frozen layer trains as the ring does, and the checkpoint's optimizer state names the
+parameters as the ring's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from hvdtrain.driver import train
 from tests.conftest import CONFIG, quiet_config
 
-COLOCATED = ["comm.topology=ps", "ps.placement=colocated", "ps.chunk_kib=1"]
+SHARDED = ["shard.stage=1", "shard.chunk_kib=1"]
 
 
 def frozen_first(spec, width: int = 32) -> nn.Module:
@@ -23,17 +24,17 @@ def frozen_first(spec, width: int = 32) -> nn.Module:
 
 
 def test_a_frozen_layer_stays_and_the_rest_trains_as_the_ring(tmp_path):
-    common = ["model.name=tests.torch.test_colocated:frozen_first", "model.options={}",
+    common = ["model.name=tests.torch.test_shard:frozen_first", "model.options={}",
               "train.epochs=1",
               "optim.name=adam", "optim.weight_decay=0.01", "checkpoint.every_steps=20"]
     ring = train(quiet_config(CONFIG, tmp_path / "ring", *common))
-    coloc = train(quiet_config(CONFIG, tmp_path / "coloc", *common, *COLOCATED))
-    got, want = coloc.engine.parameters(), ring.engine.parameters()
+    shard = train(quiet_config(CONFIG, tmp_path / "shard", *common, *SHARDED))
+    got, want = shard.engine.parameters(), ring.engine.parameters()
     assert got.keys() == want.keys()
     for key in want:  # 256-element pieces: the 330 trainable elements in two rounds
         assert np.array_equal(got[key], want[key]), key
     saved = [torch.load(tmp_path / run / "run" / "checkpoints" / "step-00000020.ckpt",
-                        weights_only=True)["optimizer"] for run in ("ring", "coloc")]
+                        weights_only=True)["optimizer"] for run in ("ring", "shard")]
     assert saved[1]["param_groups"] == saved[0]["param_groups"]
     assert saved[1]["state"].keys() == saved[0]["state"].keys() == {2, 3}
     for index, entry in saved[0]["state"].items():

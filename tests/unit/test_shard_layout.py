@@ -1,4 +1,4 @@
-"""The shards of colocated parameter servers (``ps.placement=colocated``) without a framework:
+"""The shards of the sharded update (``shard.stage=1``) without a framework:
 Horovod's split, the map back onto parameters, the allgather's pieces, and the config's
 refusals."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.ps.colocated import (
+from hvdtrain.shard import (
     Segment,
     piece_bounds,
     pieces,
@@ -63,21 +63,40 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["framework=tensorflow"], "ps.placement=colocated with framework='tensorflow': the sharded"),
-    (["train.precision=fp16"], "train.precision='fp16' with ps.placement=colocated"),
-    (["elastic.enabled=true"], "comm.topology=ps: elastic mode cannot run"),
-    (["comm.compression=topk"], "comm.compression='topk' with comm.topology=ps"),
+    (["framework=tensorflow"], "framework='tensorflow' with shard.stage=1: the sharded"),
+    (["train.precision=fp16"], "train.precision='fp16' with shard.stage=1"),
+    (["elastic.enabled=true"], "elastic.enabled=true with shard.stage=1: the shards cannot"),
+    (["comm.compression=topk"], "comm.compression='topk' with shard.stage=1: the sharded update's "
+                                "reduce-scatter carries none or fp16 only"),
+    (["comm.compression=qsgd"], "comm.compression='qsgd' with shard.stage=1"),
+    (["comm.topology=ps"], "comm.topology='ps' with shard.stage=1: the sharded update"),
+    (["pipeline.stages=2"], "pipeline.stages=2 with shard.stage=1: sharding a stage's copies is "
+                            "not built yet"),
 ])
-def test_colocated_refuses_what_it_cannot_run(overrides, message):
+def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["comm.topology=ps", "ps.placement=colocated", *overrides], environ={})
+        load_config(None, ["shard.stage=1", *overrides], environ={})
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
-def test_colocated_is_accepted_for_torch():
-    cfg = load_config(None, ["comm.topology=ps", "ps.placement=colocated",
-                             "train.precision=bf16"], environ={})
-    assert cfg.ps.placement == "colocated"
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["comm.topology=ps", "ps.placement=colocated"],
+     "ps.placement='colocated' is gone: the sharded update is sharded data parallel now; set "
+     "shard.stage=1"),
+    (["shard.stage=2"], "shard.stage=2: sharding gradients (2) and parameters (3) is not built yet"),
+    (["shard.stage=3"], "shard.stage=3: sharding gradients (2) and parameters (3) is not built yet"),
+    (["shard.chunk_kib=8"], "shard.chunk_kib=8 does nothing with shard.stage=0"),
+])
+def test_the_old_key_and_the_stages_not_built_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, environ={})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_the_sharded_update_is_accepted_for_torch():
+    cfg = load_config(None, ["shard.stage=1", "train.precision=bf16", "comm.compression=fp16",
+                             "shard.chunk_kib=8"], environ={})
+    assert (cfg.shard.stage, cfg.shard.chunk_kib, cfg.comm.topology) == (1, 8, "ring")
 
 
 @pytest.mark.parametrize(("total", "size", "chunk"), [

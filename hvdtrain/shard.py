@@ -1,4 +1,7 @@
-"""Which worker owns which slice of the flat parameters (``ps.placement=colocated``): framework-free.
+"""Which rank owns which slice of the flat parameters (``shard.stage=1``): framework-free.
+
+Sharded data parallel at stage 1 (docs/sharding.md) shards over a stage's data-parallel copies
+(:meth:`hvdtrain.layout.Layout.stage_ranks`); its kernels are :mod:`hvdtrain.torch.shard`.
 
 The trainable parameters, flattened and concatenated in model order, form one vector of
 ``total`` elements. Horovod's ``reducescatter`` cuts a tensor's first dimension among ``size``
