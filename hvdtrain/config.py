@@ -322,9 +322,6 @@ def check_shard(cfg: Config) -> None:
         return
     given = f"shard.stage={shard.stage}"
     refused = [
-        (cfg.framework != "torch", f"framework={cfg.framework!r} with {given}: the sharded "
-                                   "update is built for PyTorch only so far; use framework=torch "
-                                   "or shard.stage=0"),
         (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {given}: the "
                                       "sharded update reduce-scatters among the workers, "
                                       "parameter servers sum on their own; use comm.topology=ring"),

@@ -227,6 +227,8 @@ def make_engine(cfg: Config, dataset: Dataset) -> Engine:
         module = {"torch": "hvdtrain.torch.pipeline",
                   "tensorflow": "hvdtrain.tensorflow.pipeline"}[cfg.framework]
         cls = "PipelineEngine"
+    elif cfg.shard.stage and cfg.framework == "tensorflow":  # torch's is its exchange's
+        module, cls = "hvdtrain.tensorflow.shard", "ShardedEngine"
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:

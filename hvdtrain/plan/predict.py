@@ -355,10 +355,6 @@ def _sharded(ctx: _Ctx) -> Prediction:
     this rank's 1/N of the parameters."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     pred = Prediction(SHARDED, _whole(ctx, "shard.stage=1"))
-    framework = str(ctx.profile.model.get("framework", ""))
-    if framework == "tensorflow":
-        pred.reason = "shard.stage=1 runs with PyTorch only so far"
-        return pred
 
     def step(n: int) -> tuple[float, list[Segment]]:
         half = costs.flat_allreduce(ctx.profile.gradient_bytes, n, g, c.intra, c.inter, o) / 2

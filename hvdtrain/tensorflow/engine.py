@@ -103,7 +103,15 @@ class TensorFlowEngine(Engine):
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
                                      prefetch=cfg.data.prefetch, spec=self.spec)
-        variables = self.model.trainable_variables
+        self.stats: dict[str, float] = {}
+        self.accumulation = cfg.train.backward_passes_per_step
+        self._make_update(cfg, self.model.trainable_variables)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
+                                    jit_compile=False)
+
+    def _make_update(self, cfg: Config, variables: list[Any]) -> None:
+        """The exchange, the optimizer over ``variables`` (the trainable ones) and the kernels
+        that step them (:class:`hvdtrain.tensorflow.shard.ShardedEngine` makes its own)."""
         self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
                                       [v.shape for v in variables], ps=ps_settings(cfg),
                                       opt=optimizer_settings(cfg.optim),
@@ -113,14 +121,10 @@ class TensorFlowEngine(Engine):
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
         self.optimizer.build(variables)
-        self.stats: dict[str, float] = {}
-        self.accumulation = cfg.train.backward_passes_per_step
         self.kernels = TensorFlowKernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
             l2=l2_decay(cfg.optim, plain))
         self.kernels.follow(self.exchange, self.accumulation)
-        self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
-                                    jit_compile=False)
 
     def _start(self, cfg: Config) -> None:
         """The adapter, Horovod, threads, device and precision: what every TensorFlow engine
@@ -195,13 +199,17 @@ class TensorFlowEngine(Engine):
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
-        arrays |= {f"optimizer/{i}": v.numpy() for i, v in enumerate(self.optimizer.variables)}
+        arrays |= {f"optimizer/{i}": v for i, v in enumerate(self._optimizer_arrays())}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
         arrays |= {COMPRESSION + k: v for k, v in (self.exchange.state_dict() or {}).items()}
         arrays |= self._global_names()
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
         return buffer.getvalue()
+
+    def _optimizer_arrays(self) -> list[np.ndarray]:
+        """The optimizer's variables as a checkpoint holds them."""
+        return [v.numpy() for v in self.optimizer.variables]
 
     def _global_names(self) -> dict[str, np.ndarray]:
         """``names/model`` and ``names/optimizer``: the global name of each positional entry
@@ -284,8 +292,7 @@ class TensorFlowEngine(Engine):
                                        for name, value in arrays.items()
                                        if name.startswith(COMPRESSION)}, where)
 
-    @staticmethod
-    def _restore(var: Any, value: np.ndarray, name: str, where: str) -> None:
+    def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
         if tuple(var.shape) != value.shape:
             raise HvdtrainError(f"{where}: {name} has shape {value.shape}, "
                                 f"the model has {tuple(var.shape)}")

@@ -63,7 +63,6 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["framework=tensorflow"], "framework='tensorflow' with shard.stage=1: the sharded"),
     (["train.precision=fp16"], "train.precision='fp16' with shard.stage=1"),
     (["elastic.enabled=true"], "elastic.enabled=true with shard.stage=1: the shards cannot"),
     (["comm.compression=topk"], "comm.compression='topk' with shard.stage=1: the sharded update's "
@@ -93,9 +92,10 @@ def test_the_old_key_and_the_stages_not_built_are_refused_in_one_line(overrides,
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
-def test_the_sharded_update_is_accepted_for_torch():
-    cfg = load_config(None, ["shard.stage=1", "train.precision=bf16", "comm.compression=fp16",
-                             "shard.chunk_kib=8"], environ={})
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_the_sharded_update_is_accepted_in_both_frameworks(framework):
+    cfg = load_config(None, [f"framework={framework}", "shard.stage=1", "train.precision=bf16",
+                             "comm.compression=fp16", "shard.chunk_kib=8"], environ={})
     assert (cfg.shard.stage, cfg.shard.chunk_kib, cfg.comm.topology) == (1, 8, "ring")
 
 

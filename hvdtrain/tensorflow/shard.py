@@ -1,0 +1,236 @@
+"""Sharded data parallel at stage 1 for TensorFlow (``shard.stage=1``): the sharded update.
+
+The same update as :mod:`hvdtrain.torch.shard`, on ``horovod.tensorflow`` ops: every rank owns
+1/N of the flat trainable parameters (:mod:`hvdtrain.shard` says which, split as Horovod's
+``reducescatter`` splits a vector). A step reduce-scatters the flat gradient with ``Average``
+(:class:`ShardedExchange`), the run's Keras optimizer steps one variable holding this rank's
+shard of the parameters (:class:`ShardedKernels`), so its slots cover 1/N of the model, and the
+updated shards are all-gathered back into every rank's model variables. Both collectives run in
+rounds of at most ``shard.chunk_kib`` per rank. The arithmetic is the ring's (an average, then the
+same element-wise update), so a sharded run trains as a ring run of the same ranks.
+
+Checkpoints (:class:`ShardedEngine`) hold every per-element optimizer slot whole, as one flat
+vector in the parameters' flat order (gathered onto rank 0 before a write), and its scalars
+(the step count, the learning rate) as they are: the layout does not depend on the number of
+ranks, so a run resumes at any world size; rank 0 reads it and every rank takes its own slice.
+The ring's checkpoints hold one slot per variable instead: the two do not resume each other.
+
+Keras 3: a Keras variable is not a ``tf.Variable``; values are read and assigned through Keras.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.config import Config
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
+from hvdtrain.shard import pieces, round_ranges, shard_bounds
+from hvdtrain.tensorflow.collectives import any_rank
+from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
+from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
+
+_WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+class FlatShard:
+    """This rank's shard of the model's flat trainable parameters, and the rounds of the two
+    collectives that move shards (``chunk``: elements per rank in one round)."""
+
+    def __init__(self, variables: Sequence[Any], rank: int, size: int, chunk: int) -> None:
+        self.variables = list(variables)
+        for v in self.variables:
+            if v.dtype != "float32":
+                raise HvdtrainError("shard.stage=1: every trainable variable must be float32")
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
+        self.start, self.stop = shard_bounds(self.total, size, rank)
+        self.own = self.stop - self.start
+        # The variable the optimizer steps: this rank's slice of the parameters.
+        self.var = keras.Variable(np.zeros(self.own, np.float32), name="shard")
+
+    def flat(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+        """``tensors`` (one per variable) as one flat float32 vector."""
+        return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+
+    def load(self) -> None:
+        """The shard variable from the model's current parameters (a broadcast or a restore
+        reaches the shard through them)."""
+        self.var.assign(self.flat([v.value for v in self.variables])[self.start:self.stop])
+
+    def reducescatter(self, flat: tf.Tensor, wire: Any) -> tf.Tensor:
+        """The average over the ranks of this rank's shard of ``flat`` (a collective)."""
+        got = []
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            send = tf.concat([flat[lo:hi] for lo, hi in ranges], 0)
+            got.append(hvd.reducescatter(send, op=hvd.Average, compression=wire,
+                                         name=f"hvdtrain.shard.grads.{k}"))
+        return tf.concat(got, 0)
+
+    def allgather(self, mine: tf.Tensor, tag: str) -> tf.Tensor:
+        """Every rank's ``mine`` (a per-element tensor of its shard) as the whole flat vector, in
+        the same rounds as :meth:`reducescatter` (a collective)."""
+        by_rank: list[list[tf.Tensor]] = [[] for _ in range(self.size)]
+        for k in range(pieces(self.total, self.size, self.chunk)):
+            ranges = round_ranges(self.total, self.size, self.chunk, k)
+            a, b = ranges[self.rank]
+            got = hvd.allgather(mine[a - self.start:b - self.start],
+                                name=f"hvdtrain.shard.{tag}.{k}")
+            at = 0
+            for r, (lo, hi) in enumerate(ranges):
+                by_rank[r].append(got[at:at + hi - lo])
+                at += hi - lo
+        # Rank r's pieces, in round order, are its shard; the shards, in rank order, the vector.
+        return tf.concat([piece for pieces_of in by_rank for piece in pieces_of], 0)
+
+    def store(self) -> None:
+        """Every rank's updated shard written back into the model's variables (a collective)."""
+        flat = self.allgather(tf.convert_to_tensor(self.var.value), "params")
+        at = 0
+        for v, n in zip(self.variables, self.sizes, strict=True):
+            v.assign(tf.reshape(flat[at:at + n], v.shape))
+            at += n
+
+
+class ShardedExchange(GradientExchange):
+    """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
+    its own shard (one tensor), which :class:`ShardedKernels` steps and all-gathers back.
+    ``wire_bytes`` counts what a rank hands Horovod a step: the whole gradient (float16 under
+    ``fp16``) and its float32 shard; ``dense_bytes`` the same in float32."""
+
+    def __init__(self, shard: FlatShard, compression: str) -> None:
+        self.shard, self.rank, self.size = shard, shard.rank, shard.size
+        self.wire = _WIRE[compression]
+        wire_item = 2 if compression == "fp16" else 4
+        self._bytes = (float(wire_item * shard.total + 4 * shard.own),
+                       float(4 * shard.total + 4 * shard.own))
+        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
+
+    def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        began = time.perf_counter()
+        mine = self.shard.reducescatter(self.shard.flat(grads), self.wire)
+        wire, dense = self._bytes
+        # The kernels' update adds the all-gather's wait before the step reads these.
+        self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
+                      "comm_s": time.perf_counter() - began}
+        return [mine]
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        if (rank, size) != (self.rank, self.size):
+            raise HvdtrainError("shard.stage=1 cannot change its number of ranks")
+
+
+class ShardedKernels(TensorFlowKernels):
+    """The TensorFlow kernels whose update steps this rank's shard with the run's optimizer and
+    all-gathers the shards back into the model (forward and backward are the ring's)."""
+
+    def __init__(self, *args: Any, shard: FlatShard, exchange: ShardedExchange,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard, self.sharded = shard, exchange
+
+    def _compile(self) -> None:
+        super()._compile()
+        signature = [[tf.TensorSpec([self.shard.own], tf.float32)]]
+        self._apply_shard_fn = _traced(self._apply_shard, signature)
+        self.apply = self._update
+        self.precision.attach(self.optimizer, self._update, [(self.shard.own,)])
+
+    def _apply_shard(self, grads: list[tf.Tensor]) -> None:
+        """The optimizer's update of the shard variable with its averaged gradient."""
+        self.precision.note(grads)
+        var = self.shard.var
+        if self.l2:  # as the ring's: L2 on the gradient, element by element
+            grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
+        self.optimizer.apply_gradients(zip(grads, [var], strict=True))
+
+    def _update(self, grads: list[tf.Tensor]) -> None:
+        """Loads the shard from the parameters, steps it, and all-gathers every shard back (a
+        collective); the all-gather's wait counts as communication."""
+        self.shard.load()
+        self._apply_shard_fn(grads)
+        began = time.perf_counter()
+        self.shard.store()
+        self.sharded.stats["comm_s"] += time.perf_counter() - began
+
+
+def _per_element(var: Any) -> bool:
+    """Whether an optimizer variable is a slot of the shard (per element) rather than a scalar
+    (the step count, the learning rate)."""
+    return len(var.shape) == 1
+
+
+class ShardedEngine(TensorFlowEngine):
+    """The TensorFlow engine with ``shard.stage=1``: the update of :class:`ShardedKernels`, and
+    checkpoints whose per-element optimizer slots are whole flat vectors (see the module
+    docstring)."""
+
+    def _make_update(self, cfg: Config, variables: Sequence[Any]) -> None:
+        shard = FlatShard(variables, self.rank, self.size, max(1, cfg.shard.chunk_kib * 256))
+        self.shard = shard
+        self.exchange = ShardedExchange(shard, cfg.comm.compression)
+        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
+        self.optimizer.build([shard.var])
+        self.kernels = ShardedKernels(
+            self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
+            l2=l2_decay(cfg.optim, False), shard=shard, exchange=self.exchange)
+        self.kernels.follow(self.exchange, self.accumulation)
+        self._whole: dict[int, np.ndarray] = {}  # rank 0: slots gathered or restored, by index
+
+    def gather_state(self) -> None:
+        # Every slot whole onto rank 0 (every rank joins the collectives, only rank 0 keeps).
+        self._whole = {}
+        for i, var in enumerate(self.optimizer.variables):
+            if _per_element(var):
+                whole = self.shard.allgather(tf.convert_to_tensor(var.value), f"state.{i}")
+                if self.rank == 0:
+                    self._whole[i] = whole.numpy()
+
+    def _optimizer_arrays(self) -> list[np.ndarray]:
+        if self.shard.size > 1 and not all(
+                i in self._whole for i, v in enumerate(self.optimizer.variables)
+                if _per_element(v)):
+            raise HvdtrainError("shard.stage=1: the optimizer state is written after "
+                                "gather_state() only, on rank 0")
+        arrays = [self._whole.get(i, v.numpy()) if _per_element(v) else v.numpy()
+                  for i, v in enumerate(self.optimizer.variables)]
+        self._whole = {}
+        return arrays
+
+    def _global_names(self) -> dict[str, np.ndarray]:
+        return {}  # the optimizer's slots are flat, not by layer: no pipeline stage reads them
+
+    def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
+        if name.startswith("optimizer/") and _per_element(var):
+            if value.shape != (self.shard.total,):
+                raise HvdtrainError(f"{where}: {name} has shape {value.shape}, a shard.stage=1 "
+                                    f"run keeps its optimizer slots flat ({self.shard.total},): "
+                                    "it resumes from checkpoints of shard.stage=1 only")
+            self._whole[int(name.split("/")[1])] = value  # the broadcast hands out the slices
+            var.assign(value[self.shard.start:self.shard.stop])
+            return
+        super()._restore(var, value, name, where)
+
+    def broadcast_state(self) -> None:
+        # The model and the optimizer's scalars from rank 0; each slot as rank 0 restored it
+        # (zeros on a fresh start, as every rank's are), each rank keeping its own slice.
+        scalars = [v for v in self.optimizer.variables if not _per_element(v)]
+        hvd.broadcast_variables([v.value for v in [*self.model.variables, *scalars]], root_rank=0)
+        for i, var in enumerate(self.optimizer.variables):
+            if _per_element(var):
+                whole = self._whole.get(i, np.zeros(self.shard.total, np.float32))
+                got = hvd.broadcast(tf.constant(whole), root_rank=0, name=f"hvdtrain.shard.slot.{i}")
+                var.assign(got[self.shard.start:self.shard.stop])
+        self._whole = {}
+        self._follow_world()
