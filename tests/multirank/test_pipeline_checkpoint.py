@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, hvdtrain_cli, rea
 from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_pipeline import launch, whole_model
 from tests.multirank.test_pipeline_tf import stage_params
-from tests.multirank.test_stop_resume import pid_of_rank, wait_for_records
+from tests.multirank.test_stop_resume import pid_of_rank
 
 ATOL = 1e-5  # float32 sums in another order (another split, no stages) over 13 steps
 COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,pipeline.microbatches=4,"
@@ -177,17 +178,26 @@ def test_a_stop_signal_to_one_stage_checkpoints_in_parts_and_resumes_without_sta
     verifies; a run without stages resumes from it (``resume=auto``) and finishes the epoch after
     the stop (the pipeline was told 20 epochs only so that it cannot end before the signal)."""
     run = tmp_path / "run"
-    args = [str(CONFIG), "log.every_steps=5", "log.wandb=disabled", f"log.dir={run}"]
+    args = [str(CONFIG), "log.every_steps=5", "log.wandb=disabled", f"log.dir={run}",
+            "checkpoint.every_steps=10"]
     proc = subprocess.Popen(
         [str(BIN / "horovodrun"), "-np", "2", "--gloo", str(Path(PYTHON).with_name("hvdtrain")),
          "train", *args, "train.epochs=20", "pipeline.stages=2", "pipeline.microbatches=4"],
         env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_records(run / "metrics.jsonl", 4, timeout=300)
+    # A checkpoint's manifest, written by the ranks (metrics.jsonl is written by a process in the
+    # idle class, which two busy ranks on 2 cores starve); any: checkpoint.keep removes old ones.
+    deadline = time.monotonic() + 300
+    while not list((run / "checkpoints").glob("step-*.json")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint written"
+        time.sleep(0.2)
     os.kill(pid_of_rank(1, str(run)), signal.SIGUSR1)
     out, err = proc.communicate(timeout=300)
-    # Each rank exits 75 (stopped on request: resume later); horovodrun itself exits nonzero.
+    # The rank that exits first exits 75 (stopped on request: resume later); horovodrun then
+    # terminates the other (143) if it has not exited yet, and itself exits nonzero.
     codes = dict(re.findall(r"Process (\d) exit with status code (\d+)", out + err))
-    assert proc.returncode != 0 and codes == {"0": "75", "1": "75"}, out[-2000:] + err[-2000:]
+    first = re.search(r"after failure of Process (\d)", out + err)
+    assert proc.returncode != 0 and first and codes[first.group(1)] == "75", out[-2000:] + err[-2000:]
+    assert set(codes.values()) <= {"75", "143"}, codes
     stops = re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", out + err)
     assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-2000:] + err[-2000:]
     assert stops[0][1] == stops[1][1]
