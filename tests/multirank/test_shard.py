@@ -9,7 +9,8 @@ step-100 checkpoint, the sharded update from the Adam ring's step-23 checkpoint)
 wire. The 9,610
 parameters in 8 KiB pieces (2,048 elements) come back from each rank's shard of 4,805 in three
 allgather rounds. They are compared with the ring's run of test_engines.py, launched anyway.
-The MPI controller and 4 ranks are marked ``long``.
+Under MPI, make test launches the sharded equivalence run alone for the first test; the rest of
+the MPI launch and 4 ranks are marked ``long``.
 """
 
 from __future__ import annotations
@@ -43,29 +44,33 @@ def checkpoint(launch: Launch, name: str, step: int) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sharded(tmp_path_factory) -> Callable[[str, int], Launch]:
-    """``sharded(controller, ranks)``: the launch described in the module docstring at 2
-    ranks; at 4, the ring and sharded runs and the sharded update resumed from the 2-rank
-    sharded run's step-100 checkpoint. Launched once and shared."""
-    cache: dict[tuple[str, int], Launch] = {}
+def sharded(tmp_path_factory) -> Callable[..., Launch]:
+    """``sharded(controller, ranks, alone=False)``: the launch described in the module docstring
+    at 2 ranks (``alone``: its sharded equivalence run only); at 4, the ring and sharded runs and
+    the sharded update resumed from the 2-rank sharded run's step-100 checkpoint. Launched once
+    and shared."""
+    cache: dict[tuple[str, int, bool], Launch] = {}
 
-    def get(controller: str, ranks: int) -> Launch:
-        if (controller, ranks) not in cache:
+    def get(controller: str, ranks: int, alone: bool = False) -> Launch:
+        if (controller, ranks, False) in cache:  # the whole launch holds the run alone too
+            return cache[controller, ranks, False]
+        if (controller, ranks, alone) not in cache:
             out = tmp_path_factory.mktemp(f"shard-{controller}-{ranks}")
             runs = [f"shard:{run(ranks)},{SHARDED}"]
-            if ranks == 2:
+            if ranks == 2 and not alone:
                 runs += [f"ring_from_shard:{run(2)},checkpoint.resume="
                          f"{out / 'shard' / 'checkpoints' / 'step-00000100.ckpt'}",
                          f"adam_ring:{run(2)},{ADAM}", f"adam_shard:{run(2)},{ADAM},{SHARDED}",
                          f"adam_shard_from_ring:{run(2)},{ADAM},{SHARDED},checkpoint.resume="
                          f"{out / 'adam_ring' / 'checkpoints' / 'step-00000023.ckpt'}",
                          f"fp16:{run(2)},{SHARDED},comm.compression=fp16"]
-            else:
+            elif ranks != 2:
                 saved = checkpoint(get(controller, 2), "shard", 100)
                 runs += [f"ring:{run(ranks)}", f"resumed:{run(ranks)},{SHARDED},"
                                               f"checkpoint.resume={saved}"]
-            cache[controller, ranks] = launch_worker(ranks, controller, "torch", out, runs)
-        return cache[controller, ranks]
+            cache[controller, ranks, alone] = launch_worker(ranks, controller, "torch", out,
+                                                            runs)
+        return cache[controller, ranks, alone]
 
     return get
 
@@ -84,10 +89,12 @@ def optimizer_state(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
 
 
-@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.long)])
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
 def test_two_ranks_equal_the_ring_bitwise_and_write_its_checkpoint(sharded, two_ranks,
                                                                    controller):
-    launch, ring = sharded(controller, 2), two_ranks("torch", controller)
+    # Under MPI the equivalence run alone (make test's MPI row); the rest of its launch is long.
+    launch = sharded(controller, 2, alone=controller == "mpi")
+    ring = two_ranks("torch", controller)
     p0, _ = launch.rank("shard", 0)
     p1, _ = launch.rank("shard", 1)
     assert_equal(p1, p0, "rank 1 against rank 0")  # the allgather gives every rank every shard
