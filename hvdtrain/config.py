@@ -24,6 +24,7 @@ from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
 from hvdtrain.pipeline.schedules import SCHEDULE_NAMES, check_pipeline
 from hvdtrain.precision import PRECISIONS
+from hvdtrain.strategies.table import check as check_strategies
 
 
 def _opt(default: Any, *, min: float | None = None, max: float | None = None,
@@ -286,74 +287,22 @@ class ShardConfig:
             raise ConfigError(SHARD_UNBUILT.format(stage=self.stage))
 
 
-def check_ps(comm: CommConfig, ps: PSConfig, elastic: ElasticConfig) -> None:
-    """The combinations of ``comm.topology=ps`` with the ``ps`` section and other sections that
-    cannot run, as one-line errors (what only the launch can tell, such as the controller and the
-    number of ranks, is checked by the layout of ranks, :class:`hvdtrain.layout.Layout`, and
-    :mod:`hvdtrain.ps.mpi`)."""
+def check_ps(ps: PSConfig) -> None:
+    """The ``ps`` section's own values that cannot run, as one-line errors (what it does not
+    compose with is in the compatibility table, :mod:`hvdtrain.strategies.table`; what only the
+    launch can tell, such as the controller and the number of ranks, is checked by the layout of
+    ranks, :class:`hvdtrain.layout.Layout`, and :mod:`hvdtrain.ps.mpi`)."""
     if ps.staleness and ps.consistency != "ssp":
         raise ConfigError(f"ps.staleness={ps.staleness}: only ps.consistency=ssp has a staleness "
                           f"bound (ps.consistency={ps.consistency!r}); leave it 0")
-    if comm.topology != "ps":
-        return
-    if elastic.enabled:
-        raise ConfigError("comm.topology=ps: elastic mode cannot run with parameter servers "
-                          "(elastic Horovod needs Gloo, the servers need MPI); set "
-                          "elastic.enabled=false or comm.topology=ring")
-    if comm.compression in ("none", "fp16"):
-        return
-    method = f"comm.compression={comm.compression!r} with comm.topology=ps"
-    if comm.compression == "powersgd":
-        raise ConfigError(f"{method}: PowerSGD's factors need two averaging rounds and one "
-                          "orthogonalisation a step, which servers that only sum do not run; "
-                          "use topk, randomk or qsgd, or comm.topology=ring")
-    if ps.consistency != "bsp":
-        raise ConfigError(f"{method} and ps.consistency={ps.consistency!r}: the servers' "
-                          "optimizer takes dense pushes only; use bsp, or none or fp16")
 
 
-def check_shard(cfg: Config) -> None:
-    """``shard.stage=1`` (the sharded update, docs/sharding.md) where it cannot run, and its
-    settings where they would do nothing, as one-line errors."""
-    shard = cfg.shard
+def check_shard(shard: ShardConfig) -> None:
+    """The ``shard`` settings that would do nothing, as a one-line error (where the sharded
+    update cannot run is in the compatibility table, :mod:`hvdtrain.strategies.shard`)."""
     if not shard.stage:
         refuse_unread("shard.", shard, ["chunk_kib"], "shard.stage=0",
                       "only the sharded update reads it", "shard.stage=1")
-        return
-    given = f"shard.stage={shard.stage}"
-    refused = [
-        (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {given}: the "
-                                      "sharded update reduce-scatters among the workers, "
-                                      "parameter servers sum on their own; use comm.topology=ring"),
-        (cfg.pipeline.stages > 1, f"pipeline.stages={cfg.pipeline.stages} with {given}: "
-                                  "sharding a stage's copies is not built yet; use "
-                                  "pipeline.stages=1 or shard.stage=0"),
-        (cfg.comm.compression not in ("none", "fp16"),
-         f"comm.compression={cfg.comm.compression!r} with {given}: the sharded update's "
-         "reduce-scatter carries none or fp16 only"),
-        (cfg.elastic.enabled, f"elastic.enabled=true with {given}: the shards cannot change "
-                              "their number of ranks yet; set elastic.enabled=false"),
-        (cfg.train.precision == "fp16", f"train.precision='fp16' with {given}: a shard's "
-                                        "overflow would skip the step on one rank only; use "
-                                        "fp32 or bf16"),
-    ]
-    for bad, message in refused:
-        if bad:
-            raise ConfigError(message)
-
-
-def check_ps_async(cfg: Config) -> None:
-    """``ps.consistency=ssp``/``asp`` with what cannot run beside it, as one-line errors: the
-    servers' optimizer takes PyTorch workers' pushes, and unscaled gradients."""
-    if cfg.comm.topology != "ps" or cfg.ps.consistency == "bsp":
-        return
-    mode = f"ps.consistency={cfg.ps.consistency!r}"
-    if cfg.framework != "torch":
-        raise ConfigError(f"{mode}: the servers' optimizer serves PyTorch workers only; use "
-                          "framework=torch or ps.consistency=bsp")
-    if cfg.train.precision == "fp16":
-        raise ConfigError(f"{mode} with train.precision='fp16': a push is applied alone, with no "
-                          "loss scaler between ranks; use fp32 or bf16")
 
 
 PS_OVERLAP_READ = ("ps.overlap is read by dedicated servers under bsp with PyTorch and "
@@ -537,9 +486,9 @@ class Config:
     def __post_init__(self) -> None:
         # The sections are built and range-checked by now; what spans sections is checked here.
         _check_pipeline(self)
-        check_ps(self.comm, self.ps, self.elastic)
-        check_shard(self)
-        check_ps_async(self)
+        check_ps(self.ps)
+        check_shard(self.shard)
+        check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in _check_pipeline).
         check_data_unread(self.data)
@@ -578,25 +527,7 @@ def _check_pipeline(cfg: Config) -> None:
             raise ConfigError(f"data.{key}={size}: with pipeline stages it is the batch of one "
                               f"pipeline copy, split into pipeline.microbatches={m}: must be a "
                               "multiple of it")
-    stages = f"pipeline.stages={pipe.stages}"
-    refused = [
-        (cfg.elastic.enabled, f"elastic.enabled=true with {stages}: elastic mode does not work "
-                              "with pipeline stages (a lost rank breaks its whole pipeline); "
-                              "set elastic.enabled=false or pipeline.stages=1"),
-        (cfg.train.backward_passes_per_step > 1,
-         f"train.backward_passes_per_step={cfg.train.backward_passes_per_step} with {stages}: "
-         "a pipeline accumulates over pipeline.microbatches; set it to 1"),
-        (cfg.train.precision != "fp32", f"train.precision={cfg.train.precision!r} with {stages}: "
-                                        "pipeline stages train in fp32 only"),
-        (cfg.model.sync_batchnorm, f"model.sync_batchnorm=true with {stages}: not supported "
-                                   "with pipeline stages"),
-        (cfg.comm.topology != "ring", f"comm.topology={cfg.comm.topology!r} with {stages}: "
-                                      "pipeline stages average within Horovod process sets; "
-                                      "parameter servers need pipeline.stages=1"),
-    ]
-    for bad, message in refused:
-        if bad:
-            raise ConfigError(message)
+    # What stages do not compose with is in the compatibility table (hvdtrain.strategies).
 
 
 ENV_PREFIX = "HVDTRAIN_"

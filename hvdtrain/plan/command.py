@@ -9,16 +9,18 @@ outputs asked for; without ``--profile`` it profiles CONFIG's model on this mach
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.plan.cluster import Cluster, load_cluster
-from hvdtrain.plan.predict import SHARDED, Knobs, Plan, pieces_per_rank, pipeline_name, plan
+from hvdtrain.plan.predict import SHARDED, Knobs, Plan, Refuse, pieces_per_rank, pipeline_name, plan
 from hvdtrain.plan.profile import RATIO_KEYS, ModelProfile, check_matches, load_profile, save_profile
 from hvdtrain.plan.stages import PLANNED_SCHEDULES
+from hvdtrain.strategies.table import refusal, with_settings
 from hvdtrain.world import World
 
 PROFILE_STEPS = 5
@@ -92,6 +94,14 @@ def knobs_of(cfg: Config) -> Knobs:
                  comm={k: float(getattr(cfg.comm, k)) for k in RATIO_KEYS})
 
 
+def refuser(cfg: Config) -> Refuse:
+    """The plan's question to training's compatibility table: the reason ``cfg`` changed by a
+    setting's dotted settings cannot run (the very message ``hvdtrain train`` raises), or None."""
+    def refuse(settings: Mapping[str, Any]) -> str | None:
+        return refusal(with_settings(cfg, settings))
+    return refuse
+
+
 def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
     """The name of the setting ``cfg`` runs, as the plan names it; a one-line error when it
     cannot run on ``cluster`` at any node count, or when the plan would price another run."""
@@ -153,7 +163,8 @@ def _plan(request: Request, items: list[str]) -> Plan:
         model = measure(config, overrides)
     else:
         raise ConfigError("hvdtrain plan: give a CONFIG to profile, or --profile PROFILE.json")
-    result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size))
+    result = plan(model, cluster, knobs or Knobs(batch_size=model.batch_size),
+                  refuser(cfg) if config is not None else None)
     if config is not None:
         result.configured = configured_setting(cfg, cluster, result.knobs)
         row = next((p for p in result.predictions if p.setting == result.configured), None)

@@ -8,8 +8,9 @@ communication (the profile's forward, backward and update), as the Horovod paper
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline.schedules import SCHEDULES, check_pipeline, microbatch_count
@@ -96,6 +97,9 @@ class Prediction:
     """One step at the largest node count where it runs."""
     microbatches: int | None = None
     """A pipeline's micro-batches a step, as training resolves ``pipeline.microbatches``."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The dotted settings of ``how`` (``{"pipeline.stages": 2, ...}``): what the plan asks
+    training's compatibility table about (empty: a setting hvdtrain does not run)."""
 
     @property
     def best(self) -> Point | None:
@@ -117,6 +121,10 @@ class Plan:
     """The setting the run config asks for (marked in the table), when a config was given."""
 
 
+Refuse = Callable[[Mapping[str, Any]], "str | None"]
+"""Training's reason a config changed by a setting's ``settings`` cannot run, or None
+(:func:`hvdtrain.plan.command.refuser`: the compatibility table, :mod:`hvdtrain.strategies`)."""
+
 Outcome = tuple[float, list[Segment]] | str
 """A step's seconds and time-line, or the reason it cannot run."""
 
@@ -126,6 +134,11 @@ class _Ctx:
     profile: ModelProfile
     cluster: Cluster
     knobs: Knobs
+    refuse: Refuse | None = None
+
+    def refused(self, settings: Mapping[str, Any]) -> str:
+        """Training's reason that ``settings`` cannot run ("" when it can, or without a config)."""
+        return (self.refuse(settings) or "") if self.refuse and settings else ""
 
     @property
     def tscale(self) -> float:
@@ -230,13 +243,21 @@ def _whole(ctx: _Ctx, how: str) -> str:
     return f"pipeline.stages=1 {how}" if ctx.knobs.stages > 1 else how
 
 
+def _whole_settings(ctx: _Ctx, **settings: Any) -> dict[str, Any]:
+    """The dotted settings of :func:`_whole`'s ``how`` (keyword ``comm__compression`` is
+    ``comm.compression``)."""
+    out = {"pipeline.stages": 1} if ctx.knobs.stages > 1 else {}
+    return {**out, **{k.replace("__", "."): v for k, v in settings.items()}}
+
+
 def _rings(ctx: _Ctx) -> list[Prediction]:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    flat = Prediction("ring", _whole(ctx, "comm.compression=none"))
+    dense = _whole_settings(ctx, comm__compression="none")
+    flat = Prediction("ring", _whole(ctx, "comm.compression=none"), settings=dense)
     _sweep(ctx, flat, lambda n: _dense(ctx, n, lambda m: costs.flat_allreduce(
         m, n, g, c.intra, c.inter, o)))
     hier = Prediction("ring hierarchical", _whole(ctx, "comm.compression=none with "
-                      "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment"))
+                      "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment"), settings=dense)
     _sweep(ctx, hier, lambda n: _dense(ctx, n, lambda m: costs.hierarchical_allreduce(
         m, n, g, c.intra, c.inter, o)))
     return [flat, hier]
@@ -248,7 +269,8 @@ def _compressed(ctx: _Ctx) -> list[Prediction]:
     for method, prof in ctx.profile.compression.items():
         if method == "none":
             continue
-        pred = Prediction(f"ring {method}", _whole(ctx, f"comm.compression={method}"))
+        pred = Prediction(f"ring {method}", _whole(ctx, f"comm.compression={method}"),
+                          settings=_whole_settings(ctx, comm__compression=method))
         pred.reason = _ratio_misfit(ctx, prof) or None
         out.append(pred)
         if pred.reason:
@@ -292,7 +314,8 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     k, m = ctx.knobs.servers or c.servers.nodes, ctx.profile.gradient_bytes
     dedicated = Prediction(f"ps dedicated S={k}", _whole(ctx, f"comm.topology=ps ps.servers={k} "
-                           "(one server rank on each server node)"))
+                           "(one server rank on each server node)"),
+                           settings=_whole_settings(ctx, comm__topology="ps", ps__servers=k))
     colocated = Prediction(f"ps colocated +{k} (BytePS)", "not in hvdtrain: BytePS's summation "
                            "on every worker (hvdtrain's sharded update is shard.stage=1)")
     if not k:
@@ -354,7 +377,8 @@ def _sharded(ctx: _Ctx) -> Prediction:
     a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
     this rank's 1/N of the parameters."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
-    pred = Prediction(SHARDED, _whole(ctx, "shard.stage=1"))
+    pred = Prediction(SHARDED, _whole(ctx, "shard.stage=1"),
+                      settings=_whole_settings(ctx, shard__stage=1))
 
     def step(n: int) -> tuple[float, list[Segment]]:
         half = costs.flat_allreduce(ctx.profile.gradient_bytes, n, g, c.intra, c.inter, o) / 2
@@ -390,9 +414,11 @@ def _pipelines(ctx: _Ctx) -> list[Prediction]:
                               f"pipeline.schedule={schedule}"
                               + (f" pipeline.virtual_stages={virtual}" if virtual > 1 else "")
                               + (" train.backward_passes_per_step=1"
-                                 if ctx.knobs.accumulation > 1 else ""), microbatches=micro)
+                                 if ctx.knobs.accumulation > 1 else ""), microbatches=micro,
+                              settings=_pipeline_settings(ctx, stages, micro, schedule, virtual))
             pred.reason = (_pipeline_misfit(ctx, stages, virtual, schedule)
-                           or _pipeline_refused(ctx, stages, schedule, virtual, micro) or None)
+                           or _pipeline_refused(ctx, stages, schedule, virtual, micro)
+                           or ctx.refused(pred.settings) or None)
             if not pred.reason:
                 step = _pipeline_step(ctx, stages, micro, schedule, virtual)
 
@@ -400,6 +426,18 @@ def _pipelines(ctx: _Ctx) -> list[Prediction]:
                     return _pipeline_point(ctx, n, s, st)
                 _sweep(ctx, pred, point, stages)
             out.append(pred)
+    return out
+
+
+def _pipeline_settings(ctx: _Ctx, stages: int, micro: int, schedule: str,
+                       virtual: int) -> dict[str, Any]:
+    """The dotted settings of a pipeline setting's ``how``."""
+    out: dict[str, Any] = {"pipeline.stages": stages, "pipeline.microbatches": micro,
+                           "pipeline.schedule": schedule}
+    if virtual > 1:
+        out["pipeline.virtual_stages"] = virtual
+    if ctx.knobs.accumulation > 1:
+        out["train.backward_passes_per_step"] = 1
     return out
 
 
@@ -488,10 +526,17 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
     return step.span_s + dp + update, segs
 
 
-def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs) -> Plan:
-    """Every setting's prediction, ranked by samples/s at the most nodes it runs on."""
-    ctx = _Ctx(profile, cluster, knobs)
-    preds = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), _sharded(ctx), *_pipelines(ctx)]
+def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs,
+         refuse: Refuse | None = None) -> Plan:
+    """Every setting's prediction, ranked by samples/s at the most nodes it runs on; with
+    ``refuse``, a setting training would refuse is not applicable, with training's reason."""
+    ctx = _Ctx(profile, cluster, knobs, refuse)
+    whole = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), _sharded(ctx)]
+    for pred in whole:
+        reason = ctx.refused(pred.settings)
+        if reason:  # the run's own reason wins over the plan's: no cluster makes the run accept it
+            pred.reason, pred.points, pred.timeline = reason, [], []
+    preds = [*whole, *_pipelines(ctx)]  # a pipeline asks the table after its own checks
 
     def rank(p: Prediction) -> tuple[int, int, float]:
         best = p.best

@@ -1,0 +1,56 @@
+"""``pipeline``: the model cut into stages, data-parallel copies of the pipeline
+(``pipeline.stages`` > 1, docs/pipeline.md). Its row of the compatibility table; the checks of
+its own values stay with its schedules (:func:`hvdtrain.pipeline.schedules.check_pipeline`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvdtrain.strategies.base import Rule, Strategy
+
+TWO = {"pipeline.stages": 2}
+"""The smallest pipeline, for the examples."""
+
+
+def _given(cfg: Any) -> str:
+    return f"pipeline.stages={cfg.pipeline.stages}"
+
+
+def _precision(cfg: Any) -> str:
+    return (f"train.precision={cfg.train.precision!r} with {_given(cfg)}: pipeline stages train "
+            "in fp32 only")
+
+
+RULES = (
+    Rule("pipeline", "elastic", lambda cfg: cfg.elastic.enabled,
+         lambda cfg: f"elastic.enabled=true with {_given(cfg)}: elastic mode does not work with "
+                     "pipeline stages (a lost rank breaks its whole pipeline); set "
+                     "elastic.enabled=false or pipeline.stages=1",
+         {**TWO, "elastic.enabled": True}),
+    Rule("pipeline", "accumulation", lambda cfg: cfg.train.backward_passes_per_step > 1,
+         lambda cfg: f"train.backward_passes_per_step={cfg.train.backward_passes_per_step} with "
+                     f"{_given(cfg)}: a pipeline accumulates over pipeline.microbatches; set it "
+                     "to 1",
+         {**TWO, "train.backward_passes_per_step": 2}),
+    Rule("pipeline", "fp16", lambda cfg: cfg.train.precision == "fp16", _precision,
+         {**TWO, "train.precision": "fp16"}),
+    Rule("pipeline", "bf16", lambda cfg: cfg.train.precision == "bf16", _precision,
+         {**TWO, "train.precision": "bf16"}),
+    Rule("pipeline", "sync_batchnorm", lambda cfg: cfg.model.sync_batchnorm,
+         lambda cfg: f"model.sync_batchnorm=true with {_given(cfg)}: not supported with pipeline "
+                     "stages",
+         {**TWO, "model.sync_batchnorm": True}),
+    Rule("pipeline", "ps", lambda cfg: cfg.comm.topology != "ring",
+         lambda cfg: f"comm.topology={cfg.comm.topology!r} with {_given(cfg)}: pipeline stages "
+                     "average within Horovod process sets; parameter servers need "
+                     "pipeline.stages=1",
+         {**TWO, "comm.topology": "ps"}),
+)
+
+STRATEGY = Strategy(
+    name="pipeline",
+    summary="the model cut into stages, data-parallel copies of the pipeline "
+            "(`pipeline.stages` > 1)",
+    active=lambda cfg: cfg.pipeline.stages > 1,
+    rules=RULES,
+)

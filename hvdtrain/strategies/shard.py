@@ -1,0 +1,53 @@
+"""``shard``: sharded data parallel, stage 1 (the optimizer state sharded: reduce-scatter,
+update, allgather; ``shard.stage=1``, docs/sharding.md). Its row of the compatibility table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvdtrain.strategies.base import DENSE, SPARSE, Rule, Strategy
+
+ONE = {"shard.stage": 1}
+
+
+def _given(cfg: Any) -> str:
+    return f"shard.stage={cfg.shard.stage}"
+
+
+def _compression(cfg: Any) -> str:
+    return (f"comm.compression={cfg.comm.compression!r} with {_given(cfg)}: the sharded update's "
+            "reduce-scatter carries none or fp16 only")
+
+
+RULES = (
+    Rule("shard", "ps", lambda cfg: cfg.comm.topology != "ring",
+         lambda cfg: f"comm.topology={cfg.comm.topology!r} with {_given(cfg)}: the sharded "
+                     "update reduce-scatters among the workers, parameter servers sum on their "
+                     "own; use comm.topology=ring",
+         {**ONE, "comm.topology": "ps"}),
+    Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1,
+         lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)}: sharding a "
+                     "stage's copies is not built yet; use pipeline.stages=1 or shard.stage=0",
+         {**ONE, "pipeline.stages": 2}),
+    Rule("shard", "sparse compression", lambda cfg: cfg.comm.compression in SPARSE, _compression,
+         {**ONE, "comm.compression": "topk"}),
+    Rule("shard", "powersgd",
+         lambda cfg: cfg.comm.compression not in (*DENSE, *SPARSE), _compression,
+         {**ONE, "comm.compression": "powersgd"}),
+    Rule("shard", "elastic", lambda cfg: cfg.elastic.enabled,
+         lambda cfg: f"elastic.enabled=true with {_given(cfg)}: the shards cannot change their "
+                     "number of ranks yet; set elastic.enabled=false",
+         {**ONE, "elastic.enabled": True}),
+    Rule("shard", "fp16", lambda cfg: cfg.train.precision == "fp16",
+         lambda cfg: f"train.precision='fp16' with {_given(cfg)}: a shard's overflow would skip "
+                     "the step on one rank only; use fp32 or bf16",
+         {**ONE, "train.precision": "fp16"}),
+)
+
+STRATEGY = Strategy(
+    name="shard",
+    summary="sharded data parallel at stage 1: the optimizer state sharded over the "
+            "data-parallel copies (`shard.stage=1`)",
+    active=lambda cfg: cfg.shard.stage >= 1,
+    rules=RULES,
+)

@@ -1,0 +1,114 @@
+"""The strategies' registry and the one compatibility table (hvdtrain/strategies/): the config
+refuses with it, ``hvdtrain plan`` gives the same reason, docs/compatibility.md prints it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hvdtrain.config import load_config
+from hvdtrain.errors import ConfigError, HvdtrainError
+from hvdtrain.plan.cluster import cluster_from_tree
+from hvdtrain.plan.command import knobs_of, refuser
+from hvdtrain.plan.predict import plan
+from hvdtrain.plan.profile import load_profile, model_key
+from hvdtrain.strategies.base import Strategy
+from hvdtrain.strategies.page import markdown
+from hvdtrain.strategies.table import RULES, STRATEGIES, active, refusal, strategy, with_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "digits_torch.yaml"
+LINK = {"bandwidth_gbit_s": 1, "latency_us": 50}
+CLUSTER = {"nodes": 2, "ranks_per_node": 4, "intra": {"bandwidth_gbit_s": 10, "latency_us": 5},
+           "inter": LINK, "servers": {"nodes": 2, **LINK}}
+IDS = [f"{r.row}-{r.column}" for r in RULES]
+
+
+def _error(overrides: dict[str, Any]) -> str | None:
+    """The run's one-line error for the digits config with ``overrides``, or None."""
+    try:
+        load_config(CONFIG, [f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                             for k, v in overrides.items()], environ={})
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_the_registry_holds_the_four_strategies_and_refuses_a_duplicate():
+    assert sorted(STRATEGIES) == ["pipeline", "ps", "ring", "shard"]
+    with pytest.raises(HvdtrainError, match="strategy 'ring' is already registered"):
+        STRATEGIES.register("ring", Strategy("ring", "again", lambda cfg: True))
+    with pytest.raises(HvdtrainError, match="unknown strategy 'tensor'; known: pipeline, ps, "
+                                            "ring, shard"):
+        strategy("tensor")
+
+
+def test_each_strategy_says_when_a_config_runs_it():
+    def names(*overrides: str) -> list[str]:
+        return active(load_config(CONFIG, list(overrides), environ={}))
+    assert names() == ["ring"]
+    assert names("comm.topology=ps") == ["ps"]
+    assert names("shard.stage=1") == ["shard"]
+    assert names("pipeline.stages=2") == ["pipeline", "ring"]
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_each_rule_is_the_error_its_example_config_gets(rule):
+    cfg = with_settings(load_config(CONFIG, environ={}), rule.example)
+    assert rule.applies(cfg) and strategy(rule.row).active(cfg)
+    assert refusal(cfg) == rule.message(cfg)
+    assert _error(dict(rule.example)) == rule.message(cfg)
+
+
+def test_with_settings_leaves_the_config_as_it_was():
+    cfg = load_config(CONFIG, environ={})
+    changed = with_settings(cfg, {"pipeline.stages": 2, "elastic.enabled": True, "seed": 3})
+    assert (changed.pipeline.stages, changed.elastic.enabled, changed.seed) == (2, True, 3)
+    assert (cfg.pipeline.stages, cfg.elastic.enabled, cfg.seed) == (1, False, 0)
+    assert changed.data is cfg.data  # sections not named are shared, not copied
+
+
+@pytest.mark.parametrize("rule", RULES, ids=IDS)
+def test_the_plan_refuses_each_pair_with_the_runs_message(rule):
+    """For every refused pair: a config with the column's setting, planned; each setting the plan
+    prices that the run would refuse by the table carries the run's ConfigError as its reason."""
+    cfg = load_config(CONFIG, environ={})
+    published = load_profile(ROOT / "hvdtrain" / "plan" / "published" / "resnet101.json")
+    profile = dataclasses.replace(published, model=model_key(cfg.framework, cfg.model.name,
+                                                             cfg.model.options))
+    base = with_settings(cfg, rule.example)
+    result = plan(profile, cluster_from_tree(CLUSTER), knobs_of(cfg), refuser(base))
+    compared = 0
+    for pred in result.predictions:
+        if not pred.settings:
+            continue
+        overrides = {**rule.example, **pred.settings}
+        error = _error(overrides)
+        if error is not None and error == refusal(with_settings(cfg, overrides)):
+            assert pred.reason == error, pred.setting
+            compared += 1
+        elif error is None:
+            assert pred.reason is None or pred.reason != refusal(base), pred.setting
+    assert compared, f"no planned setting exercises {rule.row} x {rule.column}"
+
+
+def test_docs_compatibility_page_is_current():
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    assert page == markdown(), "regenerate: python -m hvdtrain.strategies > docs/compatibility.md"
+
+
+def test_the_table_imports_no_config_framework_or_feature():
+    # The table is read by the config: it must not import the config, a framework or a feature.
+    import ast
+
+    for module in ("base", "table", "ring", "ps", "pipeline", "shard"):
+        tree = ast.parse((ROOT / "hvdtrain" / "strategies" / f"{module}.py").read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        allowed = {"__future__", "copy", "collections.abc", "dataclasses", "typing",
+                   "hvdtrain.errors", "hvdtrain.registry", "hvdtrain.strategies",
+                   "hvdtrain.strategies.base"}
+        assert names <= allowed, (module, names - allowed)
