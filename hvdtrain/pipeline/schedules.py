@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hvdtrain.configcheck import shown
 from hvdtrain.errors import ConfigError
+from hvdtrain.strategies.pipeline import schedule_refused
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,9 @@ def _check_virtual(schedule: Schedule, virtual: int) -> None:
 
 
 def _check_framework(schedule: Schedule, framework: str) -> None:
+    # Checked here, before the schedule's other checks; the reason is the compatibility table's.
     if framework not in schedule.frameworks:
-        allowed = ", ".join(n for n, s in SCHEDULES.items() if framework in s.frameworks)
-        raise ConfigError(f"pipeline.schedule={schedule.name!r}: runs with PyTorch only; with "
-                          f"{framework} use one of {allowed}")
+        raise ConfigError(schedule_refused(schedule.name, framework))
 
 
 def _check_microbatches(schedule: Schedule, stages: int, virtual: int, m: int) -> None:

@@ -20,6 +20,7 @@ from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overl
 from hvdtrain.plan.profile import RATIO_KEYS, MethodProfile, ModelProfile
 from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
 from hvdtrain.ps.layout import Layout, server_chunk
+from hvdtrain.strategies.pipeline import schedule_refused
 
 OVERLAPPED = ("none", "fp16")
 """Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
@@ -478,7 +479,7 @@ def _pipeline_misfit(ctx: _Ctx, stages: int, virtual: int, schedule: str) -> str
     runs = SCHEDULES[schedule].frameworks
     # A published profile names no framework of hvdtrain's: every schedule applies to it.
     if framework in {f for s in SCHEDULES.values() for f in s.frameworks} and framework not in runs:
-        return f"{framework} does not run {schedule}"
+        return schedule_refused(schedule, framework)  # the compatibility table's reason
     if stages * virtual > len(layers):
         pieces = f"{stages} x {virtual} pieces" if virtual > 1 else f"stages ({stages})"
         return f"more {pieces} than the model's layers ({len(layers)})"

@@ -35,6 +35,9 @@ class Rule:
     applies: Predicate
     message: Message
     example: Mapping[str, Any]
+    only: str = ""
+    """When the refusal holds for part of the column only, which part (``under ssp or asp``):
+    the page says so beside the number of the reason."""
 
 
 @dataclass(frozen=True)

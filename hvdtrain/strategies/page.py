@@ -19,10 +19,13 @@ def cell(row: str, column: str) -> str:
     note = strategy(row).alternatives.get(column)
     if note:
         return f"alternative: {note}"
-    for rule in RULES:
-        if (rule.row, rule.column) == (row, column) or (rule.row, rule.column) == (column, row):
-            return example_message(rule)
-    return "composes"
+    rule = refused(row, column)
+    return example_message(rule) if rule else "composes"
+
+
+def refused(row: str, column: str) -> Rule | None:
+    """The rule that refuses ``row`` with ``column`` (either order of two strategies), or None."""
+    return next((r for r in RULES if (r.row, r.column) in ((row, column), (column, row))), None)
 
 
 def example_message(rule: Rule) -> str:
@@ -52,7 +55,9 @@ def markdown() -> str:
                 continue
             if text not in reasons:
                 reasons.append(text)
-            cells.append(f"refused ({reasons.index(text) + 1})")
+            rule = refused(name, col)
+            only = f" {rule.only}" if rule and rule.only else ""
+            cells.append(f"refused{only} ({reasons.index(text) + 1})")
         rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
     notes = sorted({n for s in names for n in strategy(s).alternatives.values()})
     return "\n".join([

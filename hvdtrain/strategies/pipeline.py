@@ -11,6 +11,17 @@ from hvdtrain.strategies.base import Rule, Strategy
 TWO = {"pipeline.stages": 2}
 """The smallest pipeline, for the examples."""
 
+TENSORFLOW_SCHEDULES = ("gpipe", "1f1b")
+"""The ``pipeline.schedule`` values the TensorFlow stages run (they run the core's action lists,
+written for one piece a rank); every other schedule is PyTorch's only (the schedules' own
+``frameworks``, :data:`hvdtrain.pipeline.schedules.SCHEDULES`, agree: a unit test checks)."""
+
+
+def schedule_refused(schedule: str, framework: str) -> str:
+    """The one-line reason ``framework`` does not run ``schedule`` with stages."""
+    return (f"pipeline.schedule={schedule!r}: runs with PyTorch only; with {framework} use one "
+            f"of {', '.join(TENSORFLOW_SCHEDULES)}")
+
 
 def _given(cfg: Any) -> str:
     return f"pipeline.stages={cfg.pipeline.stages}"
@@ -22,6 +33,12 @@ def _precision(cfg: Any) -> str:
 
 
 RULES = (
+    Rule("pipeline", "tensorflow",
+         lambda cfg: cfg.framework != "torch" and cfg.pipeline.schedule not in TENSORFLOW_SCHEDULES,
+         lambda cfg: schedule_refused(cfg.pipeline.schedule, cfg.framework),
+         {**TWO, "framework": "tensorflow", "pipeline.schedule": "interleaved_1f1b",
+          "pipeline.virtual_stages": 2},
+         only="with schedules other than " + " and ".join(TENSORFLOW_SCHEDULES)),
     Rule("pipeline", "elastic", lambda cfg: cfg.elastic.enabled,
          lambda cfg: f"elastic.enabled=true with {_given(cfg)}: elastic mode does not work with "
                      "pipeline stages (a lost rank breaks its whole pipeline); set "

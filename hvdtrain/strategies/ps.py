@@ -40,7 +40,7 @@ RULES = (
          lambda cfg: _async(cfg) and cfg.comm.compression in SPARSE,
          lambda cfg: f"{_method(cfg)} and ps.consistency={cfg.ps.consistency!r}: the servers' "
                      "optimizer takes dense pushes only; use bsp, or none or fp16",
-         {**PS, "ps.consistency": "asp", "comm.compression": "topk"}),
+         {**PS, "ps.consistency": "asp", "comm.compression": "topk"}, only="under ssp or asp"),
 )
 """Checked before the sharded update's rules."""
 
@@ -48,11 +48,11 @@ ASYNC_RULES = (
     Rule("ps", "tensorflow", lambda cfg: _async(cfg) and cfg.framework != "torch",
          lambda cfg: f"ps.consistency={cfg.ps.consistency!r}: the servers' optimizer serves "
                      "PyTorch workers only; use framework=torch or ps.consistency=bsp",
-         {**PS, "ps.consistency": "asp", "framework": "tensorflow"}),
+         {**PS, "ps.consistency": "asp", "framework": "tensorflow"}, only="under ssp or asp"),
     Rule("ps", "fp16", lambda cfg: _async(cfg) and cfg.train.precision == "fp16",
          lambda cfg: f"ps.consistency={cfg.ps.consistency!r} with train.precision='fp16': a push "
                      "is applied alone, with no loss scaler between ranks; use fp32 or bf16",
-         {**PS, "ps.consistency": "asp", "train.precision": "fp16"}),
+         {**PS, "ps.consistency": "asp", "train.precision": "fp16"}, only="under ssp or asp"),
 )
 """The servers' optimizer (``ssp``, ``asp``) with what cannot run beside it; checked after the
 sharded update's rules."""

@@ -118,7 +118,9 @@ def test_the_sharded_update_costs_the_ring_after_the_backward_pass() -> None:
     keras = dataclasses.replace(profile, model={**profile.model, "framework": "tensorflow"})
     why = {p.setting: p.reason for p in plan(keras, cluster, Knobs(64)).predictions}
     assert why["shard stage 1"] is None  # both frameworks run it
-    assert why["pipeline P=2 m=4 interleaved_1f1b v=2"] == "tensorflow does not run interleaved_1f1b"
+    assert why["pipeline P=2 m=4 interleaved_1f1b v=2"] == (
+        "pipeline.schedule='interleaved_1f1b': runs with PyTorch only; with tensorflow use one "
+        "of gpipe, 1f1b")
 
 
 def test_dedicated_servers_overlap_the_backward_pass_under_pytorch_only() -> None:

@@ -11,12 +11,14 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError, HvdtrainError
+from hvdtrain.pipeline.schedules import SCHEDULES
 from hvdtrain.plan.cluster import cluster_from_tree
 from hvdtrain.plan.command import knobs_of, refuser
 from hvdtrain.plan.predict import plan
 from hvdtrain.plan.profile import load_profile, model_key
 from hvdtrain.strategies.base import Strategy
 from hvdtrain.strategies.page import markdown
+from hvdtrain.strategies.pipeline import TENSORFLOW_SCHEDULES
 from hvdtrain.strategies.table import RULES, STRATEGIES, active, refusal, strategy, with_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +95,11 @@ def test_the_plan_refuses_each_pair_with_the_runs_message(rule):
         elif error is None:
             assert pred.reason is None or pred.reason != refusal(base), pred.setting
     assert compared, f"no planned setting exercises {rule.row} x {rule.column}"
+
+
+def test_the_tensorflow_schedules_are_those_the_schedules_say():
+    runs = tuple(n for n, s in SCHEDULES.items() if "tensorflow" in s.frameworks)
+    assert runs == TENSORFLOW_SCHEDULES
 
 
 def test_docs_compatibility_page_is_current():
