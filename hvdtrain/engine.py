@@ -19,6 +19,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.strategies.table import engine_path
 
 
 class Collectives(abc.ABC):
@@ -221,14 +222,7 @@ class Engine(Step, StateIO):
 def make_engine(cfg: Config, dataset: Dataset) -> Engine:
     """The configured framework's engine, built complete: Horovod started, model, optimizer and
     data ready. The framework is imported only now, so the core stays framework-free."""
-    module, cls = {"torch": ("hvdtrain.torch.engine", "TorchEngine"),
-                   "tensorflow": ("hvdtrain.tensorflow.engine", "TensorFlowEngine")}[cfg.framework]
-    if cfg.pipeline.stages > 1:
-        module = {"torch": "hvdtrain.torch.pipeline",
-                  "tensorflow": "hvdtrain.tensorflow.pipeline"}[cfg.framework]
-        cls = "PipelineEngine"
-    elif cfg.shard.stage and cfg.framework == "tensorflow":  # torch's is its exchange's
-        module, cls = "hvdtrain.tensorflow.shard", "ShardedEngine"
+    module, _, cls = engine_path(cfg).partition(":")  # the strategies' registry says which
     try:
         engine_cls = getattr(importlib.import_module(module), cls)
     except ImportError as exc:

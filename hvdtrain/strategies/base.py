@@ -51,6 +51,10 @@ class Strategy:
     """Whether a (validated) config runs this strategy."""
     rules: tuple[Rule, ...] = ()
     """This strategy's refused cells, in the order the config checks them."""
+    engines: Mapping[str, str] = field(default_factory=dict)
+    """framework -> ``"package.module:Class"`` of the engine this strategy trains with, imported
+    only when it is made (:func:`hvdtrain.engine.make_engine`); none: the ring's engine, whose
+    exchange the strategy picks."""
     alternatives: Mapping[str, str] = field(default_factory=dict)
     """Columns that are another value of the same key (``ring`` and ``ps`` are both
     ``comm.topology``): the cell says so instead of composing or refusing."""

@@ -70,4 +70,6 @@ STRATEGY = Strategy(
             "(`pipeline.stages` > 1)",
     active=lambda cfg: cfg.pipeline.stages > 1,
     rules=RULES,
+    engines={"torch": "hvdtrain.torch.pipeline:PipelineEngine",
+             "tensorflow": "hvdtrain.tensorflow.pipeline:PipelineEngine"},
 )

@@ -11,5 +11,7 @@ STRATEGY = Strategy(
     summary="Horovod's allreduce among all ranks, dense or compressing "
             "(`comm.topology=ring`, `comm.compression`)",
     active=lambda cfg: cfg.comm.topology == "ring" and cfg.shard.stage == 0,
+    engines={"torch": "hvdtrain.torch.engine:TorchEngine",
+             "tensorflow": "hvdtrain.tensorflow.engine:TensorFlowEngine"},
     alternatives={"ps": "the other value of comm.topology"},
 )

@@ -50,4 +50,6 @@ STRATEGY = Strategy(
             "data-parallel copies (`shard.stage=1`)",
     active=lambda cfg: cfg.shard.stage >= 1,
     rules=RULES,
+    # PyTorch's sharded update is its exchange's (torch/exchange.make_exchange), on the ring's engine.
+    engines={"tensorflow": "hvdtrain.tensorflow.shard:ShardedEngine"},
 )

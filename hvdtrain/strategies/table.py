@@ -58,6 +58,20 @@ def active(cfg: Any) -> list[str]:
     return [name for name in STRATEGIES if strategy(name).active(cfg)]
 
 
+ENGINE_ORDER = ("pipeline", "shard", "ps", "ring")
+"""Which active strategy's engine a run trains with, the first that has one for the framework
+(the table refuses the combinations where two would: pipeline stages with shard.stage=1)."""
+
+
+def engine_path(cfg: Any) -> str:
+    """``"package.module:Class"`` of the engine ``cfg`` trains with: a look-up in the registry."""
+    for name in ENGINE_ORDER:
+        found = strategy(name)
+        if found.active(cfg) and cfg.framework in found.engines:
+            return found.engines[cfg.framework]
+    return strategy("ring").engines[cfg.framework]
+
+
 def refusal(cfg: Any) -> str | None:
     """The one-line reason ``cfg`` cannot run (the first rule that applies), or None."""
     for rule in RULES:

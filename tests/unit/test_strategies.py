@@ -19,7 +19,7 @@ from hvdtrain.plan.profile import load_profile, model_key
 from hvdtrain.strategies.base import Strategy
 from hvdtrain.strategies.page import markdown
 from hvdtrain.strategies.pipeline import TENSORFLOW_SCHEDULES
-from hvdtrain.strategies.table import RULES, STRATEGIES, active, refusal, strategy, with_settings
+from hvdtrain.strategies.table import RULES, STRATEGIES, active, engine_path, refusal, strategy, with_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digits_torch.yaml"
@@ -63,6 +63,22 @@ def test_each_rule_is_the_error_its_example_config_gets(rule):
     assert rule.applies(cfg) and strategy(rule.row).active(cfg)
     assert refusal(cfg) == rule.message(cfg)
     assert _error(dict(rule.example)) == rule.message(cfg)
+
+
+@pytest.mark.parametrize(("overrides", "path"), [
+    ([], "hvdtrain.torch.engine:TorchEngine"),
+    (["framework=tensorflow"], "hvdtrain.tensorflow.engine:TensorFlowEngine"),
+    (["comm.topology=ps"], "hvdtrain.torch.engine:TorchEngine"),
+    (["shard.stage=1"], "hvdtrain.torch.engine:TorchEngine"),  # its exchange shards
+    (["shard.stage=1", "framework=tensorflow"], "hvdtrain.tensorflow.shard:ShardedEngine"),
+    (["pipeline.stages=2"], "hvdtrain.torch.pipeline:PipelineEngine"),
+    (["pipeline.stages=2", "framework=tensorflow"], "hvdtrain.tensorflow.pipeline:PipelineEngine"),
+])
+def test_the_engine_is_a_look_up_in_the_registry(overrides, path):
+    assert engine_path(load_config(CONFIG, overrides, environ={})) == path
+    module, _, name = path.partition(":")
+    source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+    assert f"class {name}(" in source  # the path names a real class, without importing it
 
 
 def test_with_settings_leaves_the_config_as_it_was():
