@@ -356,6 +356,10 @@ class Loop:
     def _stop(self) -> None:
         if self.saved_step != self.pos.step:
             self._checkpoint()
+        # Every rank waits until rank 0's checkpoint is on disk (or raises its failure): once the
+        # first rank has exited 75, its launcher may end the others at once (horovodrun's SIGTERM,
+        # srun --kill-on-bad-exit), rank 0 with its write still in flight.
+        self.checkpoints.share_failure(self.collectives, self.engine.rank)
         enabled = self.cfg.checkpoint.enabled
         raise Stopped(self.pos.step, self.checkpoints.path_for(self.pos.step) if enabled else None)
 

@@ -5,6 +5,11 @@ checkpoints at that step boundary on every rank and exits with :data:`EXIT_RESUB
 signal ends the process at once (exit code 128 + the signal number, as a shell reports it).
 After the run, SIGUSR1 is ignored (unless the program had a handler of its own, which is restored):
 a late copy must not kill a process that has finished or already stopped.
+
+A rank's helper processes (PyTorch's data loader workers) ignore these signals and Ctrl-C's SIGINT
+(:func:`ignore_in_helper`): Slurm signals every process of a step,
+and a worker dead of the signal would end its rank with an error instead of the checkpoint the rank
+was asked for. The rank decides, and ends its workers itself when it exits.
 """
 
 from __future__ import annotations
@@ -20,6 +25,18 @@ EXIT_RESUBMIT = 75
 (``checkpoint.resume=auto``). 75 is sysexits.h's ``EX_TEMPFAIL``: a temporary failure, try again."""
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+HELPER_IGNORES = (*SIGNALS, signal.SIGINT)
+"""What a rank's helper process ignores: the stop signals, and the SIGINT that Ctrl-C sends to the
+whole foreground process group."""
+
+
+def ignore_in_helper() -> None:
+    """Called first in a helper process of a rank (a data loader worker): ignores
+    :data:`HELPER_IGNORES`, which the rank acts on; the rank shuts its helpers down on its way out
+    (and kills, with SIGKILL, one that does not leave when asked). Other signals keep their effect:
+    a helper killed by SIGKILL still fails its rank loudly."""
+    for sig in HELPER_IGNORES:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class StopRequest:

@@ -11,6 +11,8 @@ structure stays.
 
 from __future__ import annotations
 
+import multiprocessing.context
+import multiprocessing.popen_fork
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,6 +35,7 @@ from hvdtrain.data.loading import (
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import import_object
+from hvdtrain.signals import ignore_in_helper
 from hvdtrain.torch.device import pinned, pins_memory, to_device
 
 Item = tuple[np.ndarray, Any, Any, tuple[str, ...], str]
@@ -87,6 +90,34 @@ def _collate(loaded: Loaded) -> Item:
     return (loaded.indices, *_as_tensors(loaded.x, loaded.y), loaded.skipped, "")
 
 
+def _worker_init(worker_id: int) -> None:
+    """Runs first in every worker: a stop signal sent to every process of a Slurm step (preemption,
+    ``scancel``, the time limit) is the rank's to act on; killed by it, the worker would end the
+    rank with an error and no checkpoint."""
+    ignore_in_helper()
+
+
+class _Popen(multiprocessing.popen_fork.Popen):
+    """A worker's process handle whose ``terminate`` is SIGKILL: the worker ignores SIGTERM, and
+    torch (a worker that did not leave when shut down) and multiprocessing (at exit) end workers
+    with ``terminate``, then wait for them."""
+
+    def terminate(self) -> None:
+        self.kill()
+
+
+class _Process(multiprocessing.context.ForkProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        return _Popen(process_obj)
+
+
+class _Fork(multiprocessing.context.ForkContext):
+    """The ``fork`` start method (Linux's default), with :class:`_Popen` handles."""
+
+    Process = _Process
+
+
 class TorchLoader:
     """Loads the batches of the sampler's steps and of evaluations as tensors.
 
@@ -97,7 +128,8 @@ class TorchLoader:
     for batches gathered there), so that the non-blocking copy to the GPU really is one; on CPU
     nothing is pinned or copied. The loader has its own
     generator, so opening a stream draws nothing from torch's global one, which a resumed run
-    restores.
+    restores. The workers ignore stop signals (SIGTERM, SIGUSR1) and SIGINT, which the rank acts
+    on; it ends its workers when it exits (SIGKILL for one that does not leave when asked).
     """
 
     def __init__(self, train: Source, test: Source, *, seed: int, rank: int, workers: int,
@@ -119,7 +151,8 @@ class TorchLoader:
                 num_workers=workers,
                 collate_fn=_collate,  # type: ignore[arg-type]
                 pin_memory=pins_memory(device), prefetch_factor=prefetch,
-                persistent_workers=True, generator=torch.Generator().manual_seed(seed))
+                persistent_workers=True, generator=torch.Generator().manual_seed(seed),
+                worker_init_fn=_worker_init, multiprocessing_context=_Fork())
             # Fork the workers now, before the run opens its pipes: a worker forked later would
             # hold the metrics writer's stdin open, and the writer would never see its end.
             self._stream = iter(self._loader)
