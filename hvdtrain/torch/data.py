@@ -11,8 +11,10 @@ structure stays.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing.context
 import multiprocessing.popen_fork
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -118,6 +120,18 @@ class _Fork(multiprocessing.context.ForkContext):
     Process = _Process
 
 
+def _end_workers(ref: weakref.ref[torch.utils.data.DataLoader]) -> None:
+    """At the process's exit, before multiprocessing's own exit hook (``atexit`` runs the hook
+    registered last first): ends a loader's workers by torch's shutdown, which stops watching them
+    first. Left to multiprocessing's hook, a worker is killed while torch's SIGCHLD handler still
+    watches it, and the rank, exiting anyway (75 after a stop), prints that its worker "is killed
+    by signal". Torch has no public call for this: its own iterator's ``__del__`` makes it."""
+    loader = ref()
+    iterator = None if loader is None else getattr(loader, "_iterator", None)
+    if iterator is not None:
+        iterator._shutdown_workers()
+
+
 class TorchLoader:
     """Loads the batches of the sampler's steps and of evaluations as tensors.
 
@@ -156,6 +170,7 @@ class TorchLoader:
             # Fork the workers now, before the run opens its pipes: a worker forked later would
             # hold the metrics writer's stdin open, and the writer would never see its end.
             self._stream = iter(self._loader)
+            atexit.register(_end_workers, weakref.ref(self._loader))
 
     def _direct(self, split: str) -> bool:
         return self._loader is None or self.sources[split].in_memory
