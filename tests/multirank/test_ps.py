@@ -39,6 +39,7 @@ from tests.conftest import (
     run_env,
 )
 from tests.multirank.conftest import CONFIGS, EQUIV, Launch, launch_worker
+from tests.multirank.test_stop_resume import pid_of_rank
 
 
 def frameworks(default: str) -> pytest.MarkDecorator:
@@ -218,15 +219,7 @@ def test_top_k_residuals_resume_on_another_number_of_servers(ps_launch, framewor
 
 def pid_of_mpi_rank(rank: int, marker: str) -> int:
     """The process of MPI rank ``rank`` whose command line holds ``marker``."""
-    for proc in Path("/proc").iterdir():
-        try:
-            cmdline = (proc / "cmdline").read_bytes()
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if marker.encode() in cmdline and f"OMPI_COMM_WORLD_RANK={rank}".encode() in environ:
-            return int(proc.name)
-    raise AssertionError(f"no process of MPI rank {rank} found")
+    return pid_of_rank(rank, marker, "OMPI_COMM_WORLD_RANK")
 
 
 def wait_for_checkpoint(run: Path, least: int, timeout: float) -> None:

@@ -25,17 +25,18 @@ IMAGE_CONFIGS = {"torch": ROOT / "configs" / "images_torch.yaml",
                  "tensorflow": ROOT / "configs" / "images_tf.yaml"}
 
 
-def pid_of_rank(rank: int, marker: str) -> int:
-    """The worker process of ``rank`` whose command line holds ``marker`` (Gloo sets HOROVOD_RANK)."""
+def pid_of_rank(rank: int, marker: str, variable: str = "HOROVOD_RANK") -> int:
+    """The process of ``rank`` whose command line holds ``marker``: the one whose environment sets
+    ``variable`` to ``rank`` (horovodrun's Gloo sets HOROVOD_RANK, mpirun OMPI_COMM_WORLD_RANK)."""
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes()
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if marker.encode() in cmdline and f"HOROVOD_RANK={rank}".encode() in environ:
+        if marker.encode() in cmdline and f"{variable}={rank}".encode() in environ:
             return int(proc.name)
-    raise AssertionError(f"no process of rank {rank} found")
+    raise AssertionError(f"no process with {variable}={rank} found")
 
 
 def wait_for_records(path: Path, count: int, timeout: float = 180) -> None:
