@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hvdtrain.errors import HvdtrainError
+
 
 def shard_sizes(total: int, size: int) -> list[int]:
     """Elements per rank, as Horovod's ``reducescatter`` splits ``total``: the first ``total %
@@ -85,3 +87,18 @@ def round_ranges(total: int, size: int, chunk: int, index: int) -> list[tuple[in
         out.append((start + a, start + b))
         start += n
     return out
+
+
+def step_bytes(total: int, own: int, compression: str) -> tuple[float, float]:
+    """``(wire_bytes, dense_bytes)`` a rank hands Horovod per step: the whole gradient of
+    ``total`` elements to reduce-scatter (float16 under ``fp16``) and its float32 shard of ``own``
+    elements to all-gather; the dense count is the same in float32."""
+    item = 2 if compression == "fp16" else 4
+    return float(item * total + 4 * own), float(4 * total + 4 * own)
+
+
+def check_resize(rank: int, size: int, new_rank: int, new_size: int) -> None:
+    """Raises where elastic mode would move a rank or change their number: each rank's optimizer
+    state is its shard's, which is not re-sharded."""
+    if (new_rank, new_size) != (rank, size):
+        raise HvdtrainError("shard.stage=1 cannot change its number of ranks")

@@ -32,7 +32,7 @@ import tensorflow as tf
 from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.shard import pieces, round_ranges, shard_bounds
+from hvdtrain.shard import check_resize, pieces, round_ranges, shard_bounds, step_bytes
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
@@ -109,9 +109,7 @@ class ShardedExchange(GradientExchange):
     def __init__(self, shard: FlatShard, compression: str) -> None:
         self.shard, self.rank, self.size = shard, shard.rank, shard.size
         self.wire = _WIRE[compression]
-        wire_item = 2 if compression == "fp16" else 4
-        self._bytes = (float(wire_item * shard.total + 4 * shard.own),
-                       float(4 * shard.total + 4 * shard.own))
+        self._bytes = step_bytes(shard.total, shard.own, compression)
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
 
     def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -127,8 +125,7 @@ class ShardedExchange(GradientExchange):
         return any_rank(flag)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
-        if (rank, size) != (self.rank, self.size):
-            raise HvdtrainError("shard.stage=1 cannot change its number of ranks")
+        check_resize(self.rank, self.size, rank, size)
 
 
 class ShardedKernels(TensorFlowKernels):

@@ -30,7 +30,14 @@ import torch
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.shard import pieces, round_ranges, segments, shard_bounds
+from hvdtrain.shard import (
+    check_resize,
+    pieces,
+    round_ranges,
+    segments,
+    shard_bounds,
+    step_bytes,
+)
 from hvdtrain.torch.collectives import any_rank
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -275,11 +282,7 @@ class ShardedExchange(GradientExchange):
     def __init__(self, optimizer: ShardedOptimizer, compression: str) -> None:
         self.optimizer, self.rank, self.size = optimizer, optimizer.rank, optimizer.size
         self.wire = _WIRE[compression]
-        wire_item = 2 if compression == "fp16" else 4
-        own = optimizer.stop - optimizer.start
-        # Handed to Horovod per step: the whole gradient to reducescatter, the shard to allgather.
-        self._bytes = (float(wire_item * optimizer.total + 4 * own),
-                       float(4 * optimizer.total + 4 * own))
+        self._bytes = step_bytes(optimizer.total, optimizer.stop - optimizer.start, compression)
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
 
     def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -297,8 +300,7 @@ class ShardedExchange(GradientExchange):
         return any_rank(flag)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
-        if (rank, size) != (self.rank, self.size):
-            raise HvdtrainError("shard.stage=1 cannot change its number of ranks")
+        check_resize(self.rank, self.size, rank, size)
 
     def gather(self) -> None:
         self.optimizer.gather()
