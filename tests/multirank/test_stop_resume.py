@@ -169,6 +169,10 @@ def wait_for_step(path: Path, timeout: float = 240) -> None:
 MAX_STEPS = 40
 """Steps of the run: the signal is sent after the first record (step 5) and acts within two log
 intervals or an epoch (8 steps); the resume trains the rest."""
+SLOW_MS = 200
+"""Rank 0 sleeps this long in every step (the straggler setting), so that the run cannot end
+before the signal: unslowed, 40 steps take under a second and a loaded machine's metrics writer
+has been seen to deliver the first record only after the last step."""
 RANK_WRAPPER = 'trap : TERM; "$@"; echo $? >"$0-$HOROVOD_RANK"'
 """Runs a rank and writes its exit code to ``<$0>-<rank>``; the trap keeps the wrapper alive when
 horovodrun, after the first rank's exit 75, sends SIGTERM to the others' (as Slurm's rank wrapper
@@ -189,7 +193,8 @@ def test_sigterm_to_every_process_with_loader_workers_checkpoints_and_exits_75(
     overrides = [f"data.options.root={images}", "data.options.size=16", "model.options.width=4",
                  "data.batch_size=8", "data.workers=2", "train.epochs=1000",
                  f"train.max_steps={MAX_STEPS}", "log.every_steps=5", "checkpoint.every_steps=0",
-                 "log.wandb=disabled", f"log.dir={run}"]
+                 "train.slow_rank=0", f"train.slow_ms={SLOW_MS}", "log.wandb=disabled",
+                 f"log.dir={run}"]
     hvdtrain = str(Path(PYTHON).with_name("hvdtrain"))
     train = [hvdtrain, "train", str(IMAGE_CONFIGS[framework]), *overrides]
     codes = tmp_path / "exit"
