@@ -291,8 +291,8 @@ def run_overrides(method: str, optimizer: str, extra: Sequence[str]) -> list[str
     """A variant's overrides under ``optimizer``, then the ``--train-extra`` ones that its run
     reads: a ``comm`` key of a method or an update rule (``comm.min_size``,
     ``comm.sparsity_warmup_steps``, ...) goes only to the runs of that method or rule, as the
-    config refuses a key that would do nothing (:mod:`hvdtrain.compression.compat`)."""
-    from hvdtrain.compression.compat import METHOD_KEYS, RULE_KEYS
+    config refuses a key that would do nothing (:mod:`hvdtrain.strategies.comm`)."""
+    from hvdtrain.strategies.comm import METHOD_KEYS, RULE_KEYS
 
     own = [*METHODS[method], *([RULES[optimizer]] if method == "topk-dgc" else [])]
     compression = next(o.split("=", 1)[1] for o in own if o.startswith("comm.compression="))

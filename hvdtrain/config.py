@@ -18,12 +18,12 @@ from typing import Any
 
 import yaml
 
-from hvdtrain.compression import METHODS, check_comm
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, refuse_unread, shown
 from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
 from hvdtrain.pipeline.schedules import SCHEDULE_NAMES, check_pipeline
 from hvdtrain.precision import PRECISIONS
+from hvdtrain.strategies.comm import METHODS, check_comm
 from hvdtrain.strategies.table import check as check_strategies
 
 
@@ -179,7 +179,7 @@ class CommConfig:
     """``topk`` and ``randomk`` with SGD momentum: Deep Gradient Compression's momentum
     correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
     applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback`` and
-    ``optim.momentum`` > 0; refused where it would not run, :mod:`hvdtrain.compression.compat`).
+    ``optim.momentum`` > 0; refused where it would not run, :mod:`hvdtrain.strategies.comm`).
     Off by default: its gain is not yet measured over seeds on every model (docs/benchmarks.md)."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
@@ -196,7 +196,7 @@ class CommConfig:
     measured over seeds in a real run, docs/benchmarks.md): 1-bit Adam's design. Dense
     Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
     momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update
-    (refused where it would not run, :mod:`hvdtrain.compression.compat`)."""
+    (refused where it would not run, :mod:`hvdtrain.strategies.comm`)."""
     adam_warmup_steps: int = _opt(200, min=1)
     """With ``compress_momentum``: steps of dense Adam before the variance freezes."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)

@@ -2,11 +2,13 @@
 (:mod:`~hvdtrain.compression.plans`: tensors, rounds of collectives, state, byte counts), its state
 and re-sharding (:mod:`~hvdtrain.compression.state`), the exchange that runs a plan
 (:mod:`~hvdtrain.compression.exchange`) and the NumPy spec the framework kernels are tested against
-(:mod:`~hvdtrain.compression.reference`); which ``comm`` settings take effect together
-(:func:`check_comm`, :mod:`~hvdtrain.compression.compat`).
+(:mod:`~hvdtrain.compression.reference`). The method names and which ``comm`` settings take effect
+together are the comm section's, in :mod:`hvdtrain.strategies.comm` (:data:`METHODS`,
+:func:`~hvdtrain.strategies.comm.check_comm`), so that the config checks them without importing
+this package.
 
-This module imports neither a framework nor :mod:`hvdtrain.config` (which validates
-``comm.compression`` against :data:`METHODS`); plans load when :func:`make_plan` first needs one.
+This module imports neither a framework nor :mod:`hvdtrain.config`; plans load when
+:func:`make_plan` first needs one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hvdtrain.compression.compat import check_comm
 from hvdtrain.registry import Registry
+from hvdtrain.strategies.comm import METHODS
 
 if TYPE_CHECKING:
     from hvdtrain.compression.plans import CommSettings, Plan
@@ -29,10 +31,7 @@ _ENTRIES = {
     "powersgd": "hvdtrain.compression.plans:PowerSGD",
 }
 
-__all__ = ["METHODS", "PLANS", "check_comm", "make_plan"]
-
-METHODS: tuple[str, ...] = tuple(_ENTRIES)
-"""The ``comm.compression`` methods, in the order they are documented."""
+__all__ = ["METHODS", "PLANS", "make_plan"]
 
 PLANS = Registry("compression method", _ENTRIES)
 """Method name -> its :class:`~hvdtrain.compression.plans.Plan` class."""

@@ -24,10 +24,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from hvdtrain.compression import reference as ref
-from hvdtrain.compression.compat import adam_misfit, dgc_misfit
 from hvdtrain.compression.kernels import Context, Tensor
 from hvdtrain.compression.plans import Plan, Stage, TensorPlan
 from hvdtrain.compression.state import MOMENTUM, RESIDUAL, VARIANCE, VELOCITY, Slot, slot_key
+from hvdtrain.strategies.comm import adam_misfit, dgc_misfit
 
 
 class RuleSettings(Protocol):
@@ -231,8 +231,8 @@ class CompressedAdam(Rule):
 def make_rule(plan: Plan, comm: RuleSettings, opt: OptimizerSettings | None) -> Rule:
     """The rule for this plan and optimizer (None: the framework keeps its optimizer).
 
-    DGC and compressed Adam where :mod:`hvdtrain.compression.compat` says they run; the config
-    refuses a rule turned on where they do not (:func:`~hvdtrain.compression.compat.check_comm`),
+    DGC and compressed Adam where :mod:`hvdtrain.strategies.comm` says they run; the config
+    refuses a rule turned on where they do not (:func:`~hvdtrain.strategies.comm.check_comm`),
     so plain averaging here means the config asked for it. Code that builds an exchange itself
     may turn both rules on: the optimizer picks one."""
     if opt is None:

@@ -176,7 +176,7 @@ def hvdtrain(*args: str) -> subprocess.CompletedProcess:
     ("train.stall_timeout_s=1e10", "train.stall_timeout_s=10000000000.0: must be <= 1000000.0"),
     ("comm.cycle_time_ms=1e300", "comm.cycle_time_ms=1e+300: must be <= 1000.0"),
     ("log.dir={a: {b: 1}}", "log.dir={'a': {'b': 1}}: expected a string"),
-    # Settings that would do nothing (hvdtrain.compression.compat, OptimConfig).
+    # Settings that would do nothing (hvdtrain.strategies.comm, OptimConfig).
     ("comm.momentum_correction=true", "comm.momentum_correction=true does nothing with "
      "comm.compression='none'"),
     (("comm.compression=qsgd", "comm.ratio=0.1"), "comm.ratio=0.1 does nothing with "

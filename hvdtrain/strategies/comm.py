@@ -1,6 +1,10 @@
-"""Which ``comm`` settings take effect with which method, optimizer and topology: one rule, used by
-the config's validation (:func:`check_comm`) and by the exchange when it picks its update rule
+"""The ``comm`` section's own values: the compression methods (:data:`METHODS`) and which ``comm``
+settings take effect with which method, optimizer and topology. One rule, used by the config's
+validation (:func:`check_comm`) and by the exchange when it picks its update rule
 (:func:`dgc_misfit` and :func:`adam_misfit`, in :func:`hvdtrain.compression.rules.make_rule`).
+It sits beside the ring strategy (:mod:`hvdtrain.strategies.ring`), whose compressing exchange
+reads the section, so that :mod:`hvdtrain.config` checks it without importing
+:mod:`hvdtrain.compression`.
 
 A setting that would do nothing in the combination given is refused with one line naming the keys
 and the reason, when the config is validated (before any process group starts), whatever the
@@ -14,8 +18,8 @@ topology and with pipeline stages too:
 - a method's parameters (``ratio``, ``rank``, ``bucket``, ``min_size``, ``error_feedback=false``)
   set away from their defaults with a method that does not read them.
 
-Framework-free, and free of :mod:`hvdtrain.config` (which calls it): the defaults are read from
-the settings' own dataclass fields.
+Framework-free and feature-free, and free of :mod:`hvdtrain.config` (which calls it): the defaults
+are read from the settings' own dataclass fields.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ import dataclasses
 from typing import Any, Protocol
 
 from hvdtrain.errors import ConfigError
+
+METHODS: tuple[str, ...] = ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
+"""The ``comm.compression`` methods, in the order they are documented: the one place their names
+live (:data:`hvdtrain.compression.PLANS` registers a plan under each, and a unit test checks
+that the two agree)."""
 
 DGC_METHODS = ("topk", "randomk")
 """The methods that take DGC's momentum correction with SGD momentum."""
