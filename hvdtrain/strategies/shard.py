@@ -1,5 +1,6 @@
-"""``shard``: sharded data parallel, stage 1 (the optimizer state sharded: reduce-scatter,
-update, allgather; ``shard.stage=1``, docs/sharding.md). Its row of the compatibility table."""
+"""``shard``: sharded data parallel (``shard.stage`` 1-3, docs/sharding.md): stage 1 shards the
+optimizer state (reduce-scatter, update, allgather), stage 2 the gradients too, stage 3 the
+parameters too. Its row of the compatibility table."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ RULES = (
          lambda cfg: f"elastic.enabled=true with {_given(cfg)}: the shards cannot change their "
                      "number of ranks yet; set elastic.enabled=false",
          {**ONE, "elastic.enabled": True}),
+    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and cfg.shard.stage >= 2,
+         lambda cfg: f"framework='tensorflow' with {_given(cfg)}: sharding gradients and "
+                     "parameters is built in PyTorch only so far; use shard.stage=1",
+         {"shard.stage": 2, "framework": "tensorflow"}, only="at stages 2 and 3"),
     Rule("shard", "fp16", lambda cfg: cfg.train.precision == "fp16",
          lambda cfg: f"train.precision='fp16' with {_given(cfg)}: a shard's overflow would skip "
                      "the step on one rank only; use fp32 or bf16",
@@ -46,8 +51,8 @@ RULES = (
 
 STRATEGY = Strategy(
     name="shard",
-    summary="sharded data parallel at stage 1: the optimizer state sharded over the "
-            "data-parallel copies (`shard.stage=1`)",
+    summary="sharded data parallel: the optimizer state (`shard.stage=1`), the gradients too "
+            "(2) or the parameters too (3) sharded over the data-parallel copies",
     active=lambda cfg: cfg.shard.stage >= 1,
     rules=RULES,
     # PyTorch's sharded update is its exchange's (torch/exchange.make_exchange), on the ring's engine.

@@ -82,11 +82,23 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     (["comm.topology=ps", "ps.placement=colocated"],
      "ps.placement='colocated' is gone: the sharded update is sharded data parallel now; set "
      "shard.stage=1"),
-    (["shard.stage=2"], "shard.stage=2: sharding gradients (2) and parameters (3) is not built yet"),
-    (["shard.stage=3"], "shard.stage=3: sharding gradients (2) and parameters (3) is not built yet"),
     (["shard.chunk_kib=8"], "shard.chunk_kib=8 does nothing with shard.stage=0"),
+    (["shard.stage=2", "shard.chunk_kib=8"],
+     "shard.chunk_kib=8 does nothing with shard.stage=2: only stage 1's rounds read it"),
+    (["shard.stage=2", "shard.prefetch=2"],
+     "shard.prefetch=2 does nothing with shard.stage=2: only stage 3 gathers parameters"),
+    (["shard.stage=1", "shard.reshard_after_forward=false"],
+     "shard.reshard_after_forward=false does nothing with shard.stage=1"),
+    (["shard.unit_kib=4"], "shard.unit_kib=4 does nothing with shard.stage=0: units are cut"),
+    (["framework=tensorflow", "shard.stage=3"],
+     "framework='tensorflow' with shard.stage=3: sharding gradients and parameters is built in "
+     "PyTorch only so far"),
+    (["framework=tensorflow", "model.activation_checkpointing=true"],
+     "model.activation_checkpointing=true with framework='tensorflow': recomputing units is "
+     "built in PyTorch only so far"),
+    (["shard.stage=3", "train.precision=fp16"], "train.precision='fp16' with shard.stage=3"),
 ])
-def test_the_old_key_and_the_stages_not_built_are_refused_in_one_line(overrides, message):
+def test_the_old_key_and_what_does_nothing_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides, environ={})
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
@@ -97,6 +109,16 @@ def test_the_sharded_update_is_accepted_in_both_frameworks(framework):
     cfg = load_config(None, [f"framework={framework}", "shard.stage=1", "train.precision=bf16",
                              "comm.compression=fp16", "shard.chunk_kib=8"], environ={})
     assert (cfg.shard.stage, cfg.shard.chunk_kib, cfg.comm.topology) == (1, 8, "ring")
+
+
+def test_stages_two_and_three_take_their_keys_in_pytorch():
+    cfg = load_config(None, ["shard.stage=3", "shard.prefetch=2", "shard.unit_kib=16",
+                             "shard.reshard_after_forward=false",
+                             "model.activation_checkpointing=true"], environ={})
+    assert (cfg.shard.stage, cfg.shard.prefetch, cfg.shard.unit_kib) == (3, 2, 16)
+    assert not cfg.shard.reshard_after_forward and cfg.model.activation_checkpointing
+    assert load_config(None, ["model.activation_checkpointing=true", "shard.unit_kib=16"],
+                       environ={}).shard.unit_kib == 16
 
 
 @pytest.mark.parametrize(("total", "size", "chunk"), [
