@@ -14,6 +14,8 @@ import pytest
 
 from hvdtrain.config import Config, load_config
 
+# Nothing downloads in a test: the Hugging Face libraries fail fast instead (docs/huggingface.md).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs" / "digits_torch.yaml"

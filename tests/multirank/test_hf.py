@@ -1,0 +1,89 @@
+"""Hugging Face at two ranks (Gloo): a tiny GPT-2 that the test pretrains and writes with
+``save_pretrained`` is fine-tuned by ``model.name=hf_causal_lm`` with compressed gradients; the
+run starts at the pretrained model's loss, not a random one's, and its checkpoint exports to
+safetensors and to a directory that ``AutoModelForCausalLM.from_pretrained`` loads, with the
+trained model's logits."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT, horovodrun, read_jsonl
+from tests.text_data import docs_corpus
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 64
+TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": SEQ, "vocab_size": 256,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": None,
+        "eos_token_id": None}
+
+
+def windows(corpus: Path, count: int, seed: int) -> torch.Tensor:
+    """``count`` random windows of SEQ + 1 tokens of the corpus's training split."""
+    tokens = np.fromfile(corpus / "train.bin", np.uint8)
+    starts = np.random.default_rng(seed).integers(0, len(tokens) - SEQ - 1, count)
+    return torch.from_numpy(np.stack([tokens[s:s + SEQ + 1] for s in starts]).astype(np.int64))
+
+
+def mean_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """The mean next-token cross-entropy of ``model`` on ``batch`` (windows of SEQ + 1)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch[:, :-1]).logits
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       batch[:, 1:].reshape(-1)))
+
+
+def pretrain(corpus: Path, out: Path, steps: int = 120) -> float:
+    """Trains a tiny GPT-2 on the corpus, writes it with save_pretrained to ``out`` and returns
+    its loss on held-out random windows."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        batch = windows(corpus, 16, step)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return mean_loss(model.eval(), windows(corpus, 64, 10_000))
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    corpus = docs_corpus(tmp_path_factory.mktemp("text") / "docs")
+    base = tmp_path_factory.mktemp("hf")
+    pretrained_loss = pretrain(corpus, base / "pretrained")
+    run = base / "run"
+    proc = horovodrun(2, "gloo", [
+        str(ROOT / ".venv" / "bin" / "hvdtrain"), "train", str(ROOT / "configs" / "hf_torch.yaml"),
+        f"model.options.pretrained={base / 'pretrained'}", f"data.options.root={corpus}",
+        f"log.dir={run}", "log.console=false", "log.wandb=disabled", "log.every_steps=1",
+        "train.max_steps=12", "optim.lr=0.0003", "optim.warmup_steps=0",
+        "comm.compression=fp16", "checkpoint.every_steps=12"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return corpus, base, run, pretrained_loss
+
+
+def test_two_ranks_finetune_a_pretrained_model_from_its_loss(finetuned):
+    """The first step's loss is the pretrained model's (within the sampling noise of one batch of
+    32 windows), far below the ln 256 = 5.55 of a random model; training goes on from there."""
+    corpus, _, run, pretrained_loss = finetuned
+    torch.manual_seed(0)
+    fresh = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY)).eval()
+    random_loss = mean_loss(fresh, windows(corpus, 64, 10_000))
+    assert pretrained_loss < random_loss - 1.5, (pretrained_loss, random_loss)
+    records = [r for r in read_jsonl(run / "metrics.jsonl") if "loss" in r and "step" in r]
+    first = records[0]
+    assert first["step"] == 1
+    assert abs(first["loss"] - pretrained_loss) < 0.3, (first["loss"], pretrained_loss)
+    assert first["perplexity"] == pytest.approx(math.exp(first["loss"]))
+    assert 0.0 < first["token_accuracy"] < 1.0
+    assert records[-1]["step"] == 12 and records[-1]["loss"] < random_loss - 1.5
