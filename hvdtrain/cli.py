@@ -66,12 +66,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="output directory (DIR/train/<class>/*.jpg, DIR/test/<class>/*.jpg)")
     for flag, default in (("--train", 5000), ("--test", 1000), ("--size", 32), ("--seed", 0)):
         images.add_argument(flag, type=int, default=default, help=f"default: {default}")
-    text = tools.add_parser("make-text", help="a byte-level corpus (train.bin, val.bin, "
+    text = tools.add_parser("make-text", help="a tokenized corpus (train.bin, val.bin, "
                                               "meta.json) of text files, for data.name=text")
     text.add_argument("sources", nargs="+", metavar="SRC", help="text files, in corpus order")
     text.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     text.add_argument("--val-fraction", type=float, default=0.1,
-                      help="the last this fraction of the bytes is val.bin (default: 0.1)")
+                      help="the last this fraction of the tokens is val.bin (default: 0.1)")
+    text.add_argument("--tokenizer", default="bytes",
+                      help="bytes (default: a token a byte), bpe (a byte-level BPE trained on the "
+                      "files, --vocab-size tokens), or a tokenizer.json or sentencepiece .model "
+                      "file; saved beside the ids (docs/huggingface.md)")
+    text.add_argument("--vocab-size", type=int, default=0,
+                      help="--tokenizer bpe: the tokens of the trained BPE (e.g. 8192)")
     return parser
 
 
@@ -109,18 +115,33 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     if args.action == "make-text":
-        from hvdtrain.data.text import make_text
-
-        meta = make_text(args.sources, args.out, args.val_fraction)
-        print(f"[hvdtrain] wrote {meta['train_tokens']} training and {meta['val_tokens']} "
-              f"validation byte tokens of {len(args.sources)} file(s) to {args.out}; train on "
-              f"them with data.name=text data.options.root={args.out}")
-        return 0
+        return _make_text(args)
     from hvdtrain.data.make_images import make_images
 
     root = make_images(args.dir, args.train, args.test, args.size, args.seed)
     print(f"[hvdtrain] wrote {args.train} training and {args.test} test images of {args.size}x"
           f"{args.size} pixels, 10 classes, to {root}; train on them with data.options.root={root}")
+    return 0
+
+
+def _make_text(args: argparse.Namespace) -> int:
+    """``data make-text``: byte tokens, or a real tokenizer's (:mod:`hvdtrain.data.hf_text`)."""
+    if args.tokenizer == "bytes":
+        from hvdtrain.data.text import make_text
+
+        if args.vocab_size:
+            raise HvdtrainError("data make-text: --vocab-size is for --tokenizer bpe")
+        meta = make_text(args.sources, args.out, args.val_fraction)
+        kind = "byte"
+    else:
+        from hvdtrain.data.hf_text import make_tokenized_text
+
+        meta = make_tokenized_text(args.sources, args.out, args.val_fraction, args.tokenizer,
+                                   args.vocab_size or None)
+        kind = f"{meta['tokenizer_file']} ({meta['vocab_size']} ids)"
+    print(f"[hvdtrain] wrote {meta['train_tokens']} training and {meta['val_tokens']} "
+          f"validation {kind} tokens of {len(args.sources)} file(s) to {args.out}; train on "
+          f"them with data.name=text data.options.root={args.out}")
     return 0
 
 

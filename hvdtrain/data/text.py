@@ -141,6 +141,9 @@ class TextDataset(BuiltDataset):
             raise HvdtrainError(f"data.options.seq_len={seq_len!r}: expected a positive integer")
         base = Path(root)
         meta = read_meta(base)
+        if "tokenizer_file" in meta:  # written by make-text --tokenizer (docs/huggingface.md)
+            from hvdtrain.data.hf_vocab import check_tokenizer
+            check_tokenizer(base, meta)
         vocab, dtype = int(meta["vocab_size"]), str(meta["dtype"])
         counts = {"train": meta.get("train_tokens"), "test": meta.get("val_tokens")}
         sources = {split: TextSource(TokenFile(base / name, dtype, counts[split]), seq_len, vocab)

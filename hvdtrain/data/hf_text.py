@@ -1,0 +1,162 @@
+"""Text corpora tokenized by a real tokenizer (``hvdtrain data make-text --tokenizer``,
+docs/huggingface.md): a byte-level BPE trained on the corpus with ``tokenizers`` at a given
+vocabulary size, or a local ``tokenizer.json`` (``tokenizers``' or ``transformers``' format) or
+sentencepiece ``.model``.
+
+The corpus has the ``text`` format's shape (:mod:`hvdtrain.data.text`): ``train.bin`` and
+``val.bin`` hold the token ids as one flat array (``uint16`` up to 65,536 tokens, else
+``uint32``), ``meta.json`` their vocabulary and counts, and the tokenizer is saved beside them
+(``tokenizer.json`` or ``tokenizer.model``), named by ``meta.json``'s ``tokenizer_file``, so that
+the run that trains on the corpus (its config names the corpus) and ``hvdtrain export --format
+hf`` find it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hvdtrain.data.text import META, SPLITS
+from hvdtrain.errors import HvdtrainError
+
+CHUNK_LINES = 4096
+"""Lines encoded in one call: ``tokenizers`` encodes a batch on all cores, and a corpus of any size
+passes through in pieces of this many lines."""
+MIN_BPE_VOCAB = 257
+"""A byte-level BPE starts from the 256 bytes; it needs room for at least one merge."""
+
+
+def _lines(sources: Sequence[Path]) -> Iterator[str]:
+    """The corpus's lines, each with its newline: every file's text in order, each file ending in
+    one newline, as the byte-level ``make-text`` joins them."""
+    for source in sources:
+        text = source.read_text(encoding="utf-8", errors="replace").rstrip("\n") + "\n"
+        yield from text.splitlines(keepends=True)
+
+
+def _chunks(sources: Sequence[Path]) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for line in _lines(sources):
+        chunk.append(line)
+        if len(chunk) == CHUNK_LINES:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def train_bpe(sources: Sequence[Path], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer (GPT-2's scheme) of at most ``vocab_size`` tokens, trained on
+    the corpus's lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
+        raise HvdtrainError(f"data make-text --vocab-size={vocab_size!r}: a byte-level BPE needs "
+                            f"at least {MIN_BPE_VOCAB} tokens")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_chunks(sources), trainer=trainer)
+    return tokenizer
+
+
+class _Encoder:
+    """One interface over a ``tokenizers`` tokenizer and a sentencepiece model."""
+
+    def __init__(self, path: Path | None, sources: Sequence[Path], vocab_size: int | None) -> None:
+        self.sentencepiece = path is not None and path.suffix == ".model"
+        if path is None:
+            self.impl: Any = train_bpe(sources, vocab_size or 0)
+        elif self.sentencepiece:
+            import sentencepiece
+
+            try:
+                self.impl = sentencepiece.SentencePieceProcessor(model_file=str(path))
+            except (OSError, RuntimeError) as exc:
+                raise HvdtrainError(f"data make-text --tokenizer={path}: not a sentencepiece "
+                                    f"model ({exc})") from None
+        else:
+            from tokenizers import Tokenizer
+
+            try:
+                self.impl = Tokenizer.from_file(str(path))
+            except Exception as exc:  # noqa: BLE001  (the library raises plain Exceptions)
+                first = str(exc).strip().splitlines() or [type(exc).__name__]
+                raise HvdtrainError(f"data make-text --tokenizer={path}: not a tokenizer.json "
+                                    f"({first[0]})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        if self.sentencepiece:
+            return int(self.impl.get_piece_size())
+        return int(self.impl.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, lines: list[str]) -> list[list[int]]:
+        if self.sentencepiece:
+            return [list(ids) for ids in self.impl.encode(lines)]
+        return [e.ids for e in self.impl.encode_batch_fast(lines, add_special_tokens=False)]
+
+    def save(self, root: Path, path: Path | None) -> str:
+        """Saves the tokenizer in ``root`` and returns its file name there."""
+        if self.sentencepiece and path is not None:
+            shutil.copyfile(path, root / "tokenizer.model")
+            return "tokenizer.model"
+        self.impl.save(str(root / "tokenizer.json"))
+        return "tokenizer.json"
+
+
+def make_tokenized_text(sources: Sequence[str | Path], out: str | Path, val_fraction: float = 0.1,
+                        tokenizer: str | None = None, vocab_size: int | None = None
+                        ) -> dict[str, Any]:
+    """Writes a corpus of the files ``sources`` to ``out`` (which must not exist or be empty),
+    tokenized by a BPE trained on them (``tokenizer`` None or ``"bpe"``, ``vocab_size`` tokens)
+    or by the tokenizer file ``tokenizer``; the last ``val_fraction`` of the tokens is
+    ``val.bin``. Returns the meta."""
+    if not 0.0 < val_fraction < 1.0:
+        raise HvdtrainError(f"data make-text --val-fraction={val_fraction}: must be in (0, 1)")
+    if not sources:
+        raise HvdtrainError("data make-text: no source files given")
+    root, files = Path(out), [Path(s) for s in sources]
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise HvdtrainError(f"data make-text: {root} exists and is not an empty directory")
+    for source in files:
+        if not source.is_file():
+            raise HvdtrainError(f"data make-text: {source} is not a file")
+    path = None if tokenizer in (None, "bpe") else Path(str(tokenizer))
+    if path is not None and not path.is_file():
+        raise HvdtrainError(f"data make-text --tokenizer={tokenizer}: no such file (give bpe, a "
+                            "tokenizer.json or a sentencepiece .model)")
+    if path is not None and vocab_size:
+        raise HvdtrainError("data make-text: --vocab-size is for --tokenizer bpe; a tokenizer "
+                            "file has its own vocabulary")
+    encoder = _Encoder(path, files, vocab_size)
+    vocab = encoder.vocab_size
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    # Lists of ids become arrays in C (np.array of a flat list), not an id at a time in Python.
+    pieces = [np.array(list(chain.from_iterable(encoder.encode(chunk))), dtype)
+              for chunk in _chunks(files)]
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    if tokens.size and int(tokens.max()) >= vocab:  # added tokens beyond the reported size
+        raise HvdtrainError(f"data make-text --tokenizer={tokenizer}: it gives id "
+                            f"{int(tokens.max())}, outside its vocabulary of {vocab}")
+    split = len(tokens) - round(len(tokens) * val_fraction)
+    if split < 2 or len(tokens) - split < 2:
+        raise HvdtrainError(f"data make-text: {len(tokens)} tokens of text leave a split empty "
+                            f"at --val-fraction={val_fraction}; give more text")
+    root.mkdir(parents=True, exist_ok=True)
+    meta = {"vocab_size": vocab, "dtype": dtype, "train_tokens": split,
+            "val_tokens": len(tokens) - split,
+            "tokenizer": "bpe" if path is None else str(path),
+            "tokenizer_file": encoder.save(root, path), "sources": [str(s) for s in sources]}
+    tokens[:split].tofile(root / SPLITS["train"])
+    tokens[split:].tofile(root / SPLITS["test"])
+    (root / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
