@@ -37,6 +37,7 @@ from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import merged_parts, read_state
 from hvdtrain.torch.precision import PlacedAdapter, Precision
 from hvdtrain.torch.shard import ShardedOptimizer
+from hvdtrain.torch.shard_units import UnitShardedOptimizer, checkpoint_units
 from hvdtrain.torch.step import TorchKernels
 
 
@@ -93,6 +94,8 @@ class TorchEngine(Engine):
         model = self.adapter.build(dataset.spec())
         if not isinstance(model, torch.nn.Module):
             raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
+        if cfg.model.activation_checkpointing:  # per unit, the units sharding cuts
+            checkpoint_units(model, cfg.shard.unit_kib * 1024)
         return model
 
     def _make_optimizer(self, cfg: Config) -> None:
@@ -109,7 +112,7 @@ class TorchEngine(Engine):
         # Optimizer state first: on a rank without state Horovod makes it with a zero-gradient step,
         # which weight decay would turn into a change of the weights that the broadcast then undoes.
         # A sharded optimizer's ranks hold different shards: its exchange's broadcast cuts them.
-        if not isinstance(self.optimizer, ShardedOptimizer):
+        if not isinstance(self.optimizer, ShardedOptimizer | UnitShardedOptimizer):
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # Each rank's own residuals, re-sharded if the size changed.

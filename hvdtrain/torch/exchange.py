@@ -117,10 +117,11 @@ def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: to
     ranks; the sharded update shards over this rank's stage's copies (None: every one of
     ``size`` ranks is a copy)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if shard is not None and shard.stage == 1:
+    if shard is not None and shard.stage >= 1:
         ranks = layout or Layout(size)
         return make_sharded(optimizer, model, ranks.copy_of(rank), ranks.copies,
-                            chunk_elements(shard.chunk_kib), comm.compression)
+                            chunk_elements(shard.chunk_kib), comm.compression, shard=shard,
+                            accumulation=accumulation)
     if ps is not None:
         shapes = [p.shape for p in params]
         client = make_client(ps, comm, shapes, seed)

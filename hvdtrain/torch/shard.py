@@ -19,6 +19,7 @@ ring, the sharded update and other numbers of ranks.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,6 +45,14 @@ _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
 Targets = Callable[[int], torch.Tensor | None]
 """Parameter index -> the flat tensor a gathered piece is written into (None: dropped)."""
+
+
+def same_optimizer(optimizer: torch.optim.Optimizer,
+                   params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and settings over ``params`` (defaults its
+    constructor does not take are left out: AdamW's ``decoupled_weight_decay``)."""
+    takes = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if k in takes})
 
 
 def sharded(value: Any) -> bool:
@@ -102,7 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.shard = torch.nn.Parameter(torch.zeros(self.stop - self.start, device=device))
         super().__init__([self.shard], dict(optimizer.defaults))
         # The same class and settings as the run's optimizer, over the shard alone.
-        self.inner = type(optimizer)([self.shard], **optimizer.defaults)
+        self.inner = same_optimizer(optimizer, [self.shard])
         self.param_groups, self.state = self.inner.param_groups, self.inner.state
         self.stats: dict[str, float] = {"comm_s": 0.0}  # the exchange's: the allgather adds
         self._full: dict[str, Any] | None = None  # rank 0: the state gathered or restored
@@ -310,9 +319,14 @@ class ShardedExchange(GradientExchange):
 
 
 def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                   size: int, chunk: int, compression: str
-                   ) -> tuple[ShardedExchange, ShardedOptimizer]:
+                   size: int, chunk: int, compression: str, shard: Any = None,
+                   accumulation: int = 1) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
-    settings it keeps); ``chunk``: elements per rank in one round of either collective."""
+    settings it keeps); ``chunk``: elements per rank in one round of either collective (stage
+    1). ``shard``: the config section, whose stages 2 and 3 are
+    :mod:`hvdtrain.torch.shard_units`'s (``accumulation``: micro-batches a step)."""
+    if shard is not None and shard.stage >= 2:
+        from hvdtrain.torch.shard_units import make_unit_sharded  # it imports this module
+        return make_unit_sharded(optimizer, model, rank, size, shard, compression, accumulation)
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
     return ShardedExchange(sharded_opt, compression), sharded_opt

@@ -45,6 +45,9 @@ class TorchKernels(StepKernels):
         return loss_sum.detach(), metrics
 
     def gradients(self) -> list[torch.Tensor]:
+        own = getattr(self.optimizer, "gradients", None)
+        if own is not None:  # shard.stage 2-3: the optimizer holds its shards' gradients
+            return list(own())
         grads = []
         for p in self.params:
             if p.grad is None:  # a parameter this step did not reach still takes part

@@ -1,0 +1,518 @@
+"""Sharded data parallel at stages 2 and 3 for PyTorch (``shard.stage`` 2 or 3, docs/sharding.md).
+
+The model is cut into units (:func:`find_units`: the layers of a ``Sequential``, else modules
+of at most ``shard.unit_kib``; parameters in no unit form a last, root unit). Each unit's
+trainable parameters, flattened in order, are split over the data-parallel copies as Horovod
+splits a first dimension (:func:`hvdtrain.shard.shard_bounds`): each rank keeps a float32 shard
+of every unit, which its optimizer (the run's class and settings) steps.
+
+- **Stage 2** keeps the parameters whole on every rank. As the backward pass finishes a unit's
+  gradients (a post-accumulate-grad hook on each parameter), the unit's flat gradient is
+  reduce-scattered with Horovod's ``Average`` (asynchronously: the backward pass goes on) and
+  the whole gradients are dropped; each rank keeps the gradient of its shards only, summed over
+  the micro-batches. After the update the shards are all-gathered back into the parameters.
+- **Stage 3** keeps the shards only. A unit's parameters are all-gathered before its forward
+  pass (a forward pre-hook) and, when ``shard.reshard_after_forward``, freed after it and
+  gathered again before its backward pass (a backward pre-hook); the gathers of the next
+  ``shard.prefetch`` units start ahead (Horovod's async handles). After the unit's backward pass
+  its gradient is reduce-scattered and the gathered parameters are freed.
+
+Checkpoints hold the model and the optimizer state in the ring's layout, as at stage 1
+(:mod:`hvdtrain.torch.shard`): rank 0 gathers them, and a restored state is cut into the current
+world's shards, so a run resumes at another stage or number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
+from hvdtrain.shard import check_resize, shard_bounds
+from hvdtrain.torch.collectives import any_rank
+from hvdtrain.torch.shard import _outline, _Whole, same_optimizer, sharded
+
+# A first unit whose inputs need no gradient (token ids) still gets its backward pre-hook, which
+# is all stage 3 asks of it.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                        "computed with respect to module outputs")
+
+
+def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
+    """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
+    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module)."""
+    if isinstance(model, nn.Sequential):
+        return [m for m in model if _bytes(m)]
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            size = _bytes(child)
+            if size and (size <= limit_bytes or not any(True for _ in child.children())):
+                units.append(child)
+            elif size:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def checkpoint_units(model: nn.Module, limit_bytes: int) -> None:
+    """Activation checkpointing: each unit's forward pass runs under ``torch.utils.checkpoint``
+    (non-reentrant), so its activations are recomputed in the backward pass instead of kept."""
+    for unit in find_units(model, limit_bytes):
+        forward = unit.forward
+
+        def recomputed(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # evaluation keeps nothing anyway
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False,
+                                                     **kwargs)
+
+        unit.forward = recomputed
+
+
+class Unit:
+    """One unit's trainable parameters and this rank's float32 shard of them (flat)."""
+
+    def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
+                 rank: int, size: int) -> None:
+        self.index, self.module, self.params = index, module, params
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.total = sum(self.sizes)
+        self.start, self.stop = shard_bounds(self.total, size, rank)
+        device = params[0].device
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self.shard = nn.Parameter(flat[self.start:self.stop].clone())
+        self.grad = torch.zeros_like(self.shard)
+        self.full = True  # whether the parameters hold their gathered values
+        self.gathering: Any = None  # an all-gather's handle, started ahead
+        self.scattering: Any = None  # the reduce-scatter of this micro-batch's gradient
+        self.arrived = 0  # parameters whose gradient this backward pass has accumulated
+        self.empty = torch.empty(0, device=device)
+
+    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its view into the unit's flat vector ``flat``."""
+        at = 0
+        for p, n, shape in zip(self.params, self.sizes, self.shapes, strict=True):
+            yield p, flat[at:at + n].view(shape)
+            at += n
+
+    def set_full(self, flat: torch.Tensor) -> None:
+        for p, view in self.views(flat):
+            p.data = view
+        self.full = True
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = self.empty
+        self.full = False
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros(shape)).reshape(-1)
+                          for p, shape in zip(self.params, self.shapes, strict=True)])
+
+
+class UnitSharding:
+    """The hooks and collectives of stages 2 and 3 over the model's units (module docstring)."""
+
+    def __init__(self, model: nn.Module, stage: int, rank: int, size: int, unit_bytes: int,
+                 prefetch: int, reshard_after_forward: bool, compression: str) -> None:
+        self.stage, self.rank, self.size, self.prefetch = stage, rank, size, prefetch
+        self.reshard = reshard_after_forward
+        self.half = compression == "fp16"
+        every = list(model.parameters())
+        self.index = {id(p): i for i, p in enumerate(every)}
+        self.count = len(every)
+        if stage == 3:  # every rank starts from rank 0's values, as the ring's broadcast does
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        self.units = self._cut(model, unit_bytes)
+        self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
+        self.micro = 0
+        self.restored: dict[str, torch.Tensor] | None = None  # rank 0: a checkpoint's parameters
+        self.saved: dict[int, torch.Tensor] | None = None  # rank 0: gathered for a checkpoint
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self._hook(model)
+        if stage == 3:
+            for unit in self.units:
+                unit.free()
+
+    def _cut(self, model: nn.Module, unit_bytes: int) -> list[Unit]:
+        seen: set[int] = set()
+        groups: list[tuple[nn.Module | None, list[nn.Parameter]]] = []
+        for module in find_units(model, unit_bytes):
+            own = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            if self.stage == 3 and any(id(p) in seen for p in module.parameters()):
+                raise HvdtrainError("shard.stage=3: a parameter is shared between units "
+                                    f"({type(module).__name__}); use shard.stage=2")
+            seen.update(id(p) for p in own)
+            if own:
+                groups.append((module, own))
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+        if rest:
+            groups.append((None, rest))
+        for _, params in groups:
+            for p in params:
+                if p.dtype != torch.float32 or not p.is_contiguous():
+                    raise HvdtrainError(f"shard.stage={self.stage}: every trainable parameter "
+                                        "must be a contiguous float32 tensor")
+        return [Unit(i, module, params, self.rank, self.size)
+                for i, (module, params) in enumerate(groups)]
+
+    # hooks ---------------------------------------------------------------------------------
+
+    def _hook(self, model: nn.Module) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._arrived(u))
+            if self.stage == 3 and unit.module is not None:
+                unit.module.register_forward_pre_hook(lambda *_, u=unit: self._before(u, 1))
+                unit.module.register_forward_hook(lambda *_, u=unit: self._after_forward(u))
+                unit.module.register_full_backward_pre_hook(
+                    lambda *_, u=unit: self._before(u, -1))
+        if self.stage == 3:
+            root = [u for u in self.units if u.module is None]
+            model.register_forward_pre_hook(lambda *_: self._gather_root(root))
+            model.register_state_dict_post_hook(lambda *args: self._state_dict_hook(*args))
+            model.register_load_state_dict_pre_hook(lambda *args: self._load_hook(*args))
+
+    def _gather_root(self, root: list[Unit]) -> None:
+        for unit in root:  # the parameters in no unit: gathered for the whole pass
+            self._gather(unit)
+
+    def _before(self, unit: Unit, direction: int) -> None:
+        """Before a unit's forward (``direction`` 1) or backward (-1) pass: its parameters, and
+        the gathers of the next units in that order started."""
+        if self.whole:
+            return
+        self._gather(unit)
+        modules = [u for u in self.units if u.module is not None]
+        at = modules.index(unit)
+        for ahead in range(1, self.prefetch + 1):
+            k = at + direction * ahead
+            if 0 <= k < len(modules):
+                self._start_gather(modules[k])
+
+    def _after_forward(self, unit: Unit) -> None:
+        # Under no_grad (evaluation) nothing comes back for the parameters: free them too.
+        if not self.whole and (self.reshard or not torch.is_grad_enabled()):
+            unit.free()
+
+    def _start_gather(self, unit: Unit) -> None:
+        if not unit.full and unit.gathering is None:
+            unit.gathering = hvd.allgather_async(unit.shard.detach(),
+                                                 name=f"hvdtrain.shard.gather.{unit.index}")
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.full:
+            return
+        self._start_gather(unit)
+        flat, unit.gathering = hvd.synchronize(unit.gathering), None
+        unit.set_full(flat)
+
+    def _arrived(self, unit: Unit) -> None:
+        if self.whole:
+            return
+        unit.arrived += 1
+        if unit.arrived == len(unit.params):
+            self._scatter(unit)
+
+    def _scatter(self, unit: Unit) -> None:
+        """Starts the reduce-scatter of the unit's gradient and drops the whole gradients (and,
+        at stage 3, the gathered parameters)."""
+        flat = unit.flat_grad()
+        unit.arrived = 0
+        for p in unit.params:
+            p.grad = None
+        if self.stage == 3:
+            unit.free()
+        name = f"hvdtrain.shard.scatter.{unit.index}.{self.micro}"
+        unit.scattering = hvd.reducescatter_async(flat.half() if self.half else flat, name=name,
+                                                  op=hvd.Average)
+
+    def settle(self) -> None:
+        """After a backward pass: every unit's reduce-scatter sent (those whose parameters did
+        not all get a gradient too) and added to its shard's gradient."""
+        for unit in self.units:
+            if unit.arrived:
+                self._scatter(unit)
+        for unit in self.units:
+            if unit.scattering is not None:
+                unit.grad += hvd.synchronize(unit.scattering).float()
+                unit.scattering = None
+        self.micro += 1
+
+    def zero_grad(self) -> None:
+        """Before a step: the shards' gradients zeroed; at stage 3 every unit freed (a
+        checkpoint or an evaluation may have left some gathered on every rank)."""
+        self.micro = 0
+        for unit in self.units:
+            unit.grad.zero_()
+            for p in unit.params:
+                p.grad = None
+            if self.stage == 3 and not self.whole:
+                unit.free()
+
+    def after_step(self) -> None:
+        """Stage 2: the updated shards all-gathered back into every rank's parameters (a
+        collective); stage 3 gathers before each unit's next forward pass instead."""
+        if self.stage == 2 or self.whole:
+            flats = hvd.grouped_allgather([u.shard.detach() for u in self.units],
+                                          name="hvdtrain.shard.params")
+            for unit, flat in zip(self.units, flats, strict=True):
+                for p, view in unit.views(flat):
+                    p.data.copy_(view)
+
+    def load_shards(self) -> None:
+        """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
+        if self.stage == 2:
+            for unit in self.units:
+                flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
+                unit.shard.data.copy_(flat[unit.start:unit.stop])
+
+    def gather_all(self, keep: bool) -> None:
+        """Every unit's parameters gathered (a collective); ``keep``: they stay gathered and the
+        hooks rest (the end of training), else only rank 0 keeps a copy for its checkpoint."""
+        if self.stage == 2:
+            return
+        saved: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            if unit.full:
+                flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
+            else:
+                flat = hvd.allgather(unit.shard.detach(), name=f"hvdtrain.shard.all.{unit.index}")
+            if keep:
+                unit.set_full(flat.clone())
+            elif self.rank == 0:
+                for p, view in unit.views(flat):
+                    saved[id(p)] = view.clone()
+        self.whole = self.whole or keep
+        self.saved = saved if self.rank == 0 and not keep else None
+
+    def _state_dict_hook(self, module: nn.Module, state: dict[str, Any], prefix: str,
+                         local_metadata: Any) -> None:
+        # Stage 3's freed parameters are empty: the checkpoint gets the gathered copy.
+        if self.saved is not None:
+            for key, p in module.named_parameters(prefix=prefix):
+                if id(p) in self.saved:
+                    state[key] = self.saved[id(p)]
+
+    def _load_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any
+                   ) -> None:
+        # A whole model's parameters (rank 0 restores alone): kept for broadcast(), and the
+        # freed parameters load an empty tensor of their own shape.
+        restored: dict[str, torch.Tensor] = {}
+        for key, p in module.named_parameters(prefix=prefix):
+            if id(p) in self.names and key in state and not self.whole and p.numel() == 0:
+                restored[self.names[id(p)]] = state[key]
+                state[key] = p.detach()
+        self.restored = restored or None
+
+    def broadcast(self, root_rank: int) -> None:
+        """Stage 3: the parameters rank ``root_rank`` restored cut into every rank's shards,
+        one unit at a time (a collective)."""
+        if self.stage != 3:
+            return
+        restored = self.restored if self.rank == root_rank else None
+        self.restored = None
+        if not hvd.broadcast_object(restored is not None, root_rank=root_rank,
+                                    name="hvdtrain.shard.restored"):
+            return
+        for unit in self.units:
+            if restored is not None:
+                flat = torch.cat([restored[self.names[id(p)]].reshape(-1).float()
+                                  for p in unit.params])
+            else:
+                flat = torch.empty(unit.total)
+            flat = hvd.broadcast(flat, root_rank, name=f"hvdtrain.shard.model.{unit.index}")
+            unit.shard.data.copy_(flat[unit.start:unit.stop])
+            if unit.full:
+                unit.set_full(flat)
+
+
+class UnitShardedOptimizer(torch.optim.Optimizer):
+    """The run's optimizer over this rank's shard of every unit (stages 2 and 3).
+
+    It stands where the run's optimizer stood for the step and for checkpoints, whose
+    ``state_dict`` is the ring's layout (one entry per parameter of the model), as stage 1's
+    :class:`hvdtrain.torch.shard.ShardedOptimizer` writes it: the two resume each other."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sharding: UnitSharding) -> None:
+        self.sharding, self.units = sharding, sharding.units
+        self.rank = sharding.rank
+        shards = [u.shard for u in self.units]
+        super().__init__(shards, dict(optimizer.defaults))
+        self.inner = same_optimizer(optimizer, shards)
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+        self._full: dict[str, Any] | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the shards' gradients (summed over a step's micro-batches)."""
+        self.sharding.zero_grad()
+        for unit in self.units:
+            unit.shard.grad = None
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The step's averaged gradient of each shard (the reduce-scatters waited for)."""
+        self.sharding.settle()
+        return [u.grad for u in self.units]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Steps the shards; stage 2 then all-gathers them into the parameters (a collective)."""
+        self.sharding.load_shards()
+        self.inner.step()
+        self.sharding.after_step()
+
+    def gather(self) -> None:
+        """The model (stage 3) and the optimizer state gathered onto rank 0 in the ring's
+        layout, for a checkpoint (a collective)."""
+        self.sharding.gather_all(keep=False)
+        own = self.inner.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for u, unit in enumerate(self.units):
+            for key, value in sorted(own["state"].get(u, {}).items()):
+                if not sharded(value):
+                    for p in unit.params:
+                        state.setdefault(self.sharding.index[id(p)], {})[key] = (
+                            value.clone() if torch.is_tensor(value) else value)
+                    continue
+                flat = hvd.allgather(value.detach(), name=f"hvdtrain.shard.state.{u}.{key}")
+                for p, view in unit.views(flat):
+                    state.setdefault(self.sharding.index[id(p)], {})[key] = view.clone()
+        groups = [{**g, "params": list(range(self.sharding.count))} for g in own["param_groups"]]
+        self._full = {"state": state, "param_groups": groups} if self.rank == 0 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state :meth:`gather` collected (rank 0), in the ring's layout."""
+        if self._full is None:
+            raise HvdtrainError("shard.stage 2-3: the optimizer state is written after "
+                                "gather() only, on rank 0")
+        full, self._full = self._full, None
+        return full
+
+    def load_state_dict(self, full: Mapping[str, Any]) -> None:
+        """Takes this rank's shards of a state in the ring's layout; kept for :meth:`broadcast`."""
+        self._full = dict(full)
+        self._apply(full)
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        """Every rank's shards of the state rank ``root_rank`` restored, one parameter's tensor
+        at a time; a fresh start makes the state with one zero-gradient step, as Horovod's
+        ``broadcast_optimizer_state`` does on the ring (a collective)."""
+        self.sharding.broadcast(root_rank)
+        full = self._full if self.rank == root_rank else None
+        self._full = None
+        outline = hvd.broadcast_object(None if full is None else _outline(full),
+                                       root_rank=root_rank, name="hvdtrain.shard.outline")
+        if outline is None:
+            if not self.inner.state:
+                self._zero_step()
+            return
+
+        def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
+            mine = (full["state"][index][key] if full is not None
+                    else torch.empty(value.shape, dtype=value.dtype))
+            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
+
+        self._apply(outline, fetch)
+
+    def _zero_step(self) -> None:
+        for unit in self.units:
+            unit.shard.grad = torch.zeros_like(unit.shard)
+        self.step()
+        for unit in self.units:
+            unit.shard.grad = None
+
+    def _apply(self, full: Mapping[str, Any],
+               fetch: Callable[[int, str, Any], torch.Tensor] | None = None) -> None:
+        groups = full["param_groups"]
+        if len(groups) != 1 or len(groups[0]["params"]) != self.sharding.count:
+            raise HvdtrainError(f"the optimizer state has {len(groups)} group(s) of "
+                                f"{[len(g['params']) for g in groups]} parameters; this model "
+                                f"has one group of {self.sharding.count}")
+        own: dict[int, dict[str, Any]] = {}
+        for u, unit in enumerate(self.units):
+            pieces: dict[str, list[torch.Tensor]] = {}
+            for p in unit.params:
+                for key, value in full["state"].get(self.sharding.index[id(p)], {}).items():
+                    if not (sharded(value) or isinstance(value, _Whole)):
+                        own.setdefault(u, {}).setdefault(key, value)
+                        continue
+                    tensor = fetch(self.sharding.index[id(p)], key, value) if fetch else value
+                    pieces.setdefault(key, []).append(tensor.reshape(-1))
+            for key, parts in pieces.items():
+                own.setdefault(u, {})[key] = torch.cat(parts)[unit.start:unit.stop].clone()
+        self.inner.load_state_dict({"state": own,
+                                    "param_groups": [{**groups[0],
+                                                      "params": list(range(len(self.units)))}]})
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
+
+
+class UnitShardedExchange(GradientExchange):
+    """Stages 2 and 3: the reduce-scatters run in the backward pass's hooks; :meth:`run` waits
+    for them and hands each shard's averaged gradient to the update. ``wire_bytes``: what a
+    rank hands Horovod a step (every micro-batch's gradient to reduce-scatter, float16 under
+    ``fp16``; its float32 shards to all-gather: once at stage 2, before each forward and each
+    backward pass at stage 3)."""
+
+    def __init__(self, optimizer: UnitShardedOptimizer, accumulation: int) -> None:
+        self.optimizer, self.sharding = optimizer, optimizer.sharding
+        self.rank, self.size, self.accumulation = self.sharding.rank, self.sharding.size, accumulation
+        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
+
+    def backward_starts(self, last: bool) -> None:
+        if self.sharding.micro or any(u.scattering is not None for u in self.sharding.units):
+            self.sharding.settle()  # the previous micro-batch's reduce-scatters
+
+    def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        began = time.perf_counter()
+        out = self.optimizer.gradients() if not grads else list(grads)
+        total = sum(u.total for u in self.sharding.units)
+        own = sum(u.stop - u.start for u in self.sharding.units)
+        gathers = 1 if self.sharding.stage == 2 else self.accumulation * (
+            2 if self.sharding.reshard else 1)
+        item = 2 if self.sharding.half else 4
+        self.stats = {"wire_bytes": float(self.accumulation * item * total + gathers * 4 * own),
+                      "dense_bytes": float(self.accumulation * 4 * total + gathers * 4 * own),
+                      "comm_s": time.perf_counter() - began, "compress_s": 0.0}
+        return out
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        check_resize(self.rank, self.size, rank, size)
+
+    def gather(self) -> None:
+        self.optimizer.gather()
+
+    def broadcast(self, root_rank: int = 0) -> None:
+        self.optimizer.broadcast(root_rank)
+
+    def finish(self) -> None:
+        # The parameters gathered whole on every rank: the run's result is the whole model.
+        self.sharding.gather_all(keep=True)
+
+
+def make_unit_sharded(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, size: int,
+                      shard: Any, compression: str, accumulation: int
+                      ) -> tuple[UnitShardedExchange, UnitShardedOptimizer]:
+    """The exchange and optimizer of ``shard.stage`` 2 or 3 (``shard``: the config section)
+    over ``rank`` of ``size`` data-parallel copies, standing for ``optimizer``."""
+    sharding = UnitSharding(model, shard.stage, rank, size, shard.unit_kib * 1024,
+                            shard.prefetch, shard.reshard_after_forward, compression)
+    sharded_opt = UnitShardedOptimizer(optimizer, sharding)
+    return UnitShardedExchange(sharded_opt, accumulation), sharded_opt
