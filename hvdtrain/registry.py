@@ -79,7 +79,8 @@ DATASETS = Registry("dataset", {"digits": "hvdtrain.data.digits:DigitsDataset",
                                 "torch_dataset": "hvdtrain.torch.data:TorchDatasets",
                                 "synthetic_images": "hvdtrain.data.synthetic:SyntheticImages",
                                 "mnist1d": "hvdtrain.data.mnist1d:Mnist1dDataset",
-                                "text": "hvdtrain.data.text:TextDataset"})
+                                "text": "hvdtrain.data.text:TextDataset",
+                                "hf_dataset": "hvdtrain.data.hf_dataset:HfDataset"})
 """Framework-free datasets: each yields NumPy arrays."""
 
 MODELS = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,10 @@ def _lines(sources: Sequence[Path]) -> Iterator[str]:
         yield from text.splitlines(keepends=True)
 
 
-def _chunks(sources: Sequence[Path]) -> Iterator[list[str]]:
+def chunked(lines: Iterable[str]) -> Iterator[list[str]]:
+    """``lines`` in lists of :data:`CHUNK_LINES`."""
     chunk: list[str] = []
-    for line in _lines(sources):
+    for line in lines:
         chunk.append(line)
         if len(chunk) == CHUNK_LINES:
             yield chunk
@@ -51,9 +52,9 @@ def _chunks(sources: Sequence[Path]) -> Iterator[list[str]]:
         yield chunk
 
 
-def train_bpe(sources: Sequence[Path], vocab_size: int) -> Any:
+def train_bpe(chunks: Iterable[list[str]], vocab_size: int) -> Any:
     """A byte-level BPE tokenizer (GPT-2's scheme) of at most ``vocab_size`` tokens, trained on
-    the corpus's lines."""
+    the corpus's chunks of lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
@@ -64,24 +65,26 @@ def train_bpe(sources: Sequence[Path], vocab_size: int) -> Any:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(_chunks(sources), trainer=trainer)
+    tokenizer.train_from_iterator(chunks, trainer=trainer)
     return tokenizer
 
 
-class _Encoder:
-    """One interface over a ``tokenizers`` tokenizer and a sentencepiece model."""
+class Encoder:
+    """One interface over a ``tokenizers`` tokenizer and a sentencepiece model: the file at
+    ``path``, or (``path`` None) a BPE of ``vocab_size`` tokens trained on ``chunks()``."""
 
-    def __init__(self, path: Path | None, sources: Sequence[Path], vocab_size: int | None) -> None:
+    def __init__(self, path: Path | None, chunks: Callable[[], Iterable[list[str]]],
+                 vocab_size: int | None, what: str = "data make-text --tokenizer") -> None:
         self.sentencepiece = path is not None and path.suffix == ".model"
         if path is None:
-            self.impl: Any = train_bpe(sources, vocab_size or 0)
+            self.impl: Any = train_bpe(chunks(), vocab_size or 0)
         elif self.sentencepiece:
             import sentencepiece
 
             try:
                 self.impl = sentencepiece.SentencePieceProcessor(model_file=str(path))
             except (OSError, RuntimeError) as exc:
-                raise HvdtrainError(f"data make-text --tokenizer={path}: not a sentencepiece "
+                raise HvdtrainError(f"{what}={path}: not a sentencepiece "
                                     f"model ({exc})") from None
         else:
             from tokenizers import Tokenizer
@@ -90,7 +93,7 @@ class _Encoder:
                 self.impl = Tokenizer.from_file(str(path))
             except Exception as exc:  # noqa: BLE001  (the library raises plain Exceptions)
                 first = str(exc).strip().splitlines() or [type(exc).__name__]
-                raise HvdtrainError(f"data make-text --tokenizer={path}: not a tokenizer.json "
+                raise HvdtrainError(f"{what}={path}: not a tokenizer.json "
                                     f"({first[0]})") from None
 
     @property
@@ -137,25 +140,45 @@ def make_tokenized_text(sources: Sequence[str | Path], out: str | Path, val_frac
     if path is not None and vocab_size:
         raise HvdtrainError("data make-text: --vocab-size is for --tokenizer bpe; a tokenizer "
                             "file has its own vocabulary")
-    encoder = _Encoder(path, files, vocab_size)
-    vocab = encoder.vocab_size
-    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    encoder = Encoder(path, lambda: chunked(_lines(files)), vocab_size)
+    return write_corpus(root, encoder, chunked(_lines(files)), val_fraction,
+                        {"tokenizer": "bpe" if path is None else str(path),
+                         "sources": [str(s) for s in sources]}, path)
+
+
+def encode(encoder: Encoder, chunks: Iterable[list[str]]) -> np.ndarray:
+    """The ids of ``chunks`` as one array (``uint16`` up to 65,536 ids, else ``uint32``)."""
+    dtype = "uint16" if encoder.vocab_size <= 1 << 16 else "uint32"
     # Lists of ids become arrays in C (np.array of a flat list), not an id at a time in Python.
     pieces = [np.array(list(chain.from_iterable(encoder.encode(chunk))), dtype)
-              for chunk in _chunks(files)]
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
-    if tokens.size and int(tokens.max()) >= vocab:  # added tokens beyond the reported size
-        raise HvdtrainError(f"data make-text --tokenizer={tokenizer}: it gives id "
-                            f"{int(tokens.max())}, outside its vocabulary of {vocab}")
+              for chunk in chunks]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+def write_corpus(root: Path, encoder: Encoder, chunks: Iterable[list[str]], val_fraction: float,
+                 info: dict[str, Any], path: Path | None = None,
+                 val_chunks: Iterable[list[str]] | None = None) -> dict[str, Any]:
+    """Encodes ``chunks`` and writes them to ``root`` in the ``text`` format, the last
+    ``val_fraction`` of the tokens as ``val.bin`` (or, given ``val_chunks``, those), with the
+    tokenizer (read from ``path``, or the one trained) and ``meta.json`` (``info`` added to it).
+    Returns the meta."""
+    vocab = encoder.vocab_size
+    tokens = encode(encoder, chunks)
     split = len(tokens) - round(len(tokens) * val_fraction)
+    if val_chunks is not None:
+        split = len(tokens)
+        tokens = np.concatenate([tokens, encode(encoder, val_chunks)])
+    dtype = str(tokens.dtype)
+    if tokens.size and int(tokens.max()) >= vocab:  # added tokens beyond the reported size
+        raise HvdtrainError(f"tokenizer {info.get('tokenizer')}: it gives id "
+                            f"{int(tokens.max())}, outside its vocabulary of {vocab}")
     if split < 2 or len(tokens) - split < 2:
-        raise HvdtrainError(f"data make-text: {len(tokens)} tokens of text leave a split empty "
-                            f"at --val-fraction={val_fraction}; give more text")
+        raise HvdtrainError(f"{len(tokens)} tokens of text leave a split empty at a validation "
+                            f"fraction of {val_fraction}; give more text")
     root.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": vocab, "dtype": dtype, "train_tokens": split,
-            "val_tokens": len(tokens) - split,
-            "tokenizer": "bpe" if path is None else str(path),
-            "tokenizer_file": encoder.save(root, path), "sources": [str(s) for s in sources]}
+            "val_tokens": len(tokens) - split, **info,
+            "tokenizer_file": encoder.save(root, path)}
     tokens[:split].tofile(root / SPLITS["train"])
     tokens[split:].tofile(root / SPLITS["test"])
     (root / META).write_text(json.dumps(meta, indent=1) + "\n")
