@@ -42,7 +42,7 @@ FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "cs
 def load_table(path: str, what: str = "data.options.path") -> Any:
     """The ``datasets.Dataset`` (or ``DatasetDict`` of a ``save_to_disk`` directory) at ``path``,
     read locally: nothing is downloaded."""
-    import datasets  # type: ignore[import-untyped]  (no type information)
+    import datasets  # type: ignore[import-untyped]
 
     datasets.disable_progress_bars()
     where = Path(path)
