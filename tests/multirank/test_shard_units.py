@@ -1,0 +1,100 @@
+"""Sharded data parallel at stages 2 and 3 (``shard.stage`` 2-3, PyTorch): each trains as the
+ring does on the same global batch, with gradient accumulation and AdamW's weight decay, with and
+without activation checkpointing, and its checkpoints move between the ring and stage 3.
+
+One launch under Gloo (-np 2): the ring with AdamW (2 micro-batches a step, 2 epochs, a
+checkpoint every 23 steps), stages 2 and 3 with the same settings, stage 3 with activation
+checkpointing, stage 3 resumed from the ring's step-23 checkpoint and the ring resumed from stage
+3's. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
+with momentum), against the ring's run that test launches. The rest is marked ``long``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import read_jsonl
+from tests.multirank.conftest import EQUIV, Launch, launch_worker
+
+ADAMW = ("data.batch_size=16,train.backward_passes_per_step=2,train.epochs=2,optim.warmup_steps=0,"
+         "optim.name=adamw,optim.lr=0.002,optim.weight_decay=0.01,checkpoint.every_steps=23")
+PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
+"""The digits MLP's parameters: units of 8,320 and 1,290 elements, halves of 4,160 and 645."""
+TOLERANCE = 1e-5
+"""The reduce-scatter averages each micro-batch before the sum, the ring sums and then averages
+(seen: 3e-8 after 46 AdamW steps); one step more or less moves 1e-3 to 1e-2."""
+
+
+def ckpt(launch_out: Path, run: str, step: int) -> Path:
+    return launch_out / run / "checkpoints" / f"step-{step:08d}.ckpt"
+
+
+@pytest.fixture(scope="session")
+def units(tmp_path_factory) -> Callable[[str], Launch]:
+    """``units(controller)``: the launch the module docstring describes; launched once."""
+    cache: dict[str, Launch] = {}
+
+    def get(controller: str) -> Launch:
+        if controller not in cache:
+            out = tmp_path_factory.mktemp(f"shard-units-{controller}")
+            if controller == "mpi":
+                equiv = EQUIV.format(b=16, lr=0.05)
+                runs = [f"s2:{equiv},shard.stage=2", f"s3:{equiv},shard.stage=3"]
+            else:
+                runs = [f"ring:{ADAMW}", f"s2:{ADAMW},shard.stage=2", f"s3:{ADAMW},shard.stage=3",
+                        f"s3_recompute:{ADAMW},shard.stage=3,model.activation_checkpointing=true",
+                        f"s3_from_ring:{ADAMW},shard.stage=3,checkpoint.resume="
+                        f"{ckpt(out, 'ring', 23)}",
+                        f"ring_from_s3:{ADAMW},checkpoint.resume={ckpt(out, 's3', 23)}"]
+            cache[controller] = launch_worker(2, controller, "torch", out, runs)
+        return cache[controller]
+
+    return get
+
+
+def assert_near(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    assert got.keys() == want.keys() and len(got) == 4, what
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=TOLERANCE, rtol=0, err_msg=what)
+
+
+def assert_ranks_agree(launch: Launch, run: str) -> dict[str, np.ndarray]:
+    p0, p1 = launch.rank(run, 0)[0], launch.rank(run, 1)[0]
+    for key in p0:  # every rank ends with the whole model, gathered from the shards
+        assert np.array_equal(p0[key], p1[key]), f"{run}: rank 1 against rank 0 at {key}"
+    return p0
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_stages_two_and_three_train_as_the_ring(units, two_ranks, controller):
+    launch = units(controller)
+    ring = (two_ranks("torch", "mpi").rank("equiv", 0)[0] if controller == "mpi"
+            else launch.rank("ring", 0)[0])
+    for run in ("s2", "s3"):
+        assert_near(assert_ranks_agree(launch, run), ring, f"stage {run[1]} against the ring")
+        summary = launch.summary(run)
+        assert summary["shard_stage"] == int(run[1]) and summary["shard_ranks"] == 2
+    if controller == "mpi":
+        return
+    # Activation checkpointing recomputes each unit's activations to the same gradients.
+    assert_near(assert_ranks_agree(launch, "s3_recompute"), launch.rank("s3", 0)[0],
+                "stage 3 with activation checkpointing")
+    # Per step (2 micro-batches): each one's whole gradient to reduce-scatter; the rank's
+    # shards (4,160 + 645) to all-gather once at stage 2, before each forward and backward at 3.
+    own = PARAMETERS // 2
+    for run, gathers in (("s2", 1), ("s3", 4)):
+        logged = [r for r in read_jsonl(launch.out / run / "metrics.jsonl") if "wire_bytes" in r]
+        assert logged and {r["wire_bytes"] for r in logged} == {8 * PARAMETERS + 4 * gathers * own}
+
+
+def test_checkpoints_move_between_the_ring_and_stage_three(units):
+    launch = units("gloo")
+    ring = launch.rank("ring", 0)[0]
+    assert_near(assert_ranks_agree(launch, "s3_from_ring"), ring, "stage 3 from a ring checkpoint")
+    assert_near(launch.rank("ring_from_s3", 0)[0], ring, "the ring from a stage-3 checkpoint")
+    for run in ("s3_from_ring", "ring_from_s3"):  # resumed: the first 23 steps not run again
+        assert min(r["step"] for r in read_jsonl(launch.out / run / "metrics.jsonl")) > 23, run
