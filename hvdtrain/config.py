@@ -18,12 +18,11 @@ from typing import Any
 
 import yaml
 
+from hvdtrain.choices import DEVICES, PRECISIONS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, refuse_unread, shown
-from hvdtrain.device import DEVICES
 from hvdtrain.errors import ConfigError, os_failure
-from hvdtrain.pipeline.schedules import SCHEDULE_NAMES, check_pipeline
-from hvdtrain.precision import PRECISIONS
 from hvdtrain.strategies.comm import METHODS, check_comm
+from hvdtrain.strategies.schedules import SCHEDULE_NAMES, check_pipeline_section
 from hvdtrain.strategies.table import check as check_strategies
 
 
@@ -46,6 +45,10 @@ class ModelConfig:
     """Synchronize batch normalization across ranks: each batch-norm layer normalizes with the mean
     and variance of the global batch, not of the rank's share (Horovod's ``SyncBatchNorm`` in
     PyTorch; :mod:`hvdtrain.tensorflow.syncbn` in Keras). Costs one allreduce per layer per step."""
+    activation_checkpointing: bool = False
+    """Recompute each unit's activations in the backward pass instead of keeping them
+    (``torch.utils.checkpoint`` per unit; the units are those of ``shard.unit_kib``): less
+    memory for one more forward pass. PyTorch only so far."""
 
 
 @dataclass(kw_only=True)
@@ -265,10 +268,6 @@ COLOCATED_GONE = ("ps.placement='colocated' is gone: the sharded update is shard
 """The one line that refuses the old key of the sharded update."""
 
 
-SHARD_UNBUILT = ("shard.stage={stage}: sharding gradients (2) and parameters (3) is not built "
-                 "yet; use shard.stage=1 (optimizer state) or 0")
-
-
 @dataclass(kw_only=True)
 class ShardConfig:
     """Sharded data parallel (docs/sharding.md): ZeRO's stages on Horovod's collectives."""
@@ -277,14 +276,49 @@ class ShardConfig:
     """0: off (every rank keeps the whole optimizer state). 1: the optimizer state is sharded:
     each step reduce-scatters the flat gradient over a stage's data-parallel copies, every rank
     updates the shard of the parameters it owns, and all-gathers the updated shards back, so a
-    rank keeps 1/N of the optimizer state and trains as the ring does. 2 and 3 are not built yet."""
+    rank keeps 1/N of the optimizer state and trains as the ring does. 2: the gradients too, per
+    unit of the model, reduce-scattered as the backward pass makes them (PyTorch). 3: the
+    parameters too: each unit's are all-gathered before its forward and its backward pass and
+    freed after (PyTorch)."""
     chunk_kib: int = _opt(4096, min=1)
     """``shard.stage=1``: the KiB per rank of each round of the reduce-scatter and the
     all-gather, so that no collective holds a second copy of the whole gradient."""
+    unit_kib: int = _opt(65536, min=1)
+    """``shard.stage`` 2 and 3 (and ``model.activation_checkpointing``): a model that is not a
+    ``Sequential`` of the adapter's layers is cut into units by descending into its modules
+    until one holds at most this many KiB of parameters; a ``Sequential``'s units are its
+    layers."""
+    prefetch: int = _opt(1, min=0)
+    """``shard.stage=3``: how many units ahead the all-gather of parameters starts while a unit
+    computes (0: each unit waits for its own)."""
+    reshard_after_forward: bool = True
+    """``shard.stage=3``: free a unit's gathered parameters after its forward pass (and gather
+    them again before its backward pass); false keeps them until the unit's backward pass, as
+    stage 2 does, trading memory for one all-gather less."""
 
-    def __post_init__(self) -> None:
-        if self.stage in (2, 3):
-            raise ConfigError(SHARD_UNBUILT.format(stage=self.stage))
+
+def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
+    """The ``shard`` settings that would do nothing, as a one-line error (where the sharded
+    update cannot run is in the compatibility table, :mod:`hvdtrain.strategies.shard`)."""
+    if shard.stage != 1:
+        refuse_unread("shard.", shard, ["chunk_kib"], f"shard.stage={shard.stage}",
+                      "only the sharded update reads it" if shard.stage == 0
+                      else "only stage 1's rounds read it", "shard.stage=1")
+    if shard.stage < 2 and not model.activation_checkpointing:
+        refuse_unread("shard.", shard, ["unit_kib"], f"shard.stage={shard.stage}",
+                      "units are cut at stages 2 and 3 or for activation checkpointing",
+                      "shard.stage=2 or 3")
+    if shard.stage != 3:
+        refuse_unread("shard.", shard, ["prefetch", "reshard_after_forward"],
+                      f"shard.stage={shard.stage}", "only stage 3 gathers parameters",
+                      "shard.stage=3")
+
+
+def check_model(cfg: Config) -> None:
+    """Model settings a framework cannot run yet, as one line."""
+    if cfg.model.activation_checkpointing and cfg.framework == "tensorflow":
+        raise ConfigError("model.activation_checkpointing=true with framework='tensorflow': "
+                          "recomputing units is built in PyTorch only so far; set it false")
 
 
 def check_ps(ps: PSConfig) -> None:
@@ -295,14 +329,6 @@ def check_ps(ps: PSConfig) -> None:
     if ps.staleness and ps.consistency != "ssp":
         raise ConfigError(f"ps.staleness={ps.staleness}: only ps.consistency=ssp has a staleness "
                           f"bound (ps.consistency={ps.consistency!r}); leave it 0")
-
-
-def check_shard(shard: ShardConfig) -> None:
-    """The ``shard`` settings that would do nothing, as a one-line error (where the sharded
-    update cannot run is in the compatibility table, :mod:`hvdtrain.strategies.shard`)."""
-    if not shard.stage:
-        refuse_unread("shard.", shard, ["chunk_kib"], "shard.stage=0",
-                      "only the sharded update reads it", "shard.stage=1")
 
 
 PS_OVERLAP_READ = ("ps.overlap is read by dedicated servers under bsp with PyTorch and "
@@ -485,12 +511,13 @@ class Config:
 
     def __post_init__(self) -> None:
         # The sections are built and range-checked by now; what spans sections is checked here.
-        _check_pipeline(self)
+        check_pipeline_section(self)
         check_ps(self.ps)
-        check_shard(self.shard)
+        check_shard(self.shard, self.model)
+        check_model(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
-        # The other settings that would do nothing (the pipeline's: in _check_pipeline).
+        # The other settings that would do nothing (the pipeline's: in check_pipeline_section).
         check_data_unread(self.data)
         check_train_unread(self.train)
         check_ps_unread(self)
@@ -506,28 +533,6 @@ class Config:
     def to_dict(self) -> dict:
         """The resolved config as plain data, ready for YAML."""
         return dataclasses.asdict(self)
-
-
-def _check_pipeline(cfg: Config) -> None:
-    """The ``pipeline`` section against the schedules and the rest of ``cfg``: a one-line
-    :class:`ConfigError` for what cannot run (see docs/pipeline.md)."""
-    pipe = cfg.pipeline
-    if pipe.stages == 1:  # before the schedules' checks: they would ask for more of the same
-        refuse_unread("pipeline.", pipe, ["microbatches", "schedule", "virtual_stages", "split"],
-                      "pipeline.stages=1", "without stages every rank trains the whole model",
-                      "pipeline.stages to 2 or more")
-    m = check_pipeline(stages=pipe.stages, microbatches=pipe.microbatches, schedule=pipe.schedule,
-                       virtual_stages=pipe.virtual_stages, split=pipe.split,
-                       framework=cfg.framework)
-    if pipe.stages == 1:
-        return
-    for key in ("batch_size", "eval_batch_size"):
-        size = getattr(cfg.data, key)
-        if size % m:
-            raise ConfigError(f"data.{key}={size}: with pipeline stages it is the batch of one "
-                              f"pipeline copy, split into pipeline.microbatches={m}: must be a "
-                              "multiple of it")
-    # What stages do not compose with is in the compatibility table (hvdtrain.strategies).
 
 
 ENV_PREFIX = "HVDTRAIN_"

@@ -9,10 +9,8 @@ runs.
 
 from __future__ import annotations
 
+from hvdtrain.choices import DEVICES
 from hvdtrain.errors import HvdtrainError
-
-DEVICES = ("auto", "cpu", "cuda")
-"""``train.device``: ``auto`` (a GPU when one is visible), ``cpu`` or ``cuda``."""
 
 
 def choose_device(requested: str, visible_gpus: int) -> str:

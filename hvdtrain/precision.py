@@ -5,13 +5,11 @@
 exchange stay float32; bfloat16 has float32's range, so it needs no loss scaling and runs on CPU
 too. ``fp16`` does the same in float16, whose range is small: the loss is scaled up before the
 backward pass and the gradients unscaled before the update (PyTorch's ``GradScaler``, Keras's
-``LossScaleOptimizer``); a step whose gradients overflowed is skipped and the scale lowered.
+``LossScaleOptimizer``); a step whose gradients overflowed is skipped and the scale lowered. The
+names (``train.precision``) are :data:`hvdtrain.choices.PRECISIONS`.
 """
 
 from __future__ import annotations
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""``train.precision``."""
 
 MAX_SKIPPED_IN_ROW = 30
 """fp16: consecutive steps the loss scaler may skip before the run counts as diverged. Each skip

@@ -6,8 +6,9 @@ copy, and the groups of ranks that talk). The model is an ordered list of layers
 consecutive pieces (:mod:`~hvdtrain.pipeline.split`: balanced by parameter count, or at the layers
 the config names).
 :mod:`~hvdtrain.pipeline.schedules` holds what each schedule accepts, checked with the config
-before anything starts. The frameworks' engines (``hvdtrain/torch/pipeline.py``, and TensorFlow's)
-run the stages; this package imports neither framework.
+before anything starts (the table lives with the config section's checks,
+:mod:`hvdtrain.strategies.schedules`). The frameworks' engines (``hvdtrain/torch/pipeline.py``,
+and TensorFlow's) run the stages; this package imports neither framework.
 """
 
 from __future__ import annotations

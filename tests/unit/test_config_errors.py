@@ -273,7 +273,7 @@ def test_the_environment_failure_code_differs_from_the_user_error_and_resubmit_c
 
 
 # Settings that would do nothing in the combination given: one line naming the keys, the setting
-# that leaves them unread and what to do (hvdtrain.config's check_*_unread, _check_pipeline;
+# that leaves them unread and what to do (hvdtrain.config's check_*_unread, check_pipeline_section;
 # comm and optim: tests/unit/test_compression_rules.py and the cases above).
 UNREAD = [
     (["ps.servers=2", "ps.chunk_kib=8"],
