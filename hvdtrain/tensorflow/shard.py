@@ -35,6 +35,7 @@ from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, pieces, round_ranges, shard_bounds, step_bytes
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
+from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -64,6 +65,11 @@ class FlatShard:
         """The shard variable from the model's current parameters (a broadcast or a restore
         reaches the shard through them)."""
         self.var.assign(self.flat([v.value for v in self.variables])[self.start:self.stop])
+
+    def take(self, whole: Any) -> Any:
+        """This rank's shard of a flat vector of every parameter (a slot as checkpoints hold
+        it)."""
+        return whole[self.start:self.stop]
 
     def reducescatter(self, flat: tf.Tensor, wire: Any) -> tf.Tensor:
         """The average over the ranks of this rank's shard of ``flat`` (a collective)."""
@@ -174,14 +180,23 @@ class ShardedEngine(TensorFlowEngine):
     docstring)."""
 
     def _make_update(self, cfg: Config, variables: Sequence[Any]) -> None:
-        shard = FlatShard(variables, self.rank, self.size, max(1, cfg.shard.chunk_kib * 256))
-        self.shard = shard
-        self.exchange = ShardedExchange(shard, cfg.comm.compression)
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
-        self.optimizer.build([shard.var])
-        self.kernels = ShardedKernels(
-            self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
-            l2=l2_decay(cfg.optim, False), shard=shard, exchange=self.exchange)
+        self.shard: FlatShard | UnitShard
+        if cfg.shard.stage >= 2:
+            self.shard = UnitShard(variables, layer_units(self.model.layers, variables),
+                                   self.rank, self.size, cfg.shard.unit_kib * 256)
+            self.exchange = UnitExchange(self.shard, cfg.comm.compression, self.accumulation)
+            self.kernels = UnitKernels(
+                self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
+                l2=l2_decay(cfg.optim, False), shard=self.shard)
+        else:
+            self.shard = FlatShard(variables, self.rank, self.size,
+                                   max(1, cfg.shard.chunk_kib * 256))
+            self.exchange = ShardedExchange(self.shard, cfg.comm.compression)
+            self.kernels = ShardedKernels(
+                self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
+                l2=l2_decay(cfg.optim, False), shard=self.shard, exchange=self.exchange)
+        self.optimizer.build([self.shard.var])
         self.kernels.follow(self.exchange, self.accumulation)
         self._whole: dict[int, np.ndarray] = {}  # rank 0: slots gathered or restored, by index
 
@@ -198,7 +213,7 @@ class ShardedEngine(TensorFlowEngine):
         if self.shard.size > 1 and not all(
                 i in self._whole for i, v in enumerate(self.optimizer.variables)
                 if _per_element(v)):
-            raise HvdtrainError("shard.stage=1: the optimizer state is written after "
+            raise HvdtrainError("shard.stage: the optimizer state is written after "
                                 "gather_state() only, on rank 0")
         arrays = [self._whole.get(i, v.numpy()) if _per_element(v) else v.numpy()
                   for i, v in enumerate(self.optimizer.variables)]
@@ -211,11 +226,11 @@ class ShardedEngine(TensorFlowEngine):
     def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
         if name.startswith("optimizer/") and _per_element(var):
             if value.shape != (self.shard.total,):
-                raise HvdtrainError(f"{where}: {name} has shape {value.shape}, a shard.stage=1 "
-                                    f"run keeps its optimizer slots flat ({self.shard.total},): "
-                                    "it resumes from checkpoints of shard.stage=1 only")
+                raise HvdtrainError(f"{where}: {name} has shape {value.shape}, a sharded run "
+                                    f"keeps its optimizer slots flat ({self.shard.total},): it "
+                                    "resumes from checkpoints of shard.stage 1 or 2 only")
             self._whole[int(name.split("/")[1])] = value  # the broadcast hands out the slices
-            var.assign(value[self.shard.start:self.shard.stop])
+            var.assign(self.shard.take(value))
             return
         super()._restore(var, value, name, where)
 
@@ -228,6 +243,6 @@ class ShardedEngine(TensorFlowEngine):
             if _per_element(var):
                 whole = self._whole.get(i, np.zeros(self.shard.total, np.float32))
                 got = hvd.broadcast(tf.constant(whole), root_rank=0, name=f"hvdtrain.shard.slot.{i}")
-                var.assign(got[self.shard.start:self.shard.stop])
+                var.assign(self.shard.take(got))
         self._whole = {}
         self._follow_world()

@@ -1,0 +1,262 @@
+"""Sharded data parallel at stage 2 for TensorFlow (``shard.stage=2``): gradients sharded too.
+
+Stage 1 (:mod:`hvdtrain.tensorflow.shard`) reduce-scatters one flat gradient after the backward
+pass and keeps every micro-batch's whole gradient in accumulators. Here the gradient is cut by
+unit, a unit being the trainable variables of one of the model's layers (``model.layers``; a
+variable no layer holds is a unit of its own). Every unit's flat vector is split over the ranks
+as Horovod's ``reducescatter`` splits it (:func:`hvdtrain.shard.shard_bounds`), and a rank owns
+its slice of every unit (:class:`UnitShard`). Consecutive units go to one
+``hvd.grouped_reducescatter`` until the group holds ``shard.chunk_kib`` KiB a rank: the groups
+are traced into the step's function, so each starts as soon as the backward pass has produced its
+units' gradients, and the whole gradients die with their group. A micro-batch before the last
+reduce-scatters too and adds into an accumulator of the rank's shard only: no rank keeps a whole
+gradient across micro-batches. The run's Keras optimizer steps one variable holding the rank's
+slices (its slots cover 1/N of the model), and ``hvd.grouped_allgather`` brings the updated
+slices back into every rank's model variables, in the same groups.
+
+The arithmetic is the ring's (an average, then the same element-wise update); with accumulation
+the average of each micro-batch is summed, where the ring averages the sum (equal within float
+rounding). Gathered whole (:meth:`UnitShard.allgather`), a slot is one flat vector in the
+parameters' flat order, as at stage 1: the two stages and any number of ranks resume each other's
+checkpoints (:class:`hvdtrain.tensorflow.shard.ShardedEngine` writes and reads them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
+from hvdtrain.shard import check_resize, shard_bounds
+from hvdtrain.tensorflow.collectives import any_rank
+from hvdtrain.tensorflow.data import batch_signature
+from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
+
+WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+def layer_units(layers: Sequence[Any], variables: Sequence[Any]) -> list[list[int]]:
+    """``variables`` (the trainable ones, in model order) cut into units: runs of consecutive
+    variables that belong to one of ``layers`` (a variable no layer holds is a unit alone)."""
+    owner: dict[int, int] = {}
+    for k, layer in enumerate(layers):
+        for v in layer.trainable_variables:
+            owner.setdefault(id(v), k)
+    units: list[list[int]] = []
+    previous: int | None = None
+    for i, v in enumerate(variables):
+        mine = owner.get(id(v))
+        if units and mine is not None and mine == previous:
+            units[-1].append(i)
+        else:
+            units.append([i])
+        previous = mine
+    return units
+
+
+def unit_groups(unit_sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive units in groups of at most ``limit`` elements (a larger unit is a group of
+    its own): one grouped collective each."""
+    groups: list[list[int]] = []
+    held = 0
+    for u, n in enumerate(unit_sizes):
+        if groups and held + n <= limit:
+            groups[-1].append(u)
+            held += n
+        else:
+            groups.append([u])
+            held = n
+    return groups
+
+
+class UnitShard:
+    """This rank's slice of every unit of the model's trainable variables, and the grouped
+    collectives that move the slices (``limit``: elements of a group, over all ranks)."""
+
+    def __init__(self, variables: Sequence[Any], units: Sequence[Sequence[int]], rank: int,
+                 size: int, limit: int) -> None:
+        self.variables = list(variables)
+        for v in self.variables:
+            if v.dtype != "float32":
+                raise HvdtrainError("shard.stage=2: every trainable variable must be float32")
+        self.sizes = [int(np.prod(v.shape)) for v in self.variables]
+        self.units = [list(u) for u in units]
+        self.rank, self.size, self.total = rank, size, sum(self.sizes)
+        unit_sizes = [sum(self.sizes[i] for i in u) for u in self.units]
+        self.offsets = [sum(unit_sizes[:u]) for u in range(len(unit_sizes))]
+        self.bounds = [shard_bounds(n, size, rank) for n in unit_sizes]
+        self.owns = [hi - lo for lo, hi in self.bounds]
+        self.own = sum(self.owns)
+        self.groups = unit_groups(unit_sizes, limit)
+        # The variable the optimizer steps: this rank's slices of the units, in unit order.
+        self.var = keras.Variable(np.zeros(self.own, np.float32), name="shard")
+
+    def _unit(self, tensors: Sequence[Any], u: int) -> tf.Tensor:
+        """Unit ``u`` of ``tensors`` (one per variable) as one flat float32 vector."""
+        return tf.concat([tf.reshape(tf.cast(tensors[i], tf.float32), [-1])
+                          for i in self.units[u]], 0)
+
+    def take(self, whole: Any) -> Any:
+        """This rank's slices of a flat vector of every parameter (a slot as checkpoints hold
+        it), in the order of :attr:`var`."""
+        parts = [whole[o + lo:o + hi] for o, (lo, hi) in zip(self.offsets, self.bounds,
+                                                                strict=True)]
+        return np.concatenate(parts) if isinstance(whole, np.ndarray) else tf.concat(parts, 0)
+
+    def load(self) -> None:
+        """The shard variable from the model's current parameters (a broadcast or a restore
+        reaches the shard through them)."""
+        values = [v.value for v in self.variables]
+        self.var.assign(tf.concat([self._unit(values, u)[lo:hi]
+                                   for u, (lo, hi) in enumerate(self.bounds)], 0))
+
+    def reducescatter(self, grads: Sequence[tf.Tensor], wire: Any) -> tf.Tensor:
+        """The average over the ranks of this rank's slices of ``grads`` (one per variable), by
+        groups of units (a collective)."""
+        got = []
+        for group in self.groups:
+            flats = [self._unit(grads, u) for u in group]
+            got += hvd.grouped_reducescatter(flats, op=hvd.Average, compression=wire)
+        return tf.concat(got, 0)
+
+    def allgather(self, mine: tf.Tensor, tag: str) -> tf.Tensor:
+        """Every rank's ``mine`` (a per-element tensor of its slices) as the whole flat vector in
+        the parameters' order, in the groups of :meth:`reducescatter` (a collective)."""
+        starts = [sum(self.owns[:u]) for u in range(len(self.owns))]
+        whole = []
+        for g, group in enumerate(self.groups):
+            pieces = [mine[starts[u]:starts[u] + self.owns[u]] for u in group]
+            # Each unit's slices, concatenated in rank order, are that unit whole.
+            whole += hvd.grouped_allgather(pieces, name=f"hvdtrain.shard2.{tag}.{g}")
+        return tf.concat(whole, 0)
+
+    def store(self) -> None:
+        """Every rank's updated slices written back into the model's variables (a
+        collective)."""
+        flat = self.allgather(self.var.value, "params")
+        at = 0
+        for v, n in zip(self.variables, self.sizes, strict=True):
+            v.assign(tf.reshape(flat[at:at + n], v.shape))
+            at += n
+
+
+class UnitExchange(GradientExchange):
+    """The grouped reduce-scatter of :class:`UnitShard`, traced into the step
+    (:class:`UnitKernels`); :meth:`run` is the same collective run eagerly. ``wire_bytes``
+    counts what a rank hands Horovod a step: the whole gradient once per micro-batch (float16
+    under ``fp16``) and its float32 slices once; ``dense_bytes`` the same in float32."""
+
+    fusable = True
+
+    def __init__(self, shard: UnitShard, compression: str, accumulation: int) -> None:
+        self.shard, self.rank, self.size = shard, shard.rank, shard.size
+        self.wire = WIRE[compression]
+        item = 2 if compression == "fp16" else 4
+        self._bytes = (float(item * shard.total * accumulation + 4 * shard.own),
+                       float(4 * shard.total * accumulation + 4 * shard.own))
+        self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
+
+    def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        began = time.perf_counter()
+        mine = self.shard.reducescatter(grads, self.wire)
+        self.note_fused(time.perf_counter() - began)
+        return [mine]
+
+    def note_fused(self, comm_s: float) -> None:
+        wire, dense = self._bytes
+        self.stats = {"wire_bytes": wire, "dense_bytes": dense, "comm_s": comm_s,
+                      "compress_s": 0.0}
+
+    def any_rank(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        check_resize(self.rank, self.size, rank, size)
+
+
+class UnitKernels(TensorFlowKernels):
+    """The TensorFlow kernels of stage 2: every micro-batch's gradients reduce-scattered by
+    groups of units inside its traced function, an accumulator of the rank's shard only, the
+    optimizer stepping the shard and the slices all-gathered back, all in the last micro-batch's
+    function (:meth:`_fused_step`)."""
+
+    def __init__(self, *args: Any, shard: UnitShard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard = shard
+
+    def follow(self, exchange: GradientExchange, accumulation: int) -> None:
+        key = (exchange.rank, exchange.size, accumulation)
+        if self.traced_for == key:
+            return
+        if accumulation > 1 and not self.accumulators:  # the shard's gradient only
+            self.accumulators = [tf.Variable(tf.zeros([self.shard.own]), trainable=False)]
+        self.exchange = exchange
+        self._compile()
+        self.traced_for = key
+
+    def _compile(self) -> None:
+        batch = (*batch_signature(self.spec), tf.TensorSpec([], tf.float32))
+        self._accumulate_fn = _traced(self._accumulate, batch)
+        self._gradients_fn = _traced(self._gradients, batch)
+        self._fused_fn = _traced(self._fused_step, batch)
+        self.apply = _traced(self._apply, [[tf.TensorSpec([self.shard.own], tf.float32)]])
+        self.precision.attach(self.optimizer, self.apply, [(self.shard.own,)])
+
+    def _shard_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                         ) -> tuple[tf.Tensor, dict, tf.Tensor]:
+        """A micro-batch's loss, metrics and the average of this rank's slices of its gradient,
+        plus what earlier micro-batches accumulated (then zeroed)."""
+        loss_sum, metrics, grads = self._local_gradients(x, y, scale)
+        mine = self.shard.reducescatter(grads, self.exchange.wire)
+        return loss_sum, metrics, mine
+
+    def _accumulate(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, dict]:
+        loss_sum, metrics, mine = self._shard_gradients(x, y, scale)
+        self.accumulators[0].assign_add(mine)
+        return loss_sum, metrics
+
+    def _gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                   ) -> tuple[tf.Tensor, dict, list[tf.Tensor]]:
+        loss_sum, metrics, mine = self._shard_gradients(x, y, scale)
+        if self.accumulators:
+            mine = mine + self.accumulators[0]
+            self.accumulators[0].assign(tf.zeros_like(mine))
+        return loss_sum, metrics, [mine]
+
+    def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+        """The last micro-batch with its reduce-scatters, the shard's update and the
+        all-gather: its loss sum, metrics and the seconds of the all-gather, as one float64
+        vector (the reduce-scatters run inside the backward pass and are not told apart)."""
+        loss_sum, metrics, grads = self._gradients(x, y, scale)
+        self._metric_keys = sorted(metrics)
+        updated = self._step(grads)
+        with tf.control_dependencies([updated]):
+            gathered = tf.timestamp()
+        with tf.control_dependencies([gathered]):
+            self.shard.store()
+        with tf.control_dependencies([v.value for v in self.shard.variables]):
+            comm_s = tf.timestamp() - gathered
+        values = [loss_sum, *(metrics[k] for k in self._metric_keys), comm_s]
+        return tf.stack([tf.cast(v, tf.float64) for v in values])
+
+    def _step(self, grads: list[tf.Tensor]) -> tf.Tensor:
+        """Loads the shard from the parameters and steps it with its averaged gradient."""
+        self.shard.load()
+        self.precision.note(grads)
+        var = self.shard.var
+        if self.l2:  # as the ring's: L2 on the gradient, element by element
+            grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
+        self.optimizer.apply_gradients(zip(grads, [var], strict=True))
+        return tf.identity(var.value)
+
+    def _apply(self, grads: list[tf.Tensor]) -> None:
+        """The update outside the fused step (the loss scaler's path): step, then all-gather."""
+        self._step(grads)
+        self.shard.store()
