@@ -39,10 +39,10 @@ RULES = (
          lambda cfg: f"elastic.enabled=true with {_given(cfg)}: the shards cannot change their "
                      "number of ranks yet; set elastic.enabled=false",
          {**ONE, "elastic.enabled": True}),
-    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and cfg.shard.stage >= 2,
-         lambda cfg: f"framework='tensorflow' with {_given(cfg)}: sharding gradients and "
-                     "parameters is built in PyTorch only so far; use shard.stage=1",
-         {"shard.stage": 2, "framework": "tensorflow"}, only="at stages 2 and 3"),
+    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and cfg.shard.stage >= 3,
+         lambda cfg: f"framework='tensorflow' with {_given(cfg)}: sharding parameters is built "
+                     "in PyTorch only so far; use shard.stage=1 or 2",
+         {"shard.stage": 3, "framework": "tensorflow"}, only="at stage 3"),
     Rule("shard", "fp16", lambda cfg: cfg.train.precision == "fp16",
          lambda cfg: f"train.precision='fp16' with {_given(cfg)}: a shard's overflow would skip "
                      "the step on one rank only; use fp32 or bf16",

@@ -91,8 +91,8 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
      "shard.reshard_after_forward=false does nothing with shard.stage=1"),
     (["shard.unit_kib=4"], "shard.unit_kib=4 does nothing with shard.stage=0: units are cut"),
     (["framework=tensorflow", "shard.stage=3"],
-     "framework='tensorflow' with shard.stage=3: sharding gradients and parameters is built in "
-     "PyTorch only so far"),
+     "framework='tensorflow' with shard.stage=3: sharding parameters is built in PyTorch only "
+     "so far"),
     (["framework=tensorflow", "model.activation_checkpointing=true"],
      "model.activation_checkpointing=true with framework='tensorflow': recomputing units is "
      "built in PyTorch only so far"),
