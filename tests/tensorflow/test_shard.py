@@ -1,5 +1,8 @@
-"""The sharded update (``shard.stage=1``) in TensorFlow, in one process (Horovod size 1): SGD with
-momentum and Adam with weight decay train as the ring does, and a checkpoint resumes exactly."""
+"""Sharded data parallel in TensorFlow, in one process (Horovod size 1): at ``shard.stage=1`` SGD
+with momentum and Adam with weight decay train as the ring does and a checkpoint resumes exactly;
+at ``shard.stage=2`` (gradients reduce-scattered by layer) Adam with weight decay and AdamW with
+gradient accumulation train as the ring does, units and groups are cut as documented, and stage 1
+resumes stage 2's checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.shard import ShardedEngine
+from hvdtrain.tensorflow.shard_grads import UnitShard, layer_units, unit_groups
 from tests.conftest import TF_CONFIG, quiet_config
 
 SHARDED = ["shard.stage=1", "shard.chunk_kib=1"]  # 256-element rounds: several a step
@@ -41,6 +45,47 @@ def test_a_sharded_checkpoint_resumes_exactly_and_a_ring_one_is_refused(tmp_path
     assert_same(resumed.engine.parameters(), whole.engine.parameters(), "resumed at step 60")
     train(quiet_config(TF_CONFIG, tmp_path / "ring", *ADAM))
     ring_saved = tmp_path / "ring" / "run" / "checkpoints" / "step-00000060.ckpt"
-    with pytest.raises(HvdtrainError, match=r"resumes from checkpoints of shard\.stage=1 only"):
+    with pytest.raises(HvdtrainError, match=r"resumes from checkpoints of shard\.stage 1 or 2 only"):
         train(quiet_config(TF_CONFIG, tmp_path / "mixed", *ADAM, *SHARDED,
                            f"checkpoint.resume={ring_saved}"))
+
+
+STAGE2 = ["shard.stage=2", "shard.unit_kib=4"]  # 1,024 elements: each layer a group of its own
+ACCUMULATE = ["train.backward_passes_per_step=2", "data.batch_size=16"]
+ADAMW = ["optim.name=adamw", "optim.lr=0.002", "optim.weight_decay=0.05", "train.epochs=1"]
+
+
+@pytest.mark.parametrize("optim", [ADAM, ADAMW], ids=["adam-decay", "adamw"])
+def test_stage2_with_accumulation_trains_as_the_ring(tmp_path, optim):
+    ring = train(quiet_config(TF_CONFIG, tmp_path / "ring", *optim, *ACCUMULATE))
+    sharded = train(quiet_config(TF_CONFIG, tmp_path / "s2", *optim, *ACCUMULATE, *STAGE2))
+    assert isinstance(sharded.engine.shard, UnitShard)
+    assert sharded.engine.shard.units == [[0, 1], [2, 3]]  # the MLP's two Dense layers
+    assert sharded.engine.shard.groups == [[0], [1]]
+    # One rank: the ring sums two micro-batches, stage 2 adds its shard to an accumulator.
+    assert_same(sharded.engine.parameters(), ring.engine.parameters(), "stage 2 against the ring")
+    assert sharded.summary["shard_stage"] == 2
+    # Stage 1 goes on from stage 2's checkpoint: both keep each slot flat in the same order.
+    if optim is ADAM:
+        saved = tmp_path / "s2" / "run" / "checkpoints" / "step-00000060.ckpt"
+        resumed = train(quiet_config(TF_CONFIG, tmp_path / "s1", *optim, *ACCUMULATE,
+                                     "shard.stage=1", f"checkpoint.resume={saved}"))
+        assert_same(resumed.engine.parameters(), sharded.engine.parameters(), "stage 1 from 2")
+
+
+def test_units_are_layers_and_groups_hold_up_to_the_limit():
+    import keras
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2),
+                              keras.layers.Dense(5, use_bias=False)])
+    variables = model.trainable_variables
+    units = layer_units(model.layers, variables)
+    assert units == [[0, 1], [2, 3], [4]]
+    assert unit_groups([16, 10, 10], 20) == [[0], [1, 2]]  # 16 + 10 > 20: a new group
+    assert unit_groups([30, 5], 20) == [[0], [1]]  # a unit above the limit is a group alone
+    shard = UnitShard(variables, units, rank=0, size=1, limit=20)
+    assert (shard.total, shard.own, shard.groups) == (16 + 10 + 10, 36, [[0], [1, 2]])
+    whole = np.arange(36, dtype=np.float32)
+    assert np.array_equal(shard.take(whole), whole)
+    second = UnitShard(variables, units, rank=1, size=2, limit=20)  # split as Horovod splits
+    assert second.bounds == [(8, 16), (5, 10), (5, 10)] and second.own == 18
+    assert np.array_equal(second.take(whole), np.r_[8:16, 21:26, 31:36])
