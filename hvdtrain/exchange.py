@@ -2,8 +2,10 @@
 
 :mod:`hvdtrain.step` hands every step's local gradients to one :class:`GradientExchange` and
 steps the optimizer with what comes back. Which exchange a run gets is decided here, once, from
-the config (:func:`exchange_kind`); each framework package builds it (``exchange.py`` in
-``hvdtrain/torch`` and ``hvdtrain/tensorflow``, the same names in both):
+the config: the strategies' registry names, per framework, the factory of each kind
+(:attr:`hvdtrain.strategies.base.Strategy.exchanges`), :func:`build_exchange` resolves it, and
+:func:`exchange_kind` names it. Every factory takes one :class:`ExchangeRequest` and returns
+(exchange, optimizer) in both frameworks (:class:`hvdtrain.frameworks.ExchangeFactory`):
 
 - ``dense``: Horovod's allreduce of every gradient, sent as float32 or float16 (``none``,
   ``fp16``). In PyTorch it is Horovod's ``DistributedOptimizer``, whose backward hooks start the
@@ -13,7 +15,8 @@ the config (:func:`exchange_kind`); each framework package builds it (``exchange
   the framework's kernels and Horovod's collectives, once per step after the micro-batches.
 - ``ps`` (``comm.topology=ps``): the flat gradient pushed to parameter servers and its sum pulled
   back (:mod:`hvdtrain.ps.exchange`; ``ps.py`` in each framework package), averaging over the
-  workers.
+  workers; ``ps-optimizer`` under ``ssp``/``asp``, where the servers run the optimizer.
+- ``sharded`` (``shard.stage`` >= 1): reduce-scatter, update of this rank's shard, allgather.
 
 The interface leaves room for what moves gradients differently: a parameter server's push and
 pull, or a pipeline stage's allreduce within its Horovod process set, are further kinds with the
@@ -24,22 +27,83 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from dataclasses import dataclass
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hvdtrain.compression import PLANS
+from hvdtrain.strategies.table import exchange_of, exchange_path
+
+if TYPE_CHECKING:
+    from hvdtrain.compression.plans import CommSettings
+    from hvdtrain.compression.rules import OptimizerSettings
+    from hvdtrain.config import PSConfig, ShardConfig
+    from hvdtrain.layout import Layout
 
 
-def exchange_kind(compression: str, topology: str = "ring") -> str:
-    """The exchange that ``comm.compression`` and ``comm.topology`` need: ``ps`` for parameter
-    servers; on the ring ``dense`` when the method's plan sends every tensor dense (Horovod's own
-    allreduce carries it), else ``compressing``."""
-    if topology == "ps":
-        return "ps"
-    return "dense" if PLANS.get(compression).dense else "compressing"
+def exchange_kind(cfg: Any) -> str:
+    """The kind of exchange ``cfg`` trains with, read from the strategies' registry
+    (:func:`hvdtrain.strategies.table.exchange_of`): ``dense``, ``compressing`` (the ring),
+    ``ps``, ``ps-optimizer`` (parameter servers), ``sharded``."""
+    return exchange_of(cfg).name
+
+
+@dataclass(frozen=True)
+class ExchangeRequest:
+    """What an exchange factory (:class:`hvdtrain.frameworks.ExchangeFactory`) builds from: the
+    same fields for both frameworks; the framework's own objects are typed ``Any`` here."""
+
+    comm: CommSettings
+    """The ``comm`` section (the method and its settings)."""
+    seed: int
+    """The run's seed: the methods' random draws start from it."""
+    rank: int
+    size: int
+    """This rank's place among the ranks the exchange averages over, and their number (a
+    pipeline stage's: its copy and the copies)."""
+    params: Sequence[Any]
+    """The trainable parameters in the model's order (``torch.nn.Parameter``, TensorFlow
+    variables): the gradients the exchange gets have their shapes."""
+    optimizer: Any = None
+    """The run's optimizer as the engine made it (PyTorch's over ``params``; Keras's, not yet
+    built or wrapped for loss scaling). The factory returns the one the step drives."""
+    settings: OptimizerSettings | None = None
+    """What an update rule needs of the optimizer (TensorFlow's engines say; PyTorch's factories
+    read it from ``optimizer``)."""
+    model: Any = None
+    """The whole model where the exchange needs it (Horovod's ``DistributedOptimizer`` takes
+    its named parameters)."""
+    accumulation: int = 1
+    """Micro-batches a step exchanges once for (``train.backward_passes_per_step``)."""
+    ps: PSConfig | None = None
+    shard: ShardConfig | None = None
+    """The run's ``ps`` section where it trains with servers, and its ``shard`` section."""
+    layout: Layout | None = None
+    """The job's layout of ranks (None: every one of ``size`` ranks is a data-parallel copy)."""
+    places: Sequence[int] | None = None
+    """A stage's: each gradient's place among the whole model's, which seeds its draws."""
+    process_set: Any = None
+    root: int = 0
+    """A stage's: Horovod's process set of its copies, and the job rank of its first copy."""
+
+
+Exchanged = tuple["GradientExchange", Any]
+"""What every exchange factory returns: the exchange and the optimizer the step drives with it
+(Horovod's wrapper, plain SGD where the exchange applies the update rule, the servers' stand-in,
+the sharded optimizer, or the run's own)."""
+
+
+def build_exchange(cfg: Any, request: ExchangeRequest, stage: bool = False) -> Exchanged:
+    """The exchange ``cfg`` trains with, built by the factory the strategies' registry names
+    for its framework (:func:`hvdtrain.strategies.table.exchange_path`; ``stage``: a pipeline
+    stage's). The one place that resolves it: each framework's ``make_exchange`` and
+    ``make_stage_exchange`` call this."""
+    module, _, name = exchange_path(cfg, stage).partition(":")
+    factory: Callable[[ExchangeRequest], Exchanged] = getattr(import_module(module), name)
+    return factory(request)
 
 
 def empty_stats() -> dict[str, float]:

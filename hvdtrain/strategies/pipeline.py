@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvdtrain.strategies.base import Rule, Strategy
+from hvdtrain.strategies.base import STAGE_PARTS, CheckpointLayout, Rule, Strategy
 
 TWO = {"pipeline.stages": 2}
 """The smallest pipeline, for the examples."""
@@ -72,4 +72,8 @@ STRATEGY = Strategy(
     rules=RULES,
     engines={"torch": "hvdtrain.torch.pipeline:PipelineEngine",
              "tensorflow": "hvdtrain.tensorflow.pipeline:PipelineEngine"},
+    # No exchange of its own: each stage runs the ring's kinds among its copies (".stage" roles).
+    checkpoint=CheckpointLayout(STAGE_PARTS, "each stage's first copy", "nothing (each part "
+                                "is written where it lives; an allgather carries the names)", True),
+    cost="hvdtrain.plan.predict:pipelines",
 )

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvdtrain.strategies.base import DENSE, SPARSE, Rule, Strategy
+from hvdtrain.strategies.base import (
+    DENSE,
+    SPARSE,
+    WHOLE,
+    CheckpointLayout,
+    ExchangeKind,
+    Rule,
+    Strategy,
+    always,
+)
 
 PS = {"comm.topology": "ps"}
 
@@ -63,5 +72,16 @@ STRATEGY = Strategy(
             "(`comm.topology=ps`)",
     active=_on,
     rules=RULES + ASYNC_RULES,
+    exchanges=(
+        ExchangeKind("ps", lambda cfg: cfg.ps.consistency == "bsp", {
+            "torch": "hvdtrain.torch.exchange:ps_exchange",
+            "tensorflow": "hvdtrain.tensorflow.exchange:ps_exchange"}),
+        # TensorFlow has none: the table refuses ssp and asp with it (ps x tensorflow).
+        ExchangeKind("ps-optimizer", always, {
+            "torch": "hvdtrain.torch.exchange:server_optimizer_exchange"}),
+    ),
+    checkpoint=CheckpointLayout(WHOLE, "rank 0", "the servers' pull residuals and, under ssp "
+                                "or asp, their optimizer state, as whole flat vectors", True),
+    cost="hvdtrain.plan.predict:servers",
     alternatives={"ring": "the other value of comm.topology"},
 )

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvdtrain.strategies.base import DENSE, SPARSE, Rule, Strategy
+from hvdtrain.strategies.base import (
+    DENSE,
+    SPARSE,
+    WHOLE,
+    CheckpointLayout,
+    ExchangeKind,
+    Rule,
+    Strategy,
+    always,
+)
 
 ONE = {"shard.stage": 1}
 
@@ -57,4 +66,7 @@ STRATEGY = Strategy(
     rules=RULES,
     # PyTorch's sharded update is its exchange's (torch/exchange.make_exchange), on the ring's engine.
     engines={"tensorflow": "hvdtrain.tensorflow.shard:ShardedEngine"},
+    exchanges=(ExchangeKind("sharded", always, {"torch": "hvdtrain.torch.exchange:sharded_exchange"}),),
+    checkpoint=CheckpointLayout(WHOLE, "rank 0", "every rank's shard of the optimizer state", True),
+    cost="hvdtrain.plan.predict:sharded",
 )

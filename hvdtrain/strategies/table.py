@@ -20,7 +20,7 @@ from typing import Any
 from hvdtrain.errors import ConfigError
 from hvdtrain.registry import Registry
 from hvdtrain.strategies import pipeline, ps, ring, shard
-from hvdtrain.strategies.base import Rule, Strategy
+from hvdtrain.strategies.base import ExchangeKind, Rule, Strategy
 
 STRATEGIES = Registry("strategy")
 """Name -> :class:`Strategy`; a duplicate is refused, a miss lists the known names."""
@@ -70,6 +70,31 @@ def engine_path(cfg: Any) -> str:
         if found.active(cfg) and cfg.framework in found.engines:
             return found.engines[cfg.framework]
     return strategy("ring").engines[cfg.framework]
+
+
+EXCHANGE_ORDER = ("shard", "ps", "ring")
+"""Whose exchange a run's gradients go through: the first active strategy here (one always is:
+``comm.topology`` is ``ring`` or ``ps``). Pipeline stages own none: each stage runs its
+exchange's ``<framework>.stage`` role among its copies."""
+
+
+def exchange_of(cfg: Any) -> ExchangeKind:
+    """The kind of exchange ``cfg`` trains with: a look-up in the registry."""
+    owner = next(strategy(n) for n in EXCHANGE_ORDER if strategy(n).active(cfg))
+    return next(kind for kind in owner.exchanges if kind.applies(cfg))
+
+
+def exchange_path(cfg: Any, stage: bool = False) -> str:
+    """``"package.module:function"`` of the exchange factory ``cfg`` trains with in its
+    framework (``stage``: a pipeline stage's, among the stage's copies). Where the framework
+    has none, the compatibility table's one-line reason (:class:`ConfigError`)."""
+    kind = exchange_of(cfg)
+    role = f"{cfg.framework}.stage" if stage else cfg.framework
+    path = kind.factories.get(role)
+    if path is None:
+        raise ConfigError(refusal(cfg) or f"the {kind.name} exchange has no {role} factory and "
+                          "the compatibility table refuses nothing: add the rule")
+    return path
 
 
 def refusal(cfg: Any) -> str | None:

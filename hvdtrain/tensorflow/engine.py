@@ -32,6 +32,7 @@ from hvdtrain.data.sampler import StepIndices
 from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.horovod_start import compute_threads, start_horovod
 from hvdtrain.layout import Layout
 from hvdtrain.ps.mpi import horovod_comm, ps_settings
@@ -112,12 +113,13 @@ class TensorFlowEngine(Engine):
     def _make_update(self, cfg: Config, variables: list[Any]) -> None:
         """The exchange, the optimizer over ``variables`` (the trainable ones) and the kernels
         that step them (:class:`hvdtrain.tensorflow.shard.ShardedEngine` makes its own)."""
-        self.exchange = make_exchange(cfg.comm, cfg.seed, self.rank, self.size,
-                                      [v.shape for v in variables], ps=ps_settings(cfg),
-                                      opt=optimizer_settings(cfg.optim),
-                                      weights=lambda: [v.value for v in variables])
+        self.exchange, optimizer = make_exchange(cfg, ExchangeRequest(
+            cfg.comm, cfg.seed, self.rank, self.size, variables,
+            optimizer=make_optimizer(cfg.optim), settings=optimizer_settings(cfg.optim),
+            accumulation=self.accumulation, ps=ps_settings(cfg), shard=cfg.shard,
+            layout=self.layout))
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
-        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim, plain))
+        self.optimizer = self.precision.wrap(optimizer)
         # Keras creates slot variables on the first apply; building them now lets rank 0's optimizer
         # state (and, on resume, a restored one) be broadcast before the first step.
         self.optimizer.build(variables)

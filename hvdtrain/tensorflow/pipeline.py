@@ -38,7 +38,6 @@ import tensorflow as tf
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression.exchange import Exchange
-from hvdtrain.compression.plans import CommSettings
 from hvdtrain.compression.rules import OptimizerSettings
 from hvdtrain.config import Config
 from hvdtrain.data import tree
@@ -46,6 +45,7 @@ from hvdtrain.data.contracts import ArraySpec, Dataset, DatasetSpec
 from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import Exchanged, ExchangeRequest, build_exchange
 from hvdtrain.layout import Layout
 from hvdtrain.pipeline import stage_step
 from hvdtrain.pipeline.actions import ORDERED
@@ -56,7 +56,7 @@ from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.tensorflow import compression, parts
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
-from hvdtrain.tensorflow.exchange import applies_update
+from hvdtrain.tensorflow.exchange import applies_update, stepping_optimizer
 from hvdtrain.tensorflow.stage_state import StageState
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
@@ -300,18 +300,26 @@ class StageExchange(compression.CompressingExchange):
         return float(total[0]) > 0
 
 
-def make_stage_exchange(comm: CommSettings, seed: int, rank: int, size: int,
-                        shapes: Sequence[Sequence[int]], places: Sequence[int], process_set: Any,
-                        root: int, opt: OptimizerSettings | None = None,
-                        weights: Callable[[], Sequence[tf.Tensor]] | None = None
-                        ) -> StageExchange:
-    """The exchange of ``comm.compression`` over one stage's gradients among its copies (with
-    the update rule of ``opt`` where one applies, as :func:`~hvdtrain.tensorflow.exchange.
-    make_exchange`). ``places``: each gradient's place among the whole model's trainable
-    variables, which seeds its random draws (random-k's indices, qsgd's noise, PowerSGD's first
-    ``Q``), so that a stage draws what the whole model's exchange draws."""
-    plan = make_plan(comm, seed, shapes, places, compression.Kernels.out_last)
-    return StageExchange(plan, rank, size, process_set, root, opt, weights)
+def make_stage_exchange(cfg: Any, request: ExchangeRequest) -> Exchanged:
+    """The exchange over one stage's gradients among its copies and the optimizer the step
+    drives with it, built by the ``tensorflow.stage`` factory the strategies' registry names for
+    ``cfg`` (:func:`hvdtrain.exchange.build_exchange`), as :func:`~hvdtrain.tensorflow.exchange.
+    make_exchange` builds a whole model's."""
+    return build_exchange(cfg, request, stage=True)
+
+
+def stage_exchange(r: ExchangeRequest) -> Exchanged:
+    """``dense`` or ``compressing`` among a stage's copies: one :class:`StageExchange` runs
+    either plan (with the update rule of ``r.settings`` where one applies). ``r.places``: each
+    gradient's place among the whole model's trainable variables, which seeds its random draws
+    (random-k's indices, qsgd's noise, PowerSGD's first ``Q``), so that a stage draws what the
+    whole model's exchange draws."""
+    variables = list(r.params)
+    plan = make_plan(r.comm, r.seed, [v.shape for v in variables], r.places,
+                     compression.Kernels.out_last)
+    exchange = StageExchange(plan, r.rank, r.size, r.process_set, r.root, r.settings,
+                             lambda: [v.value for v in variables])
+    return exchange, stepping_optimizer(exchange, r.optimizer)
 
 
 def check_schedule(schedule: str) -> None:
@@ -372,12 +380,13 @@ class PipelineEngine(StageState, TensorFlowEngine):
                                      prefetch=cfg.data.prefetch, spec=self.spec)
         variables = self.model.trainable_variables
         self.trainable, self.all_trainable = self._trainable_names(variables)
-        self.exchange = make_stage_exchange(
-            cfg.comm, cfg.seed, self.copy, self.copies, [v.shape for v in variables],
-            [self.all_trainable.index(name) for name in self.trainable], self.stage_set,
-            self.root, optimizer_settings(cfg.optim), lambda: [v.value for v in variables])
+        self.exchange, optimizer = make_stage_exchange(cfg, ExchangeRequest(
+            cfg.comm, cfg.seed, self.copy, self.copies, variables,
+            optimizer=make_optimizer(cfg.optim), settings=optimizer_settings(cfg.optim),
+            layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
+            process_set=self.stage_set, root=self.root))
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
-        self.optimizer = self.precision.wrap(make_optimizer(cfg.optim, plain))
+        self.optimizer = self.precision.wrap(optimizer)
         self.optimizer.build(variables)
         self.stats: dict[str, float] = {}
         self.accumulation = 1

@@ -22,6 +22,7 @@ from hvdtrain.data.sampler import StepIndices
 from hvdtrain.data.tree import leading_size
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.horovod_start import compute_threads, start_horovod
 from hvdtrain.layout import Layout
 from hvdtrain.ps.mpi import horovod_comm, ps_settings
@@ -99,10 +100,12 @@ class TorchEngine(Engine):
         return model
 
     def _make_optimizer(self, cfg: Config) -> None:
-        self.exchange, self.optimizer = make_exchange(
-            cfg.comm, cfg.seed, self.rank, self.size, self.model,
-            make_optimizer(cfg.optim, self.model), cfg.train.backward_passes_per_step,
-            ps=ps_settings(cfg), layout=self.layout, shard=cfg.shard)
+        self.exchange, self.optimizer = make_exchange(cfg, ExchangeRequest(
+            cfg.comm, cfg.seed, self.rank, self.size,
+            [p for p in self.model.parameters() if p.requires_grad],
+            optimizer=make_optimizer(cfg.optim, self.model), model=self.model,
+            accumulation=cfg.train.backward_passes_per_step, ps=ps_settings(cfg),
+            shard=cfg.shard, layout=self.layout))
         self.precision.attach(self.optimizer)
         self.kernels = TorchKernels(self.model, self.optimizer, self.adapter, self.data,
                                     self.precision)

@@ -1,4 +1,5 @@
-"""The gradient exchanges of :mod:`hvdtrain.exchange` for PyTorch, built by :func:`make_exchange`.
+"""The gradient exchanges of :mod:`hvdtrain.exchange` for PyTorch: one factory per kind (the
+strategies' registry names which a run gets), :func:`make_exchange` the look-up.
 
 ``dense`` is Horovod's ``DistributedOptimizer``: its backward hooks start each gradient's
 allreduce as soon as the backward pass has produced it, overlapping communication with
@@ -17,10 +18,14 @@ import horovod.torch as hvd
 import torch
 
 from hvdtrain.compression import PLANS
-from hvdtrain.compression.plans import CommSettings
-from hvdtrain.config import PSConfig, ShardConfig
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
+from hvdtrain.exchange import (
+    Exchanged,
+    ExchangeRequest,
+    GradientExchange,
+    build_exchange,
+    empty_stats,
+)
 from hvdtrain.layout import Layout
 from hvdtrain.ps.exchange import ServerOptimizer, make_client
 from hvdtrain.ps.layout import chunk_elements
@@ -102,34 +107,48 @@ def async_ps(client: Any, rank: int, size: int, params: Sequence[torch.nn.Parame
     return TorchAsyncPSExchange(client, rank, size, params, server, worker), worker
 
 
-def make_exchange(comm: CommSettings, seed: int, rank: int, size: int, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer, accumulation: int,
-                  ps: PSConfig | None = None, layout: Layout | None = None,
-                  shard: ShardConfig | None = None
-                  ) -> tuple[GradientExchange, torch.optim.Optimizer]:
-    """The run's exchange, of the kind :func:`hvdtrain.exchange.exchange_kind` picks, and the
-    optimizer the step drives with it: Horovod's wrapper for the dense kind; plain SGD where the
-    compressing exchange applies the optimizer's update rule itself (DGC, compressed Adam).
-    ``ps``: the parameter servers' settings where ``comm.topology=ps``; under ``ssp``/``asp``
-    the servers run the optimizer (the step's optimizer is :class:`ServerSide`). ``shard``: the
-    sharded data-parallel settings; at ``shard.stage=1`` the sharded optimizer of
-    :mod:`hvdtrain.torch.shard` stands in the optimizer's place. ``layout``: the job's layout of
-    ranks; the sharded update shards over this rank's stage's copies (None: every one of
-    ``size`` ranks is a copy)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if shard is not None and shard.stage >= 1:
-        ranks = layout or Layout(size)
-        return make_sharded(optimizer, model, ranks.copy_of(rank), ranks.copies,
-                            chunk_elements(shard.chunk_kib), comm.compression, shard=shard,
-                            accumulation=accumulation)
-    if ps is not None:
-        shapes = [p.shape for p in params]
-        client = make_client(ps, comm, shapes, seed)
-        if ps.consistency == "bsp":
-            return TorchPSExchange(client, rank, size, params, ps.overlap), optimizer
-        return async_ps(client, rank, size, params, optimizer)
-    if exchange_kind(comm.compression) == "dense":
-        dense = DenseAllreduce(comm.compression, model, optimizer, rank, size, accumulation)
-        return dense, dense.optimizer
-    compressing = make_compressing(comm, seed, rank, size, params, optimizer_settings(optimizer))
-    return compressing, with_optimizer(compressing, optimizer)
+def make_exchange(cfg: Any, request: ExchangeRequest) -> Exchanged:
+    """The run's exchange and the optimizer the step drives with it, built by the factory the
+    strategies' registry names for ``cfg`` (:func:`hvdtrain.exchange.build_exchange`): one of
+    the factories below, each for one kind."""
+    return build_exchange(cfg, request)
+
+
+def dense_exchange(r: ExchangeRequest) -> Exchanged:
+    """``dense``: Horovod's ``DistributedOptimizer`` around the run's optimizer."""
+    dense = DenseAllreduce(r.comm.compression, r.model, r.optimizer, r.rank, r.size,
+                           r.accumulation)
+    return dense, dense.optimizer
+
+
+def compressing_exchange(r: ExchangeRequest) -> Exchanged:
+    """``compressing``: the method's plan, and plain SGD where the exchange applies the
+    optimizer's update rule itself (DGC, compressed Adam)."""
+    compressing = make_compressing(r.comm, r.seed, r.rank, r.size, list(r.params),
+                                   optimizer_settings(r.optimizer))
+    return compressing, with_optimizer(compressing, r.optimizer)
+
+
+def ps_exchange(r: ExchangeRequest) -> Exchanged:
+    """``ps`` (``bsp``): push and pull through the servers; the run's optimizer steps."""
+    assert r.ps is not None, "a parameter server exchange needs the ps section"
+    client = make_client(r.ps, r.comm, [p.shape for p in r.params], r.seed)
+    return TorchPSExchange(client, r.rank, r.size, list(r.params), r.ps.overlap), r.optimizer
+
+
+def server_optimizer_exchange(r: ExchangeRequest) -> Exchanged:
+    """``ps-optimizer`` (``ssp``, ``asp``): the servers run the optimizer; the step drives
+    :class:`ServerSide`."""
+    assert r.ps is not None, "a parameter server exchange needs the ps section"
+    client = make_client(r.ps, r.comm, [p.shape for p in r.params], r.seed)
+    return async_ps(client, r.rank, r.size, list(r.params), r.optimizer)
+
+
+def sharded_exchange(r: ExchangeRequest) -> Exchanged:
+    """``sharded``: the sharded optimizer of :mod:`hvdtrain.torch.shard` in the optimizer's
+    place, sharding over this rank's stage's copies of the job's layout."""
+    assert r.shard is not None, "the sharded update needs the shard section"
+    ranks = r.layout or Layout(r.size)
+    return make_sharded(r.optimizer, r.model, ranks.copy_of(r.rank), ranks.copies,
+                        chunk_elements(r.shard.chunk_kib), r.comm.compression, shard=r.shard,
+                        accumulation=r.accumulation)

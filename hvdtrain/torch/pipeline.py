@@ -45,6 +45,7 @@ from hvdtrain.data.loading import loader_workers
 from hvdtrain.data.sampler import StepIndices
 from hvdtrain.engine import PartedState
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.pipeline import SCHEDULES, Schedule, layer_names, stage_bounds
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.pipeline.state import (
@@ -205,7 +206,7 @@ class PipelineEngine(TorchEngine, PartedState):
         self.device = place(kind, self.local_rank, self.local_size)
         start_torch_distributed(self.collectives, self.device, cfg.train.stall_timeout_s)
         self.group = pipeline_groups(self.layout, self.rank)
-        sets = stage_sets(self.layout, cfg.comm.compression)
+        sets = stage_sets(self.layout, cfg)
         self.modules = self._build_pieces(cfg, dataset.spec())
         torch.manual_seed(cfg.seed + self.rank)
         for module in self.modules.values():
@@ -222,10 +223,12 @@ class PipelineEngine(TorchEngine, PartedState):
                      if p.requires_grad]
         self.trainable = [name for name, _ in trainable]
         """The global names of the exchange's tensors, in its order (its state by name)."""
-        self.exchange, self.optimizer = make_stage_exchange(
-            cfg.comm, cfg.seed, self.layout, self.rank, self.stage_set,
-            [p for _, p in trainable], [self.all_trainable.index(n) for n in self.trainable],
-            make_optimizer(cfg.optim, self.model))
+        self.exchange, self.optimizer = make_stage_exchange(cfg, ExchangeRequest(
+            cfg.comm, cfg.seed, self.layout.copy_of(self.rank), self.layout.copies,
+            [p for _, p in trainable], optimizer=make_optimizer(cfg.optim, self.model),
+            layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
+            process_set=self.stage_set,
+            root=self.layout.rank_of(self.layout.stage_of(self.rank), 0)))
         self.precision.attach(self.optimizer)
         self.stage_kernels = PipelineKernels(self)
         self.batch_rows, self.eval_rows = cfg.data.batch_size, cfg.data.eval_batch_size

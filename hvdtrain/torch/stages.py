@@ -18,11 +18,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hvdtrain.compression.plans import CommSettings
 from hvdtrain.data import tree
 from hvdtrain.driver import launcher_host
 from hvdtrain.errors import HvdtrainError
-from hvdtrain.exchange import GradientExchange, empty_stats, exchange_kind
+from hvdtrain.exchange import (
+    Exchanged,
+    ExchangeRequest,
+    GradientExchange,
+    build_exchange,
+    empty_stats,
+    exchange_kind,
+)
 from hvdtrain.layout import Layout
 from hvdtrain.torch.collectives import TorchCollectives, any_rank
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
@@ -236,11 +242,11 @@ class StageAllreduce(GradientExchange):
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
 
 
-def stage_sets(layout: Layout, method: str) -> list[Any]:
+def stage_sets(layout: Layout, cfg: Any) -> list[Any]:
     """Horovod's process set of each stage's copies, by stage (every rank adds every set, in
     order). With one copy a dense exchange sends nothing and needs none (None); a compressing
     one still runs its plan (error feedback, an update rule), in a set of its one rank."""
-    if layout.copies == 1 and exchange_kind(method) == "dense":
+    if layout.copies == 1 and exchange_kind(cfg) == "dense":
         return [None] * layout.stages
     return [stage_process_set(ranks) for ranks in layout.stage_groups()]
 
@@ -262,18 +268,23 @@ def make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = None
 
 
-def make_stage_exchange(comm: CommSettings, seed: int, layout: Layout, rank: int,
-                        process_set: Any, params: Sequence[torch.Tensor], places: Sequence[int],
-                        optimizer: torch.optim.Optimizer
-                        ) -> tuple[GradientExchange, torch.optim.Optimizer]:
-    """The exchange of ``comm.compression`` over this rank's stage's gradients among the stage's
-    copies (``process_set``), and the optimizer the step drives with it, as
-    :func:`hvdtrain.torch.exchange.make_exchange` picks them for a whole model (``places``: the
-    gradients' places among the whole model's, which seed their random draws)."""
-    copy, copies = layout.copy_of(rank), layout.copies
-    if exchange_kind(comm.compression) == "dense":
-        return StageAllreduce(process_set, copy, copies, comm.compression), optimizer
-    root = layout.rank_of(layout.stage_of(rank), 0)
-    exchange = make_compressing(comm, seed, copy, copies, params,
-                                optimizer_settings(optimizer), process_set, root, places)
-    return exchange, with_optimizer(exchange, optimizer)
+def make_stage_exchange(cfg: Any, request: ExchangeRequest) -> Exchanged:
+    """The exchange over this rank's stage's gradients among the stage's copies
+    (``request.process_set``; ``rank`` and ``size``: this copy and the copies) and the optimizer
+    the step drives with it, built by the ``torch.stage`` factory the strategies' registry names
+    for ``cfg`` (:func:`hvdtrain.exchange.build_exchange`), as :func:`hvdtrain.torch.exchange.
+    make_exchange` builds a whole model's."""
+    return build_exchange(cfg, request, stage=True)
+
+
+def stage_allreduce(r: ExchangeRequest) -> Exchanged:
+    """``dense`` among a stage's copies: Horovod's allreduce in their process set."""
+    return StageAllreduce(r.process_set, r.rank, r.size, r.comm.compression), r.optimizer
+
+
+def stage_compressing(r: ExchangeRequest) -> Exchanged:
+    """``compressing`` among a stage's copies (``places``: the gradients' places among the whole
+    model's, which seed their random draws; ``root``: the stage's first copy)."""
+    exchange = make_compressing(r.comm, r.seed, r.rank, r.size, list(r.params),
+                                optimizer_settings(r.optimizer), r.process_set, r.root, r.places)
+    return exchange, with_optimizer(exchange, r.optimizer)

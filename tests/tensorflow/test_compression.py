@@ -16,9 +16,11 @@ import tensorflow as tf
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.rules import OptimizerSettings
-from hvdtrain.config import CommConfig
+from hvdtrain.config import CommConfig, load_config
 from hvdtrain.driver import train
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import ExchangeRequest, GradientExchange
+from hvdtrain.strategies.table import with_settings
 from hvdtrain.tensorflow import compression as tfc
 from hvdtrain.tensorflow import exchange as tfx
 from tests.conftest import TF_CONFIG, quiet_config
@@ -163,6 +165,17 @@ def comm(method: str, **kw) -> CommConfig:
     return CommConfig(compression=method, **{"ratio": 0.1, "min_size": 64, "rank": 2, **kw})
 
 
+def made(c: CommConfig, seed: int) -> GradientExchange:
+    """The exchange of ``c`` at one rank, as a run's is made: by the factory the strategies'
+    registry names for its method (:func:`hvdtrain.tensorflow.exchange.make_exchange`)."""
+    cfg = with_settings(load_config(None, ["framework=tensorflow"], environ={}),
+                        {"comm.compression": c.compression})
+    params = [tf.Variable(tf.zeros(s)) for s in SHAPES]
+    exchange, optimizer = tfx.make_exchange(cfg, ExchangeRequest(c, seed, 0, 1, params))
+    assert optimizer is None  # none given: the exchange's kind keeps the run's
+    return exchange
+
+
 def grads_of(step: int) -> list[np.ndarray]:
     return [rng(step * 10 + i).standard_normal(s).astype(F32) for i, s in enumerate(SHAPES)]
 
@@ -216,7 +229,7 @@ class Reference:
     (m, False) for m in ("topk", "randomk", "powersgd")])
 def test_exchange_matches_the_reference_and_conserves_with_error_feedback(method, feedback):
     c = comm(method, error_feedback=feedback)
-    exchange = tfx.make_exchange(c, seed=5, rank=0, size=1, shapes=SHAPES)
+    exchange = made(c, 5)
     reference = Reference(c, seed=5)
     noise = lambda step, i, n: tfc.uniform(  # noqa: E731
         tf.constant(ref.noise_seed(5, 0, step, i), tf.int64), n).numpy()
@@ -271,7 +284,7 @@ def expected_wire_bytes(c: CommConfig) -> int:
 @pytest.mark.parametrize("method", METHODS)
 def test_stats_count_the_bytes_sent(method):
     c = comm(method, bucket=100)
-    exchange = tfx.make_exchange(c, seed=0, rank=0, size=1, shapes=SHAPES)
+    exchange = made(c, 0)
     exchange.run([tf.constant(g) for g in grads_of(1)])
     if method in ("none", "fp16"):
         # One rank: nothing to average, so nothing is sent (as Horovod's optimizers do); the
@@ -287,13 +300,13 @@ def test_stats_count_the_bytes_sent(method):
 def test_state_round_trip_is_exact():
     """A PowerSGD exchange's checkpoint entry restores step, Q and residuals into a fresh one."""
     c = comm("powersgd")
-    first = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    first = made(c, 1)
     for step in range(1, 3):
         first.run([tf.constant(g) for g in grads_of(step)])
     first.gather()
     arrays = first.state_dict()
     assert str(arrays["method"]) == "powersgd" and int(arrays["step"]) == 2
-    second = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    second = made(c, 1)
     second.load_state_dict(arrays, "test")
     second.broadcast()
     assert second.step == 2 and sorted(residuals(second)) == sorted(residuals(first)) == [0, 2, 4]
@@ -305,7 +318,7 @@ def test_state_round_trip_is_exact():
     # Written at 3 ranks, resumed at 1: the rank gets the mean, so the update owed is unchanged.
     at_three = {k: np.stack([v[0], 2 * v[0], 3 * v[0]]) if k.startswith("residual/") else v
                 for k, v in arrays.items()}
-    third = tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES)
+    third = made(c, 1)
     third.load_state_dict(at_three, "test")
     third.broadcast()
     for i, residual in residuals(third).items():
@@ -313,9 +326,9 @@ def test_state_round_trip_is_exact():
     wrong_q = {**arrays, "q/4": np.zeros((96, 2), F32)}  # Keras's kernel height as the rows
     with pytest.raises(HvdtrainError, match=r"compression state q/4 has shape \(96, 2\), this "
                                             r"run's is \(8, 2\)"):
-        tfx.make_exchange(c, seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(wrong_q, "x")
+        made(c, 1).load_state_dict(wrong_q, "x")
     with pytest.raises(HvdtrainError, match="compression state is for 'powersgd'"):
-        tfx.make_exchange(comm("topk"), seed=1, rank=0, size=1, shapes=SHAPES).load_state_dict(
+        made(comm("topk"), 1).load_state_dict(
             arrays, "x")
 
 

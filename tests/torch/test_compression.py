@@ -12,8 +12,10 @@ import torch
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.rules import OptimizerSettings
-from hvdtrain.config import CommConfig
+from hvdtrain.config import CommConfig, load_config
 from hvdtrain.driver import train
+from hvdtrain.exchange import Exchanged, ExchangeRequest
+from hvdtrain.strategies.table import with_settings
 from hvdtrain.torch import compression as tc
 from hvdtrain.torch import exchange as tx
 from tests.conftest import CONFIG, quiet_config
@@ -161,6 +163,14 @@ def test_update_rules_match_the_reference_exchange(rule):
                                        err_msg=f"{rule} step {step} #{i}")
 
 
+def made(c: CommConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Exchanged:
+    """The exchange of ``c`` at one rank and the optimizer the step drives, as a run's are made:
+    by the factory the strategies' registry names (:func:`hvdtrain.torch.exchange.make_exchange`)."""
+    cfg = with_settings(load_config(None, [], environ={}), {"comm.compression": c.compression})
+    return tx.make_exchange(cfg, ExchangeRequest(c, 0, 0, 1, list(model.parameters()),
+                                                 optimizer=optimizer, model=model))
+
+
 def test_the_optimizer_becomes_plain_sgd_where_the_exchange_applies_the_rule():
     model = torch.nn.Linear(200, 10)
     comm = CommConfig(compression="topk", momentum_correction=True, compress_momentum=True)
@@ -168,14 +178,14 @@ def test_the_optimizer_becomes_plain_sgd_where_the_exchange_applies_the_rule():
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
             torch.optim.Adam(model.parameters(), lr=0.1, weight_decay=0.01),
             torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.01)]:
-        _, used = tx.make_exchange(comm, 0, 0, 1, model, optimizer, 1)
+        _, used = made(comm, model, optimizer)
         assert type(used) is torch.optim.SGD
         group = used.param_groups[0]
         assert (group["momentum"], group["weight_decay"]) == (0, 0)  # both in the directions
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for method, off in [("qsgd", ()), ("topk", ("momentum_correction",))]:
         c = CommConfig(compression=method, **{name: False for name in off})
-        exchange, used = tx.make_exchange(c, 0, 0, 1, model, sgd, 1)
+        exchange, used = made(c, model, sgd)
         assert used is sgd and not exchange.rule.updates
 
 
