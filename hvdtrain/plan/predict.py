@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import import_module
 from typing import Any
 
 from hvdtrain.errors import ConfigError
+from hvdtrain.layout import Layout
 from hvdtrain.pipeline.schedules import SCHEDULES, check_pipeline, microbatch_count
 from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
 from hvdtrain.plan.profile import RATIO_KEYS, MethodProfile, ModelProfile
 from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
-from hvdtrain.ps.layout import Layout, server_chunk
+from hvdtrain.ps.layout import ChunkLayout, server_chunk
 from hvdtrain.strategies.pipeline import schedule_refused
+from hvdtrain.strategies.table import strategy
 
 OVERLAPPED = ("none", "fp16")
 """Methods of the dense exchange: Horovod's allreduce in backward hooks, overlapped."""
@@ -233,7 +236,7 @@ def _sweep(ctx: _Ctx, pred: Prediction, step: Callable[[int], Outcome],
                     *(Segment(s.lane, s.label, s.start_s + lead, s.end_s + lead) for s in segs)]
         # The global batch as training's sampler counts it (ShardedSampler.step_samples over the
         # data-parallel ranks: every rank, or a pipeline's copies).
-        samples = ctx.knobs.batch_size * (nodes * g // stages) * passes
+        samples = ctx.knobs.batch_size * Layout(nodes * g, stages).copies * passes
         pred.points.append(_point(ctx, nodes, nodes * g, seconds + lead, samples, passes))
         pred.timeline = segs
     return pred
@@ -364,7 +367,7 @@ def server_layout(gradient_bytes: float, servers: int, chunk_kib: int) -> tuple[
     """The busiest dedicated server's share of the flat float32 gradient and the chunk's bytes,
     as hvdtrain cuts and hashes it (:mod:`hvdtrain.ps.layout`)."""
     total = max(1, int(gradient_bytes // 4))
-    layout = Layout(total, server_chunk(total, chunk_kib), servers)
+    layout = ChunkLayout(total, server_chunk(total, chunk_kib), servers)
     busiest = max(layout.elements(s) for s in range(servers))
     return busiest / total, 4.0 * layout.chunk
 
@@ -404,7 +407,7 @@ def _stage_counts(ctx: _Ctx) -> list[int]:
     return counts
 
 
-def _pipelines(ctx: _Ctx) -> list[Prediction]:
+def pipelines(ctx: _Ctx) -> list[Prediction]:
     out = []
     for stages in _stage_counts(ctx):
         for schedule in PLANNED_SCHEDULES:
@@ -509,7 +512,7 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
     ranks = nodes * g
     if ranks < stages or ranks % stages:
         return f"{ranks} ranks do not hold copies of {stages} stages"
-    copies = ranks // stages
+    copies = Layout(ranks, stages).copies  # the job's layout of ranks, as training makes it
     biggest = max(step.stage_bytes)
     if _same_node(ctx, stages):
         shared = c.inter.shared(stages)
@@ -527,17 +530,49 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
     return step.span_s + dp + update, segs
 
 
+COST_ORDER = ("ring", "ps", "shard", "pipeline")
+"""The order the strategies' predictions are listed in before they are ranked (a tie keeps it)."""
+
+
+def _table_wins(ctx: _Ctx, preds: list[Prediction]) -> list[Prediction]:
+    """``preds`` with training's reason where the table refuses their settings: the run's own
+    reason wins over the plan's, since no cluster makes the run accept it."""
+    for pred in preds:
+        reason = ctx.refused(pred.settings)
+        if reason:
+            pred.reason, pred.points, pred.timeline = reason, [], []
+    return preds
+
+
+def rings(ctx: _Ctx) -> list[Prediction]:
+    """The ring's cost entry: Horovod's allreduce, dense and with each compression method."""
+    return _table_wins(ctx, [*_rings(ctx), *_compressed(ctx)])
+
+
+def servers(ctx: _Ctx) -> list[Prediction]:
+    """The parameter servers' cost entry: dedicated server ranks, and colocated BytePS."""
+    return _table_wins(ctx, _servers(ctx))
+
+
+def sharded(ctx: _Ctx) -> list[Prediction]:
+    """The sharded update's cost entry (``shard.stage=1``)."""
+    return _table_wins(ctx, [_sharded(ctx)])
+
+
+def _cost(name: str) -> Callable[[_Ctx], list[Prediction]]:
+    """The strategy's cost function, as the registry names it (:attr:`Strategy.cost`)."""
+    module, _, function = strategy(name).cost.partition(":")
+    found: Callable[[_Ctx], list[Prediction]] = getattr(import_module(module), function)
+    return found
+
+
 def plan(profile: ModelProfile, cluster: Cluster, knobs: Knobs,
          refuse: Refuse | None = None) -> Plan:
     """Every setting's prediction, ranked by samples/s at the most nodes it runs on; with
-    ``refuse``, a setting training would refuse is not applicable, with training's reason."""
+    ``refuse``, a setting training would refuse is not applicable, with training's reason.
+    Each strategy prices its own settings (its cost entry in the strategies' registry)."""
     ctx = _Ctx(profile, cluster, knobs, refuse)
-    whole = [*_rings(ctx), *_compressed(ctx), *_servers(ctx), _sharded(ctx)]
-    for pred in whole:
-        reason = ctx.refused(pred.settings)
-        if reason:  # the run's own reason wins over the plan's: no cluster makes the run accept it
-            pred.reason, pred.points, pred.timeline = reason, [], []
-    preds = [*whole, *_pipelines(ctx)]  # a pipeline asks the table after its own checks
+    preds = [pred for name in COST_ORDER for pred in _cost(name)(ctx)]
 
     def rank(p: Prediction) -> tuple[int, int, float]:
         best = p.best

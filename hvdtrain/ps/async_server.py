@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hvdtrain.ps import protocol
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 from hvdtrain.ps.mpi import PSWorld
 from hvdtrain.ps.optim import OPTIMIZERS, Clocks, ShardOptimizer
 from hvdtrain.ps.protocol import check, float_field
@@ -82,7 +82,7 @@ class AsyncServer:
     """One server's shard under ``ssp``/``asp``: its optimizer, the workers' clocks, and a
     receive buffer, an answer buffer and the pending sends per worker."""
 
-    def __init__(self, world: PSWorld, layout: Layout, wire: str, consistency: str,
+    def __init__(self, world: PSWorld, layout: ChunkLayout, wire: str, consistency: str,
                  staleness: int) -> None:
         self.world, self.ranks = world, world.worker_ranks
         self.consistency = consistency

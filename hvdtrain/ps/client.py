@@ -13,7 +13,7 @@ from hvdtrain.compression.state import reshard
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps import protocol, shards
 from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
-from hvdtrain.ps.layout import Layout, owner, travel_order
+from hvdtrain.ps.layout import ChunkLayout, owner, travel_order
 from hvdtrain.ps.mpi import PSWorld
 
 
@@ -41,7 +41,7 @@ class PSClient:
                  wire: str = "float32", settings: WireSettings | None = None) -> None:
         self.world, self.timeout_s, self.wire = world, timeout_s, np.dtype(wire)
         self.settings = settings or WireSettings("fp16" if wire == "float16" else "none")
-        self.layout = Layout(total, chunk, len(world.servers))
+        self.layout = ChunkLayout(total, chunk, len(world.servers))
         if self.layout.count > protocol.MAX_CHUNKS:  # the servers would refuse this HELLO
             raise HvdtrainError(f"ps.chunk_kib: the {total}-element gradient would travel in "
                                 f"{self.layout.count} chunks of {chunk} elements, more than the "

@@ -25,7 +25,7 @@ def owner(chunk: int, servers: int) -> int:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ChunkLayout:
     """The chunks of a flat vector of ``total`` elements and their servers."""
 
     total: int
@@ -51,7 +51,7 @@ class Layout:
         return sum(stop - start for start, stop in map(self.bounds, self.owned(server)))
 
 
-def travel_order(layout: Layout, first_server: int, descending: bool) -> list[int]:
+def travel_order(layout: ChunkLayout, first_server: int, descending: bool) -> list[int]:
     """The chunks in the order a worker pushes them: round robin over the servers from
     ``first_server`` on, each server's chunks in descending (or ascending) index order.
 

@@ -6,7 +6,7 @@ therefore a NumPy buffer sent with mpi4py's upper-case ``Send``/``Isend``, told 
 
 - ``HELLO`` (int64 ``[VERSION, total, chunk, servers, workers, wire, consistency, staleness,
   method, ratio, error_feedback, bucket, min_size, seed]``), once per training, from each worker
-  to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.Layout`), the dtype
+  to each server: the layout of the flat gradient (:class:`hvdtrain.ps.layout.ChunkLayout`), the dtype
   dense chunks travel as (an index into :data:`WIRE_DTYPES`), the ``ps.consistency`` (an index
   into :data:`CONSISTENCIES`) with its ``ps.staleness``, and the compression settings
   (:class:`hvdtrain.ps.codec.WireSettings`: the method an index into

@@ -21,7 +21,7 @@ import numpy as np
 
 from hvdtrain.ps import protocol
 from hvdtrain.ps.codec import METHODS, SPARSE, WireSettings, encode, pull_scheme, push_scheme
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 from hvdtrain.ps.mpi import PSWorld
 from hvdtrain.ps.protocol import ProtocolError, check, in_range, refused
 
@@ -46,7 +46,7 @@ class Shard:
     pulls left unsent (one vector in the shard's layout, :mod:`hvdtrain.ps.shards`, with a view
     per chunk)."""
 
-    def __init__(self, layout: Layout, server: int, workers: int,
+    def __init__(self, layout: ChunkLayout, server: int, workers: int,
                  settings: WireSettings | None = None) -> None:
         settings = settings or WireSettings()
         self.chunks = layout.owned(server)
@@ -90,7 +90,7 @@ class Shard:
         return encode(self.pulls[i], self.sums[i], self.residuals[i], step, self.chunks[i], rank)
 
 
-def read_hello(world: PSWorld) -> tuple[Layout, str, str, int, WireSettings]:
+def read_hello(world: PSWorld) -> tuple[ChunkLayout, str, str, int, WireSettings]:
     """The layout, wire dtype, consistency, staleness bound and compression settings every worker
     announced; each ``HELLO`` is checked field by field, then they must agree with each other and
     with this server, and the shard they ask for must fit this machine's memory."""
@@ -108,7 +108,7 @@ def read_hello(world: PSWorld) -> tuple[Layout, str, str, int, WireSettings]:
                                        "the workers must agree")
     total, chunk, servers = (int(v) for v in messages[0, 1:4])
     wire, consistency, staleness = (int(v) for v in messages[0, 5:8])
-    layout = Layout(total, chunk, servers)
+    layout = ChunkLayout(total, chunk, servers)
     check_memory(world, layout)
     return (layout, protocol.WIRE_DTYPES[wire], protocol.CONSISTENCIES[consistency], staleness,
             WireSettings.from_ints(messages[0, 8:].tolist()))
@@ -149,7 +149,7 @@ def check_hello(world: PSWorld, rank: int, message: np.ndarray) -> None:
           f"{protocol.MAX_CHUNKS} a server lays out")
 
 
-def check_memory(world: PSWorld, layout: Layout) -> None:
+def check_memory(world: PSWorld, layout: ChunkLayout) -> None:
     """Refuses a layout whose shard would need more memory than this machine has available,
     before anything is allocated for it (naming the workers' ``total``)."""
     available = protocol.available_bytes()

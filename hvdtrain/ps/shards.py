@@ -2,7 +2,7 @@
 a server and worker 0 (``INIT``, ``STATE``): framework-free.
 
 A shard is the concatenation of the chunks its server owns, in ascending chunk order
-(:meth:`hvdtrain.ps.layout.Layout.owned`). A checkpoint keeps whole flat vectors, never shards, so
+(:meth:`hvdtrain.ps.layout.ChunkLayout.owned`). A checkpoint keeps whole flat vectors, never shards, so
 it does not depend on the number of servers: resuming on another number re-shards by the new
 layout (:func:`take`), and since every update is elementwise the result is the same bits.
 """
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 
 
 def state_names(optimizer: str, momentum: float) -> tuple[str, ...]:
@@ -24,13 +24,13 @@ def state_names(optimizer: str, momentum: float) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
-def take(flat: np.ndarray, layout: Layout, server: int) -> np.ndarray:
+def take(flat: np.ndarray, layout: ChunkLayout, server: int) -> np.ndarray:
     """Server ``server``'s shard of ``flat`` (a new contiguous vector)."""
     parts = [flat[start:stop] for start, stop in map(layout.bounds, layout.owned(server))]
     return np.ascontiguousarray(np.concatenate(parts) if parts else flat[:0])
 
 
-def put(flat: np.ndarray, shard: np.ndarray, layout: Layout, server: int) -> None:
+def put(flat: np.ndarray, shard: np.ndarray, layout: ChunkLayout, server: int) -> None:
     """Writes server ``server``'s ``shard`` into its places in ``flat``."""
     at = 0
     for start, stop in map(layout.bounds, layout.owned(server)):

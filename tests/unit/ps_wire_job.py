@@ -30,7 +30,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.ps import protocol
 from hvdtrain.ps.client import PSClient
 from hvdtrain.ps.codec import WireSettings, push_scheme
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 from hvdtrain.ps.mpi import PSWorld, split
 from hvdtrain.ps.server import serve
 
@@ -63,7 +63,7 @@ def pushes(settings: WireSettings, rank: int, bad: str = "") -> list[np.ndarray]
     """One step's chunks as a ``bsp`` worker pushes them to the one server (descending), each
     codec's buffers; ``bad``: ``short``/``long`` (the first chunk), ``index`` (the first sparse
     chunk's first index -1)."""
-    layout, scheme = Layout(TOTAL, CHUNK, 1), push_scheme(settings)
+    layout, scheme = ChunkLayout(TOTAL, CHUNK, 1), push_scheme(settings)
     out = []
     for chunk in reversed(range(layout.count)):
         start, stop = layout.bounds(chunk)

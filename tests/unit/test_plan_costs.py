@@ -11,7 +11,7 @@ from hvdtrain.plan.fusion import fuse
 from hvdtrain.plan.predict import server_layout
 from hvdtrain.plan.profile import LayerProfile, TensorProfile
 from hvdtrain.plan.stages import pipeline_step
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 
 GB = Link(bandwidth_gbit_s=8.0, latency_us=10.0)  # 1e9 bytes/s, 10 us
 FAST = Link(bandwidth_gbit_s=80.0, latency_us=1.0)
@@ -77,7 +77,7 @@ def test_server_layout_is_hvdtrains_cut() -> None:
     # 17.4 MB of float32 with 4 MiB at most: cut into 64 chunks of 68 K elements (265 KiB)
     share, chunk = server_layout(4 * 4_345_490, 4, 4096)
     assert chunk == 4 * -(-4_345_490 // 64)
-    layout = Layout(4_345_490, int(chunk) // 4, 4)
+    layout = ChunkLayout(4_345_490, int(chunk) // 4, 4)
     assert share == max(layout.elements(s) for s in range(4)) / 4_345_490
     assert 0.25 <= share < 0.3
     assert server_layout(4 * 4_345_490, 1, 4096)[0] == 1.0

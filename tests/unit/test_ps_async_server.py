@@ -14,7 +14,7 @@ import pytest
 
 from hvdtrain.observe.ranks import Monitor, StepCosts
 from hvdtrain.ps import protocol
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 from hvdtrain.ps.optim import ShardOptimizer
 from hvdtrain.ps.shards import pack, put, state_names, take, unpack
 from tests.conftest import run_env
@@ -35,7 +35,7 @@ def test_control_and_hello_carry_the_consistency_the_version_and_the_rate():
 
 @pytest.mark.parametrize("servers", [1, 2, 3])
 def test_shards_cover_the_vector_and_pack_round_trips(servers):
-    layout = Layout(TOTAL, 256, servers)
+    layout = ChunkLayout(TOTAL, 256, servers)
     flat = np.arange(TOTAL, dtype=np.float32)
     back = np.zeros_like(flat)
     for s in range(servers):
@@ -51,7 +51,7 @@ def test_shards_cover_the_vector_and_pack_round_trips(servers):
     assert state_names("sgd", 0.0) == () and state_names("sgd", 0.9) == ("momentum",)
 
 
-def shard_steps(layout: Layout, params: np.ndarray, state: dict[str, np.ndarray], steps: int,
+def shard_steps(layout: ChunkLayout, params: np.ndarray, state: dict[str, np.ndarray], steps: int,
                 grads: list[np.ndarray], name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``grads`` applied by every server of ``layout`` to its shard; the whole vectors after."""
     names = state_names(name, 0.9)
@@ -73,9 +73,9 @@ def test_state_resharded_to_another_number_of_servers_continues_bit_exactly(name
     rng = np.random.default_rng(3)
     params = rng.standard_normal(TOTAL).astype(np.float32)
     grads = [rng.standard_normal(TOTAL).astype(np.float32) for _ in range(6)]
-    whole, whole_state = shard_steps(Layout(TOTAL, 256, 1), params, {}, 0, grads, name)
-    half, half_state = shard_steps(Layout(TOTAL, 256, 2), params, {}, 0, grads[:3], name)
-    resumed, resumed_state = shard_steps(Layout(TOTAL, 256, 3), half, half_state, 3, grads[3:],
+    whole, whole_state = shard_steps(ChunkLayout(TOTAL, 256, 1), params, {}, 0, grads, name)
+    half, half_state = shard_steps(ChunkLayout(TOTAL, 256, 2), params, {}, 0, grads[:3], name)
+    resumed, resumed_state = shard_steps(ChunkLayout(TOTAL, 256, 3), half, half_state, 3, grads[3:],
                                          name)
     assert np.array_equal(resumed, whole)
     assert all(np.array_equal(resumed_state[n], whole_state[n]) for n in whole_state)

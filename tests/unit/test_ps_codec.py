@@ -11,7 +11,7 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.config import load_config
 from hvdtrain.ps import protocol
 from hvdtrain.ps.codec import WireSettings, encode, pull_scheme, push_scheme
-from hvdtrain.ps.layout import Layout
+from hvdtrain.ps.layout import ChunkLayout
 from hvdtrain.ps.server import Shard
 
 N = 2000
@@ -87,8 +87,8 @@ def test_error_feedback_loses_nothing_only_delays_it(method):
     assert np.count_nonzero(residual) > N // 2  # most entries still wait
 
 
-def shard_for(method: str, workers: int = 3, feedback: bool = True) -> tuple[Shard, Layout]:
-    layout = Layout(5 * 512, 512, 2)
+def shard_for(method: str, workers: int = 3, feedback: bool = True) -> tuple[Shard, ChunkLayout]:
+    layout = ChunkLayout(5 * 512, 512, 2)
     settings = WireSettings(method, ratio=0.05, error_feedback=feedback, bucket=128,
                             min_size=256, seed=3)
     return Shard(layout, 0, workers, settings), layout

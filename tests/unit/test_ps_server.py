@@ -13,25 +13,25 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.ps.layout import Layout, chunk_elements, owner, travel_order
+from hvdtrain.ps.layout import ChunkLayout, chunk_elements, owner, travel_order
 from tests.conftest import run_env
 
 JOB = str(Path(__file__).with_name("ps_job.py"))
 
 
 def test_chunks_cover_the_vector_once_and_spread_by_hash():
-    layout = Layout(9610, chunk_elements(8), 2)  # the digits MLP in 8 KiB chunks
+    layout = ChunkLayout(9610, chunk_elements(8), 2)  # the digits MLP in 8 KiB chunks
     assert layout.count == 5 and layout.bounds(4) == (8192, 9610)
     owned = [layout.owned(s) for s in range(2)]
     assert sorted(owned[0] + owned[1]) == list(range(5)) and all(owned)
     assert layout.elements(0) + layout.elements(1) == 9610
     assert [owner(c, 3) for c in range(6)] == [owner(c, 3) for c in range(6)]  # no process salt
-    assert Layout(0, 256, 1).count == 1 and Layout(0, 256, 1).bounds(0) == (0, 0)
+    assert ChunkLayout(0, 256, 1).count == 1 and ChunkLayout(0, 256, 1).bounds(0) == (0, 0)
 
 
 @pytest.mark.parametrize("servers", [1, 3, 4])
 def test_workers_push_round_robin_over_the_servers_in_each_servers_order(servers):
-    layout = Layout(64 * 100, 100, servers)
+    layout = ChunkLayout(64 * 100, 100, servers)
     for first in range(servers):
         for descending in (True, False):
             order = travel_order(layout, first, descending)

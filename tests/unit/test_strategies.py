@@ -11,15 +11,26 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError, HvdtrainError
+from hvdtrain.exchange import exchange_kind
 from hvdtrain.pipeline.schedules import SCHEDULES
 from hvdtrain.plan.cluster import cluster_from_tree
 from hvdtrain.plan.command import knobs_of, refuser
 from hvdtrain.plan.predict import plan
 from hvdtrain.plan.profile import load_profile, model_key
-from hvdtrain.strategies.base import Strategy
+from hvdtrain.strategies.base import STAGE_PARTS, WHOLE, Strategy
 from hvdtrain.strategies.page import markdown
 from hvdtrain.strategies.pipeline import TENSORFLOW_SCHEDULES
-from hvdtrain.strategies.table import RULES, STRATEGIES, active, engine_path, refusal, strategy, with_settings
+from hvdtrain.strategies.table import (
+    RULES,
+    STRATEGIES,
+    active,
+    engine_path,
+    exchange_of,
+    exchange_path,
+    refusal,
+    strategy,
+    with_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digits_torch.yaml"
@@ -135,3 +146,47 @@ def test_the_table_imports_no_config_framework_or_feature():
                    "hvdtrain.errors", "hvdtrain.registry", "hvdtrain.strategies",
                    "hvdtrain.strategies.base"}
         assert names <= allowed, (module, names - allowed)
+
+
+KINDS = {"dense": {}, "compressing": {"comm.compression": "topk"},
+         "ps": {"comm.topology": "ps"},
+         "ps-optimizer": {"comm.topology": "ps", "ps.consistency": "asp"},
+         "sharded": {"shard.stage": 1}}
+"""A config of each kind of exchange, as dotted settings of the digits config."""
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_exchange_is_a_look_up_or_the_tables_refusal(kind, stages, framework):
+    """Each kind's factory for each framework (whole model, or a stage's) names a real function,
+    or the framework cannot build it and the table refuses that config with its one line (or the
+    strategy's own engine builds it)."""
+    settings = {**KINDS[kind], "framework": framework, "pipeline.stages": stages}
+    cfg = with_settings(load_config(CONFIG, environ={}), settings)
+    assert exchange_kind(cfg) == kind
+    role = framework if stages == 1 else f"{framework}.stage"
+    path = exchange_of(cfg).factories.get(role)
+    if path is not None:
+        assert exchange_path(cfg, stage=stages > 1) == path
+        module, _, name = path.partition(":")
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        assert f"\ndef {name}(" in source  # a real function, without importing the framework
+        return
+    reason = refusal(cfg)
+    if reason is None:  # TensorFlow's sharded engine builds its exchange itself
+        assert engine_path(cfg) == "hvdtrain.tensorflow.shard:ShardedEngine"
+        return
+    with pytest.raises(ConfigError) as err:
+        exchange_path(cfg, stage=stages > 1)
+    assert str(err.value) == reason == _error(settings)
+
+
+def test_each_strategy_names_its_checkpoint_layout_and_cost():
+    for name in STRATEGIES:
+        found = strategy(name)
+        assert found.checkpoint is not None and found.checkpoint.files in (WHOLE, STAGE_PARTS)
+        module, _, function = found.cost.partition(":")
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        assert f"\ndef {function}(" in source
+    assert strategy("pipeline").checkpoint.files == STAGE_PARTS  # type: ignore[union-attr]
