@@ -144,6 +144,11 @@ class OptimConfig:
     ``scale_lr``, without which the two rates are the same)."""
     schedule: str = _opt("constant", choices=("constant", "cosine"))
     """Learning-rate shape after warm-up."""
+    clip_norm: float = _opt(0.0, min=0.0)
+    """Clip the step's averaged gradient to at most this global L2 norm before the update, as
+    ``torch.nn.utils.clip_grad_norm_`` does (0: off). Under ``shard.stage`` >= 1 the norm is
+    summed over the shards (one allreduce of a scalar). PyTorch, on the ring's dense exchange and
+    sharded data parallel; refused elsewhere (docs/sharding.md)."""
 
     def __post_init__(self) -> None:
         # Settings that would do nothing are refused, not ignored (as check_comm does for comm).
@@ -312,6 +317,21 @@ def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
         refuse_unread("shard.", shard, ["prefetch", "reshard_after_forward"],
                       f"shard.stage={shard.stage}", "only stage 3 gathers parameters",
                       "shard.stage=3")
+
+
+def check_clip(cfg: Config) -> None:
+    """``optim.clip_norm`` where the update it clips is not built, as one line."""
+    if not cfg.optim.clip_norm:
+        return
+    where = [f"framework={cfg.framework!r}"] if cfg.framework != "torch" else []
+    where += [f"comm.compression={cfg.comm.compression!r}"] * (cfg.comm.compression
+                                                               not in ("none", "fp16"))
+    where += [f"comm.topology={cfg.comm.topology!r}"] * (cfg.comm.topology != "ring")
+    where += [f"pipeline.stages={cfg.pipeline.stages}"] * (cfg.pipeline.stages > 1)
+    if where:
+        raise ConfigError(f"optim.clip_norm={cfg.optim.clip_norm:g} with {where[0]}: clipping by "
+                          "global norm is built for PyTorch's ring (comm.compression none or "
+                          "fp16) and shard.stage only; leave optim.clip_norm at its default 0")
 
 
 def check_model(cfg: Config) -> None:
@@ -515,6 +535,7 @@ class Config:
         check_ps(self.ps)
         check_shard(self.shard, self.model)
         check_model(self)
+        check_clip(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in check_pipeline_section).

@@ -30,8 +30,9 @@ class Precision(PrecisionKernels):
 
     :meth:`attach` gives it the optimizer it steps, once that exists."""
 
-    def __init__(self, precision: str, device: torch.device) -> None:
+    def __init__(self, precision: str, device: torch.device, clip_norm: float = 0.0) -> None:
         self.device_type = device.type
+        self.clip_norm = clip_norm  # optim.clip_norm: 0 is off
         self.dtype = DTYPES.get(precision)
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.scaling = self.scaler is not None
@@ -77,7 +78,22 @@ class Precision(PrecisionKernels):
             p.grad = grad
         if self.scaler is not None and not unscaled:
             self.scaler.unscale_(self.optimizer)
+        if self.clip_norm:
+            self._clip(grads)
         self._step()
+
+    def _clip(self, grads: Sequence[torch.Tensor]) -> None:
+        # As torch.nn.utils.clip_grad_norm_; a sharded optimizer's gradients are its shards,
+        # whose norm it sums over the ranks (grad_norm, a collective).
+        norm_of = getattr(self.optimizer, "grad_norm", None)
+        if norm_of is not None:
+            norm = norm_of(grads)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.detach()) for g in grads]))
+        factor = torch.clamp(self.clip_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(factor)
 
     def skip(self) -> None:
         # The scaler sees an overflow on this rank too, and skips with the others.

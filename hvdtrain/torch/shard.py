@@ -142,6 +142,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.allgather(self.shard.detach(), flat.__getitem__, "params")
         self.stats["comm_s"] += time.perf_counter() - began
 
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the step's gradient from this rank's shards of it (an
+        allreduce of the sum of squares over the ranks sharing the model)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            local += g.detach().double().pow(2).sum()
+        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm").sqrt().float()
+
     def _load_shard(self) -> None:
         # From the parameters each step: a broadcast or restore of the model reaches the shard.
         for seg in segments(self.sizes, self.start, self.stop):

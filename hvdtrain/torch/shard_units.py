@@ -369,6 +369,14 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
         self.sharding.settle()
         return [u.grad for u in self.units]
 
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the step's gradient from this rank's shards of it (an
+        allreduce of the sum of squares over the ranks sharing the model)."""
+        local = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            local += g.detach().double().pow(2).sum()
+        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm").sqrt().float()
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Steps the shards; stage 2 then all-gathers them into the parameters (a collective)."""

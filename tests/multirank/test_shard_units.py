@@ -1,11 +1,13 @@
 """Sharded data parallel at stages 2 and 3 (``shard.stage`` 2-3, PyTorch): each trains as the
 ring does on the same global batch, with gradient accumulation and AdamW's weight decay, with and
-without activation checkpointing, and its checkpoints move between the ring and stage 3.
+without activation checkpointing, with the gradient clipped by global norm (summed over the
+shards), and its checkpoints move between the ring and stage 3.
 
 One launch under Gloo (-np 2): the ring with AdamW (2 micro-batches a step, 2 epochs, a
 checkpoint every 23 steps), stages 2 and 3 with the same settings, stage 3 with activation
 checkpointing, stage 3 resumed from the ring's step-23 checkpoint and the ring resumed from stage
-3's. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
+3's; then one epoch of SGD with momentum, unclipped and clipped (optim.clip_norm) on the ring and
+at stages 1-3. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
 with momentum), against the ring's run that test launches. The rest is marked ``long``.
 """
 
@@ -22,6 +24,10 @@ from tests.multirank.conftest import EQUIV, Launch, launch_worker
 
 ADAMW = ("data.batch_size=16,train.backward_passes_per_step=2,train.epochs=2,optim.warmup_steps=0,"
          "optim.name=adamw,optim.lr=0.002,optim.weight_decay=0.01,checkpoint.every_steps=23")
+SGD = ("data.batch_size=16,train.backward_passes_per_step=2,train.epochs=1,optim.warmup_steps=0,"
+       "optim.lr=0.05")
+CLIP = SGD + ",optim.clip_norm=0.3"
+"""SGD with momentum, its gradient clipped to a global norm of 0.3 (the MLP's starts near 2)."""
 PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
 """The digits MLP's parameters: units of 8,320 and 1,290 elements, halves of 4,160 and 645."""
 TOLERANCE = 1e-5
@@ -49,7 +55,9 @@ def units(tmp_path_factory) -> Callable[[str], Launch]:
                         f"s3_recompute:{ADAMW},shard.stage=3,model.activation_checkpointing=true",
                         f"s3_from_ring:{ADAMW},shard.stage=3,checkpoint.resume="
                         f"{ckpt(out, 'ring', 23)}",
-                        f"ring_from_s3:{ADAMW},checkpoint.resume={ckpt(out, 's3', 23)}"]
+                        f"ring_from_s3:{ADAMW},checkpoint.resume={ckpt(out, 's3', 23)}",
+                        f"sgd:{SGD}", f"ring_clip:{CLIP}",
+                        *(f"s{k}_clip:{CLIP},shard.stage={k}" for k in (1, 2, 3))]
             cache[controller] = launch_worker(2, controller, "torch", out, runs)
         return cache[controller]
 
@@ -80,6 +88,11 @@ def test_stages_two_and_three_train_as_the_ring(units, two_ranks, controller):
         assert summary["shard_stage"] == int(run[1]) and summary["shard_ranks"] == 2
     if controller == "mpi":
         return
+    # Clipping by global norm: over the shards, the ring's; and it clips (not the unclipped run).
+    clipped = launch.rank("ring_clip", 0)[0]
+    assert not np.allclose(clipped["1.weight"], launch.rank("sgd", 0)[0]["1.weight"], atol=1e-3)
+    for k in (1, 2, 3):
+        assert_near(assert_ranks_agree(launch, f"s{k}_clip"), clipped, f"stage {k} clipped")
     # Activation checkpointing recomputes each unit's activations to the same gradients.
     assert_near(assert_ranks_agree(launch, "s3_recompute"), launch.rank("s3", 0)[0],
                 "stage 3 with activation checkpointing")
