@@ -42,7 +42,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/compression.py --quick --no-write --datasets lm  # the LM's
     nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
         --optimizers sgd,adam --methods none,topk,topk-dgc,qsgd,powersgd \
-        --train-extra comm.adam_warmup_steps=40 --train-extra comm.sparsity_warmup_steps=40
+        --train-extra comm.dense_steps=40 --train-extra comm.sparsity_warmup_steps=40
     nice -n 10 .venv/bin/python benchmarks/compression.py --seeds 5 --datasets images \
         --optimizers sgd,adam --methods none,topk-0.1% --tag topk-0.1%  # a section of its own
 """
@@ -288,13 +288,16 @@ def worker(argv: Sequence[str]) -> int:
 
 
 def run_overrides(method: str, optimizer: str, extra: Sequence[str]) -> list[str]:
-    """A variant's overrides under ``optimizer``, then the ``--train-extra`` ones that its run
+    """A variant's overrides under ``optimizer`` (``<variant>+<comm key>=<value>+...`` adds comm
+    keys to a variant of :data:`METHODS`), then the ``--train-extra`` ones that its run
     reads: a ``comm`` key of a method or an update rule (``comm.min_size``,
     ``comm.sparsity_warmup_steps``, ...) goes only to the runs of that method or rule, as the
     config refuses a key that would do nothing (:mod:`hvdtrain.strategies.comm`)."""
     from hvdtrain.strategies.comm import METHOD_KEYS, RULE_KEYS
 
-    own = [*METHODS[method], *([RULES[optimizer]] if method == "topk-dgc" else [])]
+    base, *keys = method.split("+")  # "powersgd+dense_steps=250": a variant and comm keys
+    own = [*METHODS[base], *([RULES[optimizer]] if base == "topk-dgc" else []),
+           *(f"comm.{k}" for k in keys)]
     compression = next(o.split("=", 1)[1] for o in own if o.startswith("comm.compression="))
     rules = {o.split("=")[0].removeprefix("comm.") for o in own if o.endswith("=true")}
     out = list(own)

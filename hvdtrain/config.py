@@ -21,7 +21,7 @@ import yaml
 from hvdtrain.choices import DEVICES, PRECISIONS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, refuse_unread, shown
 from hvdtrain.errors import ConfigError, os_failure
-from hvdtrain.strategies.comm import METHODS, check_comm
+from hvdtrain.strategies.comm import METHODS, RETIRED_KEYS, check_comm
 from hvdtrain.strategies.schedules import SCHEDULE_NAMES, check_pipeline_section
 from hvdtrain.strategies.table import check as check_strategies
 
@@ -144,11 +144,6 @@ class OptimConfig:
     ``scale_lr``, without which the two rates are the same)."""
     schedule: str = _opt("constant", choices=("constant", "cosine"))
     """Learning-rate shape after warm-up."""
-    clip_norm: float = _opt(0.0, min=0.0)
-    """Clip the step's averaged gradient to at most this global L2 norm before the update, as
-    ``torch.nn.utils.clip_grad_norm_`` does (0: off). Under ``shard.stage`` >= 1 the norm is
-    summed over the shards (one allreduce of a scalar). PyTorch, on the ring's dense exchange and
-    sharded data parallel; refused elsewhere (docs/sharding.md)."""
 
     def __post_init__(self) -> None:
         # Settings that would do nothing are refused, not ignored (as check_comm does for comm).
@@ -202,11 +197,28 @@ class CommConfig:
     compress_momentum: bool = False
     """``topk``, ``randomk`` and ``qsgd`` with Adam or AdamW (off by default until
     measured over seeds in a real run, docs/benchmarks.md): 1-bit Adam's design. Dense
-    Adam for ``adam_warmup_steps``, then the variance freezes and each rank sends its compressed
+    Adam for ``dense_steps``, then the variance freezes and each rank sends its compressed
     momentum with error feedback; the optimizer becomes plain SGD applying the exchange's update
     (refused where it would not run, :mod:`hvdtrain.strategies.comm`)."""
-    adam_warmup_steps: int = _opt(200, min=1)
-    """With ``compress_momentum``: steps of dense Adam before the variance freezes."""
+    dense_steps: int = _opt(0, min=0)
+    """``topk``, ``randomk``, ``qsgd``, ``powersgd``: the first this many steps average every
+    tensor dense (float32), then the method starts, its error feedback and PowerSGD's warm-started
+    ``Q`` with it (torch's ``start_powerSGD_iter``); compressed Adam's dense warm-up, and DGC's
+    density warm-up begins after it (docs/compression.md, "Dense start")."""
+    adaptive: bool = False
+    """``topk``, ``randomk``, ``powersgd`` (plain averaging): Accordion's switch between two
+    levels. Every ``adaptive_interval`` steps, where the mean gradient norm changed by at least
+    ``adaptive_threshold`` of the previous interval's, the next interval sends ``adaptive_factor``
+    times more (``ratio`` or ``rank``), else the configured level; the same decision on every rank
+    (docs/compression.md, "Adaptive compression")."""
+    adaptive_interval: int = _opt(100, min=1)
+    """With ``adaptive``: steps per interval of the switch."""
+    adaptive_threshold: float = _opt(0.5, min=0.0)
+    """With ``adaptive``: the relative change of the interval's gradient norm that counts as a
+    critical regime (Accordion's 0.5)."""
+    adaptive_factor: int = _opt(4, min=2)
+    """With ``adaptive``: how many times more the low compression level sends (Accordion:
+    PowerSGD rank 1 against 4, top-k 1% against 4%)."""
     cycle_time_ms: float = _opt(0.0, min=0.0, max=1000.0)
     """How often Horovod's background thread looks for tensors to reduce (``HOROVOD_CYCLE_TIME``).
     0: Horovod's own 1 ms (see :func:`hvdtrain.horovod_start.set_cycle_time`); a
@@ -317,21 +329,6 @@ def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
         refuse_unread("shard.", shard, ["prefetch", "reshard_after_forward"],
                       f"shard.stage={shard.stage}", "only stage 3 gathers parameters",
                       "shard.stage=3")
-
-
-def check_clip(cfg: Config) -> None:
-    """``optim.clip_norm`` where the update it clips is not built, as one line."""
-    if not cfg.optim.clip_norm:
-        return
-    where = [f"framework={cfg.framework!r}"] if cfg.framework != "torch" else []
-    where += [f"comm.compression={cfg.comm.compression!r}"] * (cfg.comm.compression
-                                                               not in ("none", "fp16"))
-    where += [f"comm.topology={cfg.comm.topology!r}"] * (cfg.comm.topology != "ring")
-    where += [f"pipeline.stages={cfg.pipeline.stages}"] * (cfg.pipeline.stages > 1)
-    if where:
-        raise ConfigError(f"optim.clip_norm={cfg.optim.clip_norm:g} with {where[0]}: clipping by "
-                          "global norm is built for PyTorch's ring (comm.compression none or "
-                          "fp16) and shard.stage only; leave optim.clip_norm at its default 0")
 
 
 def check_model(cfg: Config) -> None:
@@ -535,7 +532,6 @@ class Config:
         check_ps(self.ps)
         check_shard(self.shard, self.model)
         check_model(self)
-        check_clip(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in check_pipeline_section).
@@ -606,7 +602,8 @@ def build(cls: type, tree: Any, prefix: str = "") -> Any:
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if key not in fields:
-            raise ConfigError(f"unknown key {shown(path)}{nearest_key(str(key), fields, prefix)}")
+            raise ConfigError(RETIRED_KEYS.get(path)
+                              or f"unknown key {shown(path)}{nearest_key(str(key), fields, prefix)}")
         ftype = types[key]
         if isinstance(ftype, type) and dataclasses.is_dataclass(ftype):
             kwargs[key] = build(ftype, {} if value is None else value, f"{path}.")

@@ -13,6 +13,9 @@ and, for TensorFlow, the tracing of the stages; everything else is here, once:
   :meth:`Exchange.broadcast` (a collective) hands every rank the step, ``Q`` and its own residuals,
   re-sharded by :func:`hvdtrain.compression.state.reshard` when the world size changed.
 - :meth:`Exchange.resize` continues at another rank and world size (elastic mode).
+- The adaptive rule (:class:`hvdtrain.compression.rules.Accordion`) sees every step's local
+  gradient norm and, once an interval, the ranks' mean of them (one allgathered number); its state
+  travels in the checkpoint and the broadcast.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from hvdtrain.compression import reference as ref
 from hvdtrain.compression import state
 from hvdtrain.compression.kernels import Context, Kernels, Store, Tensor
 from hvdtrain.compression.plans import Message, Plan, Stage, TensorPlan
-from hvdtrain.compression.rules import OptimizerSettings, Phase, Rule, make_rule
+from hvdtrain.compression.rules import ACCORDION, OptimizerSettings, Phase, Rule, make_rule
 from hvdtrain.compression.state import RESIDUAL, slot_key
 from hvdtrain.exchange import GradientExchange
 
@@ -129,11 +132,25 @@ class Exchange(GradientExchange):
         self._wire, self._waited = 0, 0.0
         start = time.perf_counter()
         out = self._exchange(list(grads))
+        self._adapt(grads)
         compress_s = time.perf_counter() - start - self._waited
         dense = float(self.plan.dense_bytes()) if self._wire else 0.0
         self.stats = {"wire_bytes": float(self._wire), "dense_bytes": dense,
                       "comm_s": self._waited, "compress_s": compress_s}
         return out
+
+    def _adapt(self, grads: Sequence[Tensor]) -> None:
+        """The adaptive rule's bookkeeping after a step: this rank's gradient norm and, at the end
+        of an interval, the ranks' mean norm (allgathered, so the same on every rank) decides
+        the level of the steps that follow."""
+        accordion = self.rule.accordion
+        if accordion is None:
+            return
+        accordion.add(self.kernels.sqrt(self.kernels.square_sum(list(grads))))
+        if accordion.due(self.step):
+            rows = self._allgather_rows(np.array([accordion.local_mean()], np.float64),
+                                        "hvdtrain.exchange.accordion.norm")
+            accordion.decide(float(rows.mean()))
 
     def note_fused(self, comm_s: float) -> None:
         """A dense plan's step that the framework traced into its step function: counted (the
@@ -261,6 +278,8 @@ class Exchange(GradientExchange):
             arrays |= self._gathered[1]
         elif self.size == 1:
             arrays |= {s.key: self.store.numpy(s.key)[None] for s in self.slots if s.per_rank}
+        if self.rule.accordion is not None:
+            arrays[ACCORDION] = self.rule.accordion.state()
         return state.pack(self.method, self.step, arrays)
 
     def load_state_dict(self, entry: Mapping[str, Any] | None, where: str) -> None:
@@ -271,6 +290,8 @@ class Exchange(GradientExchange):
             return
         saved = state.unpack(entry, self.method, self.slots, where)
         self.step = saved.step
+        if self.rule.accordion is not None and ACCORDION in entry:
+            self.rule.accordion.load(np.asarray(entry[ACCORDION]))
         for key, value in saved.shared.items():
             self.store.assign(key, value)
         self._pending = saved.rows
@@ -283,6 +304,9 @@ class Exchange(GradientExchange):
         head = self._broadcast(np.array([self.step, int(bool(self._pending))], np.int64),
                                root_rank, "hvdtrain.exchange.head")
         self.step = int(head[0])
+        if self.rule.accordion is not None:  # the root's switch, so that every rank's agrees
+            self.rule.accordion.load(self._broadcast(self.rule.accordion.state(), root_rank,
+                                                     "hvdtrain.exchange.accordion"))
         for s in self.slots:
             name = f"hvdtrain.exchange.{s.key}"
             if not s.per_rank:

@@ -74,6 +74,9 @@ class Kernels(Protocol):
     def sqrt(self, x: Tensor) -> Tensor:
         """The elementwise square root."""
 
+    def square_sum(self, tensors: Sequence[Tensor]) -> Tensor:
+        """:func:`~hvdtrain.compression.reference.square_sum` (a scalar tensor)."""
+
 
 class Store(Protocol):
     """A method's state slots (see :mod:`hvdtrain.compression.state`) as framework tensors."""

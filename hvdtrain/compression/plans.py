@@ -21,7 +21,7 @@ import numpy as np
 
 from hvdtrain.compression import reference as ref
 from hvdtrain.compression.kernels import Context, Tensor
-from hvdtrain.compression.state import RESIDUAL, Q, Slot, slot_key
+from hvdtrain.compression.state import Q_LOW, RESIDUAL, Q, Slot, slot_key
 
 
 class CommSettings(Protocol):
@@ -33,6 +33,8 @@ class CommSettings(Protocol):
     rank: int
     min_size: int
     bucket: int
+    adaptive: bool
+    adaptive_factor: int
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,10 @@ class Plan:
     """The collective its compressed tensors travel by (``allgather`` where the messages of the
     ranks cannot be summed): what ``hvdtrain plan`` prices."""
     ratio: float | None = None
-    """The fraction sparse methods send this step, where a density warm-up sets it (None:
-    ``comm.ratio``)."""
+    """The fraction sparse methods send this step, where a density warm-up or the adaptive rule
+    sets it (None: ``comm.ratio``)."""
+    rank: int | None = None
+    """PowerSGD's rank this step, where the adaptive rule raises it (None: ``comm.rank``)."""
 
     def __init__(self, comm: CommSettings, seed: int, shapes: Sequence[Sequence[int]],
                  places: Sequence[int] | None = None, out_last: bool = False) -> None:
@@ -246,14 +250,23 @@ class PowerSGD(Plan):
                 and ref.low_rank_pays(shape, self.comm.rank, self.out_last))
 
     def slots(self) -> list[Slot]:
-        q = [Slot(Q, t.index, ref.powersgd_initial_q(t.shape, self.comm.rank, self.seed,
-                                                       t.seed_index, self.out_last))
-             for t in self.tensors if t.compressed]
-        return super().slots() + q
+        # The shared warm starts: Q at comm.rank and, under the adaptive rule, Q_LOW at its higher
+        # rank, so that a switch resumes each level's subspace where that level left it.
+        ranks = [(Q, self.comm.rank)]
+        if self.comm.adaptive:
+            ranks.append((Q_LOW, self.comm.rank * self.comm.adaptive_factor))
+        return super().slots() + [
+            Slot(kind, t.index, ref.powersgd_initial_q(t.shape, rank, self.seed, t.seed_index,
+                                                       self.out_last))
+            for kind, rank in ranks for t in self.tensors if t.compressed]
+
+    def _q(self, t: TensorPlan) -> str:
+        """The slot of ``t``'s warm start at this step's rank."""
+        return slot_key(Q if self.rank is None else Q_LOW, t.index)
 
     def start(self, ctx: Context, t: TensorPlan, acc: Tensor, host: Tensor) -> Stage:
         m = ctx.kernels.reshape(acc, ref.matrix_shape(t.shape, self.out_last))
-        p = ctx.kernels.matmul(m, ctx.store.read(slot_key(Q, t.index)))
+        p = ctx.kernels.matmul(m, ctx.store.read(self._q(t)))
         return Stage(Message(mean=(p,)), carry=(m,))
 
     def advance(self, ctx: Context, t: TensorPlan, round_: int, got: Message,
@@ -266,10 +279,11 @@ class PowerSGD(Plan):
             own = k.flat(k.matmul(p, k.transpose(local_q)))
             return Stage(Message(mean=(local_q,)), carry=(p,), sent=own)
         (p,), q = carry, got.mean[0]
-        ctx.store.write(slot_key(Q, t.index), q)
+        ctx.store.write(self._q(t), q)
         return Stage(out=k.flat(k.matmul(p, k.transpose(q))))
 
     def tensor_wire_bytes(self, t: TensorPlan) -> int:
         rows, cols = ref.matrix_shape(t.shape, self.out_last)
-        return 4 * min(self.comm.rank, rows, cols) * (rows + cols)
+        rank = self.comm.rank if self.rank is None else self.rank
+        return 4 * min(rank, rows, cols) * (rows + cols)
 

@@ -61,7 +61,7 @@ momentum itself, it returns an update *direction* ``d`` that plain SGD applies (
   average: ``u = m u + mean(g)``, ``d = u``. A density warm-up (:func:`warmup_ratio`) sends 25%,
   6.25%, 1.56%, ... of the entries in equal stages over the first ``warmup_steps`` steps.
 - **Compressed Adam** (1-bit Adam / 0/1 Adam's design; ``topk``, ``randomk``, ``qsgd`` with Adam
-  or AdamW): for the first ``adam_warmup_steps`` every tensor is averaged dense and the direction
+  or AdamW): for the first ``dense_steps`` every tensor is averaged dense and the direction
   is Adam's (:func:`adam_direction`, bias-corrected, ``g + wd w`` for Adam's L2). Then each
   compressed tensor's variance ``v`` is frozen; each rank compresses its local momentum
   ``b1 m + (1 - b1) g`` plus its residual (error feedback), the mean of what the ranks sent is the
@@ -176,6 +176,11 @@ def warmup_ratio(ratio: float, step: int, warmup_steps: int) -> float:
     stages = math.ceil(math.log(1.0 / ratio, 4))
     stage = min(stages - 1, (step - 1) * stages // warmup_steps)
     return max(ratio, 0.25 ** (stage + 1))
+
+
+def square_sum(tensors: Sequence[np.ndarray]) -> np.float32:
+    """The squared global L2 norm of ``tensors`` (what the adaptive rule reads of an average)."""
+    return np.float32(sum(np.sum(t.astype(np.float32) ** 2) for t in tensors))
 
 
 def clip_factor(tensors: Sequence[np.ndarray], max_norm: float) -> np.float32:

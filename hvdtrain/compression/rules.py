@@ -9,8 +9,14 @@ framework swaps its optimizer for plain SGD (no momentum, no decay) that applies
 ``w -= lr d``. The math is in
 :mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
 
+The step schedule, one for every method and rule (docs/compression.md, "Dense start"): steps
+1 to ``comm.dense_steps`` average every tensor dense (float32) and keep no error feedback, so
+PowerSGD's warm-started ``Q`` and every residual begin at step ``dense_steps + 1`` (torch's
+``start_powerSGD_iter``); compressed Adam estimates its variance over those steps (its dense
+warm-up) and DGC's density warm-up runs over the ``sparsity_warmup_steps`` steps after them.
+
 A rule's stages never read the step number itself: what changes the shape of a step's work (the
-density warm-up's ratio, Adam's dense warm-up) is its :class:`Phase`, and the numbers that change
+dense start, the density warm-up's ratio) is its :class:`Phase`, and the numbers that change
 every step (Adam's bias corrections) are :meth:`Rule.scalars`, handed to the stages as tensors.
 So a framework that traces the stages (TensorFlow) traces once per phase, not once per step.
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -41,7 +47,12 @@ class RuleSettings(Protocol):
     clip_norm: float
     sparsity_warmup_steps: int
     compress_momentum: bool
-    adam_warmup_steps: int
+    dense_steps: int
+    rank: int
+    adaptive: bool
+    adaptive_interval: int
+    adaptive_threshold: float
+    adaptive_factor: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,64 @@ class Phase(NamedTuple):
     """Whether every tensor travels dense (float32) this step."""
     feedback: bool
     """Whether compressed tensors keep error-feedback residuals this step."""
+    rank: int | None = None
+    """PowerSGD's rank (:attr:`hvdtrain.compression.plans.Plan.rank`)."""
+
+
+class Accordion:
+    """Accordion's switch between two compression levels (Agarwal et al., MLSys 2021).
+
+    Over each interval of ``interval`` steps every rank sums its local gradient's L2 norm
+    (:meth:`add`, a framework scalar: no host sync per step); at the interval's end the exchange
+    averages the ranks' means (an allgather of one number: every rank then holds the same value
+    and takes the same decision, :meth:`decide`). Where that norm changed by at least
+    ``threshold`` of the previous interval's, training is in a critical regime and the next
+    interval compresses less (:attr:`low`); else it compresses as configured. The first interval,
+    with no previous norm, compresses less, as Accordion starts. (Accordion compares the norm of
+    the gradient accumulated over an epoch; this compares the mean of the steps' norms, which
+    needs no model-sized accumulator.)
+    """
+
+    def __init__(self, interval: int, threshold: float) -> None:
+        self.interval, self.threshold = interval, threshold
+        self.low = True
+        """Whether the exchange compresses less (the low compression level) now."""
+        self.previous = -1.0  # the last interval's norm over the ranks; -1: none yet
+        self.total: Any = 0.0  # this rank's sum of norms in the interval (a framework scalar)
+        self.count = 0
+
+    def add(self, norm: Any) -> None:
+        """Takes this rank's local gradient norm of a step (a framework scalar)."""
+        self.total = self.total + norm
+        self.count += 1
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` ends an interval (the exchange then calls :meth:`decide`)."""
+        return step % self.interval == 0 and self.count > 0
+
+    def local_mean(self) -> float:
+        """This rank's mean norm over the interval."""
+        return float(self.total) / self.count
+
+    def decide(self, norm: float) -> None:
+        """The interval's norm over the ranks (the same on every rank): the next level."""
+        if self.previous >= 0.0:
+            self.low = abs(norm - self.previous) >= self.threshold * self.previous
+        self.previous, self.total, self.count = norm, 0.0, 0
+
+    def state(self) -> np.ndarray:
+        """What a checkpoint keeps (float64): the level, the previous norm, the running sum."""
+        return np.array([float(self.low), self.previous, float(self.total), self.count],
+                        np.float64)
+
+    def load(self, array: np.ndarray) -> None:
+        """Restores :meth:`state`'s array."""
+        low, self.previous, self.total, count = (float(x) for x in np.asarray(array))
+        self.low, self.count = bool(low), int(count)
+
+
+ACCORDION = "accordion"
+"""The adaptive rule's entry in a checkpoint's compression state (not a slot: host numbers)."""
 
 
 class Rule:
@@ -76,6 +145,10 @@ class Rule:
 
     def __init__(self, plan: Plan, comm: RuleSettings, opt: OptimizerSettings) -> None:
         self.plan, self.comm, self.opt = plan, comm, opt
+        self.accordion = (Accordion(comm.adaptive_interval, comm.adaptive_threshold)
+                          if comm.adaptive and not plan.dense and not self.updates else None)
+        """The adaptive rule (``comm.adaptive``), which the exchange shows every step's local
+        gradient norm; None: the configured level throughout."""
 
     def slots(self) -> list[Slot]:
         """State the rule keeps beside the plan's."""
@@ -86,12 +159,17 @@ class Rule:
         return self.plan.uses_feedback
 
     def dense_now(self, step: int) -> bool:
-        """Whether every tensor travels dense (float32) at ``step``."""
-        return False
+        """Whether every tensor travels dense (float32) at ``step``: the dense start, steps 1 to
+        ``comm.dense_steps``."""
+        return step <= self.comm.dense_steps
 
     def begin_step(self, step: int) -> Phase:
         """Host-side preparation of ``step`` (before any stage); its phase."""
-        return Phase(self.plan.ratio, self.dense_now(step), self.feedback(step))
+        if self.accordion is not None:  # the low compression level sends factor times more
+            low, c = self.accordion.low, self.comm
+            self.plan.ratio = min(1.0, c.ratio * c.adaptive_factor) if low else None
+            self.plan.rank = c.rank * c.adaptive_factor if low else None
+        return Phase(self.plan.ratio, self.dense_now(step), self.feedback(step), self.plan.rank)
 
     def scalars(self, step: int) -> dict[str, float]:
         """The numbers of ``step`` that the stages read from :attr:`Context.scalars`."""
@@ -132,7 +210,9 @@ class DGC(Rule):
         return True
 
     def begin_step(self, step: int) -> Phase:
-        self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step, self.comm.sparsity_warmup_steps)
+        # The density warm-up starts where the dense start ends.
+        self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step - self.comm.dense_steps,
+                                           self.comm.sparsity_warmup_steps)
         return super().begin_step(step)
 
     def prepare(self, ctx: Context, grads: list[Tensor]) -> list[Tensor]:
@@ -156,14 +236,17 @@ class DGC(Rule):
     def finish(self, ctx: Context, t: TensorPlan, mean: Tensor, compressed: bool) -> Tensor:
         if compressed:
             return mean  # the velocity was applied before compression
-        key = slot_key(MOMENTUM, t.index)
+        # Dense: momentum on the average. A compressed tensor in the dense start keeps it in its
+        # velocity slot, which then holds the same velocity on every rank when compression starts.
+        key = slot_key(VELOCITY if t.compressed else MOMENTUM, t.index)
         velocity = ctx.store.read(key) * self.opt.momentum + mean
         ctx.store.write(key, velocity)
         return velocity
 
 
 class CompressedAdam(Rule):
-    """Adam and AdamW with compressed momentum after a dense warm-up (1-bit Adam, 0/1 Adam)."""
+    """Adam and AdamW with compressed momentum after a dense warm-up (1-bit Adam, 0/1 Adam): the
+    dense start, ``comm.dense_steps`` (at least 1 with this rule), is that warm-up."""
 
     updates = True
 
@@ -177,9 +260,6 @@ class CompressedAdam(Rule):
 
     def feedback(self, step: int) -> bool:
         return not self.dense_now(step)
-
-    def dense_now(self, step: int) -> bool:
-        return step <= self.comm.adam_warmup_steps
 
     def scalars(self, step: int) -> dict[str, float]:
         """Adam's bias corrections of ``step``: ``1 / (1 - b1^step)`` and ``1 / (1 - b2^step)``."""
@@ -211,7 +291,7 @@ class CompressedAdam(Rule):
         scalars = ctx.scalars or {}
         if compressed:  # the mean of the ranks' compressed momenta; the variance stays frozen
             m, v = mean, self.frozen_variance(ctx, t, mean)
-            v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** self.comm.adam_warmup_steps)
+            v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** self.comm.dense_steps)
         else:
             m = ctx.store.read(m_key) * o.beta1 + mean * (1.0 - o.beta1)
             v = ctx.store.read(v_key) * o.beta2 + mean * mean * (1.0 - o.beta2)

@@ -6,7 +6,8 @@ State lives in named slots, one array per slot, keyed ``"<kind>/<tensor index>"`
 - ``residual/<i>`` (error feedback) differs per rank. A checkpoint holds every rank's, as one row
   per rank (shape ``(size, n)``); :func:`reshard` turns those rows into rows for another world size.
 - ``velocity/<i>`` (DGC's local velocity ``u``) differs per rank, as residuals do.
-- ``q/<i>`` (PowerSGD's warm start), ``momentum/<i>`` and ``variance/<i>`` (the momentum of
+- ``q/<i>`` (PowerSGD's warm start; ``qlow/<i>`` at the adaptive rule's higher rank),
+  ``momentum/<i>`` and ``variance/<i>`` (the momentum of
   tensors sent dense under DGC, compressed Adam's shared ``m`` and its ``v``) are the same on every
   rank; a checkpoint holds them once.
 
@@ -29,6 +30,8 @@ RESIDUAL = "residual"
 """The per-rank slot kind: what error feedback left unsent."""
 Q = "q"
 """The shared slot kind: PowerSGD's ``Q``."""
+Q_LOW = "qlow"
+"""The shared slot kind: PowerSGD's ``Q`` at the adaptive rule's higher rank (its own warm start)."""
 VELOCITY = "velocity"
 """The per-rank slot kind: DGC's local velocity."""
 MOMENTUM = "momentum"
@@ -44,7 +47,8 @@ class Slot:
     """One array of a method's state."""
 
     kind: str
-    """:data:`RESIDUAL`, :data:`VELOCITY`, :data:`Q`, :data:`MOMENTUM` or :data:`VARIANCE`."""
+    """:data:`RESIDUAL`, :data:`VELOCITY`, :data:`Q`, :data:`Q_LOW`, :data:`MOMENTUM` or
+    :data:`VARIANCE`."""
     index: int
     """The tensor it belongs to (the model's parameter order)."""
     initial: np.ndarray

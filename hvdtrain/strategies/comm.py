@@ -13,10 +13,15 @@ topology and with pipeline stages too:
 - the update rules: ``comm.momentum_correction`` (DGC) needs ``topk`` or ``randomk``, SGD with
   momentum and error feedback; ``comm.compress_momentum`` needs ``topk``, ``randomk`` or ``qsgd``
   with Adam or AdamW; both run in the ring's compressing exchange only, not with parameter servers;
-- their sub-keys (DGC's ``momentum_masking``, ``clip_norm``, ``sparsity_warmup_steps``; compressed
-  Adam's ``adam_warmup_steps``) set away from their defaults while the rule is off;
-- a method's parameters (``ratio``, ``rank``, ``bucket``, ``min_size``, ``error_feedback=false``)
-  set away from their defaults with a method that does not read them.
+- their sub-keys (DGC's ``momentum_masking``, ``clip_norm``, ``sparsity_warmup_steps``) set away
+  from their defaults while the rule is off;
+- a method's parameters (``ratio``, ``rank``, ``bucket``, ``min_size``, ``error_feedback=false``,
+  ``dense_steps``) set away from their defaults with a method that does not read them, and
+  ``dense_steps`` with parameter servers (their codec compresses from the first step);
+- ``comm.adaptive`` (Accordion's switch) with a method other than ``topk``, ``randomk`` and
+  ``powersgd``, with parameter servers or with an update rule, and its sub-keys while it is off;
+- compressed Adam without a dense start (``dense_steps=0``: its variance is estimated there);
+- the keys that ``dense_steps`` replaced (:data:`RETIRED_KEYS`), with a line naming it.
 
 Framework-free and feature-free, and free of :mod:`hvdtrain.config` (which calls it): the defaults
 are read from the settings' own dataclass fields.
@@ -47,13 +52,23 @@ METHOD_KEYS = {
     "bucket": ("qsgd",),
     "min_size": ("topk", "randomk", "qsgd", "powersgd"),
     "error_feedback": ("topk", "randomk", "powersgd"),
+    "dense_steps": ("topk", "randomk", "qsgd", "powersgd"),
 }
 """Per ``comm`` key, the methods that read it (``none`` and ``fp16`` send every tensor whole; qsgd
 keeps no residual)."""
 RULE_KEYS = {"momentum_masking": "momentum_correction", "clip_norm": "momentum_correction",
-             "sparsity_warmup_steps": "momentum_correction",
-             "adam_warmup_steps": "compress_momentum"}
-"""The keys read only by an update rule, and the key that turns that rule on."""
+             "sparsity_warmup_steps": "momentum_correction", "adaptive_interval": "adaptive",
+             "adaptive_threshold": "adaptive", "adaptive_factor": "adaptive"}
+"""The keys read only by an update rule (or the adaptive switch), and the key that turns it on."""
+ADAPTIVE_METHODS = ("topk", "randomk", "powersgd")
+"""The methods whose level ``comm.adaptive`` switches (a ratio or a rank)."""
+RETIRED_KEYS = {
+    "comm.adam_warmup_steps": "comm.adam_warmup_steps is gone: compressed Adam's dense warm-up is "
+                              "the dense start of every method, comm.dense_steps (at least 1 "
+                              "with comm.compress_momentum=true)",
+}
+"""Keys that a newer key replaced, and the one line that refuses each (the config's loader
+raises it in place of "unknown key")."""
 
 
 class CommSettings(Protocol):
@@ -63,6 +78,8 @@ class CommSettings(Protocol):
     error_feedback: bool
     momentum_correction: bool
     compress_momentum: bool
+    dense_steps: int
+    adaptive: bool
     topology: str
 
 
@@ -120,7 +137,17 @@ def check_comm(comm: CommSettings, optim: OptimSettings) -> None:
                       "compressing exchange, and parameter servers only sum gradients")
         if getattr(comm, rule) and misfit is not None:
             raise ConfigError(f"comm.{rule}=true does nothing with {misfit}")
+    if comm.adaptive:
+        _check_adaptive(comm)
     changed, defaults = _changed(comm), _defaults(comm)
+    if comm.compress_momentum and comm.dense_steps < 1:
+        raise ConfigError("comm.compress_momentum=true needs comm.dense_steps >= 1: compressed "
+                          "Adam estimates its variance in the dense steps, then freezes it")
+    if "dense_steps" in changed and comm.topology != "ring":
+        raise ConfigError(f"comm.dense_steps={changed['dense_steps']!r} does nothing with "
+                          f"comm.topology={comm.topology!r}: the parameter servers' codec "
+                          "compresses from the first step; leave it at its default "
+                          f"{defaults['dense_steps']!r}")
     for key, rule in RULE_KEYS.items():
         if key in changed and not getattr(comm, rule):
             raise ConfigError(f"comm.{key}={_shown(changed[key])} does nothing with comm.{rule}="
@@ -131,6 +158,22 @@ def check_comm(comm: CommSettings, optim: OptimSettings) -> None:
             raise ConfigError(f"comm.{key}={_shown(changed[key])} does nothing with "
                               f"comm.compression={method!r}: only {_listed(methods)} read it; "
                               f"leave it at its default {_shown(defaults[key])}")
+
+
+def _check_adaptive(comm: CommSettings) -> None:
+    """Refuses ``comm.adaptive=true`` where the switch would not run."""
+    why = None
+    if comm.compression not in ADAPTIVE_METHODS:
+        why = (f"comm.compression={comm.compression!r}: it switches a ratio or a rank, "
+               f"{_listed(ADAPTIVE_METHODS)} only")
+    elif comm.topology != "ring":
+        why = (f"comm.topology={comm.topology!r}: it runs in the ring's compressing exchange, "
+               "and the parameter servers' codec keeps one level")
+    elif comm.momentum_correction or comm.compress_momentum:
+        rule = "momentum_correction" if comm.momentum_correction else "compress_momentum"
+        why = f"comm.{rule}=true: it switches plain averaging's level, not an update rule's"
+    if why is not None:
+        raise ConfigError(f"comm.adaptive=true does nothing with {why}")
 
 
 def _defaults(settings: Any) -> dict[str, Any]:

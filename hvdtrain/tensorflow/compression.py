@@ -127,6 +127,14 @@ def fill_zeros(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.not_equal(x, 0.0), x, y)
 
 
+def square_sum(tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+    """The squared global L2 norm of ``tensors``."""
+    total = tf.zeros((), tf.float32)
+    for t in tensors:
+        total = total + tf.reduce_sum(tf.square(tf.cast(t, tf.float32)))
+    return total
+
+
 def clip_factor(tensors: Sequence[tf.Tensor], max_norm: float) -> tf.Tensor:
     """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
     total = tf.zeros((), tf.float32)
@@ -143,6 +151,7 @@ class Kernels:
     zero_at = staticmethod(zero_at)
     fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)
+    square_sum = staticmethod(square_sum)
     sqrt = staticmethod(tf.sqrt)
 
     topk_compress = staticmethod(topk_compress)

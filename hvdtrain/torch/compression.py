@@ -111,6 +111,14 @@ def fill_zeros(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.where(x != 0, x, y)
 
 
+def square_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The squared global L2 norm of ``tensors``."""
+    total = torch.zeros((), dtype=torch.float32)
+    for t in tensors:
+        total = total + torch.sum(t.float() * t.float())
+    return total
+
+
 def clip_factor(tensors: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
     """The factor that brings the global L2 norm of ``tensors`` to at most ``max_norm``."""
     total = torch.zeros((), dtype=torch.float32)
@@ -127,6 +135,7 @@ class Kernels:
     zero_at = staticmethod(zero_at)
     fill_zeros = staticmethod(fill_zeros)
     clip_factor = staticmethod(clip_factor)
+    square_sum = staticmethod(square_sum)
     sqrt = staticmethod(torch.sqrt)
 
     topk_compress = staticmethod(topk_compress)

@@ -36,7 +36,7 @@ METHODS = {
     "randomk": "comm.compression=randomk,comm.ratio=0.25",
     "qsgd": "comm.compression=qsgd",
     "powersgd": "comm.compression=powersgd",
-    "adam_topk": ("comm.compression=topk,comm.compress_momentum=true,comm.adam_warmup_steps=8,"
+    "adam_topk": ("comm.compression=topk,comm.compress_momentum=true,comm.dense_steps=8,"
                   "optim.name=adam,optim.lr=0.005"),
 }
 

@@ -338,7 +338,7 @@ RESUMED = {"randomk": (), "powersgd": (), "qsgd": (),
            "topk-dgc": ("comm.momentum_correction=true", "comm.sparsity_warmup_steps=80",
                         "comm.clip_norm=1", "comm.momentum_masking=true"),
            "topk-adamw": ("optim.name=adamw", "optim.lr=0.002", "optim.weight_decay=0.01",
-                          "comm.adam_warmup_steps=50", "comm.compress_momentum=true")}
+                          "comm.dense_steps=50", "comm.compress_momentum=true")}
 """topk-dgc runs DGC with its density warm-up, clipping and masking (the checkpoint at step 60
 falls in the warm-up's last stage); topk-adamw compresses AdamW's momentum after 50 dense steps."""
 
@@ -402,9 +402,9 @@ RULES = {
                  OptimizerSettings("sgd", 0.9, 0.01)),
     "dgc-randomk": (comm("randomk", momentum_correction=True, sparsity_warmup_steps=2),
                     OptimizerSettings("sgd", 0.9)),
-    "adamw-topk": (comm("topk", ratio=0.05, adam_warmup_steps=2, compress_momentum=True),
+    "adamw-topk": (comm("topk", ratio=0.05, dense_steps=2, compress_momentum=True),
                    OptimizerSettings("adamw", weight_decay=0.1)),
-    "adam-qsgd": (comm("qsgd", adam_warmup_steps=2, compress_momentum=True),
+    "adam-qsgd": (comm("qsgd", dense_steps=2, compress_momentum=True),
                   OptimizerSettings("adam", weight_decay=0.1)),
 }
 

@@ -135,11 +135,11 @@ RULES = {
     "dgc-randomk-nomask": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
                                       momentum_masking=False, momentum_correction=True),
                            OptimizerSettings("sgd", 0.9)),
-    "adamw-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, adam_warmup_steps=2,
+    "adamw-topk": (CommConfig(compression="topk", ratio=0.05, min_size=100, dense_steps=2,
                               compress_momentum=True),
                    OptimizerSettings("adamw", weight_decay=0.1)),
     "adam-randomk": (CommConfig(compression="randomk", ratio=0.1, min_size=100,
-                                adam_warmup_steps=2, compress_momentum=True),
+                                dense_steps=2, compress_momentum=True),
                      OptimizerSettings("adam", weight_decay=0.1)),
 }
 
@@ -248,7 +248,7 @@ RESUMED = {"randomk": "comm.compression=randomk", "qsgd": "comm.compression=qsgd
            "topk": "comm.compression=topk,comm.momentum_correction=true,comm.sparsity_warmup_steps=30,"
                    "comm.clip_norm=1",
            "topk-adamw": "comm.compression=topk,optim.name=adamw,optim.lr=0.002,"
-                         "optim.weight_decay=0.01,comm.adam_warmup_steps=20,comm.compress_momentum=true"}
+                         "optim.weight_decay=0.01,comm.dense_steps=20,comm.compress_momentum=true"}
 """topk runs DGC (with its warm-up and clipping), randomk plain error feedback; topk-adamw
 compresses AdamW's momentum after 20 dense steps: the checkpoint at step 25 holds them all."""
 

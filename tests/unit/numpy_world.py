@@ -41,6 +41,7 @@ class NumpyKernels:
     zero_at = staticmethod(ref.zero_at)
     fill_zeros = staticmethod(ref.fill_zeros)
     clip_factor = staticmethod(ref.clip_factor)
+    square_sum = staticmethod(ref.square_sum)
     sqrt = staticmethod(np.sqrt)
 
     @staticmethod

@@ -34,7 +34,9 @@ def run_ranks(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -> l
 
 
 def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
-    """DGC as the paper's Algorithm 1 (with momentum factor masking), top-k, per tensor."""
+    """DGC as the paper's Algorithm 1 (with momentum factor masking), top-k, per tensor, after
+    ``c.dense_steps`` of plain momentum SGD on the dense mean, whose velocity every rank's DGC
+    velocity then starts from; the density warm-up counts from the end of the dense start."""
     plan = make_plan(c, SEED, SHAPES)
     u = {(r, i): np.zeros(int(np.prod(s)), F32) for r in range(size) for i, s in enumerate(SHAPES)}
     v = {key: value.copy() for key, value in u.items()}
@@ -46,10 +48,16 @@ def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
         if c.clip_norm:
             grads = [[g * ref.clip_factor(gs, c.clip_norm / np.sqrt(size)) for g in gs]
                      for gs in grads]
-        ratio = ref.warmup_ratio(c.ratio, step, c.sparsity_warmup_steps)
+        ratio = ref.warmup_ratio(c.ratio, step - c.dense_steps, c.sparsity_warmup_steps)
         row = []
         for t in plan.tensors:
             i, n = t.index, t.size
+            if t.compressed and step <= c.dense_steps:
+                dense_u[i] = dense_u[i] * F32(0.9) + ref.dense_mean([g[i] for g in grads])
+                for r in range(size):
+                    u[r, i] = dense_u[i].copy()
+                row.append(dense_u[i].reshape(t.shape))
+                continue
             if not t.compressed:
                 dense_u[i] = dense_u[i] * F32(0.9) + ref.dense_mean([g[i] for g in grads])
                 row.append(dense_u[i].reshape(t.shape))
@@ -70,8 +78,9 @@ def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
 
 @pytest.mark.parametrize("extra", [{"sparsity_warmup_steps": 0}, {"momentum_masking": True},
                                    {"clip_norm": 1.0, "sparsity_warmup_steps": 4,
-                                    "momentum_masking": True}],
-                         ids=["no-warmup", "masking", "clip-warmup-masking"])
+                                    "momentum_masking": True},
+                                   {"dense_steps": 2, "sparsity_warmup_steps": 2}],
+                         ids=["no-warmup", "masking", "clip-warmup-masking", "dense-start"])
 def test_dgc_is_the_papers_algorithm(extra):
     c = comm("topk", **extra)
     expected = dgc_by_hand(c, 2, 5)
@@ -95,7 +104,7 @@ def adam_by_hand(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -
     """Dense Adam for the warm-up, then frozen variance and the mean of the ranks' top-k of
     (local momentum + residual) as the shared momentum (1-bit Adam's Algorithm 1)."""
     plan = make_plan(c, SEED, SHAPES)
-    b1, b2, warm = opt.beta1, opt.beta2, c.adam_warmup_steps
+    b1, b2, warm = opt.beta1, opt.beta2, c.dense_steps
     m = {i: np.zeros(int(np.prod(s)), F32) for i, s in enumerate(SHAPES)}
     v = {i: x.copy() for i, x in m.items()}
     e = {(r, i): x.copy() for r in range(size) for i, x in m.items()}
@@ -127,7 +136,7 @@ def adam_by_hand(c: CommConfig, opt: OptimizerSettings, size: int, steps: int) -
 
 
 def test_compressed_adam_is_1bit_adams_algorithm_with_top_k():
-    c, opt = comm("topk", adam_warmup_steps=2), OptimizerSettings("adam")
+    c, opt = comm("topk", dense_steps=2), OptimizerSettings("adam")
     expected = adam_by_hand(c, opt, 2, 5)
     for r, (outs, _) in enumerate(run_ranks(c, opt, 2, 5)):
         for step, (got, want) in enumerate(zip(outs, expected, strict=True), start=1):
@@ -141,7 +150,7 @@ def test_an_entry_with_no_variance_to_freeze_gets_adams_first_step_not_m_over_ep
     lit, NaN under fp16) freezes at its first nonzero exchanged gradient with Adam's first
     variance, so its direction stays within Kingma and Ba's bound; the others keep theirs."""
     warm, size, n = 3, 2, 100
-    c, opt = comm("qsgd", adam_warmup_steps=warm), OptimizerSettings("adam")
+    c, opt = comm("qsgd", dense_steps=warm), OptimizerSettings("adam")
     silent = np.arange(5)
 
     def rank(r: int, hub: Hub) -> tuple[list, list]:
@@ -171,7 +180,7 @@ def test_an_entry_with_no_variance_to_freeze_gets_adams_first_step_not_m_over_ep
 
 
 def test_adamw_decay_is_added_to_the_direction_and_adams_l2_to_the_gradient():
-    c = comm("qsgd", adam_warmup_steps=5)
+    c = comm("qsgd", dense_steps=5)
     # Step 2's directions (step 1's is about sign(g) whatever is added to g).
     decoupled = run_ranks(c, OptimizerSettings("adamw", weight_decay=0.1), 1, 2)[0][0][1]
     undecayed = run_ranks(c, OptimizerSettings("adam"), 1, 2)[0][0][1]
@@ -186,7 +195,7 @@ def test_adamw_decay_is_added_to_the_direction_and_adams_l2_to_the_gradient():
     (SGD, "velocity/0", "momentum/1"), (OptimizerSettings("adam"), "residual/0", "variance/0")],
     ids=["dgc", "adam"])
 def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, per_rank, shared):
-    c = comm("topk", adam_warmup_steps=1)
+    c = comm("topk", dense_steps=1)
     before = [dict(exchange.store.arrays) for _, exchange in run_ranks(c, opt, 2, 3)]
 
     def save(r: int, hub: Hub) -> dict:
@@ -216,8 +225,17 @@ def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, pe
 
 
 def test_adam_warm_up_must_leave_a_variance_to_freeze():
-    with pytest.raises(ConfigError, match="adam_warmup_steps"):
-        load_config(None, ["comm.adam_warmup_steps=0"], environ={})
+    with pytest.raises(ConfigError, match=r"comm.compress_momentum=true needs comm.dense_steps >= 1"):
+        load_config(None, ["comm.compression=topk", "optim.name=adam", "comm.compress_momentum=true",
+                           "comm.dense_steps=0"], environ={})
+
+
+def test_the_old_adam_warm_up_key_names_the_dense_start():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["comm.adam_warmup_steps=20"], environ={})
+    assert str(err.value) == ("comm.adam_warmup_steps is gone: compressed Adam's dense warm-up is the "
+                              "dense start of every method, comm.dense_steps (at least 1 with "
+                              "comm.compress_momentum=true)")
 
 
 # Refusals: a rule or key that would do nothing is a one-line error at validation ------------------
@@ -257,8 +275,7 @@ REFUSED = [
 
 SUB_KEYS = [("momentum_masking", "true", "momentum_correction", "false"),
             ("clip_norm", "1.0", "momentum_correction", "0.0"),
-            ("sparsity_warmup_steps", "0", "momentum_correction", "250"),
-            ("adam_warmup_steps", "3", "compress_momentum", "200")]
+            ("sparsity_warmup_steps", "0", "momentum_correction", "250")]
 """Each key read by one update rule only: a value it may take, its rule, its default."""
 METHOD_KEYS = [("ratio", "0.1", "0.01", ("topk", "randomk"), "topk and randomk"),
                ("rank", "4", "2", ("powersgd",), "powersgd"),
@@ -328,10 +345,10 @@ VALID = [
     (["comm.compression=randomk", "comm.momentum_correction=true", "optim.momentum=0.5",
       "comm.momentum_masking=true", "comm.clip_norm=2", "comm.sparsity_warmup_steps=0"], "DGC"),
     *[([f"comm.compression={m}", "comm.compress_momentum=true", f"optim.name={o}",
-        "comm.adam_warmup_steps=5"], "CompressedAdam")
+        "comm.dense_steps=5"], "CompressedAdam")
       for m in ("topk", "randomk", "qsgd") for o in ("adam", "adamw")],
     # The sub-keys at their defaults (as a config file may spell them) with the rules off.
-    (["comm.compression=qsgd", "comm.sparsity_warmup_steps=250", "comm.adam_warmup_steps=200",
+    (["comm.compression=qsgd", "comm.sparsity_warmup_steps=250",
       "comm.clip_norm=0", "comm.ratio=0.01", "comm.error_feedback=true"], "Rule"),
 ]
 
@@ -358,8 +375,11 @@ def test_the_config_refuses_a_rule_exactly_where_the_exchange_would_not_run_it(m
             continue  # optim.momentum is refused with Adam (test_config_errors.py)
         feedback_key = [] if feedback or method not in ("topk", "randomk", "powersgd") else [
             "comm.error_feedback=false"]
+        # Compressed Adam's warm-up is the dense start (the misfits are named before it).
+        dense = ["comm.dense_steps=5"] if flag == "compress_momentum" and method not in (
+            "none", "fp16") else []
         overrides = [f"comm.compression={method}", f"comm.{flag}=true", f"optim.name={name}",
-                     f"optim.momentum={momentum}", *feedback_key]
+                     f"optim.momentum={momentum}", *feedback_key, *dense]
         c = CommConfig(compression=method, error_feedback=feedback or not feedback_key,
                        **{flag: True})
         opt = OptimizerSettings(name, momentum=momentum)

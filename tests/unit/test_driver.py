@@ -38,11 +38,11 @@ RULES = {
                              "comm.sparsity_warmup_steps=6",
                              "comm.clip_norm=0.5"),
     "adamw-topk": ("comm.compression=topk", "optim.name=adamw", "optim.lr=0.01",
-                   "optim.weight_decay=0.01", "comm.adam_warmup_steps=3",
+                   "optim.weight_decay=0.01", "comm.dense_steps=3",
                    "comm.compress_momentum=true"),
     # comm.ratio back to its default: qsgd does not read it, and a key that does nothing is refused.
     "adam-qsgd": ("comm.compression=qsgd", "comm.ratio=0.01", "optim.name=adam", "optim.lr=0.01",
-                  "comm.adam_warmup_steps=3", "comm.compress_momentum=true"),
+                  "comm.dense_steps=3", "comm.compress_momentum=true"),
 }
 
 

@@ -1,0 +1,102 @@
+"""The step schedule of the compressing exchange (:mod:`hvdtrain.compression.rules`): the dense
+start (``comm.dense_steps``) on simulated ranks (:mod:`tests.unit.numpy_world`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hvdtrain.compression import make_plan
+from hvdtrain.compression import reference as ref
+from hvdtrain.compression.rules import Accordion
+from hvdtrain.config import CommConfig
+from tests.unit.numpy_world import Hub, NumpyExchange
+from tests.unit.test_compression_exchange import SEED, SHAPES, comm, grads_of, on_ranks
+
+SIZE, DENSE = 2, 3
+
+
+def run(c: CommConfig, steps: range, first_step: int = 0) -> list[Any]:
+    """Every rank's outputs and bytes over ``steps`` (the gradients of those steps), from an
+    exchange whose step counter starts at ``first_step``."""
+    def rank(r: int, hub: Hub) -> list[tuple[list[np.ndarray], float, float]]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, SIZE, hub)
+        exchange.step = first_step
+        out = []
+        for s in steps:
+            got = exchange.run(grads_of(r, s))
+            out.append((got, exchange.stats["wire_bytes"], exchange.stats["dense_bytes"]))
+        return out
+    return on_ranks(SIZE, rank)
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "qsgd", "powersgd"])
+def test_the_dense_start_averages_dense_then_the_method_starts_afresh(method):
+    """Steps 1 to N are the exact dense mean with dense bytes (``none``'s); step N + 1 is the
+    method's first step, with no residual and PowerSGD's initial ``Q`` (torch's
+    ``start_powerSGD_iter``): what an exchange without a dense start sends at that step."""
+    started = run(comm(method, dense_steps=DENSE), range(1, DENSE + 3))
+    fresh = run(comm(method), range(DENSE + 1, DENSE + 3), first_step=DENSE)
+    for r in range(SIZE):
+        for step in range(1, DENSE + 1):
+            got, wire, dense = started[r][step - 1]
+            assert wire == dense > 0
+            for i, g in enumerate(got):
+                want = ref.dense_mean([grads_of(q, step)[i] for q in range(SIZE)])
+                np.testing.assert_array_equal(g, want.reshape(g.shape))
+        for (got, wire, dense), (want, want_wire, _) in zip(started[r][DENSE:], fresh[r],
+                                                              strict=True):
+            assert wire == want_wire < dense
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+
+
+def test_accordion_compresses_less_where_the_norm_moves():
+    """The first interval compresses less; then an interval whose mean norm moved by the threshold
+    or more of the previous one's compresses less, a steady one as configured."""
+    acc = Accordion(interval=2, threshold=0.5)
+    levels = []
+    for step, norm in enumerate([4, 4, 4, 4, 1, 1, 1.2, 1.2, 2, 2], start=1):
+        levels.append(acc.low)
+        acc.add(norm)
+        if acc.due(step):
+            acc.decide(acc.local_mean())
+    assert levels == [True, True, True, True, False, False, True, True, False, False]
+    fresh = Accordion(2, 0.5)
+    fresh.load(acc.state())
+    assert (fresh.low, fresh.previous, fresh.count) == (acc.low, acc.previous, acc.count)
+
+
+SCALES = {**dict.fromkeys(range(1, 7), 1.0), **dict.fromkeys(range(7, 13), 8.0)}
+"""Gradient scale per step: steady for two intervals of 3, then a jump (the norm moves)."""
+
+
+def adaptive_run(method: str, steps: int = 12) -> list[list[tuple[bool, float]]]:
+    """Every rank's (level before the step, wire bytes) over ``steps`` steps of 3-step intervals."""
+    c = comm(method, adaptive=True, adaptive_interval=3, adaptive_factor=4, ratio=0.05)
+
+    def rank(r: int, hub: Hub) -> list[tuple[bool, float]]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, SIZE, hub)
+        out = []
+        for s in range(1, steps + 1):
+            low = exchange.rule.accordion.low
+            exchange.run([g * np.float32(SCALES[s]) for g in grads_of(r, s)])
+            out.append((low, exchange.stats["wire_bytes"]))
+        return out
+    return on_ranks(SIZE, rank)
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "powersgd"])
+def test_the_adaptive_switch_is_the_same_on_every_rank_and_shows_in_the_bytes(method):
+    ranks = adaptive_run(method)
+    assert ranks[0] == ranks[1]  # the same level and bytes on both ranks, every step
+    levels = [low for low, _ in ranks[0]]
+    # Steps 1-3: the first interval (low); 4-6 after a steady one would be the configured level,
+    # but 4-6 follow the first decision, taken with no previous norm: low; 7-9 follow a steady
+    # interval: configured; 10-12 follow the jump at step 7: low.
+    assert levels == [True] * 6 + [False] * 3 + [True] * 3
+    wire = {low: {b for lo, b in ranks[0] if lo == low} for low in (True, False)}
+    assert len(wire[True]) == len(wire[False]) == 1
+    assert wire[True].pop() > wire[False].pop()  # the low compression level sends more
