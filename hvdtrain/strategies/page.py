@@ -7,7 +7,7 @@ from typing import Any
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError
-from hvdtrain.strategies.base import Rule
+from hvdtrain.strategies.base import ExchangeKind, Rule
 from hvdtrain.strategies.table import COLUMNS, RULES, STRATEGIES, strategy
 
 
@@ -86,4 +86,42 @@ def markdown() -> str:
         "",
         *[f"{i}. {text}" for i, text in enumerate(reasons, 1)],
         "",
+        *parts(names),
     ])
+
+
+RING_ENGINE = "the ring's"
+"""The engine column of a strategy that trains with the ring's engine (only its exchange differs)."""
+
+
+def _factories(kind: ExchangeKind) -> str:
+    roles = [f"{role}: `{path.split(':')[1]}`" for role, path in kind.factories.items()]
+    return f"`{kind.name}` ({', '.join(roles)})"
+
+
+def parts(names: list[str]) -> list[str]:
+    """The section on what each strategy builds, how its state lies in a checkpoint and what
+    prices it: the registry's other fields, as data."""
+    rows = []
+    for name in names:
+        found = strategy(name)
+        kinds = "; ".join(_factories(k) for k in found.exchanges) or "none of its own"
+        layout = found.checkpoint
+        saved = (f"{layout.files}, written by {layout.writer}, after gathering {layout.gathered}"
+                 f"; resumes at another size: {'yes' if layout.resumes_at_any_size else 'no'}"
+                 if layout else "as the strategy it runs with")
+        engines = ", ".join(f"{fw}: `{path.split(':')[1]}`" for fw, path in found.engines.items())
+        rows.append(f"| `{name}` | {engines or RING_ENGINE} | {kinds} | {saved} | `{found.cost}` |")
+    return [
+        "## What each strategy builds, saves and costs",
+        "",
+        "Its own engine, its exchanges (the first kind that applies to a config; per role, the factory in",
+        "`hvdtrain/<framework>/`; a role that is missing is refused by the table above), its",
+        "checkpoint layout and the function that prices it for `hvdtrain plan`",
+        "([architecture](architecture.md#where-a-new-parallelism-plugs-in)).",
+        "",
+        "| strategy | engine | exchanges | checkpoint | cost |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]

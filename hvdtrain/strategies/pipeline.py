@@ -73,7 +73,7 @@ STRATEGY = Strategy(
     engines={"torch": "hvdtrain.torch.pipeline:PipelineEngine",
              "tensorflow": "hvdtrain.tensorflow.pipeline:PipelineEngine"},
     # No exchange of its own: each stage runs the ring's kinds among its copies (".stage" roles).
-    checkpoint=CheckpointLayout(STAGE_PARTS, "each stage's first copy", "nothing (each part "
-                                "is written where it lives; an allgather carries the names)", True),
+    checkpoint=CheckpointLayout(STAGE_PARTS, "each stage's first copy", "no state (an "
+                                "allgather carries the parts' names and hashes to rank 0)", True),
     cost="hvdtrain.plan.predict:pipelines",
 )
