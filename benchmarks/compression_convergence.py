@@ -1,0 +1,180 @@
+"""Gradient compression judged at convergence, beside torch's PowerSGD hook (issue 60, point 4).
+
+The model is the MNIST-1D paper's small 1-D CNN (``compression.py``'s ``mnist1d-cnn``: the digits
+config, ``data.name=mnist1d``, 60 epochs of 63 steps, SGD momentum 0.9 at 0.05 x 2 ranks, cosine),
+a budget where ``none``'s eval curve is flat for its last epochs (the script checks and prints it).
+Per seed, one ``horovodrun -np 2 --gloo`` job trains every hvdtrain variant (``compression.py``'s
+worker; ``<method>+dense_steps=N`` adds the dense start), then ``torchrun --nproc-per-node 2``
+trains the anchor (``compression_hook.py``): plain DDP, and DDP with torch's ``powerSGD_hook``
+(rank 2, error feedback, warm start) at each ``--hook-starts`` value of ``start_powerSGD_iter``.
+
+Figures, over seeds with 95% intervals (Student's t, paired by seed against ``none``, or for the
+hook against plain DDP): final eval accuracy and its loss; bytes summed over the run against dense
+(hvdtrain's wire bytes); steps to ``none``'s final accuracy (first epoch-end evaluation at or
+above the seed's ``none`` final accuracy less 0.5 point); and that many steps timed over a 100
+Mbit/s link, a model: each step costs the run's measured step time on this host plus its wire
+bytes per rank at 12.5 MB/s (a 2-rank ring or allgather sends about one copy per rank per step).
+
+Usage (from the repository root)::
+
+    nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --seeds 3
+    .venv/bin/python benchmarks/compression_convergence.py --quick   # a tiny end-to-end check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import compression as comp
+import harness
+
+DATASET = "mnist1d-cnn"
+LINK_BYTES_PER_S = 100e6 / 8
+"""A 100 Mbit/s link."""
+SLACK = 0.005
+"""Steps to ``none``'s final accuracy count the first evaluation within this of it."""
+FLAT_EPOCHS = 10
+"""``none`` counts as converged where its last this many evaluations lie within 1 point."""
+
+
+def variants(methods: Sequence[str], dense: Sequence[int]) -> list[str]:
+    """``none`` and every compressing method at every dense start."""
+    out = ["none"]
+    for m in methods:
+        out += [m if d < 0 else f"{m}+dense_steps={d}" for d in dense]
+    return out
+
+
+def curve(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, eval accuracy) of a run's evaluations, from its metrics file."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
+
+
+def steps_to(points: Sequence[tuple[int, float]], target: float) -> int | None:
+    """The first evaluation's step at or above ``target``."""
+    return next((s for s, a in points if a >= target - SLACK), None)
+
+
+def interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """Mean and its 95% interval (Student's t); the interval is the mean itself for one value."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, mean, mean
+    half = comp.T975[len(values) - 1] * statistics.stdev(values) / len(values) ** 0.5
+    return mean, mean - half, mean + half
+
+
+def hook_job(seed: int, start: int | None, quick: bool) -> dict[str, Any]:
+    """One torchrun run of the anchor (``start`` None: plain DDP)."""
+    argv = [str(harness.python().parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+            str(Path(__file__).with_name("compression_hook.py")), "--seed", str(seed)]
+    if start is not None:
+        argv += ["--hook", "powersgd", "--start-iter", str(start)]
+    if quick:
+        argv += ["--epochs", "2"]
+    harness.log(f"torchrun seed {seed}: {'DDP' if start is None else f'powerSGD_hook {start}'}")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        raise harness.BenchError(f"torchrun failed ({out.returncode}): {out.stderr[-2000:]}")
+    return lines[0]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every job; the records by seed."""
+    names = variants(args.methods.split(","), [int(d) for d in args.dense.split(",")])
+    names += [v for v in args.variants.split(",") if v]
+    extra = ["train.epochs=2"] if args.quick else []
+    work = Path(args.work)
+    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": names}
+    for seed in range(args.seeds):
+        records = comp.job("torch", DATASET, seed, names, work / "torch", extra=extra)
+        for r in records:
+            run_dir = work / "torch" / f"{DATASET}-sgd-{r['method']}-s{seed}"
+            r["curve"] = curve(run_dir)
+        out["hvdtrain"][seed] = {r["method"]: r for r in records}
+        starts: list[int | None] = [None, *(int(s) for s in args.hook_starts.split(",") if s)]
+        out["hook"][seed] = {("ddp" if s is None else f"hook{s}"): hook_job(seed, s, args.quick)
+                            for s in starts}
+    return out
+
+
+def fmt_interval(values: Sequence[float], scale: float = 100.0) -> str:
+    mean, lo, hi = interval([v * scale for v in values])
+    return f"{mean:+.2f} ({lo:+.2f} to {hi:+.2f})" if len(values) > 1 else f"{mean:+.2f}"
+
+
+def report(data: dict[str, Any]) -> str:
+    """The section's tables."""
+    seeds = sorted(data["hvdtrain"])
+    lines = ["| run | seeds | accuracy | loss vs none (points, 95% interval) | fewer bytes "
+             "than dense (run total) | steps to none's final | modeled s to it at 100 Mbit/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    flat = []
+    for seed in seeds:
+        c = data["hvdtrain"][seed]["none"]["curve"][-FLAT_EPOCHS:]
+        flat.append(max(a for _, a in c) - min(a for _, a in c))
+    for name in data["names"]:
+        rs = [data["hvdtrain"][s][name] for s in seeds]
+        base = [data["hvdtrain"][s]["none"] for s in seeds]
+        acc = [r["accuracy"] for r in rs]
+        loss = [b["accuracy"] - r["accuracy"] for b, r in zip(base, rs, strict=True)]
+        reach = [steps_to(r["curve"], b["accuracy"]) for b, r in zip(base, rs, strict=True)]
+        got = [x for x in reach if x is not None]
+        secs = [x * (r["step_ms"] / 1e3 + r["wire_per_step"] / LINK_BYTES_PER_S)
+                for x, r in zip(reach, rs, strict=True) if x is not None]
+        lines.append(f"| hvdtrain `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
+                     f"{fmt_interval(loss) if name != 'none' else '—'} | "
+                     f"{statistics.median(r['ratio'] for r in rs):.1f}x | "
+                     f"{statistics.mean(got):.0f} ({len(got)}/{len(rs)} reach it)" if got else
+                     f"| hvdtrain `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
+                     f"{fmt_interval(loss) if name != 'none' else '—'} | "
+                     f"{statistics.median(r['ratio'] for r in rs):.1f}x | none reach it")
+        lines[-1] += f" | {statistics.mean(secs):.1f} |" if secs else " | — |"
+    hooks = sorted({k for s in seeds for k in data["hook"][s]})
+    for name in hooks:
+        rs = [data["hook"][s][name] for s in seeds]
+        base = [data["hook"][s]["ddp"] for s in seeds]
+        loss = [b["accuracy"] - r["accuracy"] for b, r in zip(base, rs, strict=True)]
+        label = "torch DDP" if name == "ddp" else f"torch powerSGD_hook, start {name[4:]}"
+        lines.append(f"| {label} | {len(rs)} | {statistics.mean(r['accuracy'] for r in rs):.4f}"
+                     f" | {fmt_interval(loss) + ' vs DDP' if name != 'ddp' else '—'} | — | — | — |")
+    gap = [data["hook"][s]["ddp"]["accuracy"] - data["hvdtrain"][s]["none"]["accuracy"]
+           for s in seeds]
+    return "\n".join(lines) + (
+        f"\n\n`none` over its last {FLAT_EPOCHS} evaluations moves at most "
+        f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)}); "
+        f"torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points.\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--methods", default="topk,powersgd")
+    p.add_argument("--dense", default="0,250",
+                   help="comm.dense_steps values per method (-1: the config's default)")
+    p.add_argument("--hook-starts", default="2,250",
+                   help="start_powerSGD_iter values (empty: plain DDP only)")
+    p.add_argument("--variants", default="",
+                   help="more hvdtrain variants, e.g. topk+adaptive=true+dense_steps=100")
+    p.add_argument("--work", default="/tmp/hvdtrain-bench-convergence")
+    p.add_argument("--quick", action="store_true", help="2 epochs, a check of the script")
+    p.add_argument("--json", default="", help="also write the raw records here")
+    args = p.parse_args(argv)
+    data = run(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, default=str))
+    print(report(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
