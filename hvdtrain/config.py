@@ -47,8 +47,9 @@ class ModelConfig:
     PyTorch; :mod:`hvdtrain.tensorflow.syncbn` in Keras). Costs one allreduce per layer per step."""
     activation_checkpointing: bool = False
     """Recompute each unit's activations in the backward pass instead of keeping them
-    (``torch.utils.checkpoint`` per unit; the units are those of ``shard.unit_kib``): less
-    memory for one more forward pass. PyTorch only so far."""
+    (``torch.utils.checkpoint`` per unit, the units those of ``shard.unit_kib``; in TensorFlow
+    ``tf.recompute_grad`` per layer of ``model.layers``): less memory for one more forward
+    pass."""
 
 
 @dataclass(kw_only=True)
@@ -331,13 +332,6 @@ def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
                       "shard.stage=3")
 
 
-def check_model(cfg: Config) -> None:
-    """Model settings a framework cannot run yet, as one line."""
-    if cfg.model.activation_checkpointing and cfg.framework == "tensorflow":
-        raise ConfigError("model.activation_checkpointing=true with framework='tensorflow': "
-                          "recomputing units is built in PyTorch only so far; set it false")
-
-
 def check_ps(ps: PSConfig) -> None:
     """The ``ps`` section's own values that cannot run, as one-line errors (what it does not
     compose with is in the compatibility table, :mod:`hvdtrain.strategies.table`; what only the
@@ -531,7 +525,6 @@ class Config:
         check_pipeline_section(self)
         check_ps(self.ps)
         check_shard(self.shard, self.model)
-        check_model(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in check_pipeline_section).

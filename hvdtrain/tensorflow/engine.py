@@ -46,6 +46,7 @@ from hvdtrain.tensorflow.exchange import applies_update, make_exchange
 from hvdtrain.tensorflow.models import ClassifierAdapter
 from hvdtrain.tensorflow.parts import COMPRESSION, assign, named_state, read_parts, trainable_names
 from hvdtrain.tensorflow.precision import Precision
+from hvdtrain.tensorflow.recompute import recompute_units
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 
@@ -150,6 +151,8 @@ class TensorFlowEngine(Engine):
         model = self.adapter.build(dataset.spec())
         if not isinstance(model, keras.Model):
             raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a keras.Model")
+        if cfg.model.activation_checkpointing:  # per unit: the model's layers
+            recompute_units(model)
         return model
 
     def broadcast_state(self) -> None:

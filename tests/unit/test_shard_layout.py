@@ -93,9 +93,6 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     (["framework=tensorflow", "shard.stage=3"],
      "framework='tensorflow' with shard.stage=3: sharding parameters is built in PyTorch only "
      "so far"),
-    (["framework=tensorflow", "model.activation_checkpointing=true"],
-     "model.activation_checkpointing=true with framework='tensorflow': recomputing units is "
-     "built in PyTorch only so far"),
     (["shard.stage=3", "train.precision=fp16"], "train.precision='fp16' with shard.stage=3"),
 ])
 def test_the_old_key_and_what_does_nothing_are_refused_in_one_line(overrides, message):
