@@ -38,7 +38,7 @@ from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import merged_parts, read_state
 from hvdtrain.torch.precision import PlacedAdapter, Precision
 from hvdtrain.torch.shard import ShardedOptimizer
-from hvdtrain.torch.shard_units import UnitShardedOptimizer, checkpoint_units
+from hvdtrain.torch.shard_units import UnitShardedOptimizer, build_by_units, checkpoint_units
 from hvdtrain.torch.step import TorchKernels
 
 
@@ -92,7 +92,10 @@ class TorchEngine(Engine):
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         return kind
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
-        model = self.adapter.build(dataset.spec())
+        # shard.stage=3 builds and shards one layer at a time where the adapter has layers.
+        model = ((cfg.shard.stage == 3 and build_by_units(
+            self.adapter, dataset.spec(), cfg.seed, self.layout.copy_of(self.rank),
+            self.layout.copies)) or self.adapter.build(dataset.spec()))
         if not isinstance(model, torch.nn.Module):
             raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
         if cfg.model.activation_checkpointing:  # per unit, the units sharding cuts

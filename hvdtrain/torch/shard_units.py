@@ -33,6 +33,8 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
+from hvdtrain.adapters import ModelAdapter
+from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, shard_bounds
@@ -49,7 +51,7 @@ def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
     """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
     outermost modules holding at most ``limit_bytes`` of parameters (or holding no module)."""
     if isinstance(model, nn.Sequential):
-        return [m for m in model if _bytes(m)]
+        return [m for m in model if _bytes(m) or hasattr(m, UNIT)]  # UNIT: built sharded
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
@@ -83,11 +85,51 @@ def checkpoint_units(model: nn.Module, limit_bytes: int) -> None:
         unit.forward = recomputed
 
 
+def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: int,
+                   size: int) -> nn.Module | None:
+    """Stage 3: the model built one layer at a time from the adapter's own ``layers()``, each
+    layer's parameters cut to this rank's shard as soon as it exists, so that no rank ever holds
+    the whole model. Every rank builds rank 0's values (the generator seeded as rank 0's), which
+    the ring's broadcast would give it; each rank's generator then goes on as after ``build()``
+    from its own seed ``seed + rank``.
+    None where the adapter has no layers of its own (its model is then built whole)."""
+    if type(adapter).layers is ModelAdapter.layers:
+        return None
+    factories = adapter.layers(spec)
+    if not factories:
+        return None
+    torch.manual_seed(seed)
+    modules = []
+    for make in factories:
+        module = make()
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:
+            unit = Unit(-1, module, params, rank, size)
+            unit.free()
+            setattr(module, UNIT, unit)
+        modules.append(module)
+    if rank:
+        # The ring's rank r draws its dropout from its own seed as consumed by build(): the
+        # layers are made again from it, one at a time, and dropped.
+        torch.manual_seed(seed + rank)
+        for make in factories:
+            make()
+    return nn.Sequential(*modules)
+
+
+UNIT = "_hvdtrain_unit"
+"""The attribute of a layer :func:`build_by_units` has already sharded: its :class:`Unit`."""
+
+
 class Unit:
     """One unit's trainable parameters and this rank's float32 shard of them (flat)."""
 
     def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
                  rank: int, size: int) -> None:
+        for p in params:
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise HvdtrainError("shard.stage 2-3: every trainable parameter must be a "
+                                    "contiguous float32 tensor")
         self.index, self.module, self.params = index, module, params
         self.shapes = [p.shape for p in params]
         self.sizes = [p.numel() for p in params]
@@ -163,13 +205,18 @@ class UnitSharding:
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
         if rest:
             groups.append((None, rest))
-        for _, params in groups:
-            for p in params:
-                if p.dtype != torch.float32 or not p.is_contiguous():
-                    raise HvdtrainError(f"shard.stage={self.stage}: every trainable parameter "
-                                        "must be a contiguous float32 tensor")
-        return [Unit(i, module, params, self.rank, self.size)
-                for i, (module, params) in enumerate(groups)]
+        return [self._unit(i, module, params) for i, (module, params) in enumerate(groups)]
+
+    def _unit(self, index: int, module: nn.Module | None, params: list[nn.Parameter]) -> Unit:
+        built: Unit | None = getattr(module, UNIT, None)
+        if built is None or [id(p) for p in built.params] != [id(p) for p in params]:
+            return Unit(index, module, params, self.rank, self.size)
+        # Sharded as it was built (build_by_units): onto the device the model was moved to.
+        built.index = index
+        built.shard.data = built.shard.data.to(params[0].device)
+        built.grad = built.grad.to(params[0].device)
+        built.empty = built.empty.to(params[0].device)
+        return built
 
     # hooks ---------------------------------------------------------------------------------
 
