@@ -1,4 +1,4 @@
-"""The ``hvdtrain`` command: ``train``, ``data``, ``slurm``, ``report``, ``plan`` and ``doctor``.
+"""The ``hvdtrain`` command: train, data, slurm, report, plan, export and doctor.
 
 Errors become one line on stderr and an exit code a job script can act on (docs/elastic.md,
 "Exit codes"): 2 for a user error (:class:`~hvdtrain.errors.HvdtrainError`), 74 for a failing
@@ -55,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
     slurm.add_argument("--elastic", action="store_true",
                        help="render elastic.sbatch (elastic Horovod)")
+    export = sub.add_parser("export", help="write a run's newest checkpoint as safetensors or a "
+                            "transformers directory (docs/huggingface.md)")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    export.add_argument("--format", required=True, choices=("safetensors", "hf"),
+                        help="safetensors: OUT/model.safetensors; hf: a directory that "
+                        "AutoModelForCausalLM.from_pretrained loads (model hf_causal_lm)")
+    export.add_argument("--out", help="output directory (default: RUN_DIR/export-FORMAT)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")
     _plan_parser(sub)
@@ -227,6 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _data(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "export":
+            from hvdtrain.export import export
+            print(f"[hvdtrain] exported to {export(args.run_dir, args.format, args.out)}")
+            return 0
         from hvdtrain.doctor import doctor
         return doctor(quiet=args.quiet)
     except EnvironmentFailure as exc:

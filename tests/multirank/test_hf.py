@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, horovodrun, read_jsonl
+from tests.conftest import ROOT, horovodrun, hvdtrain_cli, read_jsonl
 from tests.text_data import docs_corpus
 
 transformers = pytest.importorskip("transformers")
@@ -87,3 +87,34 @@ def test_two_ranks_finetune_a_pretrained_model_from_its_loss(finetuned):
     assert first["perplexity"] == pytest.approx(math.exp(first["loss"]))
     assert 0.0 < first["token_accuracy"] < 1.0
     assert records[-1]["step"] == 12 and records[-1]["loss"] < random_loss - 1.5
+
+
+def test_the_checkpoint_exports_to_safetensors_and_transformers_with_its_logits(finetuned):
+    """Both exports give the logits of the model in the run's last checkpoint (step 12), which
+    are not the pretrained model's: the export holds the fine-tuned weights."""
+    from safetensors.torch import load_file
+
+    corpus, base, run, _ = finetuned
+    [checkpoint] = sorted((run / "checkpoints").glob("step-*.ckpt"))
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert state["meta"]["position"]["step"] == 12
+    trained = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY)).eval()
+    trained.load_state_dict(state["model"])
+    batch = windows(corpus, 4, 99)[:, :-1]
+    with torch.no_grad():
+        expected = trained(input_ids=batch).logits
+        for fmt in ("safetensors", "hf"):
+            proc = hvdtrain_cli("export", str(run), "--format", fmt, timeout=600)
+            assert proc.returncode == 0 and f"exported to {run / f'export-{fmt}'}" in proc.stdout, \
+                proc.stderr[-2000:]
+        tensors = load_file(str(run / "export-safetensors" / "model.safetensors"))
+        from_file = transformers.GPT2LMHeadModel(transformers.GPT2Config(**TINY)).eval()
+        missing, unexpected = from_file.load_state_dict(tensors, strict=False)
+        assert unexpected == [] and missing == ["lm_head.weight"]  # tied to wte, written once
+        torch.testing.assert_close(from_file(input_ids=batch).logits, expected, rtol=0, atol=1e-5)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            str(run / "export-hf"), local_files_only=True).eval()
+        torch.testing.assert_close(loaded(input_ids=batch).logits, expected, rtol=0, atol=1e-5)
+        pretrained = transformers.AutoModelForCausalLM.from_pretrained(
+            str(base / "pretrained"), local_files_only=True).eval()
+        assert float((pretrained(input_ids=batch).logits - expected).abs().max()) > 1e-3

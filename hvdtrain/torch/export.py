@@ -1,0 +1,93 @@
+"""The PyTorch half of ``hvdtrain export`` (:mod:`hvdtrain.export`): a checkpoint's model entries,
+merged from its parts where pipeline stages wrote it, as safetensors or a transformers directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hvdtrain.adapters import make_adapter
+from hvdtrain.config import Config
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.registry import MODELS
+from hvdtrain.torch.models import ClassifierAdapter
+from hvdtrain.torch.parts import read_parts, read_state
+
+
+def checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The model entries of the checkpoint at ``path`` (every part's, for one written in parts)
+    and its meta."""
+    state = read_state(path.read_bytes(), str(path))
+    model, meta = dict(state["model"]), state["meta"]
+    if meta.get("parts"):
+        for part in read_parts(path.parent, meta["parts"], str(path)):
+            model.update(part["model"])
+    if not model:
+        raise HvdtrainError(f"export: {path} holds no model entries")
+    return model, meta
+
+
+def unshared(entries: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The entries with each storage once (safetensors refuses shared tensors), contiguous, and
+    the names left out, each mapped to the name kept for the same tensor."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for name, tensor in entries.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()),
+               tuple(tensor.shape))
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        kept[name] = tensor.detach().contiguous()
+    return kept, aliases
+
+
+def write_safetensors(entries: dict[str, torch.Tensor], out: Path, meta: dict[str, Any]) -> Path:
+    """``out/model.safetensors`` of ``entries``, with the run's step and the aliases as metadata."""
+    from safetensors.torch import save_file
+
+    tensors, aliases = unshared(entries)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "model.safetensors"
+    position = meta.get("position", {})
+    save_file(tensors, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases),
+                                            "step": str(position.get("step", ""))})
+    return path
+
+
+def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], out: Path) -> None:
+    """A transformers directory: the run's model built as training built it, given the
+    checkpoint's weights, written with ``save_pretrained``; the corpus's tokenizer beside it."""
+    from hvdtrain.driver import make_dataset
+
+    adapter = make_adapter(MODELS["torch"].get(cfg.model.name), cfg.model.options,
+                           cfg.model.name, ClassifierAdapter)
+    model: Any = adapter.build(make_dataset(cfg).spec())
+    try:
+        model.load_state_dict(entries)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise HvdtrainError(f"export: {checkpoint} does not fit the run's model: "
+                            f"{first}") from None
+    model.config.use_cache = True  # inference again
+    model.save_pretrained(str(out))
+    root = cfg.data.options.get("root") if cfg.data.name == "text" else None
+    if root and (Path(root) / "meta.json").is_file():
+        name = json.loads((Path(root) / "meta.json").read_text()).get("tokenizer_file")
+        if name and (Path(root) / name).is_file():
+            shutil.copyfile(Path(root) / name, out / name)
+
+
+def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
+    """Writes the export of ``checkpoint`` (of a run of ``cfg``) in format ``fmt`` to ``out``."""
+    entries, meta = checkpoint_model(checkpoint)
+    if fmt == "safetensors":
+        write_safetensors(entries, out, meta)
+    else:
+        write_hf(cfg, checkpoint, entries, out)
