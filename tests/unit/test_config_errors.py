@@ -405,7 +405,7 @@ def test_every_shipped_config_loads_alone_under_slurm_and_with_the_tests_overrid
     tests, which train the same keys with and without stages."""
     from hvdtrain.slurm import JobOptions, render
 
-    assert len(SHIPPED) == 6
+    assert len(SHIPPED) == 7  # hf_torch.yaml: docs/huggingface.md
     for path in SHIPPED:
         load_config(path, [], environ={})
         assert "hvdtrain" in render(path, ["elastic.commit_every=5"], JobOptions(elastic=True))
