@@ -47,7 +47,7 @@ FLAT_EPOCHS = 10
 def variants(methods: Sequence[str], dense: Sequence[int]) -> list[str]:
     """``none`` and every compressing method at every dense start."""
     out = ["none"]
-    for m in methods:
+    for m in (m for m in methods if m):
         out += [m if d < 0 else f"{m}+dense_steps={d}" for d in dense]
     return out
 
@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             run_dir = work / "torch" / f"{DATASET}-sgd-{r['method']}-s{seed}"
             r["curve"] = curve(run_dir)
         out["hvdtrain"][seed] = {r["method"]: r for r in records}
-        starts: list[int | None] = [None, *(int(s) for s in args.hook_starts.split(",") if s)]
+        starts: list[int | None] = [] if args.hook_starts == "none" else [
+            None, *(int(s) for s in args.hook_starts.split(",") if s)]
         out["hook"][seed] = {("ddp" if s is None else f"hook{s}"): hook_job(seed, s, args.quick)
                             for s in starts}
     return out
@@ -148,11 +149,12 @@ def report(data: dict[str, Any]) -> str:
         lines.append(f"| {label} | {len(rs)} | {statistics.mean(r['accuracy'] for r in rs):.4f}"
                      f" | {fmt_interval(loss) + ' vs DDP' if name != 'ddp' else '—'} | — | — | — |")
     gap = [data["hook"][s]["ddp"]["accuracy"] - data["hvdtrain"][s]["none"]["accuracy"]
-           for s in seeds]
+           for s in seeds if "ddp" in data["hook"][s]]
     return "\n".join(lines) + (
         f"\n\n`none` over its last {FLAT_EPOCHS} evaluations moves at most "
-        f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)}); "
-        f"torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points.\n")
+        f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
+        + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points"
+           if gap else "") + ".\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dense", default="0,250",
                    help="comm.dense_steps values per method (-1: the config's default)")
     p.add_argument("--hook-starts", default="2,250",
-                   help="start_powerSGD_iter values (empty: plain DDP only)")
+                   help="start_powerSGD_iter values (empty: plain DDP only; none: no torchrun)")
     p.add_argument("--variants", default="",
                    help="more hvdtrain variants, e.g. topk+adaptive=true+dense_steps=100")
     p.add_argument("--work", default="/tmp/hvdtrain-bench-convergence")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.compression import make_plan
-from tests.conftest import horovodrun
+from tests.conftest import horovodrun, read_jsonl
 from tests.multirank.compress_schedule_worker import DENSE, INTERVAL, RUNS, SHAPES, STEPS
-from tests.multirank.conftest import PYTHON
+from tests.multirank.conftest import PYTHON, launch_worker
 
 WORKER = str(Path(__file__).with_name("compress_schedule_worker.py"))
 
@@ -47,3 +47,25 @@ def test_dense_start_and_adaptive_switch_at_two_ranks(framework, tmp_path):
         assert sent[False].pop() == plan.wire_bytes(), name  # the configured ratio or rank
         plan.ratio, plan.rank = min(1.0, 4 * plan.comm.ratio), 4 * plan.comm.rank
         assert sent[True].pop() == plan.wire_bytes(), name  # 4x the ratio or the rank
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.timeout(1200)
+def test_a_training_with_a_dense_start_is_none_until_the_method_starts(framework, tmp_path):
+    """At the level of a whole run (digits, 2 ranks): with ``comm.dense_steps=5`` top-k's losses
+    are ``none``'s through step 6 (step 6's loss is taken before its update) and its wire bytes
+    ``none``'s through step 5; then both part (the margin is far wider than rounding)."""
+    common = "log.every_steps=1,train.epochs=1"
+    launch_worker(2, "gloo", framework, tmp_path, [
+        f"none:comm.compression=none,{common}",
+        f"topk:comm.compression=topk,comm.dense_steps=5,comm.min_size=0,{common}"])
+    none, topk = ({r["step"]: r for r in read_jsonl(tmp_path / name / "metrics.jsonl")
+                   if "loss" in r} for name in ("none", "topk"))
+    for step in range(1, 7):
+        assert topk[step]["loss"] == pytest.approx(none[step]["loss"], rel=1e-5), step
+    for step in range(1, 6):
+        assert topk[step]["wire_bytes"] == none[step]["wire_bytes"] == none[step]["dense_bytes"]
+    later = [step for step in none if step > 6 and step in topk]
+    assert all(topk[s]["wire_bytes"] * 10 < none[s]["wire_bytes"] for s in later)
+    assert max(abs(topk[s]["loss"] - none[s]["loss"]) / none[s]["loss"] for s in later) > 1e-3

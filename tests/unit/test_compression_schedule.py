@@ -100,3 +100,28 @@ def test_the_adaptive_switch_is_the_same_on_every_rank_and_shows_in_the_bytes(me
     wire = {low: {b for lo, b in ranks[0] if lo == low} for low in (True, False)}
     assert len(wire[True]) == len(wire[False]) == 1
     assert wire[True].pop() > wire[False].pop()  # the low compression level sends more
+
+
+def test_the_adaptive_switch_travels_in_the_checkpoint():
+    """A restored exchange continues the switch where the saved one stood (level, previous norm,
+    the interval's running sum), so a resumed run takes the saved run's decisions."""
+    c = comm("powersgd", adaptive=True, adaptive_interval=3)
+
+    def rank(r: int, hub: Hub) -> tuple[dict, Any]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, SIZE, hub)
+        for s in range(1, 8):
+            exchange.run([g * np.float32(SCALES[s]) for g in grads_of(r, s)])
+        exchange.gather()
+        return exchange.state_dict(), exchange.rule.accordion.state()
+
+    (entry, saved), _ = on_ranks(SIZE, rank)
+    assert "qlow/0" in entry and "q/0" in entry  # a warm start per level
+
+    def restore(r: int, hub: Hub) -> Any:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, SIZE, hub)
+        exchange.load_state_dict(entry if r == 0 else None, "test")
+        exchange.broadcast(0)
+        return exchange.rule.accordion.state()
+
+    for state in on_ranks(SIZE, restore):
+        np.testing.assert_array_equal(state, saved)
