@@ -35,7 +35,13 @@ from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, pieces, round_ranges, shard_bounds, step_bytes
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
-from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
+from hvdtrain.tensorflow.shard_grads import (
+    UnitExchange,
+    UnitKernels,
+    UnitShard,
+    clip_shards,
+    layer_units,
+)
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -154,6 +160,8 @@ class ShardedKernels(TensorFlowKernels):
         """The optimizer's update of the shard variable with its averaged gradient."""
         self.precision.note(grads)
         var = self.shard.var
+        if self.clip_norm:  # the norm of the whole gradient, summed over the shards
+            grads = clip_shards(grads, self.clip_norm)
         if self.l2:  # as the ring's: L2 on the gradient, element by element
             grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
         self.optimizer.apply_gradients(zip(grads, [var], strict=True))

@@ -37,9 +37,17 @@ from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, shard_bounds
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.data import batch_signature
-from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
+from hvdtrain.tensorflow.step import TensorFlowKernels, _traced, clip
 
 WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+def clip_shards(grads: list[tf.Tensor], max_norm: float) -> list[tf.Tensor]:
+    """This rank's shard of the averaged gradient clipped by the global norm of every rank's
+    shard: the sum of squares allreduced over the ranks (a collective, one scalar)."""
+    squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+    norm = tf.sqrt(hvd.allreduce(squares, op=hvd.Sum, name="hvdtrain.shard.clip"))
+    return clip(grads, norm, max_norm)
 
 
 def layer_units(layers: Sequence[Any], variables: Sequence[Any]) -> list[list[int]]:
@@ -251,6 +259,8 @@ class UnitKernels(TensorFlowKernels):
         self.shard.load()
         self.precision.note(grads)
         var = self.shard.var
+        if self.clip_norm:  # the norm of the whole gradient, summed over the shards
+            grads = clip_shards(grads, self.clip_norm)
         if self.l2:  # as the ring's: L2 on the gradient, element by element
             grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
         self.optimizer.apply_gradients(zip(grads, [var], strict=True))

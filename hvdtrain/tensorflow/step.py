@@ -48,6 +48,13 @@ def _traced(fn: Callable[..., Any], signature: Any) -> Callable[..., Any]:
     return _concrete(tf.function(fn, input_signature=signature, jit_compile=False))
 
 
+def clip(grads: list[tf.Tensor], norm: tf.Tensor, max_norm: float) -> list[tf.Tensor]:
+    """``grads``, whose global L2 norm is ``norm``, scaled to at most ``max_norm``, as
+    ``torch.nn.utils.clip_grad_norm_`` does (``optim.clip_norm``)."""
+    factor = tf.minimum(max_norm / (norm + 1e-6), 1.0)
+    return [g * factor for g in grads]
+
+
 class TensorFlowKernels(StepKernels):
     """Forward, backward and update of one ``keras.Model`` with its optimizer and loader.
 
@@ -55,6 +62,8 @@ class TensorFlowKernels(StepKernels):
     would decay the weights directly)."""
 
     precision: Precision  # the skeleton's PrecisionKernels, and what TensorFlow's step adds
+    clip_norm = 0.0
+    """``optim.clip_norm`` (0: off), set by the engine before the kernels are traced."""
 
     def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer,
                  adapter: ModelAdapter, data: TensorFlowLoader, precision: Precision,
@@ -148,6 +157,8 @@ class TensorFlowKernels(StepKernels):
     def _apply(self, grads: list[tf.Tensor]) -> None:
         """The update with the exchanged (averaged) gradients."""
         self.precision.note(grads)
+        if self.clip_norm:  # before the L2 term, as torch clips before its optimizer decays
+            grads = clip(grads, tf.linalg.global_norm(grads), self.clip_norm)
         if self.l2:  # scaled as the gradients are: the loss-scale optimizer unscales both
             grads = [g + self.precision.scale(self.optimizer, self.l2 * v.value)
                      for g, v in zip(grads, self.model.trainable_variables, strict=True)]
