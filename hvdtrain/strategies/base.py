@@ -1,5 +1,6 @@
-"""What a strategy is in the core: its name, when a config runs it, and its row of the one
-compatibility table (:mod:`hvdtrain.strategies.table`).
+"""What a strategy is in the core: its name, when a config runs it, its row of the one
+compatibility table (:mod:`hvdtrain.strategies.table`), the engine and the exchanges it builds in
+each framework, its checkpoint layout and its cost for ``hvdtrain plan``.
 
 Framework-free and feature-free: a rule is data plus small predicates over the config's
 dataclasses, so that :mod:`hvdtrain.config` can validate with the table and stay a leaf.
