@@ -22,6 +22,7 @@ from hvdtrain.choices import DEVICES, PRECISIONS
 from hvdtrain.configcheck import check_section, coerce_value, nearest_key, refuse_unread, shown
 from hvdtrain.errors import ConfigError, os_failure
 from hvdtrain.strategies.comm import METHODS, RETIRED_KEYS, check_comm
+from hvdtrain.strategies.ps_section import check_ps, check_ps_unread
 from hvdtrain.strategies.schedules import SCHEDULE_NAMES, check_pipeline_section
 from hvdtrain.strategies.table import check as check_strategies
 
@@ -145,6 +146,11 @@ class OptimConfig:
     ``scale_lr``, without which the two rates are the same)."""
     schedule: str = _opt("constant", choices=("constant", "cosine"))
     """Learning-rate shape after warm-up."""
+    clip_norm: float = _opt(0.0, min=0.0)
+    """Clip the step's averaged gradient to at most this global L2 norm before the update, as
+    ``torch.nn.utils.clip_grad_norm_`` does (0: off). Under ``shard.stage`` >= 1 the norm is
+    summed over the shards (one allreduce of a scalar). PyTorch, on the ring's dense exchange and
+    sharded data parallel; refused elsewhere (docs/sharding.md)."""
 
     def __post_init__(self) -> None:
         # Settings that would do nothing are refused, not ignored (as check_comm does for comm).
@@ -332,38 +338,19 @@ def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
                       "shard.stage=3")
 
 
-def check_ps(ps: PSConfig) -> None:
-    """The ``ps`` section's own values that cannot run, as one-line errors (what it does not
-    compose with is in the compatibility table, :mod:`hvdtrain.strategies.table`; what only the
-    launch can tell, such as the controller and the number of ranks, is checked by the layout of
-    ranks, :class:`hvdtrain.layout.Layout`, and :mod:`hvdtrain.ps.mpi`)."""
-    if ps.staleness and ps.consistency != "ssp":
-        raise ConfigError(f"ps.staleness={ps.staleness}: only ps.consistency=ssp has a staleness "
-                          f"bound (ps.consistency={ps.consistency!r}); leave it 0")
-
-
-PS_OVERLAP_READ = ("ps.overlap is read by dedicated servers under bsp with PyTorch and "
-                   "comm.compression none or fp16 only")
-"""Where ``ps.overlap`` takes effect (:class:`hvdtrain.torch.ps.TorchPSExchange` streams a dense
-push; TensorFlow, the servers' optimizer and the sharded update push after the pass)."""
-
-
-def check_ps_unread(cfg: Config) -> None:
-    """The ``ps`` settings that would do nothing in ``cfg``, as one-line errors: any of them on
-    the ring, ``ps.overlap`` outside the combination that streams the push."""
-    ps, topology = cfg.ps, cfg.comm.topology
-    if topology != "ps":
-        refuse_unread("ps.", ps, [f.name for f in dataclasses.fields(ps)],
-                      f"comm.topology={topology!r}", "only parameter servers read the ps "
-                      "section", "comm.topology=ps")
+def check_clip(cfg: Config) -> None:
+    """``optim.clip_norm`` where the update it clips is not built, as one line."""
+    if not cfg.optim.clip_norm:
         return
-    misfit = [(ps.consistency != "bsp", f"ps.consistency={ps.consistency!r}"),
-              (cfg.framework != "torch", f"framework={cfg.framework!r}"),
-              (cfg.comm.compression not in ("none", "fp16"),
-               f"comm.compression={cfg.comm.compression!r}")]
-    for bad, given in misfit:
-        if bad:
-            refuse_unread("ps.", ps, ["overlap"], given, PS_OVERLAP_READ)
+    where = [f"framework={cfg.framework!r}"] if cfg.framework != "torch" else []
+    where += [f"comm.compression={cfg.comm.compression!r}"] * (cfg.comm.compression
+                                                               not in ("none", "fp16"))
+    where += [f"comm.topology={cfg.comm.topology!r}"] * (cfg.comm.topology != "ring")
+    where += [f"pipeline.stages={cfg.pipeline.stages}"] * (cfg.pipeline.stages > 1)
+    if where:
+        raise ConfigError(f"optim.clip_norm={cfg.optim.clip_norm:g} with {where[0]}: clipping by "
+                          "global norm is built for PyTorch's ring (comm.compression none or "
+                          "fp16) and shard.stage only; leave optim.clip_norm at its default 0")
 
 
 @dataclass(kw_only=True)
@@ -525,6 +512,7 @@ class Config:
         check_pipeline_section(self)
         check_ps(self.ps)
         check_shard(self.shard, self.model)
+        check_clip(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused
         # The other settings that would do nothing (the pipeline's: in check_pipeline_section).
