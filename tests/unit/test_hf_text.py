@@ -71,3 +71,18 @@ def test_bad_tokenizer_options_are_one_line_and_exit_2(tmp_path, capsys, extra, 
     code = main(["data", "make-text", str(FILES[0]), "--out", str(tmp_path / "c"), *extra])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_sentencepiece_model_tokenizes_and_is_saved_beside(tmp_path):
+    sentencepiece = pytest.importorskip("sentencepiece")
+    (tmp_path / "train.txt").write_text(corpus_text())
+    sentencepiece.SentencePieceTrainer.train(input=str(tmp_path / "train.txt"),
+                                             model_prefix=str(tmp_path / "sp"), vocab_size=300,
+                                             minloglevel=2)
+    meta = make_tokenized_text(FILES, tmp_path / "c", 0.1, str(tmp_path / "sp.model"))
+    assert meta["vocab_size"] == 300 and meta["tokenizer_file"] == "tokenizer.model"
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "c" /
+                                                                    "tokenizer.model"))
+    first = corpus_text().splitlines(keepends=True)[0]
+    assert ids(tmp_path / "c")[:len(processor.encode(first))].tolist() == processor.encode(first)
+    assert TextDataset(str(tmp_path / "c"), seq_len=16).spec().num_classes == 300
