@@ -94,7 +94,8 @@ class FitEngine(TensorFlowEngine):
 class KerasFit:
     """hvdtrain under Keras's ``model.fit``; every rank makes one (see the module docstring).
 
-    ``config`` and ``overrides`` are ``hvdtrain train``'s (None: the defaults). What applies:
+    ``config`` and ``overrides`` are ``hvdtrain train``'s (None: the defaults, with
+    ``framework=tensorflow``). What applies:
     ``seed``, ``data.batch_size`` (per rank) and ``shuffle``, ``train.epochs``, ``optim`` (with
     :meth:`optimizer` and no argument: its learning-rate schedule is set every batch),
     ``comm.compression`` (``none`` or ``fp16``: Horovod's Keras optimizer), ``checkpoint`` and
@@ -102,7 +103,9 @@ class KerasFit:
     """
 
     def __init__(self, config: str | Path | None = None, overrides: Sequence[str] = ()) -> None:
-        self.cfg = cfg = load_config(config, overrides)
+        # No config file: the defaults, for TensorFlow (theirs are PyTorch's).
+        first = ["framework=tensorflow"] if config is None else []
+        self.cfg = cfg = load_config(config, [*first, *overrides])
         refuse_unsupported(cfg)
         self.engine = FitEngine(cfg)
         self.run_dir = RunDir(cfg.run_dir)
