@@ -195,6 +195,8 @@ class TorchEngine(Engine):
         return state["meta"]
 
     def parameters(self) -> dict[str, np.ndarray]:
+        if isinstance(self.optimizer, UnitShardedOptimizer):  # stage 3: gathered (a collective)
+            self.optimizer.sharding.gather_all(keep=True)
         return {name: p.detach().cpu().numpy().copy() for name, p in self.model.named_parameters()}
 
     def versions(self) -> dict[str, str]:

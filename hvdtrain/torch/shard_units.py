@@ -15,7 +15,8 @@ of every unit, which its optimizer (the run's class and settings) steps.
   pass (a forward pre-hook) and, when ``shard.reshard_after_forward``, freed after it and
   gathered again before its backward pass (a backward pre-hook); the gathers of the next
   ``shard.prefetch`` units start ahead (Horovod's async handles). After the unit's backward pass
-  its gradient is reduce-scattered and the gathered parameters are freed.
+  its gradient is reduce-scattered and the gathered parameters are freed. The parameters stay
+  sharded after training; :meth:`UnitSharding.gather_all` makes them whole (a collective).
 
 Checkpoints hold the model and the optimizer state in the ring's layout, as at stage 1
 (:mod:`hvdtrain.torch.shard`): rank 0 gathers them, and a restored state is cut into the current
@@ -26,145 +27,27 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import horovod.torch as hvd
 import torch
 from torch import nn
 
-from hvdtrain.adapters import ModelAdapter
-from hvdtrain.data.contracts import DatasetSpec
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.shard import check_resize, shard_bounds
+from hvdtrain.shard import check_resize
 from hvdtrain.torch.collectives import any_rank
 from hvdtrain.torch.shard import _outline, _Whole, same_optimizer, sharded
+from hvdtrain.torch.units import UNIT, Unit, build_by_units, checkpoint_units, find_units
+
+__all__ = ["UnitShardedExchange", "UnitShardedOptimizer", "UnitSharding", "build_by_units",
+           "checkpoint_units", "make_unit_sharded"]
 
 # A first unit whose inputs need no gradient (token ids) still gets its backward pre-hook, which
 # is all stage 3 asks of it.
 warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
                         "computed with respect to module outputs")
-
-
-def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
-    """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
-    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module)."""
-    if isinstance(model, nn.Sequential):
-        return [m for m in model if _bytes(m) or hasattr(m, UNIT)]  # UNIT: built sharded
-    units: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            size = _bytes(child)
-            if size and (size <= limit_bytes or not any(True for _ in child.children())):
-                units.append(child)
-            elif size:
-                visit(child)
-
-    visit(model)
-    return units
-
-
-def _bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def checkpoint_units(model: nn.Module, limit_bytes: int) -> None:
-    """Activation checkpointing: each unit's forward pass runs under ``torch.utils.checkpoint``
-    (non-reentrant), so its activations are recomputed in the backward pass instead of kept."""
-    for unit in find_units(model, limit_bytes):
-        forward = unit.forward
-
-        def recomputed(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():  # evaluation keeps nothing anyway
-                return _forward(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False,
-                                                     **kwargs)
-
-        unit.forward = recomputed
-
-
-def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: int,
-                   size: int) -> nn.Module | None:
-    """Stage 3: the model built one layer at a time from the adapter's own ``layers()``, each
-    layer's parameters cut to this rank's shard as soon as it exists, so that no rank ever holds
-    the whole model. Every rank builds rank 0's values (the generator seeded as rank 0's), which
-    the ring's broadcast would give it; each rank's generator then goes on as after ``build()``
-    from its own seed ``seed + rank``.
-    None where the adapter has no layers of its own (its model is then built whole)."""
-    if type(adapter).layers is ModelAdapter.layers:
-        return None
-    factories = adapter.layers(spec)
-    if not factories:
-        return None
-    torch.manual_seed(seed)
-    modules = []
-    for make in factories:
-        module = make()
-        params = [p for p in module.parameters() if p.requires_grad]
-        if params:
-            unit = Unit(-1, module, params, rank, size)
-            unit.free()
-            setattr(module, UNIT, unit)
-        modules.append(module)
-    if rank:
-        # The ring's rank r draws its dropout from its own seed as consumed by build(): the
-        # layers are made again from it, one at a time, and dropped.
-        torch.manual_seed(seed + rank)
-        for make in factories:
-            make()
-    return nn.Sequential(*modules)
-
-
-UNIT = "_hvdtrain_unit"
-"""The attribute of a layer :func:`build_by_units` has already sharded: its :class:`Unit`."""
-
-
-class Unit:
-    """One unit's trainable parameters and this rank's float32 shard of them (flat)."""
-
-    def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
-                 rank: int, size: int) -> None:
-        for p in params:
-            if p.dtype != torch.float32 or not p.is_contiguous():
-                raise HvdtrainError("shard.stage 2-3: every trainable parameter must be a "
-                                    "contiguous float32 tensor")
-        self.index, self.module, self.params = index, module, params
-        self.shapes = [p.shape for p in params]
-        self.sizes = [p.numel() for p in params]
-        self.total = sum(self.sizes)
-        self.start, self.stop = shard_bounds(self.total, size, rank)
-        device = params[0].device
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        self.shard = nn.Parameter(flat[self.start:self.stop].clone())
-        self.grad = torch.zeros_like(self.shard)
-        self.full = True  # whether the parameters hold their gathered values
-        self.gathering: Any = None  # an all-gather's handle, started ahead
-        self.scattering: Any = None  # the reduce-scatter of this micro-batch's gradient
-        self.arrived = 0  # parameters whose gradient this backward pass has accumulated
-        self.empty = torch.empty(0, device=device)
-
-    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter with its view into the unit's flat vector ``flat``."""
-        at = 0
-        for p, n, shape in zip(self.params, self.sizes, self.shapes, strict=True):
-            yield p, flat[at:at + n].view(shape)
-            at += n
-
-    def set_full(self, flat: torch.Tensor) -> None:
-        for p, view in self.views(flat):
-            p.data = view
-        self.full = True
-
-    def free(self) -> None:
-        for p in self.params:
-            p.data = self.empty
-        self.full = False
-
-    def flat_grad(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros(shape)).reshape(-1)
-                          for p, shape in zip(self.params, self.shapes, strict=True)])
 
 
 class UnitSharding:
@@ -183,6 +66,7 @@ class UnitSharding:
         self.units = self._cut(model, unit_bytes)
         self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
         self.micro = 0
+        self.stats = {"comm_s": 0.0}  # seconds waited for collectives; the exchange's stats
         self.restored: dict[str, torch.Tensor] | None = None  # rank 0: a checkpoint's parameters
         self.saved: dict[int, torch.Tensor] | None = None  # rank 0: gathered for a checkpoint
         self.names = {id(p): n for n, p in model.named_parameters()}
@@ -266,7 +150,9 @@ class UnitSharding:
         if unit.full:
             return
         self._start_gather(unit)
+        began = time.perf_counter()
         flat, unit.gathering = hvd.synchronize(unit.gathering), None
+        self.stats["comm_s"] += time.perf_counter() - began
         unit.set_full(flat)
 
     def _arrived(self, unit: Unit) -> None:
@@ -297,7 +183,9 @@ class UnitSharding:
                 self._scatter(unit)
         for unit in self.units:
             if unit.scattering is not None:
+                began = time.perf_counter()
                 unit.grad += hvd.synchronize(unit.scattering).float()
+                self.stats["comm_s"] += time.perf_counter() - began
                 unit.scattering = None
         self.micro += 1
 
@@ -305,6 +193,7 @@ class UnitSharding:
         """Before a step: the shards' gradients zeroed; at stage 3 every unit freed (a
         checkpoint or an evaluation may have left some gathered on every rank)."""
         self.micro = 0
+        self.stats = {"comm_s": 0.0}  # a new dict: the last step's stay as they were
         for unit in self.units:
             unit.grad.zero_()
             for p in unit.params:
@@ -316,11 +205,13 @@ class UnitSharding:
         """Stage 2: the updated shards all-gathered back into every rank's parameters (a
         collective); stage 3 gathers before each unit's next forward pass instead."""
         if self.stage == 2 or self.whole:
+            began = time.perf_counter()
             flats = hvd.grouped_allgather([u.shard.detach() for u in self.units],
                                           name="hvdtrain.shard.params")
             for unit, flat in zip(self.units, flats, strict=True):
                 for p, view in unit.views(flat):
                     p.data.copy_(view)
+            self.stats["comm_s"] += time.perf_counter() - began
 
     def load_shards(self) -> None:
         """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
@@ -533,16 +424,18 @@ class UnitShardedExchange(GradientExchange):
             self.sharding.settle()  # the previous micro-batch's reduce-scatters
 
     def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        began = time.perf_counter()
         out = self.optimizer.gradients() if not grads else list(grads)
         total = sum(u.total for u in self.sharding.units)
         own = sum(u.stop - u.start for u in self.sharding.units)
         gathers = 1 if self.sharding.stage == 2 else self.accumulation * (
             2 if self.sharding.reshard else 1)
         item = 2 if self.sharding.half else 4
+        # comm_s: the step's waits so far (gathers in the passes, the reduce-scatters); stage 2's
+        # all-gather after the update adds its own to the same dict.
         self.stats = {"wire_bytes": float(self.accumulation * item * total + gathers * 4 * own),
                       "dense_bytes": float(self.accumulation * 4 * total + gathers * 4 * own),
-                      "comm_s": time.perf_counter() - began, "compress_s": 0.0}
+                      "comm_s": self.sharding.stats["comm_s"], "compress_s": 0.0}
+        self.sharding.stats = self.stats
         return out
 
     def any_rank(self, flag: bool) -> bool:
@@ -557,9 +450,6 @@ class UnitShardedExchange(GradientExchange):
     def broadcast(self, root_rank: int = 0) -> None:
         self.optimizer.broadcast(root_rank)
 
-    def finish(self) -> None:
-        # The parameters gathered whole on every rank: the run's result is the whole model.
-        self.sharding.gather_all(keep=True)
 
 
 def make_unit_sharded(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, size: int,

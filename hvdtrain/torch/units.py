@@ -1,0 +1,138 @@
+"""The units of a PyTorch model for sharded data parallel and activation checkpointing
+(docs/sharding.md): which modules they are (:func:`find_units`), each unit's flat shard
+(:class:`Unit`), building a model one sharded layer at a time (:func:`build_by_units`), and
+recomputing a unit's activations (:func:`checkpoint_units`). The hooks and collectives that use
+them are :mod:`hvdtrain.torch.shard_units`'s."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hvdtrain.adapters import ModelAdapter
+from hvdtrain.data.contracts import DatasetSpec
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.shard import shard_bounds
+
+
+def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
+    """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
+    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module)."""
+    if isinstance(model, nn.Sequential):
+        return [m for m in model if _bytes(m) or hasattr(m, UNIT)]  # UNIT: built sharded
+    units: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            size = _bytes(child)
+            if size and (size <= limit_bytes or not any(True for _ in child.children())):
+                units.append(child)
+            elif size:
+                visit(child)
+
+    visit(model)
+    return units
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def checkpoint_units(model: nn.Module, limit_bytes: int) -> None:
+    """Activation checkpointing: each unit's forward pass runs under ``torch.utils.checkpoint``
+    (non-reentrant), so its activations are recomputed in the backward pass instead of kept."""
+    for unit in find_units(model, limit_bytes):
+        forward = unit.forward
+
+        def recomputed(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():  # evaluation keeps nothing anyway
+                return _forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False,
+                                                     **kwargs)
+
+        unit.forward = recomputed
+
+
+def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: int,
+                   size: int) -> nn.Module | None:
+    """Stage 3: the model built one layer at a time from the adapter's own ``layers()``, each
+    layer's parameters cut to this rank's shard as soon as it exists, so that no rank ever holds
+    the whole model. Every rank builds rank 0's values (the generator seeded as rank 0's), which
+    the ring's broadcast would give it; each rank's generator then goes on as after ``build()``
+    from its own seed ``seed + rank``.
+    None where the adapter has no layers of its own (its model is then built whole)."""
+    if type(adapter).layers is ModelAdapter.layers:
+        return None
+    factories = adapter.layers(spec)
+    if not factories:
+        return None
+    torch.manual_seed(seed)
+    modules = []
+    for make in factories:
+        module = make()
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:
+            unit = Unit(-1, module, params, rank, size)
+            unit.free()
+            setattr(module, UNIT, unit)
+        modules.append(module)
+    if rank:
+        # The ring's rank r draws its dropout from its own seed as consumed by build(): the
+        # layers are made again from it, one at a time, and dropped.
+        torch.manual_seed(seed + rank)
+        for make in factories:
+            make()
+    return nn.Sequential(*modules)
+
+
+UNIT = "_hvdtrain_unit"
+"""The attribute of a layer :func:`build_by_units` has already sharded: its :class:`Unit`."""
+
+
+class Unit:
+    """One unit's trainable parameters and this rank's float32 shard of them (flat)."""
+
+    def __init__(self, index: int, module: nn.Module | None, params: list[nn.Parameter],
+                 rank: int, size: int) -> None:
+        for p in params:
+            if p.dtype != torch.float32 or not p.is_contiguous():
+                raise HvdtrainError("shard.stage 2-3: every trainable parameter must be a "
+                                    "contiguous float32 tensor")
+        self.index, self.module, self.params = index, module, params
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
+        self.total = sum(self.sizes)
+        self.start, self.stop = shard_bounds(self.total, size, rank)
+        device = params[0].device
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self.shard = nn.Parameter(flat[self.start:self.stop].clone())
+        self.grad = torch.zeros_like(self.shard)
+        self.full = True  # whether the parameters hold their gathered values
+        self.gathering: Any = None  # an all-gather's handle, started ahead
+        self.scattering: Any = None  # the reduce-scatter of this micro-batch's gradient
+        self.arrived = 0  # parameters whose gradient this backward pass has accumulated
+        self.empty = torch.empty(0, device=device)
+
+    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with its view into the unit's flat vector ``flat``."""
+        at = 0
+        for p, n, shape in zip(self.params, self.sizes, self.shapes, strict=True):
+            yield p, flat[at:at + n].view(shape)
+            at += n
+
+    def set_full(self, flat: torch.Tensor) -> None:
+        for p, view in self.views(flat):
+            p.data = view
+        self.full = True
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = self.empty
+        self.full = False
+
+    def flat_grad(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros(shape)).reshape(-1)
+                          for p, shape in zip(self.params, self.shapes, strict=True)])
