@@ -80,8 +80,9 @@ class HfCausalLM(ModelAdapter):
         positions = getattr(hf, "max_position_embeddings", None)
         check_fit(int(hf.vocab_size), positions, spec.num_classes, seq_len)
         hf.use_cache = False  # training: no key-value cache
-        if self.config.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if self.config.gradient_checkpointing:  # the name transformers 5 gives it, else 4's
+            getattr(model, "activation_checkpointing_enable",
+                    model.gradient_checkpointing_enable)()
         return model
 
     def layers(self, spec: DatasetSpec) -> list[Callable[[], nn.Module]]:

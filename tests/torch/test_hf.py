@@ -41,3 +41,18 @@ def test_data_and_model_that_do_not_fit_are_refused():
         HfCausalLM().build(images)
     with pytest.raises(HvdtrainError, match="pipeline stages are not supported"):
         HfCausalLM().layers(TEXT)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    x = torch.randint(0, 256, (2, 16))
+    grads = []
+    for checkpointing in (False, True):
+        adapter = HfCausalLM(gradient_checkpointing=checkpointing)
+        torch.manual_seed(0)
+        model = adapter.build(TEXT).train()
+        assert model.is_activation_checkpointing == checkpointing
+        loss, _ = adapter.loss_and_metrics(model, x, x)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for plain, recomputed in zip(*grads, strict=True):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
