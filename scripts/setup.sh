@@ -104,6 +104,11 @@ step_python_packages() {
   run_step "python packages: uv pip install (pinned by constraints.txt)" \
     "see uv's error above; check that PyPI is reachable" \
     uv_install -r "$ROOT/requirements.in" -c "$ROOT/constraints.txt" "${torch_spec[@]}"
+  # keras-hub without its dependencies: its tensorflow-text would pull the `tensorflow` distribution
+  # over tensorflow-cpu, and the causal LMs and local presets never import it (its other
+  # dependencies are in requirements.in). The version is constraints.txt's.
+  run_step "python packages: keras-hub (--no-deps)" "see uv's error above; check that PyPI is reachable" \
+    uv_install --no-deps -c "$ROOT/constraints.txt" keras-hub
   rm -f "$VENV"/.hvdtrain-requirements-*
   touch "$stamp"
   CHANGED=1
