@@ -66,6 +66,7 @@ class UnitSharding:
         self.units = self._cut(model, unit_bytes)
         self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
         self.micro = 0
+        self.in_flight: list[Unit] = []  # the units whose reduce-scatter runs, oldest first
         self.stats = {"comm_s": 0.0}  # seconds waited for collectives; the exchange's stats
         self.restored: dict[str, torch.Tensor] | None = None  # rank 0: a checkpoint's parameters
         self.saved: dict[int, torch.Tensor] | None = None  # rank 0: gathered for a checkpoint
@@ -174,6 +175,18 @@ class UnitSharding:
         name = f"hvdtrain.shard.scatter.{unit.index}.{self.micro}"
         unit.scattering = hvd.reducescatter_async(flat.half() if self.half else flat, name=name,
                                                   op=hvd.Average)
+        # At most two in flight: the one just started and the one before, which overlapped this
+        # unit's backward pass. More would hold most of the whole gradient (and Horovod's copies
+        # of it) at the end of the pass.
+        self.in_flight.append(unit)
+        while len(self.in_flight) > 2:
+            self._received(self.in_flight.pop(0))
+
+    def _received(self, unit: Unit) -> None:
+        began = time.perf_counter()
+        unit.grad += hvd.synchronize(unit.scattering).float()
+        self.stats["comm_s"] += time.perf_counter() - began
+        unit.scattering = None
 
     def settle(self) -> None:
         """After a backward pass: every unit's reduce-scatter sent (those whose parameters did
@@ -181,12 +194,9 @@ class UnitSharding:
         for unit in self.units:
             if unit.arrived:
                 self._scatter(unit)
-        for unit in self.units:
-            if unit.scattering is not None:
-                began = time.perf_counter()
-                unit.grad += hvd.synchronize(unit.scattering).float()
-                self.stats["comm_s"] += time.perf_counter() - began
-                unit.scattering = None
+        for unit in self.in_flight:
+            self._received(unit)
+        self.in_flight = []
         self.micro += 1
 
     def zero_grad(self) -> None:
@@ -206,12 +216,19 @@ class UnitSharding:
         collective); stage 3 gathers before each unit's next forward pass instead."""
         if self.stage == 2 or self.whole:
             began = time.perf_counter()
-            flats = hvd.grouped_allgather([u.shard.detach() for u in self.units],
-                                          name="hvdtrain.shard.params")
-            for unit, flat in zip(self.units, flats, strict=True):
+            # One unit at a time (the next one's started ahead): never a second whole model.
+            handle = self._start_params(0)
+            for k, unit in enumerate(self.units):
+                flat = hvd.synchronize(handle)
+                handle = self._start_params(k + 1)
                 for p, view in unit.views(flat):
                     p.data.copy_(view)
             self.stats["comm_s"] += time.perf_counter() - began
+
+    def _start_params(self, k: int) -> Any:
+        if k >= len(self.units):
+            return None
+        return hvd.allgather_async(self.units[k].shard.detach(), name=f"hvdtrain.shard.params.{k}")
 
     def load_shards(self) -> None:
         """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
