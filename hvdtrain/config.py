@@ -149,8 +149,9 @@ class OptimConfig:
     clip_norm: float = _opt(0.0, min=0.0)
     """Clip the step's averaged gradient to at most this global L2 norm before the update, as
     ``torch.nn.utils.clip_grad_norm_`` does (0: off). Under ``shard.stage`` >= 1 the norm is
-    summed over the shards (one allreduce of a scalar). PyTorch, on the ring's dense exchange and
-    sharded data parallel; refused elsewhere (docs/sharding.md)."""
+    summed over the shards (one allreduce of a scalar). On the ring's dense exchange and sharded
+    data parallel (in TensorFlow without fp16 loss scaling); refused elsewhere
+    (docs/sharding.md)."""
 
     def __post_init__(self) -> None:
         # Settings that would do nothing are refused, not ignored (as check_comm does for comm).
@@ -342,15 +343,18 @@ def check_clip(cfg: Config) -> None:
     """``optim.clip_norm`` where the update it clips is not built, as one line."""
     if not cfg.optim.clip_norm:
         return
-    where = [f"framework={cfg.framework!r}"] if cfg.framework != "torch" else []
+    # TensorFlow's fp16 gradients reach the update scaled: the LossScaleOptimizer unscales later.
+    where = (["train.precision='fp16' and framework='tensorflow'"]
+             if cfg.framework == "tensorflow" and cfg.train.precision == "fp16" else [])
     where += [f"comm.compression={cfg.comm.compression!r}"] * (cfg.comm.compression
                                                                not in ("none", "fp16"))
     where += [f"comm.topology={cfg.comm.topology!r}"] * (cfg.comm.topology != "ring")
     where += [f"pipeline.stages={cfg.pipeline.stages}"] * (cfg.pipeline.stages > 1)
     if where:
         raise ConfigError(f"optim.clip_norm={cfg.optim.clip_norm:g} with {where[0]}: clipping by "
-                          "global norm is built for PyTorch's ring (comm.compression none or "
-                          "fp16) and shard.stage only; leave optim.clip_norm at its default 0")
+                          "global norm is built for the ring (comm.compression none or fp16) and "
+                          "shard.stage only, in TensorFlow without fp16 loss scaling; leave "
+                          "optim.clip_norm at its default 0")
 
 
 @dataclass(kw_only=True)

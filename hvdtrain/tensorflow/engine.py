@@ -127,6 +127,7 @@ class TensorFlowEngine(Engine):
         self.kernels = TensorFlowKernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
             l2=l2_decay(cfg.optim, plain))
+        self.kernels.clip_norm = cfg.optim.clip_norm
         self.kernels.follow(self.exchange, self.accumulation)
 
     def _start(self, cfg: Config) -> None:

@@ -205,6 +205,7 @@ class ShardedEngine(TensorFlowEngine):
                 self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
                 l2=l2_decay(cfg.optim, False), shard=self.shard, exchange=self.exchange)
         self.optimizer.build([self.shard.var])
+        self.kernels.clip_norm = cfg.optim.clip_norm
         self.kernels.follow(self.exchange, self.accumulation)
         self._whole: dict[int, np.ndarray] = {}  # rank 0: slots gathered or restored, by index
 
@@ -253,4 +254,5 @@ class ShardedEngine(TensorFlowEngine):
                 got = hvd.broadcast(tf.constant(whole), root_rank=0, name=f"hvdtrain.shard.slot.{i}")
                 var.assign(self.shard.take(got))
         self._whole = {}
+        self.shard.load()  # stage 2's step keeps the shard and the parameters equal from here
         self._follow_world()

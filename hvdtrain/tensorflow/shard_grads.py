@@ -3,10 +3,11 @@
 Stage 1 (:mod:`hvdtrain.tensorflow.shard`) reduce-scatters one flat gradient after the backward
 pass and keeps every micro-batch's whole gradient in accumulators. Here the gradient is cut by
 unit, a unit being the trainable variables of one of the model's layers (``model.layers``; a
-variable no layer holds is a unit of its own). Every unit's flat vector is split over the ranks
-as Horovod's ``reducescatter`` splits it (:func:`hvdtrain.shard.shard_bounds`), and a rank owns
-its slice of every unit (:class:`UnitShard`). Consecutive units go to one
-``hvd.grouped_reducescatter`` until the group holds ``shard.chunk_kib`` KiB a rank: the groups
+variable no layer holds is a unit of its own). Every variable, flattened, is split over the ranks
+as Horovod's ``reducescatter`` splits it (:func:`hvdtrain.shard.shard_bounds`), so that no copy
+of a unit is made to cut it, and a rank owns its slice of every variable (:class:`UnitShard`).
+Consecutive units go to one ``hvd.grouped_reducescatter`` until the group holds
+``shard.unit_kib`` KiB (a larger unit is a group alone). The groups
 are traced into the step's function, so each starts as soon as the backward pass has produced its
 units' gradients, and the whole gradients die with their group. A micro-batch before the last
 reduce-scatters too and adds into an accumulator of the rank's shard only: no rank keeps a whole
@@ -85,8 +86,8 @@ def unit_groups(unit_sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 
 class UnitShard:
-    """This rank's slice of every unit of the model's trainable variables, and the grouped
-    collectives that move the slices (``limit``: elements of a group, over all ranks)."""
+    """This rank's slice of every trainable variable, and the collectives that move the slices,
+    grouped by units (``limit``: elements of a group, over all ranks)."""
 
     def __init__(self, variables: Sequence[Any], units: Sequence[Sequence[int]], rank: int,
                  size: int, limit: int) -> None:
@@ -97,19 +98,16 @@ class UnitShard:
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.units = [list(u) for u in units]
         self.rank, self.size, self.total = rank, size, sum(self.sizes)
-        unit_sizes = [sum(self.sizes[i] for i in u) for u in self.units]
-        self.offsets = [sum(unit_sizes[:u]) for u in range(len(unit_sizes))]
-        self.bounds = [shard_bounds(n, size, rank) for n in unit_sizes]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        # Each variable split as Horovod splits it: no copy of a unit is made to cut it.
+        self.bounds = [shard_bounds(n, size, rank) for n in self.sizes]
         self.owns = [hi - lo for lo, hi in self.bounds]
+        self.starts = [sum(self.owns[:i]) for i in range(len(self.owns))]
         self.own = sum(self.owns)
-        self.groups = unit_groups(unit_sizes, limit)
-        # The variable the optimizer steps: this rank's slices of the units, in unit order.
+        self.groups = unit_groups([sum(self.sizes[i] for i in u) for u in self.units], limit)
+        self._group_vars = [[i for u in g for i in self.units[u]] for g in self.groups]
+        # The variable the optimizer steps: this rank's slices of the variables, in order.
         self.var = keras.Variable(np.zeros(self.own, np.float32), name="shard")
-
-    def _unit(self, tensors: Sequence[Any], u: int) -> tf.Tensor:
-        """Unit ``u`` of ``tensors`` (one per variable) as one flat float32 vector."""
-        return tf.concat([tf.reshape(tf.cast(tensors[i], tf.float32), [-1])
-                          for i in self.units[u]], 0)
 
     def take(self, whole: Any) -> Any:
         """This rank's slices of a flat vector of every parameter (a slot as checkpoints hold
@@ -119,40 +117,41 @@ class UnitShard:
         return np.concatenate(parts) if isinstance(whole, np.ndarray) else tf.concat(parts, 0)
 
     def load(self) -> None:
-        """The shard variable from the model's current parameters (a broadcast or a restore
-        reaches the shard through them)."""
-        values = [v.value for v in self.variables]
-        self.var.assign(tf.concat([self._unit(values, u)[lo:hi]
-                                   for u, (lo, hi) in enumerate(self.bounds)], 0))
+        """The shard variable from the model's current parameters (after a broadcast or a
+        restore; the step keeps the two equal)."""
+        self.var.assign(tf.concat([tf.reshape(v.value, [-1])[lo:hi]
+                                   for v, (lo, hi) in zip(self.variables, self.bounds,
+                                                          strict=True)], 0))
 
     def reducescatter(self, grads: Sequence[tf.Tensor], wire: Any) -> tf.Tensor:
         """The average over the ranks of this rank's slices of ``grads`` (one per variable), by
         groups of units (a collective)."""
         got = []
-        for group in self.groups:
-            flats = [self._unit(grads, u) for u in group]
+        for group in self._group_vars:
+            flats = [tf.reshape(grads[i], [-1]) for i in group]
             got += hvd.grouped_reducescatter(flats, op=hvd.Average, compression=wire)
         return tf.concat(got, 0)
 
+    def _gathered(self, mine: tf.Tensor, tag: str) -> list[tf.Tensor]:
+        """Every rank's slices of each variable (``mine``: this rank's, in :attr:`var`'s order),
+        as one whole flat tensor per variable, by groups (a collective)."""
+        whole: list[tf.Tensor] = []
+        for g, group in enumerate(self._group_vars):
+            pieces = [mine[self.starts[i]:self.starts[i] + self.owns[i]] for i in group]
+            # A variable's slices, concatenated in rank order, are that variable whole.
+            whole += hvd.grouped_allgather(pieces, name=f"hvdtrain.shard2.{tag}.{g}")
+        return whole
+
     def allgather(self, mine: tf.Tensor, tag: str) -> tf.Tensor:
         """Every rank's ``mine`` (a per-element tensor of its slices) as the whole flat vector in
-        the parameters' order, in the groups of :meth:`reducescatter` (a collective)."""
-        starts = [sum(self.owns[:u]) for u in range(len(self.owns))]
-        whole = []
-        for g, group in enumerate(self.groups):
-            pieces = [mine[starts[u]:starts[u] + self.owns[u]] for u in group]
-            # Each unit's slices, concatenated in rank order, are that unit whole.
-            whole += hvd.grouped_allgather(pieces, name=f"hvdtrain.shard2.{tag}.{g}")
-        return tf.concat(whole, 0)
+        the parameters' order (a collective)."""
+        return tf.concat(self._gathered(mine, tag), 0)
 
     def store(self) -> None:
         """Every rank's updated slices written back into the model's variables (a
         collective)."""
-        flat = self.allgather(self.var.value, "params")
-        at = 0
-        for v, n in zip(self.variables, self.sizes, strict=True):
-            v.assign(tf.reshape(flat[at:at + n], v.shape))
-            at += n
+        for v, flat in zip(self.variables, self._gathered(self.var.value, "params"), strict=True):
+            v.assign(tf.reshape(flat, v.shape))
 
 
 class UnitExchange(GradientExchange):
@@ -255,8 +254,7 @@ class UnitKernels(TensorFlowKernels):
         return tf.stack([tf.cast(v, tf.float64) for v in values])
 
     def _step(self, grads: list[tf.Tensor]) -> tf.Tensor:
-        """Loads the shard from the parameters and steps it with its averaged gradient."""
-        self.shard.load()
+        """Steps the shard with its averaged gradient."""
         self.precision.note(grads)
         var = self.shard.var
         if self.clip_norm:  # the norm of the whole gradient, summed over the shards

@@ -4,7 +4,8 @@ does, and the checkpoints resume at stage 1 and at another number of ranks.
 
 One launch under Gloo (-np 2, 2 micro-batches a step of 8 samples a rank, global batch 32): the
 ring and stage 2 with Adam and weight decay (2 epochs, a checkpoint every 20 steps), stage 1
-resumed from stage 2's step-60 checkpoint, and the ring and stage 2 with AdamW (1 epoch). Under
+resumed from stage 2's step-60 checkpoint, the ring and stage 2 with AdamW (1 epoch), and SGD
+with momentum at stage 2, and clipped by global norm on the ring and at stage 2. Under
 MPI, one launch of the ring and stage 2 with SGD with momentum. In make test-long, one rank
 (batch 16, the same global batch) resumes stage 2's step-60 checkpoint at stage 2.
 """
@@ -25,6 +26,7 @@ STEP = "data.batch_size={b},train.backward_passes_per_step=2,optim.lr={lr},train
 ADAM = "optim.name=adam,optim.weight_decay=0.01,checkpoint.every_steps=20"
 ADAMW = "optim.name=adamw,optim.weight_decay=0.05"
 SGD = "optim.name=sgd,optim.momentum=0.9"
+CLIP = "optim.clip_norm=0.3"
 PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
 """The digits MLP's parameters (hidden layer of 128): units of 8,320 and 1,290 elements."""
 TOLERANCE = 1e-5
@@ -55,9 +57,12 @@ def stage2(tmp_path_factory) -> Callable[[str], Launch]:
             ranks, controller = (1, "gloo") if which == "one" else (2, which)
             if which == "gloo":
                 saved = checkpoint(Launch("tensorflow", which, out), "s2_adam", 60)
+                sgd = f"{step(2, 1, 0.025)},{SGD}"
                 runs = [f"ring_adam:{adam}", f"s2_adam:{adam},{STAGE2}",
                         f"s1_from_s2:{adam},shard.stage=1,checkpoint.resume={saved}",
-                        f"ring_adamw:{adamw}", f"s2_adamw:{adamw},{STAGE2}"]
+                        f"ring_adamw:{adamw}", f"s2_adamw:{adamw},{STAGE2}",
+                        f"s2_sgd:{sgd},{STAGE2}", f"ring_clip:{sgd},{CLIP}",
+                        f"s2_clip:{sgd},{CLIP},{STAGE2}"]
             elif which == "mpi":
                 sgd = f"{step(2, 1, 0.025)},{SGD}"
                 runs = [f"ring_sgd:{sgd}", f"s2_sgd:{sgd},{STAGE2}"]
@@ -100,6 +105,14 @@ def test_stage2_equals_the_ring_and_stage1_resumes_its_checkpoint(stage2):
     # A step: the whole gradient once per micro-batch, the rank's slices (half of each unit) once.
     logged = [r for r in read_jsonl(launch.out / "s2_adam" / "metrics.jsonl") if "wire_bytes" in r]
     assert logged and {r["wire_bytes"] for r in logged} == {2 * 4 * PARAMETERS + 4 * PARAMETERS // 2}
+
+
+def test_stage2_clips_by_the_norm_over_the_shards_as_the_ring(stage2):
+    launch = stage2("gloo")
+    ring = launch.rank("ring_clip", 0)[0]
+    assert_near(assert_ranks_agree(launch, "s2_clip"), ring, "clipped at 0.3: stage 2")
+    free = launch.rank("s2_sgd", 0)[0]
+    assert max(np.abs(ring[k] - free[k]).max() for k in ring) > 1e-2  # the clip bites
 
 
 def test_stage2_equals_the_ring_under_mpi(stage2):

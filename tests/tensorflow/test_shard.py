@@ -2,7 +2,7 @@
 with momentum and Adam with weight decay train as the ring does and a checkpoint resumes exactly;
 at ``shard.stage=2`` (gradients reduce-scattered by layer) Adam with weight decay and AdamW with
 gradient accumulation train as the ring does, units and groups are cut as documented, and stage 1
-resumes stage 2's checkpoint."""
+resumes stage 2's checkpoint; ``optim.clip_norm`` clips stages 1 and 2 as the ring."""
 
 from __future__ import annotations
 
@@ -87,5 +87,22 @@ def test_units_are_layers_and_groups_hold_up_to_the_limit():
     whole = np.arange(36, dtype=np.float32)
     assert np.array_equal(shard.take(whole), whole)
     second = UnitShard(variables, units, rank=1, size=2, limit=20)  # split as Horovod splits
-    assert second.bounds == [(8, 16), (5, 10), (5, 10)] and second.own == 18
-    assert np.array_equal(second.take(whole), np.r_[8:16, 21:26, 31:36])
+    assert second.sizes == [12, 4, 8, 2, 10] and second.own == 18
+    assert second.bounds == [(6, 12), (2, 4), (4, 8), (1, 2), (5, 10)]
+    assert np.array_equal(second.take(whole), np.r_[6:12, 14:16, 20:24, 25:26, 31:36])
+
+
+CLIPPED = [*SGD, "optim.clip_norm=0.3"]
+
+
+def test_clipping_by_global_norm_is_the_rings_at_stages_1_and_2(tmp_path):
+    ring = train(quiet_config(TF_CONFIG, tmp_path / "ring", *CLIPPED))
+    free = train(quiet_config(TF_CONFIG, tmp_path / "free", *SGD))
+    for stage in (1, 2):
+        sharded = train(quiet_config(TF_CONFIG, tmp_path / f"s{stage}", *CLIPPED,
+                                     f"shard.stage={stage}"))
+        assert_same(sharded.engine.parameters(), ring.engine.parameters(), f"stage {stage}")
+    # The clip bites: the clipped ring ends far from the unclipped one.
+    gaps = [np.abs(a - b).max() for a, b in zip(ring.engine.parameters().values(),
+                                                free.engine.parameters().values(), strict=True)]
+    assert max(gaps) > 1e-2
