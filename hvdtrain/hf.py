@@ -98,12 +98,13 @@ def check_pretrained(path: Path) -> None:
                             f"of {', '.join(WEIGHT_FILES)})")
 
 
-def check_fit(vocab: int, positions: int | None, num_classes: int | None, seq_len: int) -> None:
+def check_fit(vocab: int, positions: int | None, num_classes: int | None, seq_len: int,
+              model: str = "hf_causal_lm") -> None:
     """Raises one line where a model's vocabulary or context is too small for the data."""
     if num_classes and vocab < num_classes:
-        raise HvdtrainError(f"model hf_causal_lm: its vocabulary of {vocab} tokens is smaller "
+        raise HvdtrainError(f"model {model}: its vocabulary of {vocab} tokens is smaller "
                             f"than the data's {num_classes} (the corpus was tokenized for "
                             "another model)")
     if positions is not None and positions < seq_len:
-        raise HvdtrainError(f"model hf_causal_lm: {positions} positions, fewer than the data's "
+        raise HvdtrainError(f"model {model}: {positions} positions, fewer than the data's "
                             f"seq_len={seq_len}")

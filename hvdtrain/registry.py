@@ -90,7 +90,9 @@ MODELS = {
                                      "hf_causal_lm": "hvdtrain.torch.hf:HfCausalLM"}),
     "tensorflow": Registry("tensorflow model", {"mlp": "hvdtrain.tensorflow.models:MLP",
                                                "resnet18": "hvdtrain.tensorflow.models:ResNet18",
-                                               "gpt": "hvdtrain.tensorflow.lm:GPT"}),
+                                               "gpt": "hvdtrain.tensorflow.lm:GPT",
+                                               "kerashub_causal_lm":
+                                               "hvdtrain.tensorflow.kerashub:KerasHubCausalLM"}),
 }
 """Model adapters per framework."""
 
