@@ -55,12 +55,15 @@ def _parser() -> argparse.ArgumentParser:
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
     slurm.add_argument("--elastic", action="store_true",
                        help="render elastic.sbatch (elastic Horovod)")
-    export = sub.add_parser("export", help="write a run's newest checkpoint as safetensors or a "
-                            "transformers directory (docs/huggingface.md)")
+    export = sub.add_parser("export", help="write a run's newest checkpoint as safetensors, a "
+                            "transformers directory or a Keras file (docs/huggingface.md)")
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    export.add_argument("--format", required=True, choices=("safetensors", "hf"),
+    export.add_argument("--format", required=True,
+                        choices=("safetensors", "hf", "keras", "weights.h5"),
                         help="safetensors: OUT/model.safetensors; hf: a directory that "
-                        "AutoModelForCausalLM.from_pretrained loads (model hf_causal_lm)")
+                        "AutoModelForCausalLM.from_pretrained loads (model hf_causal_lm); "
+                        "TensorFlow runs: keras (OUT/model.keras) or weights.h5 "
+                        "(OUT/model.weights.h5)")
     export.add_argument("--out", help="output directory (default: RUN_DIR/export-FORMAT)")
     doctor = sub.add_parser("doctor", help="check versions and Horovod's build")
     doctor.add_argument("--quiet", action="store_true", help="print problems only")

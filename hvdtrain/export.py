@@ -1,12 +1,14 @@
-"""``hvdtrain export RUN_DIR --format safetensors|hf`` (docs/huggingface.md): a run's newest valid
-checkpoint written for other tools, framework-free here.
+"""``hvdtrain export RUN_DIR --format safetensors|hf|keras|weights.h5`` (docs/huggingface.md): a
+run's newest valid checkpoint written for other tools, framework-free here.
 
 ``safetensors`` writes ``model.safetensors``, the model's weights under the names the checkpoint
 holds them (a tensor shared by two names, as a tied embedding and head, is written once under its
 first name; the others are listed in the file's metadata as ``aliases``). ``hf`` writes a
 directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, for runs of
 ``model.name: hf_causal_lm``, with the corpus's tokenizer beside it where the corpus has one.
-The framework's half is ``hvdtrain/torch/export.py``.
+For TensorFlow runs, ``keras`` writes the whole Keras model (``model.keras``) and ``weights.h5`` its
+weights (``model.weights.h5``). The frameworks' halves are ``hvdtrain/torch/export.py`` and
+``hvdtrain/tensorflow/export.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from hvdtrain.config import Config, load_config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.rundir import RunDir
 
-FORMATS = ("safetensors", "hf")
+FORMATS_OF = {"torch": ("safetensors", "hf"), "tensorflow": ("keras", "weights.h5")}
+"""The formats each framework's runs export to."""
+FORMATS = tuple(fmt for formats in FORMATS_OF.values() for fmt in formats)
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,9 @@ def request(run_dir: str, fmt: str, out: str | None = None) -> ExportRequest:
     if checkpoint is None:
         raise HvdtrainError(f"export: {run_dir} has no valid checkpoint in {run.checkpoints} "
                             "(set checkpoint.every_steps; a run checkpoints at its end)")
-    if cfg.framework != "torch":
-        raise HvdtrainError(f"export: runs of framework={cfg.framework} are not exported yet "
-                            "(PyTorch runs only; docs/huggingface.md)")
+    if fmt not in FORMATS_OF.get(cfg.framework, ()):
+        raise HvdtrainError(f"export --format={fmt}: runs of framework={cfg.framework} export "
+                            f"to {', '.join(FORMATS_OF.get(cfg.framework, ()))}")
     if fmt == "hf" and cfg.model.name != "hf_causal_lm":
         raise HvdtrainError(f"export --format=hf: the run's model is {cfg.model.name!r}; only "
                             "model.name=hf_causal_lm exports as a transformers directory (use "
@@ -60,7 +64,12 @@ def request(run_dir: str, fmt: str, out: str | None = None) -> ExportRequest:
 def export(run_dir: str, fmt: str, out: str | None = None) -> Path:
     """Exports the run's newest valid checkpoint; returns the directory written."""
     req = request(run_dir, fmt, out)
-    from hvdtrain.torch.export import export_torch
+    if req.config.framework == "tensorflow":
+        from hvdtrain.tensorflow.export import export_tensorflow
 
-    export_torch(req.config, req.checkpoint, req.format, req.out)
+        export_tensorflow(req.config, req.checkpoint, req.format, req.out)
+    else:
+        from hvdtrain.torch.export import export_torch
+
+        export_torch(req.config, req.checkpoint, req.format, req.out)
     return req.out

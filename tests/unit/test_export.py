@@ -45,3 +45,14 @@ def test_hf_format_needs_the_hf_model(run, capsys):
     manifest_path(ckpt).write_text(f'{{"sha256": "{sha256_of(ckpt)}", "bytes": 1}}')
     err = _error(capsys, str(run), "--format", "hf")
     assert "export --format=hf: the run's model is 'mlp'; only model.name=hf_causal_lm" in err
+
+
+def test_a_format_of_the_other_framework_is_one_line(run, capsys):
+    (run / "checkpoints").mkdir()
+    from hvdtrain.checkpoint import manifest_path, sha256_of
+
+    ckpt = run / "checkpoints" / "step-00000001.ckpt"
+    ckpt.write_bytes(b"x")
+    manifest_path(ckpt).write_text(f'{{"sha256": "{sha256_of(ckpt)}", "bytes": 1}}')
+    err = _error(capsys, str(run), "--format", "keras")
+    assert "export --format=keras: runs of framework=torch export to safetensors, hf" in err
