@@ -50,12 +50,10 @@ from hvdtrain.tensorflow.recompute import recompute_units
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 
-def make_optimizer(o: OptimConfig, plain: bool = False) -> keras.optimizers.Optimizer:
-    """The configured Keras optimizer, with PyTorch's defaults where Keras's differ (Adam's eps);
-    ``plain``: SGD without momentum or decay, which applies an exchange's update directions
-    (:func:`hvdtrain.tensorflow.exchange.applies_update`)."""
-    if plain:
-        return keras.optimizers.SGD(learning_rate=o.lr)
+def make_optimizer(o: OptimConfig) -> keras.optimizers.Optimizer:
+    """The configured Keras optimizer, with PyTorch's defaults where Keras's differ (Adam's eps).
+    Where an exchange applies the update rule, its factory hands the step plain SGD instead
+    (:func:`hvdtrain.tensorflow.exchange.stepping_optimizer`)."""
     if o.name == "sgd":
         return keras.optimizers.SGD(learning_rate=o.lr, momentum=o.momentum)
     if o.name == "adam":
