@@ -11,6 +11,7 @@ and ``token_accuracy``. ``keras_hub`` is imported only here, when such a model i
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -59,8 +60,16 @@ def load_causal_lm(options: KerasHubOptions, vocab_size: int | None) -> Any:
     args = options.new_config()
     if vocab_size:
         args.setdefault("vocabulary_size", vocab_size)
+    backbone_class = getattr(keras_hub.models, backbone_name)
+    # A backbone passes unknown keywords on to keras.Model, which ignores them: name them here.
+    known = [name for name in inspect.signature(backbone_class.__init__).parameters
+             if name not in ("self", "kwargs")]
+    unknown = [name for name in args if name not in known]
+    if unknown:
+        raise HvdtrainError(f"model.options.config for {options.architecture}: unknown "
+                            f"{', '.join(unknown)} (known: {', '.join(known)})")
     try:
-        backbone = getattr(keras_hub.models, backbone_name)(**args)
+        backbone = backbone_class(**args)
     except (TypeError, ValueError) as exc:
         raise HvdtrainError(f"model.options.config for {options.architecture}: {exc}") from None
     return getattr(keras_hub.models, task_name)(backbone=backbone, preprocessor=None)
