@@ -1,0 +1,415 @@
+"""Your own ``tf.GradientTape`` loop on hvdtrain: :class:`TapeTrainer` (docs/own-loop.md).
+
+The TensorFlow twin of :class:`hvdtrain.torch.api.Trainer`. The loop stays the user's; beneath it
+is the config-driven trainer's own code: the engine's state I/O and broadcast (:class:`TapeEngine`
+is :class:`~hvdtrain.tensorflow.engine.TensorFlowEngine` around the user's model and optimizer),
+the exchange the config selects (:func:`hvdtrain.tensorflow.exchange.make_exchange`), the step's
+exchange and update (:func:`hvdtrain.step.exchange_and_update` over the trainer's traced update,
+clipping, L2 and loss scale included), the global-batch sampler, the learning-rate schedule, the
+checkpoint manager and its resume path, the stop signals and the metric sinks::
+
+    trainer = TapeTrainer("configs/digits_tf.yaml", ["train.epochs=3"])
+    model, optimizer = trainer.setup(model)          # optimizer: the config's, or pass your own
+    batches = trainer.dataset(x, y)
+    for epoch in trainer.epochs():
+        batches.set_epoch(epoch)
+        for xb, yb in batches:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))   # the micro-batch's mean
+            trainer.apply_gradients(tape, loss)
+        trainer.log({"loss": ...})
+    trainer.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.checkpoint import CheckpointManager
+from hvdtrain.config import Config, load_config
+from hvdtrain.data.sampler import EpochPlan, StepIndices
+from hvdtrain.driver import find_checkpoint, restore, start_on_rank0
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import ExchangeRequest
+from hvdtrain.layout import dedicated
+from hvdtrain.loop import Position, make_sampler, total_steps
+from hvdtrain.observe.records import MetricsLogger, make_logger
+from hvdtrain.ps.mpi import ps_settings
+from hvdtrain.rundir import RunDir
+from hvdtrain.schedule import lr_at
+from hvdtrain.session import Start
+from hvdtrain.signals import EXIT_RESUBMIT, StopRequest
+from hvdtrain.step import exchange_and_update
+from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
+from hvdtrain.tensorflow.exchange import applies_update, make_exchange
+from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
+from hvdtrain.world import World
+
+
+class TapeKernels(TensorFlowKernels):
+    """The trainer's kernels without an adapter or loader: the user's tape takes the gradients,
+    these hold them for the exchange and run the trainer's traced update (:meth:`_apply`)."""
+
+    def _compile(self) -> None:
+        specs = [tf.TensorSpec(v.shape, tf.float32) for v in self.model.trainable_variables]
+        self.apply = _traced(self._apply, [specs])
+        self.precision.attach(self.optimizer, self.apply, [tuple(s.shape) for s in specs])
+
+    def take(self, grads: list[tf.Tensor]) -> None:
+        """The step's gradients (accumulated over its micro-batches), ready to exchange."""
+        self._grads = grads
+
+
+class TapeEngine(TensorFlowEngine):
+    """The trainer's TensorFlow engine around a user's model and optimizer: no model adapter and
+    no loader; its broadcast, state I/O and exchange are :class:`TensorFlowEngine`'s."""
+
+    def __init__(self, cfg: Config) -> None:  # no super(): it would build a model and loader
+        self._start(cfg)
+        keras.utils.set_random_seed(cfg.seed + self.rank)  # as the trainer, before the model
+        self.accumulation = cfg.train.backward_passes_per_step
+        self.stats: dict[str, float] = {}
+        self.last_meta: dict[str, Any] = {}
+
+    def attach(self, cfg: Config, model: keras.Model,
+               optimizer: keras.optimizers.Optimizer) -> None:
+        """Takes the built ``model``; wraps ``optimizer`` in the configured exchange and builds
+        its variables (so that a restore and the broadcast reach them before the first step)."""
+        if not model.built or not model.trainable_variables:
+            raise HvdtrainError("TapeTrainer.setup(model): build the model first (keras.Input "
+                                "or one call on a batch), so that its variables exist")
+        self.model = model
+        variables = model.trainable_variables
+        self.exchange, stepping = make_exchange(cfg, ExchangeRequest(
+            cfg.comm, cfg.seed, self.rank, self.size, variables, optimizer=optimizer,
+            settings=optimizer_settings(cfg.optim), accumulation=self.accumulation,
+            ps=ps_settings(cfg), shard=cfg.shard, layout=self.layout))
+        plain = applies_update(self.exchange)
+        self.optimizer = self.precision.wrap(stepping)
+        self.optimizer.build(variables)
+        self.kernels = TapeKernels(model, self.optimizer, None, None, self.precision,  # type: ignore[arg-type]
+                                   None, l2=l2_decay(cfg.optim, plain))  # type: ignore[arg-type]
+        self.kernels.clip_norm = cfg.optim.clip_norm
+        self.kernels.follow(self.exchange, 1)  # the accumulation is the trainer's, in Python
+
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        self.last_meta = super().load_state(data, where)
+        return self.last_meta
+
+
+class GlobalBatches:
+    """This rank's micro-batches of ``(x, y)`` over hvdtrain's global batches, in order: every
+    rank yields as many (a short step's may be empty). ``set_epoch`` picks the epoch's
+    permutation, as ``DistributedSampler``'s does."""
+
+    def __init__(self, trainer: TapeTrainer, x: Any, y: Any) -> None:
+        self.trainer, self.x, self.y = trainer, np.asarray(x), np.asarray(y)
+        if len(self.x) != len(self.y):
+            raise HvdtrainError(f"TapeTrainer.dataset(x, y): {len(self.x)} inputs, "
+                                f"{len(self.y)} targets")
+        self.sampler = make_sampler(trainer.cfg, len(self.x), trainer.engine.accumulation)
+        self.epoch = trainer.position.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffles by ``(seed, epoch)``: call it before each epoch, or every epoch repeats."""
+        self.epoch = epoch
+
+    def plan(self) -> EpochPlan:
+        """This rank's steps of the current epoch, from the position a resume left in it."""
+        pos, engine = self.trainer.position, self.trainer.engine
+        start = pos.in_epoch if self.epoch == pos.epoch else 0
+        return self.sampler.steps(self.epoch, engine.rank, engine.size, start)
+
+    def __iter__(self) -> Iterator[tuple[tf.Tensor, tf.Tensor]]:
+        plan = self.plan()
+        self.trainer.begin_epoch(self.epoch, plan, len(self.x))
+        for step in plan:
+            for micro in step.micro:
+                yield tf.convert_to_tensor(self.x[micro]), tf.convert_to_tensor(self.y[micro])
+
+    def __len__(self) -> int:
+        return len(self.plan()) * self.sampler.accumulation
+
+
+class TapeTrainer:
+    """hvdtrain under a user's own ``tf.GradientTape`` loop; every rank makes one (see the module
+    docstring).
+
+    ``config`` and ``overrides`` are ``hvdtrain train``'s (None: the defaults, with
+    ``framework=tensorflow``); what applies is :class:`hvdtrain.torch.api.Trainer`'s: ``seed``,
+    ``data`` (batch size per rank, shuffle), ``train`` (``backward_passes_per_step``,
+    ``precision``, ``epochs``, ``max_steps``), ``optim`` (when :meth:`setup` builds the
+    optimizer; ``clip_norm`` and L2 decay always), ``comm`` (the exchange), ``checkpoint`` and
+    ``log``. Starts Horovod and seeds Keras with ``seed + rank``, as the trainer does: build the
+    model after it.
+    """
+
+    def __init__(self, config: str | Path | None = None, overrides: Sequence[str] = ()) -> None:
+        first = ["framework=tensorflow"] if config is None else []
+        self.cfg = cfg = load_config(config, [*first, *overrides])
+        refuse_unsupported(cfg)
+        self.engine = TapeEngine(cfg)
+        self.run_dir = RunDir(cfg.run_dir)
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir.checkpoints)
+        self.position = Position()
+        self.resumed = False
+        self.objects: dict[str, Any] = {}
+        self.micro = 0  # micro-batches of the current global batch so far
+        self.accumulated: list[tf.Tensor] = []
+        self.schedule = False
+        self.plan: EpochPlan | None = None
+        self.cursor = 0
+        self.num_samples = 0
+        self.batches: GlobalBatches | None = None
+        self.logger: MetricsLogger | None = None
+        self.saved_step = -1
+        self.stop = StopRequest().__enter__()  # until close(): the loop is the user's
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None,
+              **objects: Any) -> tuple[keras.Model, keras.optimizers.Optimizer]:
+        """Takes the built ``model`` and ``optimizer`` (None: the config's ``optim``, whose
+        schedule the trainer then sets every step) in the configured exchange, resumes as
+        ``checkpoint.resume`` says, and broadcasts rank 0's state. ``objects``: anything with
+        ``state_dict`` and ``load_state_dict``, saved and resumed by name. Returns the model and
+        the optimizer the update steps (a loss-scale one under fp16)."""
+        self.schedule = optimizer is None
+        self.engine.attach(self.cfg, model, optimizer or make_optimizer(self.cfg.optim))
+        self.objects = dict(objects)
+        start = start_on_rank0(self.cfg, self.run_dir, self.engine) if self.rank == 0 \
+            else Start()
+        self._share(start)
+        return model, self.engine.optimizer
+
+    def dataset(self, x: Any, y: Any) -> GlobalBatches:
+        """This rank's micro-batches of ``(x, y)`` (arrays of one length) by hvdtrain's global
+        batch sampler: ``data.batch_size`` samples per rank and micro-batch."""
+        self.batches = GlobalBatches(self, x, y)
+        self.num_samples = len(self.batches.x)
+        return self.batches
+
+    def epochs(self) -> range:
+        """The epochs left to train: from the resumed one to ``train.epochs``."""
+        return range(self.position.epoch, self.cfg.train.epochs)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.engine.rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        return self.engine.size
+
+    @property
+    def total_steps(self) -> int:
+        """The step at which ``train.epochs`` (capped by ``train.max_steps``) end."""
+        if self.batches is None:
+            return self.cfg.train.max_steps
+        return total_steps(self.cfg.train, self.batches.sampler, self.size,
+                           dataclasses.replace(self.position))
+
+    def lr(self) -> float:
+        """The config's learning rate for the coming step (warm-up, scaling, schedule)."""
+        world = World.of(self.cfg, self.size)
+        return lr_at(self.position.step, self.total_steps, self.cfg.optim, self.size,
+                     base_lr=world.lr)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def begin_epoch(self, epoch: int, plan: EpochPlan, num_samples: int) -> None:
+        """Called by :class:`GlobalBatches` as an epoch's iteration starts."""
+        if epoch != self.position.epoch:
+            self.position.epoch, self.position.in_epoch = epoch, 0
+        self.plan, self.cursor, self.micro, self.accumulated = plan, 0, 0, []
+
+    def _current(self) -> StepIndices | None:
+        if self.plan is None or self.cursor >= len(self.plan):
+            return None
+        return self.plan.steps[self.cursor]
+
+    def apply_gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> bool:
+        """Takes ``loss``'s gradients (the mean over this micro-batch's samples) from ``tape``,
+        weighted so that the exchanged gradient is the mean over the global batch and scaled by
+        the loss scale; at a global batch's last micro-batch exchanges them and updates (then a
+        checkpoint or stop may follow). Returns whether the step ran."""
+        if not hasattr(self.engine, "kernels"):
+            raise HvdtrainError("trainer.apply_gradients() before trainer.setup(model)")
+        variables = [v.value for v in self.engine.model.trainable_variables]
+        step, accumulation = self._current(), self.engine.accumulation
+        count = len(step.micro[self.micro]) if step is not None else 1
+        if count == 0:  # nothing here: zero gradients still join the exchange
+            grads = [tf.zeros_like(v) for v in variables]
+        else:
+            weight = 1.0 / accumulation if step is None else self.size * count / step.global_count
+            scaled = self.engine.precision.scale(self.engine.optimizer, tf.constant(weight))
+            grads = [tf.convert_to_tensor(g) for g in tape.gradient(
+                loss, variables, output_gradients=tf.cast(scaled, loss.dtype),
+                unconnected_gradients=tf.UnconnectedGradients.ZERO)]
+        self.accumulated = grads if not self.accumulated else \
+            [a + g for a, g in zip(self.accumulated, grads, strict=True)]
+        self.micro += 1
+        if self.micro < accumulation:
+            return False
+        self._update()
+        return True
+
+    def _update(self) -> None:
+        kernels = cast(TapeKernels, self.engine.kernels)
+        if self.schedule:
+            kernels.set_lr(self.lr())
+        kernels.take(self.accumulated)
+        self.engine.stats = exchange_and_update(kernels, self.engine.exchange)
+        self.accumulated, self.micro = [], 0
+        self._advance()
+        self._after_step()
+
+    def _advance(self) -> None:
+        step, pos = self._current(), self.position
+        pos.step += 1
+        if step is None:
+            return
+        self.cursor += 1
+        pos.in_epoch += step.global_count
+        pos.samples += step.global_count
+        if pos.in_epoch >= self.num_samples:
+            pos.epoch, pos.in_epoch = pos.epoch + 1, 0
+
+    def _after_step(self) -> None:
+        """Periodic checkpoints, and stop requests agreed at each log interval (then a
+        checkpoint and exit 75), as the trainer does."""
+        step = self.position.step
+        if self.checkpoints.due(step) and self.saved_step != step:
+            self.save()
+        if step % self.cfg.log.every_steps == 0 or step == self.total_steps:
+            agreed = self.engine.collectives.allreduce_sums({"stop": float(self.stop())})
+            if agreed["stop"] > 0:
+                self._stop()
+
+    def _stop(self) -> None:
+        if self.saved_step != self.position.step:
+            self.save()
+        self.checkpoints.share_failure(self.engine.collectives, self.rank)
+        where = self.checkpoints.path_for(self.position.step) if self.cfg.checkpoint.enabled \
+            else "not written"
+        self.close()
+        print(f"hvdtrain: stopped on request at step {self.position.step}; checkpoint {where}; "
+              "resubmit with checkpoint.resume=auto to continue", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_RESUBMIT)
+
+    # -- logging and checkpoints --------------------------------------------------------------
+
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> dict[str, float]:
+        """Averages ``metrics`` over the ranks (one allreduce; with a ``count`` key, weighted by
+        it) and writes them to every configured sink on rank 0; returns the averages."""
+        sums = {key: float(value) for key, value in metrics.items()}
+        sums["hvdtrain.step"] = float(self.position.step)
+        total = self.engine.collectives.allreduce_sums(sums)
+        check_same_step(total.pop("hvdtrain.step"), self.position.step, self.size, "log")
+        if "count" in total:
+            count = max(total.pop("count"), 1.0)
+            averaged = {key: value / count for key, value in total.items()}
+        else:
+            averaged = {key: value / self.size for key, value in total.items()}
+        record = {"step": self.position.step if step is None else step,
+                  "epoch": self.position.epoch, **averaged}
+        if self.logger is None:
+            self.logger = make_logger(self.cfg, self.run_dir, self.rank == 0, self.total_steps,
+                                      start_step=self.position.step, resumed=self.resumed)
+        self.logger.log(record)
+        return averaged
+
+    def save(self) -> Path | None:
+        """Checkpoints the model, optimizer (loss scale included), exchange state, random states,
+        the position in the data and the ``setup`` objects (every rank calls it; rank 0 writes
+        ``step-<step>.ckpt`` atomically). Returns the path on rank 0."""
+        if self.logger is not None:
+            self.logger.flush()
+        meta = {"position": dataclasses.asdict(self.position), "world_size": self.size,
+                "framework": "tensorflow", "config": self.cfg.to_dict(),
+                "objects": {name: obj.state_dict() for name, obj in self.objects.items()}}
+        self.saved_step = self.position.step
+        return self.checkpoints.save(self.engine, self.rank, self.position.step, meta)
+
+    def load(self, path: str | Path | None = None) -> bool:
+        """Restores ``path`` (None: ``checkpoint.resume``'s choice, else the newest valid
+        checkpoint of the run) on every rank; returns whether one was restored."""
+        if self.rank != 0:
+            return self._share(Start())
+        try:
+            found = Path(path) if path else (find_checkpoint(self.cfg, self.run_dir)
+                                             or self.checkpoints.latest_valid())
+            start = Start(restore(self.engine, found, self.cfg), resumed=True) if found \
+                else Start()
+        except HvdtrainError as exc:
+            start = Start(error=exc)
+        return self._share(start)
+
+    def _share(self, start: Start) -> bool:
+        """Gives every rank rank 0's start, state and objects."""
+        objects = self.engine.last_meta.get("objects", {}) if start.resumed else {}
+        start, objects = self.engine.collectives.broadcast_object((start, objects))
+        if start.error:
+            raise start.error
+        self.engine.broadcast_state()
+        missing = sorted(set(self.objects) - set(objects)) if start.resumed else []
+        if missing:
+            raise HvdtrainError(f"checkpoint holds no state for setup object(s) {missing}")
+        if start.resumed:
+            for name, obj in self.objects.items():
+                obj.load_state_dict(objects[name])
+            self.position, self.resumed = start.position, True
+            self.plan, self.saved_step = None, start.position.step
+        return bool(start.resumed)
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """The model's trainable variables as NumPy arrays, by position and name (for checks)."""
+        return self.engine.parameters()
+
+    def close(self) -> None:
+        """Ends the run: the sinks closed, the last checkpoint on disk, the exchange ended and
+        the stop-signal handlers restored. Every rank calls it once, after the loop."""
+        try:
+            if self.logger is not None:
+                self.logger.close()
+                self.logger = None
+        finally:
+            self.checkpoints.wait()
+            if hasattr(self.engine, "exchange"):
+                self.engine.finish()
+            self.stop.__exit__(None, None, None)
+
+
+def check_same_step(total: float, step: int, size: int, where: str) -> None:
+    """Ranks that reach a collective of the API at different steps called the loop's collectives
+    in a different order: one line, not a hang further on."""
+    if total != step * size:
+        raise HvdtrainError(f"trainer.{where}() at step {step} on this rank, but the ranks' "
+                            f"steps add up to {total:g}: every rank must run the same steps and "
+                            f"call {where}() at the same ones")
+
+
+def refuse_unsupported(cfg: Config) -> None:
+    """One-line refusals of what :class:`TapeTrainer` does not do (yet)."""
+    if cfg.framework != "tensorflow":
+        raise HvdtrainError(f"framework={cfg.framework!r}: TapeTrainer trains Keras models; set "
+                            "framework=tensorflow")
+    if cfg.elastic.enabled:
+        raise HvdtrainError("elastic.enabled=true: TapeTrainer has no elastic mode yet; use "
+                            "`hvdtrain train` for elastic runs")
+    if cfg.pipeline.stages > 1 or dedicated(cfg) or cfg.shard.stage:
+        raise HvdtrainError("pipeline.stages>1, shard.stage and ps.placement=dedicated need "
+                            "`hvdtrain train`: TapeTrainer wraps one whole model per rank")
+
+
+__all__ = ["GlobalBatches", "TapeEngine", "TapeTrainer"]
