@@ -11,6 +11,10 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/overhead.py --framework tensorflow
     .venv/bin/python benchmarks/overhead.py --quick --no-write     # a tiny end-to-end check
+    .venv/bin/python benchmarks/overhead.py --candidate api        # a user loop on the API as B
+
+``--candidate api`` measures the hand-written loop on hvdtrain's library API instead of the
+trainer (``api_worker.py``, docs/own-loop.md; PyTorch only).
 """
 
 from __future__ import annotations
@@ -27,13 +31,16 @@ FRAMEWORKS = {
     "torch": ("PyTorch", "handwritten_torch:handwritten_torch", "hvdtrain_worker:hvdtrain_torch"),
     "tensorflow": ("TensorFlow", "handwritten_tf:handwritten_tf", "hvdtrain_worker:hvdtrain_tf"),
 }
+# ``--candidate api``: B is the hand-written loop on the library API (docs/own-loop.md).
+API = {"torch": "api_worker:api_torch"}
 # Many short runs: the median of many settles better than that of a few long ones.
 SIZES = {"rounds": (60, 1), "epochs": (4, 2), "warmup": (1, 0)}
 
 
-def variants(framework: str) -> list[harness.Variant]:
+def variants(framework: str, candidate: str = "trainer") -> list[harness.Variant]:
     """A, B and A'."""
     _, handwritten, hvdtrain = FRAMEWORKS[framework]
+    hvdtrain = API[framework] if candidate == "api" else hvdtrain
     return [harness.Variant(BASELINE, handwritten), harness.Variant(CANDIDATE, hvdtrain),
             harness.Variant(CONTROL, handwritten)]
 
@@ -49,19 +56,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the benchmark, prints its section and, unless ``--no-write``, writes it."""
     p = harness.parser("overhead.py", __doc__.splitlines()[0], SIZES, interleaved=True)
     p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="torch")
+    p.add_argument("--candidate", choices=("trainer", "api"), default="trainer",
+                   help="B: the config-driven trainer, or the hand-written loop on the API")
     args = harness.parse(p, argv)
     keys = ("step_time_s", "steady_step_time_s")
-    machine, results, (whole, steady) = harness.measure(variants(args.framework), args, keys)
+    if args.candidate == "api" and args.framework not in API:
+        p.error(f"--candidate api: no API loop for {args.framework} yet")
+    machine, results, (whole, steady) = harness.measure(
+        variants(args.framework, args.candidate), args, keys)
     whole_verdict, steady_verdict = verdicts(whole, steady)
     notes = [*workload.notes(args, results),
              f"Result, hvdtrain / hand-written, whole run: {whole_verdict}.",
              f"Result, hvdtrain / hand-written, steady state: {steady_verdict}."]
     name = FRAMEWORKS[args.framework][0]
-    title = f"Trainer overhead: hvdtrain {name} trainer vs a hand-written Horovod loop (step time)"
+    what = "API loop" if args.candidate == "api" else "trainer"
+    title = f"Trainer overhead: hvdtrain {name} {what} vs a hand-written Horovod loop (step time)"
     blocks = [harness.table_block("Whole run (wall time / steps):", whole),
               harness.table_block(f"Steady state ({workload.STEADY_SPAN}):", steady)]
     entry = harness.Entry(
-        label=f"Trainer overhead, {name}", script=f"overhead.py --framework {args.framework}",
+        label=f"Trainer overhead, {name}" + (" API loop" if args.candidate == "api" else ""),
+        script=f"overhead.py --framework {args.framework}" + (
+            " --candidate api" if args.candidate == "api" else ""),
         target=f"hvdtrain / hand-written step time <= {TARGET}",
         verdict=f"steady state {harness.brief(steady_verdict, harness.by_name(steady)[CANDIDATE])}"
                 f"; whole run {harness.brief(whole_verdict, harness.by_name(whole)[CANDIDATE])}")

@@ -1,0 +1,87 @@
+"""The own-loop side of the overhead benchmark: ``handwritten_torch.py``'s loop on the library API
+(:class:`hvdtrain.torch.Trainer`, docs/own-loop.md).
+
+The same model, data, optimizer, batch, epochs, evaluation and clock as the hand-written loop, with
+the few lines the docs page changes: ``Trainer`` instead of ``hvd.init`` and the seeding,
+``setup`` instead of the broadcasts and ``DistributedOptimizer``, ``dataloader`` instead of
+``DistributedSampler``, ``trainer.backward`` instead of ``loss.backward``, ``trainer.save``
+(atomic, with its manifest) instead of ``torch.save`` on rank 0. As in the hand-written loop,
+batches are cut by tensor indexing (the dataset's ``__getitems__``, identity collation), so a
+``DataLoader``'s per-sample collation does not enter the comparison. The config pins what the
+hand-written loop hard-codes (``hvdtrain_worker.overrides``).
+
+The interleaved job calls :func:`run_torch` as variant ``api_worker:api_torch``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's hvdtrain, even where none is installed
+
+import handwritten_torch  # noqa: E402
+import hvdtrain_worker  # noqa: E402
+import workload  # noqa: E402
+from hvdtrain.torch import Trainer  # noqa: E402
+from workload import BASE_LR, MOMENTUM  # noqa: E402
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Two tensors, fetched a batch at a time by indexing (``DataLoader`` calls ``__getitems__``)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(idx, dtype=torch.long)
+        return self.x[index], self.y[index]
+
+
+def run_torch(epochs: int, out_dir: Path) -> dict[str, Any]:
+    """Trains from scratch on the API, evaluates, checkpoints; returns a measurement."""
+    config = hvdtrain_worker.CONFIGS["torch"]
+    trainer = Trainer(config, hvdtrain_worker.overrides("torch", epochs, out_dir))
+    torch.set_num_threads(workload.threads_per_rank(trainer.engine.local_size))
+    train_x, train_y, test_x, test_y = handwritten_torch.load_data()
+    model = handwritten_torch.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR * trainer.size, momentum=MOMENTUM)
+    model, optimizer = trainer.setup(model, optimizer)
+    loader = trainer.dataloader(Indexed(train_x, train_y), num_workers=0,
+                                collate_fn=lambda batch: batch)
+
+    clock = workload.Clock()
+    started = time.perf_counter()
+    steps = 0
+    model.train()
+    for epoch in trainer.epochs():
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            clock.step()
+            optimizer.zero_grad()
+            trainer.backward(F.cross_entropy(model(x), y))
+            optimizer.step()
+            steps += 1
+    clock.evaluation()
+    _, eval_accuracy = handwritten_torch.evaluate(model, test_x, test_y)
+    trainer.save()
+    trainer.close()
+    wall = time.perf_counter() - started
+    return workload.measurement(trainer.rank, steps, len(train_y) * epochs, wall, eval_accuracy,
+                                clock, epochs)
+
+
+VARIANTS = {"api_torch": run_torch}
+"""This worker's run functions by ``harness.Variant`` key."""
