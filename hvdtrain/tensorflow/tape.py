@@ -42,6 +42,7 @@ from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.layout import dedicated
 from hvdtrain.loop import Position, make_sampler, total_steps
 from hvdtrain.observe.records import MetricsLogger, make_logger
+from hvdtrain.own_loop import STEP_KEY, check_same_step
 from hvdtrain.ps.mpi import ps_settings
 from hvdtrain.rundir import RunDir
 from hvdtrain.schedule import lr_at
@@ -313,9 +314,9 @@ class TapeTrainer:
         """Averages ``metrics`` over the ranks (one allreduce; with a ``count`` key, weighted by
         it) and writes them to every configured sink on rank 0; returns the averages."""
         sums = {key: float(value) for key, value in metrics.items()}
-        sums["hvdtrain.step"] = float(self.position.step)
+        sums[STEP_KEY] = float(self.position.step)
         total = self.engine.collectives.allreduce_sums(sums)
-        check_same_step(total.pop("hvdtrain.step"), self.position.step, self.size, "log")
+        check_same_step(total.pop(STEP_KEY), self.position.step, self.size, "log")
         if "count" in total:
             count = max(total.pop("count"), 1.0)
             averaged = {key: value / count for key, value in total.items()}
@@ -388,15 +389,6 @@ class TapeTrainer:
             if hasattr(self.engine, "exchange"):
                 self.engine.finish()
             self.stop.__exit__(None, None, None)
-
-
-def check_same_step(total: float, step: int, size: int, where: str) -> None:
-    """Ranks that reach a collective of the API at different steps called the loop's collectives
-    in a different order: one line, not a hang further on."""
-    if total != step * size:
-        raise HvdtrainError(f"trainer.{where}() at step {step} on this rank, but the ranks' "
-                            f"steps add up to {total:g}: every rank must run the same steps and "
-                            f"call {where}() at the same ones")
 
 
 def refuse_unsupported(cfg: Config) -> None:

@@ -41,6 +41,7 @@ from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.layout import dedicated
 from hvdtrain.loop import Position, make_sampler, total_steps
 from hvdtrain.observe.records import MetricsLogger, make_logger
+from hvdtrain.own_loop import STEP_KEY, check_same_step
 from hvdtrain.ps.mpi import ps_settings
 from hvdtrain.rundir import RunDir
 from hvdtrain.schedule import lr_at
@@ -376,7 +377,9 @@ class Trainer:
         it, as the trainer's sums) and writes them to every configured sink on rank 0; returns
         the averages on every rank."""
         sums = {key: float(value) for key, value in metrics.items()}
+        sums[STEP_KEY] = float(self.position.step)  # the ranks must log at the same step
         total = self.engine.collectives.allreduce_sums(sums)
+        check_same_step(total.pop(STEP_KEY), self.position.step, self.engine.size, "log")
         if "count" in total:
             count = max(total.pop("count"), 1.0)
             averaged = {key: value / count for key, value in total.items()}
