@@ -1,0 +1,46 @@
+"""Peak resident memory per rank of TensorFlow sharded data parallel against the ring.
+
+Run each setting under horovodrun (one launch each, so that one run's peak does not carry into
+the next)::
+
+    for s in ring shard.stage=1 shard.stage=2; do
+      .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/tf_shard_memory.py /tmp/mem $s
+    done
+
+It trains the digits MLP with 3 hidden layers of 4,096 (33.9 M parameters, Adam, batch 16 a rank)
+for 12 steps and prints one JSON line per rank: its peak RSS (``ru_maxrss``) and the seconds
+taken. docs/benchmarks.md ("TensorFlow sharded data parallel: peak memory per rank") holds the
+figures.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from hvdtrain.config import load_config
+from hvdtrain.driver import train
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_tf.yaml"
+SETTINGS = ["model.options={hidden: [4096, 4096, 4096]}", "optim.name=adam", "optim.lr=0.0005",
+            "train.max_steps=12", "data.batch_size=16", "train.epochs=1",
+            "checkpoint.every_steps=1000", "log.console=false", "log.wandb=disabled",
+            "log.overwrite=true"]
+
+
+def main() -> None:
+    out, setting = Path(sys.argv[1]), sys.argv[2]
+    extra = [] if setting == "ring" else [setting]
+    cfg = load_config(CONFIG, [f"log.dir={out / setting}", *SETTINGS, *extra], environ={})
+    began = time.perf_counter()
+    result = train(cfg)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"setting": setting, "rank": result.engine.rank, "peak_mib": round(peak),
+                      "s": round(time.perf_counter() - began, 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
