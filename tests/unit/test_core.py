@@ -48,7 +48,8 @@ def test_import_paths_resolve_and_fail_clearly():
         DATASETS.get("no_such_pkg.mod:X")
     with pytest.raises(HvdtrainError, match="has no attribute 'Nope'"):
         DATASETS.get("hvdtrain.data.digits:Nope")
-    with pytest.raises(HvdtrainError, match="unknown torch model 'resnet'; known: gpt, mlp, resnet18"):
+    with pytest.raises(HvdtrainError,
+                       match="unknown torch model 'resnet'; known: gpt, hf_causal_lm, mlp, resnet18"):
         MODELS["torch"].check("resnet")
 
 
