@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import horovod.torch as hvd
@@ -62,8 +62,12 @@ class UnitSharding:
         self.index = {id(p): i for i, p in enumerate(every)}
         self.count = len(every)
         if stage == 3:  # every rank starts from rank 0's values, as the ring's broadcast does
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            # (those build_by_units freed were built from them on every rank already)
+            hvd.broadcast_parameters({k: v for k, v in model.state_dict().items()
+                                      if v.untyped_storage().size() or not v.numel()},
+                                     root_rank=0)
         self.units = self._cut(model, unit_bytes)
+        self.unit_of = {id(p): u for u in self.units for p in u.params}
         self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
         self.micro = 0
         self.in_flight: list[Unit] = []  # the units whose reduce-scatter runs, oldest first
@@ -71,6 +75,7 @@ class UnitSharding:
         self.restored: dict[str, torch.Tensor] | None = None  # rank 0: a checkpoint's parameters
         self.saved: dict[int, torch.Tensor] | None = None  # rank 0: gathered for a checkpoint
         self.names = {id(p): n for n, p in model.named_parameters()}
+        self.popped: list[str] = []  # the keys _load_hook took from a state dict
         self._hook(model)
         if stage == 3:
             for unit in self.units:
@@ -100,7 +105,6 @@ class UnitSharding:
         built.index = index
         built.shard.data = built.shard.data.to(params[0].device)
         built.grad = built.grad.to(params[0].device)
-        built.empty = built.empty.to(params[0].device)
         return built
 
     # hooks ---------------------------------------------------------------------------------
@@ -119,6 +123,7 @@ class UnitSharding:
             model.register_forward_pre_hook(lambda *_: self._gather_root(root))
             model.register_state_dict_post_hook(lambda *args: self._state_dict_hook(*args))
             model.register_load_state_dict_pre_hook(lambda *args: self._load_hook(*args))
+            model.register_load_state_dict_post_hook(lambda *args: self._loaded(*args))
 
     def _gather_root(self, root: list[Unit]) -> None:
         for unit in root:  # the parameters in no unit: gathered for the whole pass
@@ -256,24 +261,37 @@ class UnitSharding:
         self.whole = self.whole or keep
         self.saved = saved if self.rank == 0 and not keep else None
 
+    def _freed(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+        """The parameters (by state-dict key) whose unit holds no gathered values now."""
+        for key, p in module.named_parameters(prefix=prefix):
+            unit = self.unit_of.get(id(p))
+            if unit is not None and not unit.full:
+                yield key, p
+
     def _state_dict_hook(self, module: nn.Module, state: dict[str, Any], prefix: str,
                          local_metadata: Any) -> None:
-        # Stage 3's freed parameters are empty: the checkpoint gets the gathered copy.
-        if self.saved is not None:
-            for key, p in module.named_parameters(prefix=prefix):
-                if id(p) in self.saved:
-                    state[key] = self.saved[id(p)]
+        # A freed parameter has no data: a checkpoint gets rank 0's gathered copy, anything
+        # else (the engine's broadcast) an empty tensor.
+        for key, p in self._freed(module, prefix):
+            saved = self.saved or {}
+            state[key] = saved[id(p)] if id(p) in saved else torch.empty(0, dtype=p.dtype)
 
     def _load_hook(self, module: nn.Module, state: dict[str, Any], prefix: str, *args: Any
                    ) -> None:
-        # A whole model's parameters (rank 0 restores alone): kept for broadcast(), and the
-        # freed parameters load an empty tensor of their own shape.
+        # A whole model's parameters (rank 0 restores alone): kept for broadcast(), which cuts
+        # them into the shards; the freed parameters themselves load nothing.
         restored: dict[str, torch.Tensor] = {}
-        for key, p in module.named_parameters(prefix=prefix):
-            if id(p) in self.names and key in state and not self.whole and p.numel() == 0:
-                restored[self.names[id(p)]] = state[key]
-                state[key] = p.detach()
+        self.popped = []
+        for key, p in list(self._freed(module, prefix)):
+            if key in state:
+                restored[self.names[id(p)]] = state.pop(key)
+                self.popped.append(key)
         self.restored = restored or None
+
+    def _loaded(self, module: nn.Module, incompatible: Any) -> None:
+        for key in self.popped:  # taken by _load_hook, not missing
+            if key in incompatible.missing_keys:
+                incompatible.missing_keys.remove(key)
 
     def broadcast(self, root_rank: int) -> None:
         """Stage 3: the parameters rank ``root_rank`` restored cut into every rank's shards,

@@ -106,15 +106,18 @@ class Unit:
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.start, self.stop = shard_bounds(self.total, size, rank)
-        device = params[0].device
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        self.shard = nn.Parameter(flat[self.start:self.stop].clone())
+        # The parameters become views of one flat buffer, whose storage free() releases in
+        # place (as FSDP does): a view autograd saved in the forward pass (a weight's transpose)
+        # then lets go of it too, which replacing each parameter's data would not.
+        self.flat = torch.cat([p.detach().reshape(-1) for p in params])
+        for p, view in self.views(self.flat):
+            p.data = view
+        self.shard = nn.Parameter(self.flat[self.start:self.stop].clone())
         self.grad = torch.zeros_like(self.shard)
         self.full = True  # whether the parameters hold their gathered values
         self.gathering: Any = None  # an all-gather's handle, started ahead
         self.scattering: Any = None  # the reduce-scatter of this micro-batch's gradient
         self.arrived = 0  # parameters whose gradient this backward pass has accumulated
-        self.empty = torch.empty(0, device=device)
 
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter with its view into the unit's flat vector ``flat``."""
@@ -124,13 +127,18 @@ class Unit:
             at += n
 
     def set_full(self, flat: torch.Tensor) -> None:
-        for p, view in self.views(flat):
-            p.data = view
+        """The parameters take the gathered values ``flat`` (their buffer's storage back)."""
+        storage = self.flat.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.total * self.flat.element_size())
+        # Through .data: the parameters' version counter stays, so the tensors autograd saved
+        # from them in the forward pass are still good in the backward pass.
+        self.flat.data.copy_(flat)
         self.full = True
 
     def free(self) -> None:
-        for p in self.params:
-            p.data = self.empty
+        """Releases the gathered values (the parameters keep their shapes, not their data)."""
+        self.flat.untyped_storage().resize_(0)
         self.full = False
 
     def flat_grad(self) -> torch.Tensor:
