@@ -48,8 +48,8 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: 
         np.testing.assert_allclose(g, w, rtol=0, atol=TOLERANCE, err_msg=f"{what}: {gk}")
 
 
-@pytest.mark.parametrize("extra", [[], ["shard.stage=2"], [DROPNET]],
-                         ids=["ring", "stage2", "dropout-batchnorm"])
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.long), ["shard.stage=2"],
+                                   [DROPNET]], ids=["ring", "stage2", "dropout-batchnorm"])
 def test_recomputed_units_train_as_kept_activations(tmp_path, extra):
     kept = train(quiet_config(TF_CONFIG, tmp_path / "kept", *ADAM, *extra))
     again = train(quiet_config(TF_CONFIG, tmp_path / "again", *ADAM, *extra,
