@@ -10,7 +10,11 @@ batches are cut by tensor indexing (the dataset's ``__getitems__``, identity col
 ``DataLoader``'s per-sample collation does not enter the comparison. The config pins what the
 hand-written loop hard-codes (``hvdtrain_worker.overrides``).
 
-The interleaved job calls :func:`run_torch` as variant ``api_worker:api_torch``.
+The interleaved job calls :func:`run_torch` as variant ``api_worker:api_torch``, and
+:func:`run_tf`, ``handwritten_tf.py``'s loop on :class:`hvdtrain.tensorflow.tape.TapeTrainer`, as
+``api_worker:api_tf``: its forward pass runs eagerly under the user's ``tf.GradientTape`` (the API
+takes the tape), where the hand-written loop traces forward, allreduce and update into one
+``tf.function``.
 """
 
 from __future__ import annotations
@@ -83,5 +87,42 @@ def run_torch(epochs: int, out_dir: Path) -> dict[str, Any]:
                                 clock, epochs)
 
 
-VARIANTS = {"api_torch": run_torch}
+def run_tf(epochs: int, out_dir: Path) -> dict[str, Any]:
+    """``handwritten_tf.py``'s loop on :class:`TapeTrainer`; returns a measurement."""
+    import keras
+    import tensorflow as tf
+
+    import handwritten_tf
+    from hvdtrain.tensorflow.tape import TapeTrainer
+
+    config = hvdtrain_worker.CONFIGS["tensorflow"]
+    trainer = TapeTrainer(config, hvdtrain_worker.overrides("tensorflow", epochs, out_dir))
+    train_x, train_y, test_x, test_y = workload.load_digits_split()
+    model = handwritten_tf.make_model()
+    optimizer = keras.optimizers.SGD(learning_rate=BASE_LR * trainer.size, momentum=MOMENTUM)
+    model, _ = trainer.setup(model, optimizer)
+    batches = trainer.dataset(train_x, train_y)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    clock = workload.Clock()
+    started = time.perf_counter()
+    steps = 0
+    for epoch in trainer.epochs():
+        batches.set_epoch(epoch)
+        for x, y in batches:
+            clock.step()
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            trainer.apply_gradients(tape, loss)
+            steps += 1
+    clock.evaluation()
+    _, eval_accuracy = handwritten_tf.evaluate(model, test_x, test_y)
+    trainer.save()
+    trainer.close()
+    wall = time.perf_counter() - started
+    return workload.measurement(trainer.rank, steps, len(train_y) * epochs, wall, eval_accuracy,
+                                clock, epochs)
+
+
+VARIANTS = {"api_torch": run_torch, "api_tf": run_tf}
 """This worker's run functions by ``harness.Variant`` key."""

@@ -14,7 +14,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/overhead.py --candidate api        # a user loop on the API as B
 
 ``--candidate api`` measures the hand-written loop on hvdtrain's library API instead of the
-trainer (``api_worker.py``, docs/own-loop.md; PyTorch only).
+trainer (``api_worker.py``, docs/own-loop.md).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FRAMEWORKS = {
     "tensorflow": ("TensorFlow", "handwritten_tf:handwritten_tf", "hvdtrain_worker:hvdtrain_tf"),
 }
 # ``--candidate api``: B is the hand-written loop on the library API (docs/own-loop.md).
-API = {"torch": "api_worker:api_torch"}
+API = {"torch": "api_worker:api_torch", "tensorflow": "api_worker:api_tf"}
 # Many short runs: the median of many settles better than that of a few long ones.
 SIZES = {"rounds": (60, 1), "epochs": (4, 2), "warmup": (1, 0)}
 
