@@ -64,7 +64,7 @@ STRATEGY = Strategy(
             "(2) or the parameters too (3) sharded over the data-parallel copies",
     active=lambda cfg: cfg.shard.stage >= 1,
     rules=RULES,
-    # PyTorch's sharded update is its exchange's (torch/exchange.make_exchange), on the ring's engine.
+    # PyTorch's stages are its exchange's (torch/exchange.make_exchange), on the ring's engine.
     engines={"tensorflow": "hvdtrain.tensorflow.shard:ShardedEngine"},
     exchanges=(ExchangeKind("sharded", always, {"torch": "hvdtrain.torch.exchange:sharded_exchange"}),),
     checkpoint=CheckpointLayout(WHOLE, "rank 0", "every rank's shard of the optimizer state", True),
