@@ -92,8 +92,10 @@ class TorchEngine(Engine):
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         return kind
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
-        # shard.stage=3 builds and shards one layer at a time where the adapter has layers.
-        model = ((cfg.shard.stage == 3 and build_by_units(
+        # shard.stage=3 builds and shards one layer at a time where the adapter has layers (on
+        # the CPU: moving freed parameters to a GPU afterwards is not built).
+        on_cpu = resolve(cfg.train.device) == "cpu"
+        model = ((cfg.shard.stage == 3 and on_cpu and build_by_units(
             self.adapter, dataset.spec(), cfg.seed, self.layout.copy_of(self.rank),
             self.layout.copies)) or self.adapter.build(dataset.spec()))
         if not isinstance(model, torch.nn.Module):
