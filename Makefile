@@ -37,7 +37,7 @@ test: setup lint
 	bash scripts/slurm_local.sh start && \
 	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
 	$(BIN)/python -m pytest tests/unit && \
-	$(BIN)/python -m pytest -m "not long" --durations=15 tests --ignore=tests/unit \
+	$(BIN)/python -m pytest -m "not long" --durations=40 tests --ignore=tests/unit \
 		--ignore=tests/tensorflow --ignore=tests/horovod && \
 	$(BIN)/python -m pytest -m "not long" tests/tensorflow && \
 	$(BIN)/python -m pytest -rs tests/horovod

@@ -33,6 +33,7 @@ from hvdtrain.torch.collectives import any_rank
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.ps import ServerSide, TorchAsyncPSExchange, TorchPSExchange
 from hvdtrain.torch.shard import make_sharded
+from hvdtrain.torch.shard_units import make_unit_sharded
 
 _HOROVOD = {"float32": hvd.Compression.none, "float16": hvd.Compression.fp16}
 
@@ -145,10 +146,14 @@ def server_optimizer_exchange(r: ExchangeRequest) -> Exchanged:
 
 
 def sharded_exchange(r: ExchangeRequest) -> Exchanged:
-    """``sharded``: the sharded optimizer of :mod:`hvdtrain.torch.shard` in the optimizer's
-    place, sharding over this rank's stage's copies of the job's layout."""
+    """``sharded``: the sharded optimizer in the optimizer's place, sharding over this rank's
+    stage's copies of the job's layout: stage 1's of :mod:`hvdtrain.torch.shard`, stages 2-3's
+    of :mod:`hvdtrain.torch.shard_units`."""
     assert r.shard is not None, "the sharded update needs the shard section"
     ranks = r.layout or Layout(r.size)
-    return make_sharded(r.optimizer, r.model, ranks.copy_of(r.rank), ranks.copies,
-                        chunk_elements(r.shard.chunk_kib), r.comm.compression, shard=r.shard,
-                        accumulation=r.accumulation)
+    rank, size = ranks.copy_of(r.rank), ranks.copies
+    if r.shard.stage >= 2:
+        return make_unit_sharded(r.optimizer, r.model, rank, size, r.shard, r.comm.compression,
+                                 r.accumulation)
+    return make_sharded(r.optimizer, r.model, rank, size, chunk_elements(r.shard.chunk_kib),
+                        r.comm.compression)

@@ -327,14 +327,10 @@ class ShardedExchange(GradientExchange):
 
 
 def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                   size: int, chunk: int, compression: str, shard: Any = None,
-                   accumulation: int = 1) -> tuple[GradientExchange, torch.optim.Optimizer]:
-    """The exchange and the sharded optimizer standing for ``optimizer`` (whose class and
-    settings it keeps); ``chunk``: elements per rank in one round of either collective (stage
-    1). ``shard``: the config section, whose stages 2 and 3 are
-    :mod:`hvdtrain.torch.shard_units`'s (``accumulation``: micro-batches a step)."""
-    if shard is not None and shard.stage >= 2:
-        from hvdtrain.torch.shard_units import make_unit_sharded  # it imports this module
-        return make_unit_sharded(optimizer, model, rank, size, shard, compression, accumulation)
+                 size: int, chunk: int,
+                 compression: str) -> tuple[GradientExchange, torch.optim.Optimizer]:
+    """Stage 1's exchange and the sharded optimizer standing for ``optimizer`` (whose class and
+    settings it keeps); ``chunk``: elements per rank in one round of either collective. Stages 2
+    and 3 are :mod:`hvdtrain.torch.shard_units`'s, which builds on this module."""
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
     return ShardedExchange(sharded_opt, compression), sharded_opt
