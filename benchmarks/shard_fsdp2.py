@@ -45,6 +45,7 @@ import harness
 
 sys.path.insert(0, str(harness.ROOT))  # this checkout's hvdtrain, even where none is installed
 
+from hvdtrain.loop import Callback
 from hvdtrain.torch.lm import GPT
 
 SIZES = {"rounds": (3, 1), "warmup": (0, 0), "steps": (40, 12), "skip": (5, 2),
@@ -117,8 +118,10 @@ def run_hvdtrain(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hvdtrain_in(args: argparse.Namespace, out: str) -> dict[str, Any]:
+    import workload
     from hvdtrain.config import load_config
-    from hvdtrain_worker import train_clocked
+    from hvdtrain.driver import train
+    from hvdtrain_worker import Clocked
 
     options = json.dumps(model_options(args, args.init))
     cfg = load_config(harness.ROOT / "configs" / "lm_torch.yaml", [
@@ -131,7 +134,11 @@ def _hvdtrain_in(args: argparse.Namespace, out: str) -> dict[str, Any]:
         "shard.stage=3", "checkpoint.enabled=false", "checkpoint.every_steps=0",
         f"log.every_steps={LOG_EVERY}", "log.console=false", "log.wandb=disabled",
         "log.tensorboard=false", f"log.dir={out}", "log.overwrite=true"], environ={})
-    result, clock = train_clocked(cfg)
+    clock = workload.Clock()
+    callbacks: list[Callback] = [Clocked(clock)]
+    if args.profile and os.environ.get("HOROVOD_RANK") == "0":
+        callbacks.append(StepProfile(args.profile, args.skip, args.steps - 1))
+    result = train(cfg, callbacks=callbacks)
     engine = result.engine
     assert engine is not None, "a worker's rank trains"
     rate, median = steady(clock.step_starts, args.skip, args.batch * engine.size)
@@ -148,6 +155,28 @@ def _hvdtrain_in(args: argparse.Namespace, out: str) -> dict[str, Any]:
     return {"rank": engine.rank, "samples_per_s": rate, "step_s": median,
             "peak_rss_mb": result.summary["peak_rss_mb"], "window_loss": losses,
             "parts_s": parts[1:] or parts, "threads": _threads()}
+
+
+class StepProfile(Callback):
+    """cProfile over steps ``first`` to ``last`` - 1 (steady state) of hvdtrain's loop (a
+    :class:`hvdtrain.loop.Callback`); the stats go to ``path`` and the 30 costliest functions
+    (own time) to stderr."""
+
+    def __init__(self, path: str, first: int, last: int) -> None:
+        import cProfile
+
+        self.path, self.first, self.last = path, first, last
+        self.profile = cProfile.Profile()
+
+    def on_step_start(self, step: int) -> None:
+        if step == self.first:
+            self.profile.enable()
+        elif step == self.last:
+            self.profile.disable()
+            import pstats
+
+            self.profile.dump_stats(self.path)
+            pstats.Stats(self.profile, stream=sys.stderr).sort_stats("tottime").print_stats(30)
 
 
 def _threads() -> int:
@@ -322,31 +351,15 @@ def worker_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--init", required=True)
     for name in ("steps", "skip", "width", "layers", "batch"):
         p.add_argument(f"--{name}", type=int, required=True)
-    p.add_argument("--profile", default="", help="cProfile rank 0 and write its stats here")
+    p.add_argument("--profile", default="",
+                   help="hvdtrain: cProfile rank 0's steady steps, stats written here")
     return p.parse_args(argv)
-
-
-def profiled(run: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace
-             ) -> dict[str, Any]:
-    """``run(args)``, under cProfile on rank 0 (by the launcher's variables) when ``--profile``
-    names a file: its stats go there and the 30 costliest functions (own time) to stderr."""
-    rank = os.environ.get("HOROVOD_RANK", os.environ.get("RANK", "0"))
-    if not args.profile or rank != "0":
-        return run(args)
-    import cProfile
-    import pstats
-
-    profile = cProfile.Profile()
-    record = profile.runcall(run, args)
-    profile.dump_stats(args.profile)
-    pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(30)
-    return record
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         wargs = worker_args(sys.argv[1:])
-        record = profiled(run_hvdtrain if wargs.worker == "hvdtrain" else run_fsdp2, wargs)
+        record = run_hvdtrain(wargs) if wargs.worker == "hvdtrain" else run_fsdp2(wargs)
         if record["rank"] == 0:
             print(json.dumps({**record, "trainer": wargs.worker}), flush=True)
         if wargs.worker == "fsdp2":
