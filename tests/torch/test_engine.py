@@ -56,7 +56,7 @@ def test_user_model_by_import_path(tmp_path, name, options):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("model.name=resnet", "unknown torch model 'resnet'; known: gpt, mlp"),
+    ("model.name=resnet", "unknown torch model 'resnet'; known: gpt, hf_causal_lm, mlp"),
     ("model.name=tests.torch.user_models:nope", "has no attribute 'nope'"),
     ("model.name=tests.torch.user_models:tiny_net", "model.options for 'tests.torch.user_models:tiny_net': "
                                                     "got an unexpected keyword argument 'hidden'"),
