@@ -48,8 +48,8 @@ sys.path.insert(0, str(harness.ROOT))  # this checkout's hvdtrain, even where no
 from hvdtrain.loop import Callback
 from hvdtrain.torch.lm import GPT
 
-SIZES = {"rounds": (3, 1), "warmup": (0, 0), "steps": (40, 12), "skip": (5, 2),
-         "width": (384, 64), "layers": (6, 2), "batch": (4, 2)}
+SIZES = {"rounds": (3, 1), "warmup": (0, 0), "steps": (30, 12), "skip": (5, 2),
+         "width": (384, 64), "layers": (6, 2), "batch": (3, 2)}
 KEY = "samples_per_s"
 TARGET, MEMORY_TARGET = 0.9, 1.1
 LOSS_TOLERANCE = 0.02
