@@ -142,15 +142,15 @@ def _make_text(args: argparse.Namespace) -> int:
         if args.vocab_size:
             raise HvdtrainError("data make-text: --vocab-size is for --tokenizer bpe")
         meta = make_text(args.sources, args.out, args.val_fraction)
-        kind = "byte"
+        kind = "byte tokens"
     else:
         from hvdtrain.data.hf_text import make_tokenized_text
 
         meta = make_tokenized_text(args.sources, args.out, args.val_fraction, args.tokenizer,
                                    args.vocab_size or None)
-        kind = f"{meta['tokenizer_file']} ({meta['vocab_size']} ids)"
+        kind = f"tokens ({meta['tokenizer_file']}, {meta['vocab_size']} ids)"
     print(f"[hvdtrain] wrote {meta['train_tokens']} training and {meta['val_tokens']} "
-          f"validation {kind} tokens of {len(args.sources)} file(s) to {args.out}; train on "
+          f"validation {kind} of {len(args.sources)} file(s) to {args.out}; train on "
           f"them with data.name=text data.options.root={args.out}")
     return 0
 

@@ -86,3 +86,12 @@ def test_a_sentencepiece_model_tokenizes_and_is_saved_beside(tmp_path):
     first = corpus_text().splitlines(keepends=True)[0]
     assert ids(tmp_path / "c")[:len(processor.encode(first))].tolist() == processor.encode(first)
     assert TextDataset(str(tmp_path / "c"), seq_len=16).spec().num_classes == 300
+
+
+def test_the_cli_names_the_tokenizer_in_its_one_line_report(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert main(["data", "make-text", *map(str, FILES), "--out", str(out), "--tokenizer", "bpe",
+                 "--vocab-size", "600"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert (f"wrote {meta['train_tokens']} training and {meta['val_tokens']} validation tokens "
+            f"(tokenizer.json, 600 ids) of 2 file(s) to {out}") in capsys.readouterr().out
