@@ -63,7 +63,8 @@ def test_user_keras_model_by_import_path(tmp_path, name, width):
 
 
 def test_bad_model_name_lists_the_tensorflow_models(tmp_path):
-    with pytest.raises(HvdtrainError, match="unknown tensorflow model 'resnet'; known: gpt, kerashub_causal_lm, mlp"):
+    with pytest.raises(HvdtrainError, match="unknown tensorflow model 'resnet'; "
+                                            "known: gpt, kerashub_causal_lm, mlp"):
         train(config(tmp_path, "model.name=resnet"))
     assert not (tmp_path / "run").exists()
 
