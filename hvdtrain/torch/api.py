@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,19 +34,19 @@ import torch.utils.data
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config, load_config
 from hvdtrain.data.loading import loader_workers
-from hvdtrain.data.sampler import EpochPlan, StepIndices
-from hvdtrain.driver import find_checkpoint, restore, start_on_rank0
+from hvdtrain.data.sampler import EpochPlan
+from hvdtrain.driver import start_on_rank0
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.layout import dedicated
 from hvdtrain.loop import Position, make_sampler, total_steps
-from hvdtrain.observe.records import MetricsLogger, make_logger
-from hvdtrain.own_loop import STEP_KEY, check_same_step
+from hvdtrain.observe.records import MetricsLogger
+from hvdtrain.own_loop import OwnLoop
 from hvdtrain.ps.mpi import ps_settings
 from hvdtrain.rundir import RunDir
 from hvdtrain.schedule import lr_at
 from hvdtrain.session import Start
-from hvdtrain.signals import EXIT_RESUBMIT, StopRequest, ignore_in_helper
+from hvdtrain.signals import StopRequest, ignore_in_helper
 from hvdtrain.step import exchange_and_update
 from hvdtrain.torch import syncbn
 from hvdtrain.torch.device import place
@@ -177,7 +177,7 @@ class WrappedOptimizer:
         return getattr(self._trainer.engine.optimizer, name)
 
 
-class Trainer:
+class Trainer(OwnLoop):
     """hvdtrain under a user's own loop; every rank makes one (see the module docstring).
 
     ``config`` and ``overrides`` are ``hvdtrain train``'s (None: the defaults); the sections that
@@ -243,10 +243,6 @@ class Trainer:
         object.__setattr__(loader, "sampler", self.sampler)
         return loader
 
-    def epochs(self) -> range:
-        """The epochs left to train: from the resumed one to ``train.epochs``."""
-        return range(self.position.epoch, self.cfg.train.epochs)
-
     @property
     def total_steps(self) -> int:
         """The step at which ``train.epochs`` (capped by ``train.max_steps``) end."""
@@ -254,16 +250,6 @@ class Trainer:
             return self.cfg.train.max_steps
         return total_steps(self.cfg.train, self.sampler.sampler, self.engine.data_size,
                            dataclasses.replace(self.position))
-
-    @property
-    def rank(self) -> int:
-        """This process's rank."""
-        return self.engine.rank
-
-    @property
-    def size(self) -> int:
-        """The number of ranks."""
-        return self.engine.size
 
     @property
     def device(self) -> torch.device:
@@ -281,11 +267,6 @@ class Trainer:
         if epoch != self.position.epoch:
             self.position.epoch, self.position.in_epoch = epoch, 0
         self.plan, self.cursor, self.micro = plan, 0, 0
-
-    def _current(self) -> StepIndices | None:
-        if self.plan is None or self.cursor >= len(self.plan):
-            return None
-        return self.plan.steps[self.cursor]
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagates ``loss``, the mean over this micro-batch's samples, weighted so that
@@ -358,90 +339,9 @@ class Trainer:
             if agreed["stop"] > 0:
                 self._stop()
 
-    def _stop(self) -> None:
-        """Checkpoints (once) and exits 75 on every rank, as ``hvdtrain train`` does."""
-        if self.saved_step != self.position.step:
-            self.save()
-        self.checkpoints.share_failure(self.engine.collectives, self.engine.rank)
-        where = self.checkpoints.path_for(self.position.step) if self.cfg.checkpoint.enabled \
-            else "not written"
-        self.close()
-        print(f"hvdtrain: stopped on request at step {self.position.step}; checkpoint {where}; "
-              "resubmit with checkpoint.resume=auto to continue", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_RESUBMIT)
-
     # -- logging ------------------------------------------------------------------------------
 
-    def log(self, metrics: Mapping[str, float], step: int | None = None) -> dict[str, float]:
-        """Averages ``metrics`` over the ranks (one allreduce; with a ``count`` key, weighted by
-        it, as the trainer's sums) and writes them to every configured sink on rank 0; returns
-        the averages on every rank."""
-        sums = {key: float(value) for key, value in metrics.items()}
-        sums[STEP_KEY] = float(self.position.step)  # the ranks must log at the same step
-        total = self.engine.collectives.allreduce_sums(sums)
-        check_same_step(total.pop(STEP_KEY), self.position.step, self.engine.size, "log")
-        if "count" in total:
-            count = max(total.pop("count"), 1.0)
-            averaged = {key: value / count for key, value in total.items()}
-        else:
-            averaged = {key: value / self.engine.size for key, value in total.items()}
-        record = {"step": self.position.step if step is None else step,
-                  "epoch": self.position.epoch, **averaged}
-        self._logger().log(record)
-        return averaged
-
-    def _logger(self) -> MetricsLogger:
-        if self.logger is None:
-            self.logger = make_logger(self.cfg, self.run_dir, self.engine.rank == 0,
-                                      self.total_steps, start_step=self.position.step,
-                                      resumed=self.resumed)
-        return self.logger
-
     # -- checkpoints --------------------------------------------------------------------------
-
-    def save(self) -> Path | None:
-        """Checkpoints the model, optimizer, exchange state, loss scaler, random states, the
-        position in the data and the ``setup`` objects (every rank calls it; rank 0 writes
-        ``step-<step>.ckpt`` atomically, with its manifest). Returns the path on rank 0."""
-        if self.logger is not None:
-            self.logger.flush()
-        meta = {"position": dataclasses.asdict(self.position), "world_size": self.engine.size,
-                "framework": "torch", "config": self.cfg.to_dict(),
-                "objects": {name: obj.state_dict() for name, obj in self.objects.items()}}
-        self.saved_step = self.position.step
-        return self.checkpoints.save(self.engine, self.engine.rank, self.position.step, meta)
-
-    def load(self, path: str | Path | None = None) -> bool:
-        """Restores ``path`` (None: ``checkpoint.resume``'s choice, else the newest valid
-        checkpoint of the run) on every rank; returns whether one was restored."""
-        if self.engine.rank != 0:
-            return self._share(Start())
-        try:
-            found = Path(path) if path else (find_checkpoint(self.cfg, self.run_dir)
-                                             or self.checkpoints.latest_valid())
-            start = Start(restore(self.engine, found, self.cfg), resumed=True) if found \
-                else Start()
-        except HvdtrainError as exc:
-            start = Start(error=exc)
-        return self._share(start)
-
-    def _share(self, start: Start) -> bool:
-        """Gives every rank rank 0's start, state and objects (one broadcast each)."""
-        objects = self.engine.last_meta.get("objects", {}) if start.resumed else {}
-        start, objects = self.engine.collectives.broadcast_object((start, objects))
-        if start.error:
-            raise start.error
-        self.engine.broadcast_state()
-        missing = sorted(set(self.objects) - set(objects)) if start.resumed else []
-        if missing:
-            raise HvdtrainError(f"checkpoint holds no state for setup object(s) {missing}")
-        for name, obj in self.objects.items():
-            if start.resumed:
-                obj.load_state_dict(objects[name])
-        if start.resumed:
-            self.position, self.resumed = start.position, True
-            self.plan, self.saved_step = None, start.position.step
-        return bool(start.resumed)
 
     def parameters(self) -> dict[str, Any]:
         """The model's parameters as NumPy arrays, by name (for checks)."""
