@@ -7,10 +7,12 @@ import dataclasses
 import difflib
 import math
 import typing
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from hvdtrain.errors import ConfigError
+
+_Options = TypeVar("_Options")
 
 INT_MAX = 2**31 - 1
 """The largest value of an integer key that sets no bound of its own. Counts and sizes reach C
@@ -135,3 +137,14 @@ def refuse_unread(prefix: str, settings: Any, names: Iterable[str], given: str, 
         head = f"{', '.join(keys[:-1])} and {keys[-1]} do"
     fix = f"set {switch} or {leave}" if switch else leave
     raise ConfigError(f"{head} nothing with {given}: {why}; {fix}")
+
+
+def options_of(cls: type[_Options], options: Mapping[str, Any], model: str) -> _Options:
+    """``cls`` (the dataclass of built-in model ``model``'s options) made from
+    ``model.options``; an unknown key is one line naming the known ones."""
+    known = [f.name for f in dataclasses.fields(cast(Any, cls))]
+    unknown = [key for key in options if key not in known]
+    if unknown:
+        raise ConfigError(f"model.options: unknown option(s) for {model}: {', '.join(unknown)} "
+                          f"(known: {', '.join(known)})")
+    return cls(**options)

@@ -9,10 +9,11 @@ weights), and a model from a config is built with fresh weights under the run's 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.configcheck import options_of
 from hvdtrain.errors import HvdtrainError
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -74,12 +75,7 @@ class HfOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> HfOptions:
         """The options from ``model.options``; an unknown key is an error naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = [key for key in options if key not in known]
-        if unknown:
-            raise HvdtrainError(f"model.options: unknown option(s) for hf_causal_lm: "
-                                f"{', '.join(unknown)} (known: {', '.join(known)})")
-        return cls(**options)
+        return options_of(cls, options, "hf_causal_lm")
 
     def new_config(self) -> dict[str, Any]:
         """The config keys of a new model: the architecture's small sizes, then ``config``."""

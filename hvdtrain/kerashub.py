@@ -10,10 +10,11 @@ with fresh weights under the run's seed.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hvdtrain.configcheck import options_of
 from hvdtrain.errors import HvdtrainError
 
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -66,12 +67,7 @@ class KerasHubOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> KerasHubOptions:
         """The options from ``model.options``; an unknown key is an error naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = [key for key in options if key not in known]
-        if unknown:
-            raise HvdtrainError(f"model.options: unknown option(s) for kerashub_causal_lm: "
-                                f"{', '.join(unknown)} (known: {', '.join(known)})")
-        return cls(**options)
+        return options_of(cls, options, "kerashub_causal_lm")
 
     def new_config(self) -> dict[str, Any]:
         """The backbone arguments of a new model: the architecture's small sizes, then

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from hvdtrain.configcheck import options_of
 from hvdtrain.data.contracts import ArraySpec, DatasetSpec
 from hvdtrain.errors import HvdtrainError
 
@@ -84,12 +85,7 @@ class GptOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> GptOptions:
         """The options from ``model.options``; an unknown key is an error naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = [key for key in options if key not in known]
-        if unknown:
-            raise HvdtrainError(f"model.options: unknown option(s) for gpt: {', '.join(unknown)} "
-                                f"(known: {', '.join(known)})")
-        return cls(**options)
+        return options_of(cls, options, "gpt")
 
 
 @dataclass(frozen=True)
