@@ -232,21 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Gives every rank its shard of the state rank ``root_rank`` restored (a collective; a
         fresh start makes the state instead, see :meth:`_zero_step`). The per-element tensors
         travel one at a time, so no rank ever holds more than one parameter's of them whole."""
-        full = self._full if self.rank == root_rank else None
-        self._full = None
-        outline = hvd.broadcast_object(None if full is None else _outline(full),
-                                       root_rank=root_rank, name="hvdtrain.shard.outline")
-        if outline is None:
-            if not self.inner.state:
-                self._zero_step()
-            return
-
-        def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
-            mine = (full["state"][index][key] if full is not None
-                    else torch.empty(value.shape, dtype=value.dtype))
-            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
-
-        self._apply(outline, fetch)
+        broadcast_shards(self, root_rank)
 
     def _zero_step(self) -> None:
         # As Horovod's broadcast_optimizer_state on the ring: a fresh optimizer makes its state
@@ -334,3 +320,24 @@ def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank:
     and 3 are :mod:`hvdtrain.torch.shard_units`'s, which builds on this module."""
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
     return ShardedExchange(sharded_opt, compression), sharded_opt
+
+
+def broadcast_shards(opt: Any, root_rank: int) -> None:
+    """Gives every rank its shards of the state that ``opt`` (a sharded optimizer of stage 1 or
+    of :mod:`hvdtrain.torch.shard_units`) restored on rank ``root_rank``, one parameter's tensor
+    at a time; with nothing restored, a fresh optimizer makes its state by ``opt._zero_step``."""
+    full = opt._full if opt.rank == root_rank else None
+    opt._full = None
+    outline = hvd.broadcast_object(None if full is None else _outline(full),
+                                   root_rank=root_rank, name="hvdtrain.shard.outline")
+    if outline is None:
+        if not opt.inner.state:
+            opt._zero_step()
+        return
+
+    def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
+        mine = (full["state"][index][key] if full is not None
+                else torch.empty(value.shape, dtype=value.dtype))
+        return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
+
+    opt._apply(outline, fetch)

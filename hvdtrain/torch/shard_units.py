@@ -38,7 +38,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize
 from hvdtrain.torch.collectives import any_rank
-from hvdtrain.torch.shard import _outline, _Whole, same_optimizer, sharded
+from hvdtrain.torch.shard import _Whole, broadcast_shards, same_optimizer, sharded
 from hvdtrain.torch.units import UNIT, Unit, build_by_units, checkpoint_units, find_units
 
 __all__ = ["UnitShardedExchange", "UnitShardedOptimizer", "UnitSharding", "build_by_units",
@@ -394,21 +394,7 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
         at a time; a fresh start makes the state with one zero-gradient step, as Horovod's
         ``broadcast_optimizer_state`` does on the ring (a collective)."""
         self.sharding.broadcast(root_rank)
-        full = self._full if self.rank == root_rank else None
-        self._full = None
-        outline = hvd.broadcast_object(None if full is None else _outline(full),
-                                       root_rank=root_rank, name="hvdtrain.shard.outline")
-        if outline is None:
-            if not self.inner.state:
-                self._zero_step()
-            return
-
-        def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
-            mine = (full["state"][index][key] if full is not None
-                    else torch.empty(value.shape, dtype=value.dtype))
-            return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
-
-        self._apply(outline, fetch)
+        broadcast_shards(self, root_rank)
 
     def _zero_step(self) -> None:
         for unit in self.units:
