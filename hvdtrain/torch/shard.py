@@ -88,7 +88,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                 size: int, chunk: int) -> None:
+                 size: int, chunk: int, process_set: Any = None) -> None:
+        # The ranks sharing the model: every rank, or a pipeline stage's copies (their set).
+        self.process_set = hvd.global_process_set if process_set is None else process_set
         every = list(model.parameters())
         self.params = [p for p in every if p.requires_grad]
         self.indices = [i for i, p in enumerate(every) if p.requires_grad]
@@ -148,7 +150,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = torch.zeros((), dtype=torch.float64)
         for g in grads:
             local += g.detach().double().pow(2).sum()
-        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm").sqrt().float()
+        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm",
+                             process_set=self.process_set).sqrt().float()
 
     def _load_shard(self) -> None:
         # From the parameters each step: a broadcast or restore of the model reaches the shard.
@@ -164,7 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             a, b = ranges[self.rank]
             got = hvd.allgather(shard[a - self.start:b - self.start].contiguous(),
-                                name=f"hvdtrain.shard.{tag}.{k}")
+                                name=f"hvdtrain.shard.{tag}.{k}", process_set=self.process_set)
             at = 0
             for lo, hi in ranges:
                 self._write(got[at:at + hi - lo], lo, hi, targets)
@@ -178,7 +181,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             send = torch.cat([flat[lo:hi] for lo, hi in ranges])
             got = hvd.reducescatter(send, name=f"hvdtrain.shard.grads.{k}", op=hvd.Average,
-                                    compression=wire)
+                                    compression=wire, process_set=self.process_set)
             a, b = ranges[self.rank]
             mine[a - self.start:b - self.start] = got
         return mine
@@ -300,7 +303,7 @@ class ShardedExchange(GradientExchange):
         return [mine]
 
     def any_rank(self, flag: bool) -> bool:
-        return any_rank(flag)
+        return any_rank(flag, self.optimizer.process_set)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         check_resize(self.rank, self.size, rank, size)
@@ -313,23 +316,28 @@ class ShardedExchange(GradientExchange):
 
 
 def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                 size: int, chunk: int,
-                 compression: str) -> tuple[GradientExchange, torch.optim.Optimizer]:
+                 size: int, chunk: int, compression: str,
+                 process_set: Any = None) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """Stage 1's exchange and the sharded optimizer standing for ``optimizer`` (whose class and
-    settings it keeps); ``chunk``: elements per rank in one round of either collective. Stages 2
-    and 3 are :mod:`hvdtrain.torch.shard_units`'s, which builds on this module."""
-    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk)
+    settings it keeps); ``chunk``: elements per rank in one round of either collective;
+    ``process_set``: Horovod's set of the ``size`` ranks that share the model (None: every rank;
+    a pipeline stage's copies). Stages 2 and 3 are :mod:`hvdtrain.torch.shard_units`'s, which
+    builds on this module."""
+    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk, process_set)
     return ShardedExchange(sharded_opt, compression), sharded_opt
 
 
 def broadcast_shards(opt: Any, root_rank: int) -> None:
     """Gives every rank its shards of the state that ``opt`` (a sharded optimizer of stage 1 or
-    of :mod:`hvdtrain.torch.shard_units`) restored on rank ``root_rank``, one parameter's tensor
-    at a time; with nothing restored, a fresh optimizer makes its state by ``opt._zero_step``."""
-    full = opt._full if opt.rank == root_rank else None
+    of :mod:`hvdtrain.torch.shard_units`) restored on rank ``root_rank`` (the job's rank, as
+    Horovod names a root in a process set too), one parameter's tensor at a time; with nothing
+    restored, a fresh optimizer makes its state by ``opt._zero_step``."""
+    full = opt._full if hvd.rank() == root_rank else None
     opt._full = None
+    group = getattr(opt, "process_set", hvd.global_process_set)  # stage 1's may be a stage's
     outline = hvd.broadcast_object(None if full is None else _outline(full),
-                                   root_rank=root_rank, name="hvdtrain.shard.outline")
+                                   root_rank=root_rank, name="hvdtrain.shard.outline",
+                                   process_set=group)
     if outline is None:
         if not opt.inner.state:
             opt._zero_step()
@@ -338,6 +346,7 @@ def broadcast_shards(opt: Any, root_rank: int) -> None:
     def fetch(index: int, key: str, value: _Whole) -> torch.Tensor:
         mine = (full["state"][index][key] if full is not None
                 else torch.empty(value.shape, dtype=value.dtype))
-        return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}")
+        return hvd.broadcast(mine, root_rank, name=f"hvdtrain.shard.{index}.{key}",
+                             process_set=group)
 
     opt._apply(outline, fetch)
