@@ -29,16 +29,27 @@ def _compression(cfg: Any) -> str:
             "reduce-scatter carries none or fp16 only")
 
 
+def _pipeline(cfg: Any) -> str:
+    given = f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)}"
+    if cfg.shard.stage >= 2:
+        return (f"{given}: a pipeline stage's copies shard its optimizer state only "
+                "(shard.stage=1); stages 2-3 hook the backward pass, which the pipeline's "
+                "schedule runs in its own pieces; use shard.stage=1")
+    return (f"{given} and framework='tensorflow': sharding a stage's copies is built in "
+            "PyTorch only so far; use shard.stage=0 or framework=torch")
+
+
 RULES = (
     Rule("shard", "ps", lambda cfg: cfg.comm.topology != "ring",
          lambda cfg: f"comm.topology={cfg.comm.topology!r} with {_given(cfg)}: the sharded "
                      "update reduce-scatters among the workers, parameter servers sum on their "
                      "own; use comm.topology=ring",
          {**ONE, "comm.topology": "ps"}),
-    Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1,
-         lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)}: sharding a "
-                     "stage's copies is not built yet; use pipeline.stages=1 or shard.stage=0",
-         {**ONE, "pipeline.stages": 2}),
+    Rule("shard", "pipeline",
+         lambda cfg: cfg.pipeline.stages > 1 and (cfg.shard.stage >= 2
+                                                  or cfg.framework == "tensorflow"),
+         _pipeline, {"shard.stage": 2, "pipeline.stages": 2},
+         only="at stages 2-3, and in TensorFlow"),
     Rule("shard", "sparse compression", lambda cfg: cfg.comm.compression in SPARSE, _compression,
          {**ONE, "comm.compression": "topk"}),
     Rule("shard", "powersgd",
@@ -66,7 +77,9 @@ STRATEGY = Strategy(
     rules=RULES,
     # PyTorch's stages are its exchange's (torch/exchange.make_exchange), on the ring's engine.
     engines={"tensorflow": "hvdtrain.tensorflow.shard:ShardedEngine"},
-    exchanges=(ExchangeKind("sharded", always, {"torch": "hvdtrain.torch.exchange:sharded_exchange"}),),
+    exchanges=(ExchangeKind("sharded", always, {
+        "torch": "hvdtrain.torch.exchange:sharded_exchange",
+        "torch.stage": "hvdtrain.torch.stages:stage_sharded"}),),
     checkpoint=CheckpointLayout(WHOLE, "rank 0", "every rank's shard of the optimizer state", True),
     cost="hvdtrain.plan.predict:sharded",
 )

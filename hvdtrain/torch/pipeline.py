@@ -63,6 +63,7 @@ from hvdtrain.torch.device import place
 from hvdtrain.torch.engine import TorchEngine, make_optimizer
 from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
+from hvdtrain.torch.shard import ShardedOptimizer
 from hvdtrain.torch.stages import (
     SavedActivations,
     build_pieces,
@@ -226,6 +227,7 @@ class PipelineEngine(TorchEngine, PartedState):
         self.exchange, self.optimizer = make_stage_exchange(cfg, ExchangeRequest(
             cfg.comm, cfg.seed, self.layout.copy_of(self.rank), self.layout.copies,
             [p for _, p in trainable], optimizer=make_optimizer(cfg.optim, self.model),
+            model=self.model, shard=cfg.shard,
             layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
             process_set=self.stage_set,
             root=self.layout.rank_of(self.layout.stage_of(self.rank), 0)))
@@ -316,13 +318,18 @@ class PipelineEngine(TorchEngine, PartedState):
             return
         # A fresh start: the optimizer's state as the ring makes it (Adam's step count, weight
         # decay's first change), on every rank before the stage's copies take copy 0's.
-        make_optimizer_state(self.optimizer)
+        sharded = isinstance(self.optimizer, ShardedOptimizer)
+        if not sharded:
+            make_optimizer_state(self.optimizer)
         if self.stage_set is None:
             return
         root = self.layout.rank_of(self.stage, 0)
         for name, tensor in sorted(self.model.state_dict().items()):
             hvd.broadcast_(tensor, root, name=f"hvdtrain.stage.{name}",
                            process_set=self.stage_set)
+        if sharded:  # shard.stage=1: after copy 0's weights, the zero step on the shards
+            self.exchange.broadcast(root_rank=root)
+            return
         state = hvd.broadcast_object(self.optimizer.state_dict(), root, name="hvdtrain.stage.opt",
                                      process_set=self.stage_set)
         if self.rank != root:
@@ -386,6 +393,10 @@ class PipelineEngine(TorchEngine, PartedState):
             module.load_state_dict({k: v for k, v in model.items()
                                     if first <= layer_of(k) < end})
         self.optimizer.load_state_dict(optimizer)
+        if isinstance(self.optimizer, ShardedOptimizer):
+            # Every rank took its shard of its stage's whole state: nothing to broadcast, and
+            # the whole state kept for a broadcast would only hold memory.
+            self.optimizer._full = None
         self.exchange.load_state_dict(by_index(compression, self.trainable), where)
 
     def part_bytes(self) -> tuple[str, list[int], bytes] | None:

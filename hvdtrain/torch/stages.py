@@ -1,7 +1,8 @@
 """The pieces of a PyTorch pipeline stage that do not need the engine: Horovod process sets, the
 ``torch.distributed`` rendezvous and groups, building a rank's pieces from the layer list,
-fixed-shape padding, the count of saved activations, and the stage's gradient exchange (see
-:mod:`hvdtrain.torch.pipeline`)."""
+fixed-shape padding, the count of saved activations, and the stage's gradient exchange (an
+allreduce, a compressing method, or ``shard.stage=1``'s sharded update among the stage's copies;
+see :mod:`hvdtrain.torch.pipeline`)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from hvdtrain.exchange import (
     exchange_kind,
 )
 from hvdtrain.layout import Layout
+from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.torch.collectives import TorchCollectives, any_rank
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression
+from hvdtrain.torch.shard import make_sharded
 
 _PROCESS_SETS: dict[tuple[int, ...], Any] = {}
 """Horovod process sets by their ranks: made once per process (a second training in the same
@@ -288,3 +291,13 @@ def stage_compressing(r: ExchangeRequest) -> Exchanged:
     exchange = make_compressing(r.comm, r.seed, r.rank, r.size, list(r.params),
                                 optimizer_settings(r.optimizer), r.process_set, r.root, r.places)
     return exchange, with_optimizer(exchange, r.optimizer)
+
+
+def stage_sharded(r: ExchangeRequest) -> Exchanged:
+    """``sharded`` among a stage's copies (``shard.stage=1``): the copies shard the stage's
+    optimizer state in their process set, replacing the stage's allreduce by a reduce-scatter,
+    the shard's update and an all-gather (:mod:`hvdtrain.torch.shard`). Stages 2-3 are refused
+    with pipeline stages by the compatibility table."""
+    assert r.shard is not None and r.model is not None, "a stage's sharded update needs both"
+    return make_sharded(r.optimizer, r.model, r.rank, r.size, chunk_elements(r.shard.chunk_kib),
+                        r.comm.compression, r.process_set)

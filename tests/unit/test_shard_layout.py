@@ -69,8 +69,9 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
                                 "reduce-scatter carries none or fp16 only"),
     (["comm.compression=qsgd"], "comm.compression='qsgd' with shard.stage=1"),
     (["comm.topology=ps"], "comm.topology='ps' with shard.stage=1: the sharded update"),
-    (["pipeline.stages=2"], "pipeline.stages=2 with shard.stage=1: sharding a stage's copies is "
-                            "not built yet"),
+    (["pipeline.stages=2", "framework=tensorflow"],
+     "pipeline.stages=2 with shard.stage=1 and framework='tensorflow': sharding a stage's copies "
+     "is built in PyTorch only"),
 ])
 def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError) as info:
