@@ -11,20 +11,32 @@ checkpoint manager and its resume path, the stop signals and the metric sinks::
     trainer = TapeTrainer("configs/digits_tf.yaml", ["train.epochs=3"])
     model, optimizer = trainer.setup(model)          # optimizer: the config's, or pass your own
     batches = trainer.dataset(x, y)
+
+    @trainer.function                                # instead of @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))   # the micro-batch's mean
+        trainer.apply_gradients(tape, loss)
+        return loss
+
     for epoch in trainer.epochs():
         batches.set_epoch(epoch)
         for xb, yb in batches:
-            with tf.GradientTape() as tape:
-                loss = loss_fn(yb, model(xb, training=True))   # the micro-batch's mean
-            trainer.apply_gradients(tape, loss)
+            train_step(xb, yb)
         trainer.log({"loss": ...})
     trainer.close()
+
+:meth:`TapeTrainer.function` traces the user's step with the gradients' weighting, the
+exchange (where it can be traced: the dense one) and the update into one ``tf.function``, as a
+hand-written ``hvd.DistributedGradientTape`` step is; the position, checkpoints and stop checks
+follow in Python after each call. Without it, the same loop runs eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -66,6 +78,11 @@ class TapeKernels(TensorFlowKernels):
     def take(self, grads: list[tf.Tensor]) -> None:
         """The step's gradients (accumulated over its micro-batches), ready to exchange."""
         self._grads = grads
+
+    def traced_update(self, grads: list[tf.Tensor]) -> None:
+        """Inside a traced step (:meth:`TapeTrainer.function`): the fusable exchange's average of
+        ``grads`` and the trainer's update, traced into the caller's function."""
+        self._apply(self.exchange.traced_mean(grads))
 
 
 class TapeEngine(TensorFlowEngine):
@@ -164,6 +181,13 @@ class TapeTrainer(OwnLoop):
         self.objects: dict[str, Any] = {}
         self.micro = 0  # micro-batches of the current global batch so far
         self.accumulated: list[tf.Tensor] = []
+        # The traced form (:meth:`function`): the micro-batch's weight, read by the traced step;
+        # gradient buffers where traced micro-batches accumulate; the kind of step being traced.
+        self.weight: tf.Variable | None = None
+        self.weight_value = float("nan")
+        self.buffers: list[tf.Variable] = []
+        self.tracing: str | None = None
+        self.traced_calls = 0
         self.schedule = False
         self.plan: EpochPlan | None = None
         self.cursor = 0
@@ -223,16 +247,17 @@ class TapeTrainer(OwnLoop):
         """Takes ``loss``'s gradients (the mean over this micro-batch's samples) from ``tape``,
         weighted so that the exchanged gradient is the mean over the global batch and scaled by
         the loss scale; at a global batch's last micro-batch exchanges them and updates (then a
-        checkpoint or stop may follow). Returns whether the step ran."""
+        checkpoint or stop may follow). Returns whether the step ran. Inside a step decorated
+        with :meth:`function` the same, traced into it."""
         if not hasattr(self.engine, "kernels"):
             raise HvdtrainError("trainer.apply_gradients() before trainer.setup(model)")
+        if tf.inside_function():
+            return self._traced_gradients(tape, loss)
         variables = [v.value for v in self.engine.model.trainable_variables]
-        step, accumulation = self._current(), self.engine.accumulation
-        count = len(step.micro[self.micro]) if step is not None else 1
-        if count == 0:  # nothing here: zero gradients still join the exchange
+        weight = self._micro_weight()
+        if weight == 0:  # nothing here: zero gradients still join the exchange
             grads = [tf.zeros_like(v) for v in variables]
         else:
-            weight = 1.0 / accumulation if step is None else self.size * count / step.global_count
             scaled = self.engine.precision.scale(self.engine.optimizer, tf.constant(weight))
             grads = [tf.convert_to_tensor(g) for g in tape.gradient(
                 loss, variables, output_gradients=tf.cast(scaled, loss.dtype),
@@ -240,16 +265,122 @@ class TapeTrainer(OwnLoop):
         self.accumulated = grads if not self.accumulated else \
             [a + g for a, g in zip(self.accumulated, grads, strict=True)]
         self.micro += 1
-        if self.micro < accumulation:
+        if self.micro < self.engine.accumulation:
             return False
         self._update()
         return True
+
+    def _micro_weight(self) -> float:
+        """The current micro-batch's loss weight: this rank's share of the global batch times
+        the ranks (0 for an empty micro-batch); equal shares outside the trainer's batches."""
+        step = self._current()
+        if step is None:
+            return 1.0 / self.engine.accumulation
+        count = len(step.micro[self.micro])
+        return self.size * count / step.global_count if count else 0.0
+
+    # -- the traced form ----------------------------------------------------------------------
+
+    def function(self, fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        """Decorates the loop's step function (``@trainer.function`` instead of
+        ``@tf.function``; ``options`` go to ``tf.function``): one call runs one micro-batch, and
+        its ``trainer.apply_gradients(tape, loss)`` is traced with the step: the weighting, the
+        accumulation and, where the exchange can be traced (the dense one), the allreduce and
+        the update, as a hand-written ``hvd.DistributedGradientTape`` step runs them. Other
+        exchanges run eagerly after the call. The position, checkpoints and stop checks follow
+        each step in Python."""
+        if fn is None:
+            return lambda f: TracedStep(self, f, options)
+        return TracedStep(self, fn, options)
+
+    def _traced_gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> bool:
+        """``apply_gradients`` while :class:`TracedStep` traces the user's step."""
+        if self.tracing is None or self.weight is None:
+            raise traced_error("trainer.apply_gradients() inside a tf.function: decorate the "
+                               "step with @trainer.function instead of @tf.function")
+        self.traced_calls += 1
+        engine = self.engine
+        variables = [v.value for v in engine.model.trainable_variables]
+        scaled = engine.precision.scale(engine.optimizer, self.weight.read_value())
+        grads = tape.gradient(loss, variables, output_gradients=tf.cast(scaled, loss.dtype),
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        # An empty micro-batch (weight 0) has a NaN loss: it adds zeros, as the eager form.
+        present = self.weight > 0
+        grads = [tf.where(present, tf.convert_to_tensor(g), tf.zeros_like(v))
+                 for g, v in zip(grads, variables, strict=True)]
+        if self.tracing != "fused":
+            for buffer, grad in zip(self.buffers, grads, strict=True):
+                buffer.assign_add(grad)
+            return self.tracing == "last"
+        if self.buffers:
+            grads = [g + b for g, b in zip(grads, self.buffers, strict=True)]
+            for buffer in self.buffers:
+                buffer.assign(tf.zeros_like(buffer))
+        cast(TapeKernels, engine.kernels).traced_update(grads)
+        return True
+
+    def trace(self, mode: str, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """Runs ``fn`` as ``tf.function`` traces it for ``mode`` (``accumulate``: a micro-batch
+        before the last; ``last``: the last, before an eager exchange; ``fused``: the last with
+        the exchange and update)."""
+        self.tracing, self.traced_calls = mode, 0
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self.tracing = None
+        if self.traced_calls != 1:
+            raise traced_error(f"a @trainer.function step called trainer.apply_gradients() "
+                               f"{self.traced_calls} times: call it once per step")
+        return result
+
+    def before_traced(self) -> str:
+        """Before a traced micro-batch: its weight, and which trace of the step runs it."""
+        engine = self.engine
+        if not hasattr(engine, "kernels"):
+            raise HvdtrainError("a @trainer.function step before trainer.setup(model)")
+        if self.weight is None:
+            self.weight = tf.Variable(1.0, trainable=False, name="hvdtrain_weight")
+        fused = engine.exchange.fusable
+        if not self.buffers and (engine.accumulation > 1 or not fused):
+            self.buffers = [tf.Variable(tf.zeros_like(v.value), trainable=False)
+                            for v in engine.model.trainable_variables]
+        weight = self._micro_weight()
+        if weight != self.weight_value:  # one assignment where it changes (a short step)
+            self.weight.assign(weight)
+            self.weight_value = weight
+        if self.micro < engine.accumulation - 1:
+            return "accumulate"
+        if not fused:
+            return "last"
+        if self.schedule:
+            cast(TapeKernels, engine.kernels).set_lr(self.lr())
+        return "fused"
+
+    def after_traced(self, mode: str) -> None:
+        """After a traced micro-batch: at a step's end the eager exchange (``last``) or the
+        fused one's bookkeeping, then the position, checkpoints and stop checks."""
+        self.micro += 1
+        if mode == "accumulate":
+            return
+        if mode == "last":
+            self.accumulated = [tf.identity(b) for b in self.buffers]
+            for buffer in self.buffers:
+                buffer.assign(tf.zeros_like(buffer))
+            self._update()
+            return
+        exchange = self.engine.exchange
+        exchange.note_fused(float("nan"))  # counted; its wait is not timed inside the step
+        self.engine.stats = dict(exchange.stats)
+        self.accumulated, self.micro = [], 0
+        self._advance()
+        self._after_step()
 
     def _update(self) -> None:
         kernels = cast(TapeKernels, self.engine.kernels)
         if self.schedule:
             kernels.set_lr(self.lr())
         kernels.take(self.accumulated)
+        self.engine.exchange.run_length(self.total_steps)  # comm.dense_fraction's steps
         self.engine.stats = exchange_and_update(kernels, self.engine.exchange)
         self.accumulated, self.micro = [], 0
         self._advance()
@@ -297,6 +428,42 @@ class TapeTrainer(OwnLoop):
             self.stop.__exit__(None, None, None)
 
 
+def traced_error(message: str) -> HvdtrainError:
+    """An error raised while ``tf.function`` traces, kept one line: AutoGraph would rewrite its
+    message into a trace of the user's code unless it carries ``ag_pass_through``."""
+    error = HvdtrainError(message)
+    error.ag_pass_through = True  # type: ignore[attr-defined]
+    return error
+
+
+class TracedStep:
+    """A loop's step function as :meth:`TapeTrainer.function` decorates it: one
+    ``tf.function`` per kind of micro-batch (``accumulate``, ``last``, ``fused``), each traced
+    on its first call; the trainer's bookkeeping around each call."""
+
+    def __init__(self, trainer: TapeTrainer, fn: Callable[..., Any],
+                 options: dict[str, Any]) -> None:
+        self.trainer, self.fn = trainer, fn
+        # Horovod's XLA ops are not built; one trace covers full and short batches.
+        self.options = {"jit_compile": False, "reduce_retracing": True, **options}
+        self.traced: dict[str, Any] = {}
+        functools.update_wrapper(self, fn)
+
+    def _function(self, mode: str) -> Any:
+        if mode not in self.traced:
+            def step(*args: Any, **kwargs: Any) -> Any:
+                return self.trainer.trace(mode, self.fn, args, kwargs)
+            self.traced[mode] = tf.function(step, **self.options)
+        return self.traced[mode]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs one micro-batch: the user's step, traced; returns what it returns."""
+        mode = self.trainer.before_traced()
+        result = self._function(mode)(*args, **kwargs)
+        self.trainer.after_traced(mode)
+        return result
+
+
 def refuse_unsupported(cfg: Config) -> None:
     """One-line refusals of what :class:`TapeTrainer` does not do (yet)."""
     if cfg.framework != "tensorflow":
@@ -310,4 +477,4 @@ def refuse_unsupported(cfg: Config) -> None:
                             "`hvdtrain train`: TapeTrainer wraps one whole model per rank")
 
 
-__all__ = ["GlobalBatches", "TapeEngine", "TapeTrainer"]
+__all__ = ["GlobalBatches", "TapeEngine", "TapeTrainer", "TracedStep"]
