@@ -9,6 +9,7 @@ intra: {bandwidth_gbit_s: 80, latency_us: 2}    # the link between ranks of one 
 inter: {bandwidth_gbit_s: 25, latency_us: 5}    # each node's link to the others (its NIC)
 servers: {nodes: 0, bandwidth_gbit_s: 25, latency_us: 5, sum_gbyte_s: 0}
 message_overhead_us: 0    # fixed cost per collective call (Horovod's negotiation, launches)
+memory_gib: 0             # memory a rank may use, GiB (0: not checked)
 ```
 
 Every key is checked as the run config's are (:func:`hvdtrain.config.build`): a missing, unknown or
@@ -117,6 +118,10 @@ class Cluster:
     """Optional CPU server nodes for parameter servers."""
     message_overhead_us: float = _opt(0.0, min=0.0)
     """Fixed cost of each collective call, microseconds, on top of the links' latency."""
+    memory_gib: float = _opt(0.0, min=0.0)
+    """The memory one rank may use, GiB (2**30 bytes): a GPU's, or a node's divided by its ranks
+    (0: not given, no setting is checked). A setting whose rank needs more
+    (:mod:`hvdtrain.plan.memory`) is not applicable at that node count."""
     name: str = ""
     """A name for the tables (default: the file's stem)."""
     calibration: dict = _opt({})

@@ -17,7 +17,17 @@ from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline.schedules import microbatch_count
 from hvdtrain.plan.cluster import Cluster, load_cluster
-from hvdtrain.plan.predict import SHARDED, Knobs, Plan, Refuse, pieces_per_rank, pipeline_name, plan
+from hvdtrain.plan.memory import state_bytes
+from hvdtrain.plan.predict import (
+    GROUP_UNPRICED,
+    Knobs,
+    Plan,
+    Refuse,
+    pieces_per_rank,
+    pipeline_name,
+    plan,
+    shard_name,
+)
 from hvdtrain.plan.profile import RATIO_KEYS, ModelProfile, check_matches, load_profile, save_profile
 from hvdtrain.plan.stages import PLANNED_SCHEDULES
 from hvdtrain.strategies.table import refusal, with_settings
@@ -83,15 +93,20 @@ def run(request: Request) -> Plan | ModelProfile | Cluster | None:
 def knobs_of(cfg: Config) -> Knobs:
     """What the plan reads of ``cfg``, through the functions training reads it with: the
     accumulated passes of :class:`hvdtrain.world.World`, ``pipeline.microbatches`` as configured
-    (each pipeline setting resolves it with training's ``microbatch_count``), and a pipeline
-    copy's batch ``data.batch_size`` (docs/pipeline.md)."""
+    (each pipeline setting resolves it with training's ``microbatch_count``), a pipeline
+    copy's batch ``data.batch_size`` (docs/pipeline.md), the ``shard`` keys, and the optimizer
+    state's bytes a parameter (:func:`~hvdtrain.plan.memory.state_bytes`)."""
     dedicated = cfg.comm.topology == "ps" and cfg.ps.placement == "dedicated"
     return Knobs(batch_size=cfg.data.batch_size, cycle_ms=cfg.comm.cycle_time_ms,
                  microbatches=cfg.pipeline.microbatches,
                  virtual_stages=cfg.pipeline.virtual_stages, chunk_kib=cfg.ps.chunk_kib,
                  ps_overlap=cfg.ps.overlap, accumulation=World.of(cfg, 1).accumulation,
                  stages=cfg.pipeline.stages, servers=cfg.ps.servers if dedicated else 0,
-                 comm={k: float(getattr(cfg.comm, k)) for k in RATIO_KEYS})
+                 comm={k: float(getattr(cfg.comm, k)) for k in RATIO_KEYS},
+                 compression=cfg.comm.compression,
+                 state_bytes=state_bytes(cfg.optim.name, cfg.optim.momentum),
+                 prefetch=cfg.shard.prefetch, reshard=cfg.shard.reshard_after_forward,
+                 shard_stage=cfg.shard.stage, shard_group=getattr(cfg.shard, "group", "all"))
 
 
 def refuser(cfg: Config) -> Refuse:
@@ -112,6 +127,8 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
         raise ConfigError(f"train.precision={cfg.train.precision!r}: the plan prices float32 "
                           "compute only (its profile times fp32); plan with "
                           "train.precision=fp32")
+    if cfg.shard.stage and getattr(cfg.shard, "group", "all") != "all":
+        raise ConfigError(GROUP_UNPRICED)
     if stages > 1:
         if not any(n * cluster.ranks_per_node % stages == 0
                    for n in range(1, cluster.nodes + 1)):
@@ -124,12 +141,12 @@ def configured_setting(cfg: Config, cluster: Cluster, knobs: Knobs) -> str:
         schedule = cfg.pipeline.schedule
         virtual = pieces_per_rank(schedule, knobs)
         return pipeline_name(stages, microbatch_count(stages, cfg.pipeline.microbatches,
-                                                      virtual), schedule, virtual)
+                                                      virtual), schedule, virtual, cfg.shard.stage)
     if cfg.comm.topology == "ps" and cfg.ps.consistency != "bsp":
         raise ConfigError(f"ps.consistency={cfg.ps.consistency!r}: the plan prices bsp only (every "
                           "step waits for all workers); plan with ps.consistency=bsp")
-    if cfg.shard.stage == 1:
-        return SHARDED
+    if cfg.shard.stage >= 1:
+        return shard_name(cfg.shard.stage)
     if cfg.comm.topology == "ps":
         if not cluster.servers.nodes:
             raise ConfigError("comm.topology=ps: the cluster file has no server nodes "

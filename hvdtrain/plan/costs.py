@@ -39,6 +39,17 @@ def flat_allreduce(m: float, nodes: int, per_node: int, intra: Link, inter: Link
     return overhead_s + 2 * (n - 1) * link.step_s(m / n)
 
 
+def flat_half(m: float, nodes: int, per_node: int, intra: Link, inter: Link,
+                overhead_s: float = 0.0) -> float:
+    """A reduce-scatter of ``m`` bytes (each rank keeps ``m/n`` of the sum), or the all-gather of
+    ``m/n`` bytes a rank back into ``m``, on :func:`flat_allreduce`'s ring: one of its two halves,
+    ``(n-1)`` steps of ``m/n``: ``o + (n-1) (alpha + m/(n B))`` (the ring allreduce is a
+    reduce-scatter then an all-gather; Patarasuk & Yuan 2009)."""
+    if nodes * per_node <= 1 or m <= 0:
+        return 0.0
+    return overhead_s + flat_allreduce(m, nodes, per_node, intra, inter) / 2
+
+
 def _slower(a: Link, b: Link, chunk: float) -> Link:
     return a if a.step_s(chunk) >= b.step_s(chunk) else b
 

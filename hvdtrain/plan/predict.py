@@ -19,8 +19,16 @@ from hvdtrain.pipeline.schedules import SCHEDULES, check_pipeline, microbatch_co
 from hvdtrain.plan import costs
 from hvdtrain.plan.cluster import Cluster, Link
 from hvdtrain.plan.fusion import DEFAULT_CYCLE_MS, FUSION_THRESHOLD, fuse, overlapped_end
+from hvdtrain.plan.memory import ADAM_STATE, GIB, Memory, activation_bytes, misfit, model_bytes
 from hvdtrain.plan.profile import RATIO_KEYS, MethodProfile, ModelProfile
-from hvdtrain.plan.stages import DEFAULT_VIRTUAL, PLANNED_SCHEDULES, PipelineStep, pipeline_step
+from hvdtrain.plan.shard_step import ShardStep, ShardUnit, shard_units, stage2_step, stage3_step
+from hvdtrain.plan.stages import (
+    DEFAULT_VIRTUAL,
+    PLANNED_SCHEDULES,
+    PipelineStep,
+    pipeline_step,
+    split_layers,
+)
 from hvdtrain.ps.layout import ChunkLayout, server_chunk
 from hvdtrain.strategies.pipeline import schedule_refused
 from hvdtrain.strategies.table import strategy
@@ -58,6 +66,20 @@ class Knobs:
     """``ps.chunk_kib``: the most a dedicated server's chunk holds."""
     ps_overlap: bool = True
     """``ps.overlap``: a PyTorch worker pushes each chunk as the backward pass produces it."""
+    compression: str = "none"
+    """``comm.compression`` of the config: the shard stages' reduce-scatters carry 2 bytes an
+    element under ``fp16`` (their rows keep the config's method)."""
+    state_bytes: float = ADAM_STATE
+    """The optimizer state's float32 bytes a parameter (:func:`~hvdtrain.plan.memory.state_bytes`
+    of ``optim.name`` and ``optim.momentum``; Adam's 8 without a config)."""
+    prefetch: int = 1
+    """``shard.prefetch``: units ahead whose all-gather starts while a unit computes (stage 3)."""
+    reshard: bool = True
+    """``shard.reshard_after_forward``: stage 3 gathers again before the backward pass."""
+    shard_stage: int = 0
+    """``shard.stage`` of the config: its pipeline settings shard each stage's copies (stage 1)."""
+    shard_group: str = "all"
+    """``shard.group`` of the config: the plan prices ``all`` (every data-parallel rank)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,8 @@ class Point:
     batch: int | None = None
     """Samples a step takes over every rank (the global batch): ``data.batch_size`` x ranks x
     accumulated passes, with stages ``data.batch_size`` x copies."""
+    memory_gib: float | None = None
+    """A rank's memory (:mod:`hvdtrain.plan.memory`), where the plan knows it."""
     reason: str | None = None
 
 
@@ -101,6 +125,9 @@ class Prediction:
     """One step at the largest node count where it runs."""
     microbatches: int | None = None
     """A pipeline's micro-batches a step, as training resolves ``pipeline.microbatches``."""
+    wire_bytes: float | None = None
+    """Shard stages 2-3: the float32 bytes a rank hands its reduce-scatters and all-gathers a
+    step (the whole unit's for each), as the ``wire_bytes`` hvdtrain counts (docs/sharding.md)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The dotted settings of ``how`` (``{"pipeline.stages": 2, ...}``): what the plan asks
     training's compatibility table about (empty: a setting hvdtrain does not run)."""
@@ -218,16 +245,22 @@ def _after(ctx: _Ctx, comm_s: float, kernel_s: float, label: str) -> tuple[float
 
 
 def _sweep(ctx: _Ctx, pred: Prediction, step: Callable[[int], Outcome],
-           stages: int = 1) -> Prediction:
+           stages: int = 1, memory: Callable[[int], Memory | None] | None = None) -> Prediction:
     """Fills ``pred.points`` for 1 to the cluster's nodes; ``step`` returns a reason to skip.
     Without stages each rank runs ``train.backward_passes_per_step`` passes, the exchange in the
-    last (``step`` prices that one); with them a copy of ``stages`` ranks takes one batch."""
+    last (``step`` prices that one); with them a copy of ``stages`` ranks takes one batch.
+    ``memory``: a rank's memory at a node count (None: unknown); where it exceeds the cluster's
+    ``memory_gib`` the point does not run, with the figure as the reason."""
     g = ctx.cluster.ranks_per_node
     passes = ctx.knobs.accumulation if stages == 1 else 1
     for nodes in range(1, ctx.cluster.nodes + 1):
+        mem = memory(nodes) if memory is not None and ctx.profile.layers else None
+        gib = mem.total / GIB if mem is not None else None
         got = step(nodes)
+        if not isinstance(got, str):
+            got = misfit(mem, ctx.cluster.memory_gib) or got
         if isinstance(got, str):
-            pred.points.append(Point(nodes, nodes * g, reason=got))
+            pred.points.append(Point(nodes, nodes * g, memory_gib=gib, reason=got))
             continue
         seconds, segs = got
         lead = (passes - 1) * (ctx.fwd + ctx.bwd)
@@ -238,6 +271,7 @@ def _sweep(ctx: _Ctx, pred: Prediction, step: Callable[[int], Outcome],
         # data-parallel ranks: every rank, or a pipeline's copies).
         samples = ctx.knobs.batch_size * Layout(nodes * g, stages).copies * passes
         pred.points.append(_point(ctx, nodes, nodes * g, seconds + lead, samples, passes))
+        pred.points[-1].memory_gib = gib
         pred.timeline = segs
     return pred
 
@@ -259,11 +293,11 @@ def _rings(ctx: _Ctx) -> list[Prediction]:
     dense = _whole_settings(ctx, comm__compression="none")
     flat = Prediction("ring", _whole(ctx, "comm.compression=none"), settings=dense)
     _sweep(ctx, flat, lambda n: _dense(ctx, n, lambda m: costs.flat_allreduce(
-        m, n, g, c.intra, c.inter, o)))
+        m, n, g, c.intra, c.inter, o)), memory=lambda n: _memory(ctx, n))
     hier = Prediction("ring hierarchical", _whole(ctx, "comm.compression=none with "
                       "HOROVOD_HIERARCHICAL_ALLREDUCE=1 in the environment"), settings=dense)
     _sweep(ctx, hier, lambda n: _dense(ctx, n, lambda m: costs.hierarchical_allreduce(
-        m, n, g, c.intra, c.inter, o)))
+        m, n, g, c.intra, c.inter, o)), memory=lambda n: _memory(ctx, n))
     return [flat, hier]
 
 
@@ -284,7 +318,8 @@ def _compressed(ctx: _Ctx) -> list[Prediction]:
             def dense(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
                 return _dense(ctx, n, lambda m: costs.flat_allreduce(m, n, g, c.intra, c.inter, o),
                               p.ratio, k)
-            _sweep(ctx, pred, dense)
+            # The dense exchange holds what the ring holds (fp16's halves are transient).
+            _sweep(ctx, pred, dense, memory=lambda n: _memory(ctx, n))
         else:
             def step(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
                 wire = ctx.profile.gradient_bytes / p.ratio
@@ -349,7 +384,8 @@ def _servers(ctx: _Ctx) -> list[Prediction]:
                                  update.start_s + tail),
                          Segment("compute", "update", update.start_s + tail, update.end_s + tail)]
             return seconds + tail, segs
-        _sweep(ctx, dedicated, dedicated_step)
+        # bsp: each worker steps its own whole optimizer, as on the ring (parameter-servers.md).
+        _sweep(ctx, dedicated, dedicated_step, memory=lambda n: _memory(ctx, n))
 
     def colocated_step(n: int) -> tuple[float, list[Segment]]:
         def cost(b: float) -> float:  # reduce within the node, BytePS between nodes, broadcast
@@ -376,23 +412,87 @@ SHARDED = "shard stage 1"
 """The plan's name of sharded data parallel at stage 1 (the sharded update)."""
 
 
+def shard_name(stage: int) -> str:
+    """The plan's name of sharded data parallel at ``shard.stage`` 1-3."""
+    return f"shard stage {stage}"
+
+
 def _sharded(ctx: _Ctx) -> Prediction:
     """Sharded data parallel at stage 1 (``shard.stage=1``, ZeRO's): after the backward pass
-    a reduce-scatter and an allgather, the two halves of the ring allreduce, around the update of
-    this rank's 1/N of the parameters."""
+    a reduce-scatter and an allgather, the two halves of the ring allreduce
+    (:func:`costs.flat_half`), around the update of this rank's 1/N of the parameters."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     pred = Prediction(SHARDED, _whole(ctx, "shard.stage=1"),
                       settings=_whole_settings(ctx, shard__stage=1))
 
+    m, ratio = ctx.profile.gradient_bytes, _scatter_ratio(ctx)
+    pred.wire_bytes = m * ratio + m
+
     def step(n: int) -> tuple[float, list[Segment]]:
-        half = costs.flat_allreduce(ctx.profile.gradient_bytes, n, g, c.intra, c.inter, o) / 2
+        rs = costs.flat_half(m * ratio, n, g, c.intra, c.inter, o)
+        ag = costs.flat_half(m, n, g, c.intra, c.inter, o)
         f, b, upd = ctx.fwd, ctx.fwd + ctx.bwd, ctx.upd / (n * g)
         segs = [Segment("compute", "forward", 0.0, f), Segment("compute", "backward", f, b),
-                Segment("comm", "reduce-scatter", b, b + half),
-                Segment("compute", "update of this rank's shard", b + half, b + half + upd),
-                Segment("comm", "allgather", b + half + upd, b + 2 * half + upd)]
-        return b + 2 * half + upd, segs
-    return _sweep(ctx, pred, step)
+                Segment("comm", "reduce-scatter", b, b + rs),
+                Segment("compute", "update of this rank's shard", b + rs, b + rs + upd),
+                Segment("comm", "allgather", b + rs + upd, b + rs + ag + upd)]
+        return b + rs + ag + upd, segs
+    return _sweep(ctx, pred, step, memory=lambda n: _memory(ctx, n, 1))
+
+
+def _scatter_ratio(ctx: _Ctx) -> float:
+    """Wire bytes over float32 bytes of the shard stages' reduce-scatters: 2 bytes an element
+    under ``comm.compression=fp16``; the all-gathers carry the float32 shards."""
+    return 0.5 if ctx.knobs.compression == "fp16" else 1.0
+
+
+def _unit_sharded(ctx: _Ctx, stage: int) -> Prediction:
+    """Sharded data parallel at stage 2 or 3, unit by unit (:mod:`hvdtrain.plan.shard_step`):
+    each reduce-scatter and all-gather is one flat ring's half (:func:`costs.flat_half`)."""
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    pred = Prediction(shard_name(stage), _whole(ctx, f"shard.stage={stage}"),
+                      settings=_whole_settings(ctx, shard__stage=stage))
+    units = shard_units(ctx.profile.layers, ctx.profile.gradient_bytes, ctx.fwd, ctx.bwd)
+    ratio = _scatter_ratio(ctx)
+
+    def step(n: int) -> tuple[float, list[Segment]]:
+        def half(m: float) -> float:
+            return costs.flat_half(m, n, g, c.intra, c.inter, o)
+
+        def scatter(m: float) -> float:
+            return half(m * ratio)
+        upd = ctx.upd / (n * g)
+        got: ShardStep = (stage2_step(units, upd, scatter, half, ratio) if stage == 2 else
+                          stage3_step(units, upd, scatter, half, ctx.knobs.prefetch,
+                                      ctx.knobs.reshard, ratio))
+        pred.wire_bytes = got.wire_bytes
+        return got.seconds, [Segment(*seg) for seg in got.segments]
+    return _sweep(ctx, pred, step, memory=lambda n: _memory(ctx, n, stage))
+
+
+def _memory(ctx: _Ctx, nodes: int, stage: int = 0) -> Memory:
+    """A rank's memory at ``shard.stage`` over every rank of ``nodes`` (0: the ring's and the
+    dedicated servers' workers'): :mod:`hvdtrain.plan.memory`'s formula."""
+    ranks = nodes * ctx.cluster.ranks_per_node
+    params = ctx.profile.gradient_bytes / 4
+    acts = activation_bytes(ctx.profile.layers, ctx.knobs.batch_size / ctx.profile.batch_size)
+    gathered = 0.0
+    if stage >= 3:
+        units = shard_units(ctx.profile.layers, ctx.profile.gradient_bytes, 0.0, 0.0)
+        gathered = _gathered(units, ctx.knobs.prefetch, ctx.knobs.reshard)
+    return Memory(model_bytes(params, ranks, stage, ctx.knobs.state_bytes), acts, gathered)
+
+
+def _gathered(units: list[ShardUnit], prefetch: int, reshard: bool) -> float:
+    """Stage 3's parameters gathered whole at once: the unit-less ones for the whole pass, and
+    the most ``prefetch`` + 1 consecutive units hold (with ``reshard``; else every unit, kept
+    from its forward pass to its backward pass)."""
+    root = sum(u.bytes for u in units if u.root)
+    sizes = [u.bytes for u in units if not u.root]
+    if not reshard:
+        return root + sum(sizes)
+    window = prefetch + 1
+    return root + max((sum(sizes[i:i + window]) for i in range(len(sizes))), default=0.0)
 
 
 def _stage_counts(ctx: _Ctx) -> list[int]:
@@ -408,12 +508,12 @@ def _stage_counts(ctx: _Ctx) -> list[int]:
 
 
 def pipelines(ctx: _Ctx) -> list[Prediction]:
-    out = []
+    out, shard = [], ctx.knobs.shard_stage
     for stages in _stage_counts(ctx):
         for schedule in PLANNED_SCHEDULES:
             virtual = pieces_per_rank(schedule, ctx.knobs)
             micro = microbatch_count(stages, ctx.knobs.microbatches, virtual)
-            pred = Prediction(pipeline_name(stages, micro, schedule, virtual),
+            pred = Prediction(pipeline_name(stages, micro, schedule, virtual, shard),
                               f"pipeline.stages={stages} pipeline.microbatches={micro} "
                               f"pipeline.schedule={schedule}"
                               + (f" pipeline.virtual_stages={virtual}" if virtual > 1 else "")
@@ -427,10 +527,38 @@ def pipelines(ctx: _Ctx) -> list[Prediction]:
                 step = _pipeline_step(ctx, stages, micro, schedule, virtual)
 
                 def point(n: int, s: int = stages, st: PipelineStep = step) -> Outcome:
-                    return _pipeline_point(ctx, n, s, st)
-                _sweep(ctx, pred, point, stages)
+                    return _pipeline_point(ctx, n, s, st, shard)
+
+                def memory(n: int, s: int = stages, m: int = micro, sc: str = schedule,
+                           v: int = virtual) -> Memory:
+                    # Where the ranks hold no whole copies the point says so (its step).
+                    copies = max(1, n * ctx.cluster.ranks_per_node // s)
+                    return _pipeline_memory(ctx, s, m, sc, v, copies, shard)
+                _sweep(ctx, pred, point, stages, memory)
             out.append(pred)
     return out
+
+
+def _pipeline_memory(ctx: _Ctx, stages: int, micro: int, schedule: str, virtual: int,
+                     copies: int = 1, shard: int = 0) -> Memory:
+    """The busiest rank of a pipeline copy: its layers' parameters, gradients and optimizer
+    state (:func:`model_bytes` at ``shard.stage`` ``shard`` over the stage's ``copies``), and
+    the activations of the micro-batches it holds at once, its layers' output bytes for each:
+    ``m`` under GPipe, ``P - s`` (at most ``m``) on stage ``s`` under 1F1B (PipeDream-Flush's
+    bound), and as 1F1B's ``P`` on every rank's pieces under interleaved 1F1B (an
+    approximation: Megatron's interleaving holds somewhat more)."""
+    share = ctx.knobs.batch_size / micro / ctx.profile.batch_size
+    if schedule == "interleaved_1f1b":
+        pieces = split_layers(ctx.profile.layers, stages * virtual)
+        held = [[x for p in pieces[r::stages] for x in p] for r in range(stages)]
+        depth = [min(micro, stages)] * stages
+    else:
+        held = split_layers(ctx.profile.layers, stages)
+        depth = [micro if schedule == "gpipe" else min(micro, stages - r) for r in range(stages)]
+    return max((Memory(model_bytes(sum(x.params for x in layers), copies, shard,
+                                   ctx.knobs.state_bytes),
+                       d * activation_bytes(layers, share))
+                for layers, d in zip(held, depth, strict=True)), key=lambda m: m.total)
 
 
 def _pipeline_settings(ctx: _Ctx, stages: int, micro: int, schedule: str,
@@ -469,9 +597,10 @@ def pieces_per_rank(schedule: str, knobs: Knobs) -> int:
     return knobs.virtual_stages if knobs.virtual_stages > 1 else DEFAULT_VIRTUAL
 
 
-def pipeline_name(stages: int, micro: int, schedule: str, virtual: int) -> str:
-    """A pipeline setting's name in the plan's table."""
-    return f"pipeline P={stages} m={micro} {schedule}" + (f" v={virtual}" if virtual > 1 else "")
+def pipeline_name(stages: int, micro: int, schedule: str, virtual: int, shard: int = 0) -> str:
+    """A pipeline setting's name in the plan's table (``shard``: its copies' ``shard.stage``)."""
+    return (f"pipeline P={stages} m={micro} {schedule}" + (f" v={virtual}" if virtual > 1 else "")
+            + (f" {shard_name(shard)}" if shard else ""))
 
 
 def _pipeline_misfit(ctx: _Ctx, stages: int, virtual: int, schedule: str) -> str:
@@ -507,13 +636,16 @@ def _same_node(ctx: _Ctx, stages: int) -> bool:
     return stages <= g and g % stages == 0
 
 
-def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> Outcome:
+def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep,
+                    shard: int = 0) -> Outcome:
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     ranks = nodes * g
     if ranks < stages or ranks % stages:
         return f"{ranks} ranks do not hold copies of {stages} stages"
     copies = Layout(ranks, stages).copies  # the job's layout of ranks, as training makes it
     biggest = max(step.stage_bytes)
+    if shard:
+        return _sharded_pipeline_point(ctx, nodes, stages, step, copies, biggest)
     if _same_node(ctx, stages):
         shared = c.inter.shared(stages)
         dp = costs.hierarchical_allreduce(biggest, nodes, g // stages, c.intra, shared, o)
@@ -528,6 +660,33 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep) -> O
                     step.span_s, step.span_s + dp),
             Segment("compute", "update", step.span_s + dp, step.span_s + dp + update)]
     return step.span_s + dp + update, segs
+
+
+def _sharded_pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep,
+                            copies: int, biggest: float) -> Outcome:
+    """A pipeline whose stages' copies shard the optimizer state (``shard.stage=1``): after
+    the schedule, the largest stage's reduce-scatter and all-gather among its copies (one flat
+    ring each way, the node's link shared by the stages' rings), around the update of its
+    shard. Training refuses stages 2-3 with pipeline stages (the compatibility table)."""
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    ratio = _scatter_ratio(ctx)
+    if _same_node(ctx, stages):  # g / P copies of each stage a node, P rings through its link
+        def half(m: float) -> float:
+            return costs.flat_half(m, nodes, g // stages, c.intra, c.inter.shared(stages), o)
+    else:  # a copy spans nodes: g rings through each node's link
+        def half(m: float) -> float:
+            shared = c.inter.shared(g)
+            return costs.flat_half(m, copies, 1, shared, shared, o)
+    rs, ag, upd = half(biggest * ratio), half(biggest), ctx.upd / stages / copies
+    t = step.span_s
+    micro = round(step.busy_s / (step.forward_s + step.backward_s)) if step.busy_s else 0
+    segs = [Segment("compute", f"{micro} micro-batches, slowest stage", 0.0, step.busy_s),
+            Segment("bubble", f"bubble {step.bubble:.0%}", step.busy_s, t),
+            Segment("comm", f"stage reduce-scatter {biggest / 1e6:.2f} MB over {copies} copies",
+                    t, t + rs),
+            Segment("compute", "update of this rank's shard", t + rs, t + rs + upd),
+            Segment("comm", "stage all-gather", t + rs + upd, t + rs + upd + ag)]
+    return t + rs + upd + ag, segs
 
 
 COST_ORDER = ("ring", "ps", "shard", "pipeline")
@@ -555,8 +714,16 @@ def servers(ctx: _Ctx) -> list[Prediction]:
 
 
 def sharded(ctx: _Ctx) -> list[Prediction]:
-    """The sharded update's cost entry (``shard.stage=1``)."""
-    return _table_wins(ctx, [_sharded(ctx)])
+    """Sharded data parallel's cost entry: ``shard.stage`` 1, 2 and 3."""
+    preds = [_sharded(ctx), _unit_sharded(ctx, 2), _unit_sharded(ctx, 3)]
+    if ctx.knobs.shard_group != "all":  # a config's shard.group=node, which these rows keep
+        for pred in preds:
+            pred.reason, pred.points, pred.timeline = GROUP_UNPRICED, [], []
+    return _table_wins(ctx, preds)
+
+
+GROUP_UNPRICED = ("shard.group='node': the plan prices shard.group=all only (every "
+                  "data-parallel rank shards); plan with shard.group=all")
 
 
 def _cost(name: str) -> Callable[[_Ctx], list[Prediction]]:

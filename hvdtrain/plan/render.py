@@ -18,7 +18,7 @@ def table(result: Plan) -> str:
              f"{c.ranks_per_node} rank(s), batch {result.knobs.batch_size} per rank; one rank alone: "
              f"{result.base_samples_per_s:.1f} samples/s",
              f"{'#':>2}  {'setting':<{w}} {'nodes':>5} {'step ms':>9} {'samples/s':>11} "
-             f"{'eff':>6} {'comm ms':>8}  how"]
+             f"{'eff':>6} {'comm ms':>8} {'GiB/rank':>8}  how"]
     rank = 0
     for pred in result.predictions:
         best = pred.best
@@ -28,16 +28,22 @@ def table(result: Plan) -> str:
         mark = "*" if pred.setting == result.configured else " "
         lines.append(f"{rank:>2}{mark} {pred.setting:<{w}} {best.nodes:>5} {1e3 * (best.step_s or 0):>9.2f} "
                      f"{best.samples_per_s or 0:>11.1f} {best.efficiency or 0:>6.1%} "
-                     f"{1e3 * (best.comm_s or 0):>8.2f}  {pred.how}")
+                     f"{1e3 * (best.comm_s or 0):>8.2f} {_gib(best.memory_gib):>8}  {pred.how}")
     skipped = [p for p in result.predictions if p.best is None]
     if skipped:
         lines.append("not applicable:")
         for pred in skipped:
-            why = pred.reason or next((p.reason for p in pred.points if p.reason), "")
-            lines.append(f"    {pred.setting:<{w}} {why}")
+            # At the most nodes: where a rank needs the least memory.
+            why = pred.reason or next((p.reason for p in reversed(pred.points) if p.reason), "")
+            mark = "*" if pred.setting == result.configured else " "
+            lines.append(f"  {mark} {pred.setting:<{w}} {why}")
     if result.configured:
         lines.append(f"* the config's setting: {result.configured}")
     return "\n".join(lines)
+
+
+def _gib(memory: float | None) -> str:
+    return "-" if memory is None else f"{memory:.2f}"
 
 
 def as_dict(result: Plan) -> dict[str, Any]:

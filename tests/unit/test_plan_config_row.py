@@ -60,6 +60,8 @@ def _row(cfg: Config, cluster: Cluster) -> Prediction:
     ["train.backward_passes_per_step=3"],
     ["comm.compression=topk"],
     ["comm.topology=ps", "ps.servers=1"],
+    ["shard.stage=3", "shard.prefetch=2"],
+    ["pipeline.stages=2", "pipeline.schedule=gpipe", "shard.stage=1"],
 ])
 def test_the_config_row_prices_the_run_training_runs(overrides: list[str]) -> None:
     cfg = load_config(CONFIG, overrides, environ={})
@@ -74,6 +76,8 @@ def test_the_config_row_prices_the_run_training_runs(overrides: list[str]) -> No
         assert "data.batch_size" not in row.how  # a copy's batch is the config's own
     if cfg.comm.topology == "ps":
         assert row.setting == f"ps dedicated S={cfg.ps.servers}"
+    if cfg.shard.stage:
+        assert row.setting.endswith(f"shard stage {cfg.shard.stage}")
     runs = [p for p in row.points if p.reason is None]
     assert [p.nodes for p in row.points] == [1, 2] and runs
     for point in runs:
