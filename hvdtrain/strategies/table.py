@@ -60,7 +60,8 @@ def active(cfg: Any) -> list[str]:
 
 ENGINE_ORDER = ("pipeline", "shard", "ps", "ring")
 """Which active strategy's engine a run trains with, the first that has one for the framework
-(the table refuses the combinations where two would: pipeline stages with shard.stage=1)."""
+(the table refuses the combinations where two would: TensorFlow's pipeline stages with
+shard.stage; PyTorch's shard within each stage, by the stage's exchange)."""
 
 
 def engine_path(cfg: Any) -> str:

@@ -6,7 +6,8 @@ by :class:`hvdtrain.layout.Layout` and the schedule. ``torch.distributed.pipelin
 carries activations and their gradients between the stages of one pipeline copy over a torch
 process group of that copy's ranks (Gloo on CPU, NCCL on GPU); its rendezvous address is chosen by
 rank 0 and handed out by Horovod. Each stage's gradients are averaged over that stage's copies by
-Horovod in a process set (the run's gradient exchange, any ``comm.compression``:
+Horovod in a process set (the run's gradient exchange, any ``comm.compression``, or with
+``shard.stage=1`` the sharded update among the stage's copies:
 :func:`hvdtrain.torch.stages.make_stage_exchange`), once per step after the last micro-batch,
 so :func:`hvdtrain.step.train_step` runs a pipeline step as it runs any other: one
 "micro-batch" per step whose backward pass is the whole schedule.
