@@ -18,7 +18,9 @@ parts that do not depend on the split: each stage's first copy writes its own la
 carries each part's name, layers, size and sha256 (or the first failure, so that every rank
 raises it at once), then rank 0 writes ``step-N.ckpt`` (no model in it) and, last, the manifest
 that lists the parts: the manifest is the commit. Verifying checks every part; pruning removes
-them with their checkpoint, and parts that never got a manifest.
+them with their checkpoint, and parts that never got a manifest. An engine of sharded data
+parallel (:meth:`~hvdtrain.engine.StateIO.shard_part`) writes the same way, every rank its own
+shards to ``step-N.rank-R.part`` in parallel (:mod:`hvdtrain.shard_files`).
 """
 
 from __future__ import annotations
@@ -109,10 +111,15 @@ class CheckpointManager:
         parts = None
         if isinstance(engine, PartedState):
             # A collective: every rank's part is on disk when it returns.
-            parts = self._save_part(engine.collectives, engine.part_bytes(), step)
-            meta = {**meta, "parts": parts}
+            staged = engine.part_bytes()
+            parts = self._save_part(engine.collectives, None if staged is None else (
+                staged[0], {"layers": list(staged[1])}, _writes(staged[2])), step)
+        elif (shard := _shard_part(engine)) is not None:  # every rank its shards, in parallel
+            parts = self._save_part(engine.collectives, shard, step)
         else:
             engine.gather_state()  # a collective: every rank, before rank 0 writes
+        if parts is not None:
+            meta = {**meta, "parts": parts}
         if rank != 0:
             return None
         # The state is serialised now; the disk work (write, fsync, rename, manifest) runs in a
@@ -124,17 +131,18 @@ class CheckpointManager:
         self._pending.start()
         return self.path_for(step)
 
-    def _save_part(self, collectives: Collectives, part: tuple[str, list[int], bytes] | None,
+    def _save_part(self, collectives: Collectives,
+                   part: tuple[str, dict[str, Any], Callable[[IO[bytes]], object]] | None,
                    step: int) -> list[dict[str, Any]]:
-        """Writes this rank's ``part`` (label, layers, bytes; None if it has none) and returns
-        every part's manifest entry, in rank order; raises on every rank when any rank's write
-        failed."""
+        """Writes this rank's ``part`` (label, the fields its manifest entry adds, a function
+        that writes it; None if it has none) and returns every part's manifest entry, in rank
+        order; raises on every rank when any rank's write failed."""
         entry: dict[str, Any] | None = None
         if part is not None:
-            label, layers, data = part
+            label, fields, write = part
             path = self.part_path(step, label)
             try:
-                entry = {**_write_hashed(path, lambda f: f.write(data)), "layers": list(layers)}
+                entry = {**_write_hashed(path, write), **fields}
             except OSError as exc:
                 entry = {"error": str(os_failure(exc, "cannot write checkpoint part", path,
                                                  self._advice(step)))}
@@ -267,6 +275,18 @@ class CheckpointManager:
                 orphan.unlink(missing_ok=True)
         for stale in self.directory.glob(".step-*.tmp"):
             stale.unlink(missing_ok=True)
+
+
+def _shard_part(engine: Engine) -> tuple[str, dict[str, Any], Callable[[IO[bytes]], object]] | None:
+    """The engine's :meth:`~hvdtrain.engine.StateIO.shard_part`; None for an object that stands
+    for an engine without one (it writes whole, as every engine did before)."""
+    shard_part = getattr(engine, "shard_part", None)
+    return shard_part() if shard_part is not None else None
+
+
+def _writes(data: bytes) -> Callable[[IO[bytes]], object]:
+    """A writer of ``data``, as :func:`atomic_write` takes it."""
+    return lambda fileobj: fileobj.write(data)
 
 
 def _write_hashed(path: Path, write: Callable[[IO[bytes]], object]) -> dict[str, Any]:

@@ -305,6 +305,12 @@ class ShardConfig:
     unit of the model, reduce-scattered as the backward pass makes them (PyTorch). 3: the
     parameters too: each unit's are all-gathered before its forward and its backward pass and
     freed after (PyTorch)."""
+    group: str = _opt("all", choices=("all", "node"))
+    """The ranks that shard the model. ``all``: a stage's data-parallel copies (every rank
+    without pipeline stages). ``node``: the ranks of one node (Horovod's ``local_size``), each
+    node holding a replica of the sharded model (FSDP's hybrid sharding, ZeRO++'s hpZ): the
+    reduce-scatter and the all-gather stay within the node, and only each shard's gradient is
+    averaged across nodes (PyTorch)."""
     chunk_kib: int = _opt(4096, min=1)
     """``shard.stage=1``: the KiB per rank of each round of the reduce-scatter and the
     all-gather, so that no collective holds a second copy of the whole gradient."""
@@ -325,6 +331,9 @@ class ShardConfig:
 def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
     """The ``shard`` settings that would do nothing, as a one-line error (where the sharded
     update cannot run is in the compatibility table, :mod:`hvdtrain.strategies.shard`)."""
+    if shard.stage == 0:
+        refuse_unread("shard.", shard, ["group"], "shard.stage=0",
+                      "only the sharded update has a shard group", "shard.stage=1, 2 or 3")
     if shard.stage != 1:
         refuse_unread("shard.", shard, ["chunk_kib"], f"shard.stage={shard.stage}",
                       "only the sharded update reads it" if shard.stage == 0

@@ -162,7 +162,9 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
         servers = cfg.ps.servers if dedicated(cfg) else engine.size
         summary |= {"topology": "ps", "ps_placement": cfg.ps.placement, "ps_servers": servers}
     if cfg.shard.stage:  # and over how many ranks a stage's parameters are sharded
-        summary |= {"shard_stage": cfg.shard.stage, "shard_ranks": engine.size}
+        layout = getattr(engine, "layout", None)
+        summary |= {"shard_stage": cfg.shard.stage, "shard_group": cfg.shard.group,
+                    "shard_ranks": layout.sharding(engine.rank)[1] if layout else engine.size}
     if engine.rank == 0:
         run_dir.write_summary(summary)
         mode.finish(run_dir)

@@ -11,7 +11,7 @@ import abc
 import importlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -132,6 +132,13 @@ class StateIO(abc.ABC):
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         """Restores the state from :meth:`state_bytes`'s output and returns its ``meta``; never runs
         code from ``data``. ``where`` names the source in errors."""
+
+    def shard_part(self) -> tuple[str, dict[str, Any], Callable[[IO[bytes]], object]] | None:
+        """This rank's part of a checkpoint that every rank writes (sharded data parallel, its own
+        shards: :mod:`hvdtrain.shard_files`): its label, the fields its manifest entry adds and a
+        function that writes it; None (here) where rank 0 writes the state after
+        :meth:`gather_state`. Called on every rank before a checkpoint."""
+        return None
 
     def gather_state(self) -> None:
         """Called on every rank just before rank 0 serialises: collects the state that differs

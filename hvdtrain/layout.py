@@ -10,8 +10,10 @@ rank does what. A job of ``size`` ranks holds, in this order of dimensions:
 - **stages** (``pipeline.stages``): a worker holds stage ``rank % stages`` of one pipeline. A
   pipeline's ranks are consecutive: stage-to-stage tensors travel every micro-batch, so a
   pipeline stays on as few hosts as the launcher's slots allow.
-- **shards**: the ranks among which one copy of a stage's parameters would be sharded. Its size is
-  1 until sharded data parallel uses it; it is not a setting yet.
+- **shards**: the ranks among which one copy of a stage's parameters is sharded where that group
+  is smaller than the stage's data-parallel ranks: ``shard.group=node`` (hybrid sharding) makes
+  it the ranks of one node (Horovod's ``local_size``), the copies then being the nodes. Otherwise
+  it is 1, and sharded data parallel (``shard.group=all``) shards over the stage's copies.
 - **copies**: data-parallel copies of the whole (``workers / (stages x shards)``); with one stage
   and no servers every rank is a copy, as a plain ring run has it.
 
@@ -29,6 +31,7 @@ place in the rank formula and the groups it forms; the readers keep asking for g
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,10 +62,37 @@ def dedicated(cfg: Config) -> bool:
     return cfg.comm.topology == "ps" and cfg.ps.placement == "dedicated"
 
 
+def hybrid(cfg: Config) -> bool:
+    """Whether ``cfg`` shards within a node and replicates across nodes (``shard.group=node``)."""
+    return cfg.shard.stage >= 1 and cfg.shard.group == "node"
+
+
+def check_nodes(places: Sequence[tuple[int, int, int]]) -> int:
+    """The ranks a node of ``places`` (each rank's ``(local_rank, local_size, cross_rank)``, by
+    rank, as Horovod reports them) holds, for ``shard.group=node``: every node must hold as many
+    ranks, consecutive ranks on one node (as horovodrun, mpirun ``--map-by slot`` and Slurm's
+    block distribution place them), so that a node's ranks are one copy's shards."""
+    sizes = sorted({size for _, size, _ in places})
+    if len(sizes) > 1:
+        raise ConfigError(f"shard.group=node with {sizes} ranks on different nodes: launch the "
+                          "same number of ranks on every node, or use shard.group=all")
+    size = sizes[0]
+    if size == 1:
+        raise ConfigError("shard.group=node with one rank a node: there is nothing to shard "
+                          "within a node; use shard.group=all")
+    for rank, (local, _, cross) in enumerate(places):
+        if rank != cross * size + local:
+            raise ConfigError(f"shard.group=node: rank {rank} is local rank {local} of node "
+                              f"{cross}; place consecutive ranks on one node (horovodrun -H, "
+                              "mpirun --map-by slot) or use shard.group=all")
+    return size
+
+
 @dataclass(frozen=True)
 class Layout:
     """``size`` ranks: the last ``servers`` serve, the others form ``copies`` copies of a
-    pipeline of ``stages`` ranks (each stage split in ``shards``, 1 for now)."""
+    pipeline of ``stages`` ranks (each stage split in ``shards``: a node's ranks under
+    ``shard.group=node``, else 1)."""
 
     size: int
     stages: int = 1
@@ -73,9 +103,8 @@ class Layout:
         if self.stages < 1 or self.size < 1:
             raise ConfigError(f"pipeline.stages={self.stages} at world size {self.size}: both "
                               "must be at least 1")
-        if self.shards != 1:  # no setting names it yet: the sharded data-parallel issue will
-            raise ValueError(f"shards={self.shards}: the shard dimension is 1 until sharded data "
-                             "parallel uses it")
+        if self.shards < 1:
+            raise ValueError(f"shards={self.shards}: a stage is split in at least 1 shard")
         if self.servers < 0:
             raise ValueError(f"servers={self.servers}: a job cannot have fewer than 0 servers")
         if self.servers >= self.size:
@@ -86,15 +115,22 @@ class Layout:
         if self.workers % per_copy:
             world = (f"the world size {self.workers}" if not self.servers
                      else f"the {self.workers} workers")
+            if self.shards > 1:
+                raise ConfigError(f"shard.group=node with {self.shards} ranks a node does not "
+                                  f"divide {world}: launch the same number of ranks on every "
+                                  "node")
             raise ConfigError(f"pipeline.stages={self.stages} does not divide {world}: launch a "
                               f"multiple of {self.stages} ranks (stages x data-parallel copies)")
 
     @classmethod
-    def of(cls, cfg: Config, workers: int) -> Layout:
+    def of(cls, cfg: Config, workers: int, node_ranks: int = 1) -> Layout:
         """The layout of ``cfg`` whose workers (Horovod's world) are ``workers`` ranks; its
-        dedicated servers, if any, come on top as the job's last ranks."""
+        dedicated servers, if any, come on top as the job's last ranks. ``node_ranks``: the
+        ranks of one node (Horovod's ``local_size``), the shards of ``shard.group=node``."""
         servers = cfg.ps.servers if dedicated(cfg) else 0
-        return cls(size=workers + servers, stages=cfg.pipeline.stages, servers=servers)
+        shards = node_ranks if hybrid(cfg) else 1
+        return cls(size=workers + servers, stages=cfg.pipeline.stages, servers=servers,
+                   shards=shards)
 
     def resized(self, workers: int) -> Layout:
         """The same dimensions at ``workers`` workers (elastic mode's new world)."""
@@ -116,6 +152,28 @@ class Layout:
     def describe(self) -> str:
         """``"2 stages x 2 copies"``: the run summary's ``pipeline`` entry."""
         return f"{self.stages} stages x {self.copies} copies"
+
+    def sharding(self, rank: int) -> tuple[int, int]:
+        """``(place, count)``: where worker ``rank`` stands among the ranks its stage's
+        parameters are sharded over: its shard of the node's where a copy is split in shards
+        (``shard.group=node``), else its copy among the stage's copies (``shard.group=all``)."""
+        if self.shards > 1:
+            return self.shard_of(rank), self.shards
+        return self.copy_of(rank), self.copies
+
+    def sharding_ranks(self, rank: int) -> list[int]:
+        """The ranks that ``rank``'s stage's parameters are sharded over (:meth:`sharding`)."""
+        if self.shards > 1:
+            return self.shard_ranks(self.stage_of(rank), self.copy_of(rank))
+        return self.stage_ranks(self.stage_of(rank))
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same shard as ``rank`` in the other copies (``shard.group=
+        node``: the same local rank on every node), which average that shard's gradient; just
+        ``rank`` where the shards span the stage's copies."""
+        if self.shards > 1:
+            return self.stage_ranks(self.stage_of(rank), self.shard_of(rank))
+        return [rank]
 
     # Coordinates of one rank, and the rank at coordinates.
 

@@ -18,14 +18,16 @@ from typing import Any
 from hvdtrain.observe.system import SystemSampler
 
 STAT_KEYS = ("data_s", "compute_s", "comm_s", "compress_s", "wire_bytes", "dense_bytes",
-             "push_bytes", "pull_bytes", "pushes", "staleness_sum")
+             "push_bytes", "pull_bytes", "cross_node_bytes", "pushes", "staleness_sum")
 """What :meth:`hvdtrain.engine.Engine.step_stats` reports about the last step (all optional;
 ``push_bytes`` and ``pull_bytes``: to and from parameter servers, the two parts of
-``wire_bytes``). A pipeline stage also reports ``pipe_wait_s``, its wait for its neighbours, apart
-from its ``compute_s``: :meth:`Monitor.outgoing` sends both per rank, for the per-stage figures."""
-DIRECTIONS = ("push_bytes", "pull_bytes")
-"""Per-direction byte counts: in a record only where an exchange reported them (parameter
-servers)."""
+``wire_bytes``; ``cross_node_bytes``: the part of ``wire_bytes`` in collectives that span
+nodes, under ``shard.group=node``). A pipeline stage also reports ``pipe_wait_s``, its wait for
+its neighbours, apart from its ``compute_s``: :meth:`Monitor.outgoing` sends both per rank, for
+the per-stage figures."""
+DIRECTIONS = ("push_bytes", "pull_bytes", "cross_node_bytes")
+"""Parts of ``wire_bytes``: in a record only where an exchange reported them (parameter
+servers' directions, sharding within a node's bytes across nodes)."""
 
 STALENESS_MAX = "staleness_max"
 """Under ``ps.consistency=ssp``/``asp`` an exchange also reports ``pushes`` (1 a step), the

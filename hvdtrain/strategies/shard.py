@@ -39,6 +39,14 @@ def _pipeline(cfg: Any) -> str:
             "PyTorch only so far; use shard.stage=0 or framework=torch")
 
 
+def _tensorflow(cfg: Any) -> str:
+    if cfg.shard.stage >= 3:
+        return (f"framework='tensorflow' with {_given(cfg)}: sharding parameters is built in "
+                "PyTorch only so far; use shard.stage=1 or 2")
+    return ("framework='tensorflow' with shard.group='node': sharding within a node is built in "
+            "PyTorch only so far; use shard.group=all")
+
+
 RULES = (
     Rule("shard", "ps", lambda cfg: cfg.comm.topology != "ring",
          lambda cfg: f"comm.topology={cfg.comm.topology!r} with {_given(cfg)}: the sharded "
@@ -50,6 +58,10 @@ RULES = (
                                                   or cfg.framework == "tensorflow"),
          _pipeline, {"shard.stage": 2, "pipeline.stages": 2},
          only="at stages 2-3, and in TensorFlow"),
+    Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1 and cfg.shard.group == "node",
+         lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with shard.group='node': a "
+                     "stage's shards within a node are not built; use shard.group=all",
+         {**ONE, "shard.group": "node", "pipeline.stages": 2}, only="with shard.group=node"),
     Rule("shard", "sparse compression", lambda cfg: cfg.comm.compression in SPARSE, _compression,
          {**ONE, "comm.compression": "topk"}),
     Rule("shard", "powersgd",
@@ -59,10 +71,9 @@ RULES = (
          lambda cfg: f"elastic.enabled=true with {_given(cfg)}: the shards cannot change their "
                      "number of ranks yet; set elastic.enabled=false",
          {**ONE, "elastic.enabled": True}),
-    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and cfg.shard.stage >= 3,
-         lambda cfg: f"framework='tensorflow' with {_given(cfg)}: sharding parameters is built "
-                     "in PyTorch only so far; use shard.stage=1 or 2",
-         {"shard.stage": 3, "framework": "tensorflow"}, only="at stage 3"),
+    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and (
+        cfg.shard.stage >= 3 or cfg.shard.group == "node"), _tensorflow,
+         {"shard.stage": 3, "framework": "tensorflow"}, only="at stage 3 or shard.group=node"),
     Rule("shard", "fp16", lambda cfg: cfg.train.precision == "fp16",
          lambda cfg: f"train.precision='fp16' with {_given(cfg)}: a shard's overflow would skip "
                      "the step on one rank only; use fp32 or bf16",

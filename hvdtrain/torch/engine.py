@@ -24,9 +24,10 @@ from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import ExchangeRequest
 from hvdtrain.horovod_start import compute_threads, start_horovod
-from hvdtrain.layout import Layout
+from hvdtrain.layout import Layout, check_nodes, hybrid
 from hvdtrain.ps.mpi import horovod_comm, ps_settings
 from hvdtrain.registry import MODELS
+from hvdtrain.shard_files import ShardLayout
 from hvdtrain.step import add_batch_sums, train_step
 from hvdtrain.torch import rng, syncbn
 from hvdtrain.torch.collectives import TorchCollectives
@@ -38,6 +39,15 @@ from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import merged_parts, read_state
 from hvdtrain.torch.precision import PlacedAdapter, Precision
 from hvdtrain.torch.shard import ShardedOptimizer
+from hvdtrain.torch.shard_files import (
+    is_sharded,
+    load_rest,
+    rank0_contents,
+    restore_shards,
+    shard_part,
+    sources,
+    whole_state,
+)
 from hvdtrain.torch.shard_units import UnitShardedOptimizer, build_by_units, checkpoint_units
 from hvdtrain.torch.step import TorchKernels
 
@@ -59,7 +69,7 @@ class TorchEngine(Engine):
     adapter: ModelAdapter
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
-        kind = self._start(cfg)
+        kind = self._start(cfg, process_sets=hybrid(cfg))  # shard.group=node: a set per node
         torch.manual_seed(cfg.seed + self.rank)
         self.model = self._build(cfg, dataset)
         self.device = place(kind, self.local_rank, self.local_size)
@@ -87,8 +97,10 @@ class TorchEngine(Engine):
         self.cycle_time_ms = start_horovod(hvd, cfg.comm.cycle_time_ms, process_sets=process_sets,
                                            comm=horovod_comm(cfg))
         self.rank, self.size = hvd.rank(), hvd.size()
-        self.layout = Layout.of(cfg, self.size)  # the job's ranks: who holds which part
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        # The job's ranks: who holds which part (shard.group=node: a node's ranks shard a copy).
+        self.layout = Layout.of(cfg, self.size, check_nodes(self.collectives.allgather_object(
+            (self.local_rank, self.local_size, hvd.cross_rank()))) if hybrid(cfg) else 1)
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         return kind
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
@@ -96,8 +108,8 @@ class TorchEngine(Engine):
         # the CPU: moving freed parameters to a GPU afterwards is not built).
         on_cpu = resolve(cfg.train.device) == "cpu"
         model = ((cfg.shard.stage == 3 and on_cpu and build_by_units(
-            self.adapter, dataset.spec(), cfg.seed, self.layout.copy_of(self.rank),
-            self.layout.copies)) or self.adapter.build(dataset.spec()))
+            self.adapter, dataset.spec(), cfg.seed, *self.layout.sharding(self.rank),
+            seed_rank=self.rank)) or self.adapter.build(dataset.spec()))
         if not isinstance(model, torch.nn.Module):
             raise HvdtrainError(f"model {cfg.model.name!r}: build() must return a torch.nn.Module")
         if cfg.model.activation_checkpointing:  # per unit, the units sharding cuts
@@ -125,6 +137,9 @@ class TorchEngine(Engine):
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
         # Each rank's own residuals, re-sharded if the size changed.
         self.exchange.resize(self.rank, self.size, self.accumulation)
+        if is_sharded(self.optimizer):  # from a checkpoint of shards: each rank reads its own
+            restore_shards(self.optimizer, self.model, self._shard_source)
+            self._shard_source = None
         self.exchange.broadcast(root_rank=0)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
@@ -158,10 +173,20 @@ class TorchEngine(Engine):
         self.model.train()
         return sums
 
+    _shard_source: dict[str, Any] | None = None  # rank 0: a checkpoint of shards to read
+    _wrote_shards = False  # every rank wrote its shards: rank 0's file holds the rest
+
+    def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
+        # shard.stage 1-3: every rank writes its own shards (hvdtrain/torch/shard_files.py).
+        self._wrote_shards = is_sharded(self.optimizer)
+        return shard_part(self.optimizer, self.model, self.rank) if self._wrote_shards else None
+
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         buffer = io.BytesIO()
-        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "rng": rng.capture(), "precision": self.precision.state_dict(),
+        wrote, self._wrote_shards = self._wrote_shards, False
+        contents = (rank0_contents(self.optimizer, self.model) if wrote else
+                    {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()})
+        torch.save({**contents, "rng": rng.capture(), "precision": self.precision.state_dict(),
                     "compression": (to_torch(entry) if (entry := self.exchange.state_dict())
                                     else None),
                     "meta": meta}, buffer)
@@ -174,16 +199,25 @@ class TorchEngine(Engine):
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
         state = read_state(data, where)
         parts = state["meta"].get("parts")
-        if parts and self.restore_from is not None:  # written by pipeline stages: merge them all
+        if parts and "shards" not in state and self.restore_from is not None:  # pipeline stages'
             names = [name for name, _ in self.model.named_parameters()]
             model, optimizer, compression = merged_parts(self.restore_from.parent, parts, names,
                                                          where)
             trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
             state = {**state, "model": model, "optimizer": optimizer,
                      "compression": by_index(compression, trainable)}
+        source = sources(state, self.restore_from, where)
+        if source is not None and not is_sharded(self.optimizer):  # the ring: whole tensors
+            model, optimizer = whole_state(source, self.model)
+            state, source = {**state, "model": model, "optimizer": optimizer}, None
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if source is not None:  # every rank reads its shards in broadcast_state
+                load_rest(self.model, state["model"], ShardLayout.from_dict(
+                    source["layout"], where), where)
+                self._shard_source = {k: v for k, v in source.items() if k != "model"}
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
             self.precision.load_state_dict(state.get("precision"))
             self.exchange.load_state_dict(state.get("compression"), where)
             if "rng" in state:  # absent in checkpoints written before random states were saved

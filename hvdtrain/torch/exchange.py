@@ -151,9 +151,26 @@ def sharded_exchange(r: ExchangeRequest) -> Exchanged:
     of :mod:`hvdtrain.torch.shard_units`."""
     assert r.shard is not None, "the sharded update needs the shard section"
     ranks = r.layout or Layout(r.size)
-    rank, size = ranks.copy_of(r.rank), ranks.copies
+    rank, size = ranks.sharding(r.rank)
+    group, replicas = hybrid_sets(ranks, r.rank) if ranks.shards > 1 else (None, None)
     if r.shard.stage >= 2:
         return make_unit_sharded(r.optimizer, r.model, rank, size, r.shard, r.comm.compression,
-                                 r.accumulation)
+                                 r.accumulation, group, replicas)
     return make_sharded(r.optimizer, r.model, rank, size, chunk_elements(r.shard.chunk_kib),
-                        r.comm.compression)
+                        r.comm.compression, group, replicas)
+
+
+def hybrid_sets(layout: Layout, rank: int) -> tuple[Any, Any]:
+    """``shard.group=node``: Horovod's process sets of ``rank``'s node (its shard group) and of
+    the ranks holding its shard on the other nodes (None on a single node). Every rank makes
+    every set, in the layout's order, as Horovod asks."""
+    from hvdtrain.torch.stages import stage_process_set  # stages builds on this module
+
+    def made(ranks: list[int]) -> Any:
+        whole = ranks == layout.worker_ranks()
+        return hvd.global_process_set if whole else stage_process_set(ranks)
+
+    nodes = {tuple(g): made(g) for g in layout.shard_groups()}
+    across = ({tuple(g): made(g) for g in layout.stage_groups()} if layout.copies > 1 else {})
+    return (nodes[tuple(layout.sharding_ranks(rank))],
+            across.get(tuple(layout.replica_ranks(rank))))

@@ -1,5 +1,7 @@
 """The PyTorch half of ``hvdtrain export`` (:mod:`hvdtrain.export`): a checkpoint's model entries,
-merged from its parts where pipeline stages wrote it, as safetensors or a transformers directory."""
+merged from its parts where pipeline stages wrote it, as safetensors or a transformers directory.
+A checkpoint whose ranks wrote their own shards (``shard.stage`` 1-3) is exported to safetensors
+one whole tensor at a time (:func:`hvdtrain.torch.shard_files.write_export`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import read_parts, read_state
+from hvdtrain.torch.shard_files import sources, whole_params, write_export
 
 
 def checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -23,7 +26,10 @@ def checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     and its meta."""
     state = read_state(path.read_bytes(), str(path))
     model, meta = dict(state["model"]), state["meta"]
-    if meta.get("parts"):
+    source = sources(state, path, str(path))
+    if source is not None:  # written by every rank of sharded data parallel
+        model.update(whole_params(source))
+    elif meta.get("parts"):
         for part in read_parts(path.parent, meta["parts"], str(path)):
             model.update(part["model"])
     if not model:
@@ -86,6 +92,12 @@ def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], ou
 
 def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
     """Writes the export of ``checkpoint`` (of a run of ``cfg``) in format ``fmt`` to ``out``."""
+    if fmt == "safetensors":
+        state = read_state(checkpoint.read_bytes(), str(checkpoint))
+        source = sources(state, checkpoint, str(checkpoint))
+        if source is not None:  # shards: streamed, never the whole model in memory
+            write_export(source, out / "model.safetensors", state["meta"])
+            return
     entries, meta = checkpoint_model(checkpoint)
     if fmt == "safetensors":
         write_safetensors(entries, out, meta)

@@ -88,9 +88,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                 size: int, chunk: int, process_set: Any = None) -> None:
+                 size: int, chunk: int, process_set: Any = None, replicas: Any = None) -> None:
         # The ranks sharing the model: every rank, or a pipeline stage's copies (their set).
         self.process_set = hvd.global_process_set if process_set is None else process_set
+        # shard.group=node: the ranks holding this shard on the other nodes (None: none).
+        self.replicas = replicas
+        # The rank that writes keeps the gathered state: the first of its set (on the first node).
+        self.keeper = rank == 0 and (replicas is None or replicas.rank() == 0)
         every = list(model.parameters())
         self.params = [p for p in every if p.requires_grad]
         self.indices = [i for i, p in enumerate(every) if p.requires_grad]
@@ -175,7 +179,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def reducescatter(self, flat: torch.Tensor, wire: Any) -> torch.Tensor:
         """The average over the ranks of this rank's shard of ``flat`` (the whole flat gradient),
-        in the same rounds as :meth:`allgather` (a collective)."""
+        in the same rounds as :meth:`allgather`, then over its replicas on the other nodes
+        (shard.group=node: :func:`across_nodes`) (a collective)."""
         mine = torch.empty(self.stop - self.start, device=flat.device)
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
@@ -184,7 +189,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                     compression=wire, process_set=self.process_set)
             a, b = ranges[self.rank]
             mine[a - self.start:b - self.start] = got
-        return mine
+        return across_nodes([mine], self.replicas, wire, "hvdtrain.shard.cross")[0]
 
     def _write(self, piece: torch.Tensor, lo: int, hi: int, targets: Targets) -> None:
         for seg in segments(self.sizes, lo, hi):
@@ -208,14 +213,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     state[i][key] = value.clone() if torch.is_tensor(value) else value
                 continue
             # Only rank 0 keeps the whole state; the others pass their shard on and drop the rest.
-            full = [torch.zeros(n, dtype=value.dtype) for n in self.sizes] if self.rank == 0 else []
-            kept: Targets = full.__getitem__ if self.rank == 0 else (lambda _: None)
+            full = [torch.zeros(n, dtype=value.dtype) for n in self.sizes] if self.keeper else []
+            kept: Targets = full.__getitem__ if self.keeper else (lambda _: None)
             self.allgather(value.detach(), kept, f"state.{key}")
             for i, p, flat in zip(self.indices, self.params, full, strict=False):
                 state[i][key] = flat.reshape(p.shape)
         groups = [{**group, "params": list(range(self.count))} for group in own["param_groups"]]
         self._full = ({"state": state if entry else {}, "param_groups": groups}
-                      if self.rank == 0 else None)
+                      if self.keeper else None)
 
     def state_dict(self) -> dict[str, Any]:
         """The state :meth:`gather` collected (rank 0), in the ring's layout."""
@@ -287,8 +292,13 @@ class ShardedExchange(GradientExchange):
 
     def __init__(self, optimizer: ShardedOptimizer, compression: str) -> None:
         self.optimizer, self.rank, self.size = optimizer, optimizer.rank, optimizer.size
+        self.job = (hvd.rank(), hvd.size())  # the job's rank and size, beside the shard's place
         self.wire = _WIRE[compression]
-        self._bytes = step_bytes(optimizer.total, optimizer.stop - optimizer.start, compression)
+        own = optimizer.stop - optimizer.start
+        self._bytes = step_bytes(optimizer.total, own, compression)
+        # shard.group=node: the shard's allreduce across nodes comes on top, and is all that
+        # leaves a node (the reduce-scatter and the all-gather stay within it).
+        self._cross = cross_bytes(own, compression) if optimizer.replicas is not None else None
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
 
     def run(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -299,6 +309,8 @@ class ShardedExchange(GradientExchange):
         # Shared with the optimizer, whose allgather adds its wait before the step reads them.
         self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
                       "comm_s": time.perf_counter() - began}
+        if self._cross is not None:
+            self.stats = with_cross(self.stats, *self._cross)
         self.optimizer.stats = self.stats
         return [mine]
 
@@ -306,7 +318,7 @@ class ShardedExchange(GradientExchange):
         return any_rank(flag, self.optimizer.process_set)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
-        check_resize(self.rank, self.size, rank, size)
+        check_resize(*self.job, rank, size)
 
     def gather(self) -> None:
         self.optimizer.gather()
@@ -316,15 +328,42 @@ class ShardedExchange(GradientExchange):
 
 
 def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank: int,
-                 size: int, chunk: int, compression: str,
-                 process_set: Any = None) -> tuple[GradientExchange, torch.optim.Optimizer]:
+                 size: int, chunk: int, compression: str, process_set: Any = None,
+                 replicas: Any = None) -> tuple[GradientExchange, torch.optim.Optimizer]:
     """Stage 1's exchange and the sharded optimizer standing for ``optimizer`` (whose class and
     settings it keeps); ``chunk``: elements per rank in one round of either collective;
     ``process_set``: Horovod's set of the ``size`` ranks that share the model (None: every rank;
-    a pipeline stage's copies). Stages 2 and 3 are :mod:`hvdtrain.torch.shard_units`'s, which
-    builds on this module."""
-    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk, process_set)
+    a pipeline stage's copies; a node's ranks under shard.group=node, then ``replicas`` is the
+    set of the ranks holding the same shard on the other nodes). Stages 2 and 3 are
+    :mod:`hvdtrain.torch.shard_units`'s, which builds on this module."""
+    sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk, process_set, replicas)
     return ShardedExchange(sharded_opt, compression), sharded_opt
+
+
+def across_nodes(shards: list[torch.Tensor], replicas: Any, wire: Any,
+                 name: str) -> list[torch.Tensor]:
+    """shard.group=node: each of this rank's averaged ``shards`` (averaged over its node)
+    averaged again over ``replicas``, the ranks holding the same shards on the other nodes (one
+    grouped allreduce, ``wire``: Horovod's compression). The average of the nodes' averages is
+    the ring's over every rank, the nodes holding as many ranks. ``shards`` as they are where
+    ``replicas`` is None (the shards span every rank)."""
+    if replicas is None or not shards:
+        return shards
+    return list(hvd.grouped_allreduce(shards, name=name, op=hvd.Average, compression=wire,
+                                      process_set=replicas))
+
+
+def cross_bytes(own: int, compression: str) -> tuple[float, float]:
+    """``(wire, dense)`` bytes of a rank's allreduce of its ``own`` shard's gradient across the
+    nodes (shard.group=node): float16 under ``fp16``, float32 otherwise."""
+    return float((2 if compression == "fp16" else 4) * own), float(4 * own)
+
+
+def with_cross(stats: dict[str, float], wire: float, dense: float) -> dict[str, float]:
+    """``stats`` with the allreduce across nodes added to the bytes, and reported apart as
+    ``cross_node_bytes`` (what leaves the node)."""
+    return {**stats, "wire_bytes": stats["wire_bytes"] + wire,
+            "dense_bytes": stats["dense_bytes"] + dense, "cross_node_bytes": wire}
 
 
 def broadcast_shards(opt: Any, root_rank: int) -> None:
@@ -335,11 +374,14 @@ def broadcast_shards(opt: Any, root_rank: int) -> None:
     full = opt._full if hvd.rank() == root_rank else None
     opt._full = None
     group = getattr(opt, "process_set", hvd.global_process_set)  # stage 1's may be a stage's
+    if getattr(opt, "replicas", None) is not None:  # shard.group=node: the other nodes too
+        group = hvd.global_process_set
     outline = hvd.broadcast_object(None if full is None else _outline(full),
                                    root_rank=root_rank, name="hvdtrain.shard.outline",
                                    process_set=group)
     if outline is None:
-        if not opt.inner.state:
+        # Restored from a checkpoint of shards (hvdtrain/torch/shard_files.py): it has a state.
+        if not opt.inner.state and not getattr(opt, "restored_shards", False):
             opt._zero_step()
         return
 

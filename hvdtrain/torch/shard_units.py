@@ -38,7 +38,15 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize
 from hvdtrain.torch.collectives import any_rank
-from hvdtrain.torch.shard import _Whole, broadcast_shards, same_optimizer, sharded
+from hvdtrain.torch.shard import (
+    _Whole,
+    across_nodes,
+    broadcast_shards,
+    cross_bytes,
+    same_optimizer,
+    sharded,
+    with_cross,
+)
 from hvdtrain.torch.units import UNIT, Unit, build_by_units, checkpoint_units, find_units
 
 __all__ = ["UnitShardedExchange", "UnitShardedOptimizer", "UnitSharding", "build_by_units",
@@ -54,8 +62,15 @@ class UnitSharding:
     """The hooks and collectives of stages 2 and 3 over the model's units (module docstring)."""
 
     def __init__(self, model: nn.Module, stage: int, rank: int, size: int, unit_bytes: int,
-                 prefetch: int, reshard_after_forward: bool, compression: str) -> None:
+                 prefetch: int, reshard_after_forward: bool, compression: str,
+                 group: Any = None, replicas: Any = None) -> None:
         self.stage, self.rank, self.size, self.prefetch = stage, rank, size, prefetch
+        # The ranks sharing the model (None: every rank; shard.group=node: the node's) and, under
+        # shard.group=node, the ranks holding the same shards on the other nodes.
+        self.group = hvd.global_process_set if group is None else group
+        self.replicas = replicas
+        # The rank that writes keeps what is gathered for a checkpoint (the first node's first).
+        self.keeper = rank == 0 and (replicas is None or replicas.rank() == 0)
         self.reshard = reshard_after_forward
         self.half = compression == "fp16"
         every = list(model.parameters())
@@ -150,7 +165,8 @@ class UnitSharding:
     def _start_gather(self, unit: Unit) -> None:
         if not unit.full and unit.gathering is None:
             unit.gathering = hvd.allgather_async(unit.shard.detach(),
-                                                 name=f"hvdtrain.shard.gather.{unit.index}")
+                                                 name=f"hvdtrain.shard.gather.{unit.index}",
+                                                 process_set=self.group)
 
     def _gather(self, unit: Unit) -> None:
         if unit.full:
@@ -179,7 +195,7 @@ class UnitSharding:
             unit.free()
         name = f"hvdtrain.shard.scatter.{unit.index}.{self.micro}"
         unit.scattering = hvd.reducescatter_async(flat.half() if self.half else flat, name=name,
-                                                  op=hvd.Average)
+                                                  op=hvd.Average, process_set=self.group)
         # At most two in flight: the one just started and the one before, which overlapped this
         # unit's backward pass. More would hold most of the whole gradient (and Horovod's copies
         # of it) at the end of the pass.
@@ -192,6 +208,18 @@ class UnitSharding:
         unit.grad += hvd.synchronize(unit.scattering).float()
         self.stats["comm_s"] += time.perf_counter() - began
         unit.scattering = None
+
+    def across_nodes(self) -> None:
+        """shard.group=node: each shard's gradient of the step (averaged over the node, summed
+        over the micro-batches) averaged over its replicas on the other nodes (a collective)."""
+        wire = hvd.Compression.fp16 if self.half else hvd.Compression.none
+        grads = [u.grad for u in self.units]
+        began = time.perf_counter()
+        for grad, got in zip(grads, across_nodes(grads, self.replicas, wire,
+                                                 "hvdtrain.shard.cross"), strict=True):
+            if got is not grad:
+                grad.copy_(got)
+        self.stats["comm_s"] += time.perf_counter() - began
 
     def settle(self) -> None:
         """After a backward pass: every unit's reduce-scatter sent (those whose parameters did
@@ -233,7 +261,8 @@ class UnitSharding:
     def _start_params(self, k: int) -> Any:
         if k >= len(self.units):
             return None
-        return hvd.allgather_async(self.units[k].shard.detach(), name=f"hvdtrain.shard.params.{k}")
+        return hvd.allgather_async(self.units[k].shard.detach(), name=f"hvdtrain.shard.params.{k}",
+                                   process_set=self.group)
 
     def load_shards(self) -> None:
         """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
@@ -252,14 +281,15 @@ class UnitSharding:
             if unit.full:
                 flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
             else:
-                flat = hvd.allgather(unit.shard.detach(), name=f"hvdtrain.shard.all.{unit.index}")
+                flat = hvd.allgather(unit.shard.detach(), name=f"hvdtrain.shard.all.{unit.index}",
+                                     process_set=self.group)
             if keep:
                 unit.set_full(flat.clone())
-            elif self.rank == 0:
+            elif self.keeper:
                 for p, view in unit.views(flat):
                     saved[id(p)] = view.clone()
         self.whole = self.whole or keep
-        self.saved = saved if self.rank == 0 and not keep else None
+        self.saved = saved if self.keeper and not keep else None
 
     def _freed(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters (by state-dict key) whose unit holds no gathered values now."""
@@ -298,7 +328,7 @@ class UnitSharding:
         one unit at a time (a collective)."""
         if self.stage != 3:
             return
-        restored = self.restored if self.rank == root_rank else None
+        restored = self.restored if hvd.rank() == root_rank else None
         self.restored = None
         if not hvd.broadcast_object(restored is not None, root_rank=root_rank,
                                     name="hvdtrain.shard.restored"):
@@ -325,6 +355,7 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, sharding: UnitSharding) -> None:
         self.sharding, self.units = sharding, sharding.units
         self.rank = sharding.rank
+        self.process_set, self.replicas = sharding.group, sharding.replicas  # broadcast_shards'
         shards = [u.shard for u in self.units]
         super().__init__(shards, dict(optimizer.defaults))
         self.inner = same_optimizer(optimizer, shards)
@@ -340,6 +371,7 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
     def gradients(self) -> list[torch.Tensor]:
         """The step's averaged gradient of each shard (the reduce-scatters waited for)."""
         self.sharding.settle()
+        self.sharding.across_nodes()
         return [u.grad for u in self.units]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -348,7 +380,8 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
         local = torch.zeros((), dtype=torch.float64)
         for g in grads:
             local += g.detach().double().pow(2).sum()
-        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm").sqrt().float()
+        return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm",
+                             process_set=self.sharding.group).sqrt().float()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -370,11 +403,13 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
                         state.setdefault(self.sharding.index[id(p)], {})[key] = (
                             value.clone() if torch.is_tensor(value) else value)
                     continue
-                flat = hvd.allgather(value.detach(), name=f"hvdtrain.shard.state.{u}.{key}")
+                flat = hvd.allgather(value.detach(), name=f"hvdtrain.shard.state.{u}.{key}",
+                                     process_set=self.sharding.group)
                 for p, view in unit.views(flat):
                     state.setdefault(self.sharding.index[id(p)], {})[key] = view.clone()
         groups = [{**g, "params": list(range(self.sharding.count))} for g in own["param_groups"]]
-        self._full = {"state": state, "param_groups": groups} if self.rank == 0 else None
+        self._full = ({"state": state, "param_groups": groups} if self.sharding.keeper
+                      else None)
 
     def state_dict(self) -> dict[str, Any]:
         """The state :meth:`gather` collected (rank 0), in the ring's layout."""
@@ -438,6 +473,7 @@ class UnitShardedExchange(GradientExchange):
     def __init__(self, optimizer: UnitShardedOptimizer, accumulation: int) -> None:
         self.optimizer, self.sharding = optimizer, optimizer.sharding
         self.rank, self.size, self.accumulation = self.sharding.rank, self.sharding.size, accumulation
+        self.job = (hvd.rank(), hvd.size())  # the job's rank and size, beside the shard's place
         self.stats = {"wire_bytes": 0.0, "dense_bytes": 0.0, "comm_s": 0.0, "compress_s": 0.0}
 
     def backward_starts(self, last: bool) -> None:
@@ -456,6 +492,8 @@ class UnitShardedExchange(GradientExchange):
         self.stats = {"wire_bytes": float(self.accumulation * item * total + gathers * 4 * own),
                       "dense_bytes": float(self.accumulation * 4 * total + gathers * 4 * own),
                       "comm_s": self.sharding.stats["comm_s"], "compress_s": 0.0}
+        if self.sharding.replicas is not None:  # once a step, the shards' sums of micro-batches
+            self.stats = with_cross(self.stats, *cross_bytes(own, "fp16" if item == 2 else "none"))
         self.sharding.stats = self.stats
         return out
 
@@ -463,7 +501,7 @@ class UnitShardedExchange(GradientExchange):
         return any_rank(flag)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
-        check_resize(self.rank, self.size, rank, size)
+        check_resize(*self.job, rank, size)
 
     def gather(self) -> None:
         self.optimizer.gather()
@@ -474,11 +512,14 @@ class UnitShardedExchange(GradientExchange):
 
 
 def make_unit_sharded(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, size: int,
-                      shard: Any, compression: str, accumulation: int
-                      ) -> tuple[UnitShardedExchange, UnitShardedOptimizer]:
+                      shard: Any, compression: str, accumulation: int, group: Any = None,
+                      replicas: Any = None) -> tuple[UnitShardedExchange, UnitShardedOptimizer]:
     """The exchange and optimizer of ``shard.stage`` 2 or 3 (``shard``: the config section)
-    over ``rank`` of ``size`` data-parallel copies, standing for ``optimizer``."""
+    over ``rank`` of ``size`` data-parallel copies, standing for ``optimizer``; ``group``:
+    their Horovod process set (None: every rank), ``replicas``: under shard.group=node, the set
+    of the ranks holding the same shards on the other nodes."""
     sharding = UnitSharding(model, shard.stage, rank, size, shard.unit_kib * 1024,
-                            shard.prefetch, shard.reshard_after_forward, compression)
+                            shard.prefetch, shard.reshard_after_forward, compression, group,
+                            replicas)
     sharded_opt = UnitShardedOptimizer(optimizer, sharding)
     return UnitShardedExchange(sharded_opt, accumulation), sharded_opt

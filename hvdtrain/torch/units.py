@@ -57,13 +57,15 @@ def checkpoint_units(model: nn.Module, limit_bytes: int) -> None:
 
 
 def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: int,
-                   size: int) -> nn.Module | None:
+                   size: int, seed_rank: int | None = None) -> nn.Module | None:
     """Stage 3: the model built one layer at a time from the adapter's own ``layers()``, each
     layer's parameters cut to this rank's shard as soon as it exists, so that no rank ever holds
     the whole model. Every rank builds rank 0's values (the generator seeded as rank 0's), which
     the ring's broadcast would give it; each rank's generator then goes on as after ``build()``
     from its own seed ``seed + rank``.
-    None where the adapter has no layers of its own (its model is then built whole)."""
+    None where the adapter has no layers of its own (its model is then built whole).
+    ``seed_rank``: the job's rank whose seed goes on, where it is not ``rank`` (the shard's
+    place among ``size``: shard.group=node, pipeline stages)."""
     if type(adapter).layers is ModelAdapter.layers:
         return None
     factories = adapter.layers(spec)
@@ -79,10 +81,11 @@ def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: in
             unit.free()
             setattr(module, UNIT, unit)
         modules.append(module)
-    if rank:
+    own = rank if seed_rank is None else seed_rank
+    if own:
         # The ring's rank r draws its dropout from its own seed as consumed by build(): the
         # layers are made again from it, one at a time, and dropped.
-        torch.manual_seed(seed + rank)
+        torch.manual_seed(seed + own)
         for make in factories:
             make()
     return nn.Sequential(*modules)

@@ -9,7 +9,7 @@ import pytest
 
 from hvdtrain.config import load_config
 from hvdtrain.errors import ConfigError, HvdtrainError
-from hvdtrain.layout import SERVER, WORKER, Coordinates, Layout, dedicated
+from hvdtrain.layout import SERVER, WORKER, Coordinates, Layout, check_nodes, dedicated
 
 
 def test_layout_of_two_stages_by_two_copies():
@@ -100,12 +100,40 @@ def test_a_job_of_servers_only_is_refused_as_the_launch_said():
         Layout(1, servers=1)
 
 
-def test_the_shard_dimension_is_one_until_sharded_data_parallel_uses_it():
+def test_the_shard_dimension_is_one_unless_sharding_within_a_node():
     layout = Layout(4, stages=2)
     assert layout.shards == 1 and layout.shard_groups() == [[0], [1], [2], [3]]
     assert [layout.shard_of(r) for r in range(4)] == [0] * 4
-    with pytest.raises(ValueError, match="shards=2"):
-        Layout(4, shards=2)
+    # shard.group=all: a rank's place is its copy among the stage's copies, no replicas.
+    assert Layout(4).sharding(2) == (2, 4) and Layout(4).sharding_ranks(2) == [0, 1, 2, 3]
+    assert Layout(4).replica_ranks(2) == [2]
+    with pytest.raises(ValueError, match="shards=0"):
+        Layout(4, shards=0)
+
+
+def test_sharding_within_a_node_shards_over_its_ranks_and_replicates_across_nodes():
+    layout = Layout(6, shards=3)  # two nodes of three ranks: 0-2 and 3-5
+    assert layout.copies == 2 and layout.shard_groups() == [[0, 1, 2], [3, 4, 5]]
+    assert layout.stage_groups() == [[0, 3], [1, 4], [2, 5]]
+    assert [layout.sharding(r) for r in range(6)] == [(0, 3), (1, 3), (2, 3)] * 2
+    assert layout.sharding_ranks(4) == [3, 4, 5] and layout.replica_ranks(4) == [1, 4]
+    node = load_config(None, overrides=["shard.stage=3", "shard.group=node"])
+    assert Layout.of(node, 6, 3) == layout and Layout.of(node, 3, 3).replica_ranks(1) == [1]
+    assert Layout.of(load_config(None, overrides=["shard.stage=3"]), 6, 3).shards == 1
+    with pytest.raises(ConfigError, match=r"shard\.group=node with 4 ranks a node does not "
+                                          r"divide the world size 6"):
+        Layout.of(node, 6, 4)
+
+
+def test_sharding_within_a_node_needs_even_consecutive_nodes():
+    assert check_nodes([(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]) == 2
+    with pytest.raises(ConfigError, match=r"shard.group=node with \[1, 2\] ranks on different "
+                                          "nodes: launch the same number"):
+        check_nodes([(0, 2, 0), (1, 2, 0), (0, 1, 1)])
+    with pytest.raises(ConfigError, match=r"one rank a node: there is nothing to shard"):
+        check_nodes([(0, 1, 0), (0, 1, 1)])
+    with pytest.raises(ConfigError, match="rank 1 is local rank 0 of node 1; place consecutive"):
+        check_nodes([(0, 2, 0), (0, 2, 1), (1, 2, 0), (1, 2, 1)])  # round-robin placement
 
 
 def test_the_layout_of_a_config_counts_dedicated_servers_on_top_of_the_workers():
@@ -116,3 +144,20 @@ def test_the_layout_of_a_config_counts_dedicated_servers_on_top_of_the_workers()
     sharded = load_config(None, overrides=["shard.stage=1"])
     assert not dedicated(sharded) and Layout.of(sharded, 3) == Layout(3)
     assert Layout.of(ring, 4).resized(6) == Layout(6, stages=2)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["shard.group=node"], "shard.group='node' does nothing with shard.stage=0: only the sharded "
+                           "update has a shard group; set shard.stage=1, 2 or 3"),
+    (["shard.stage=1", "shard.group=node", "framework=tensorflow"],
+     "framework='tensorflow' with shard.group='node': sharding within a node is built in "
+     "PyTorch only so far; use shard.group=all"),
+    (["shard.stage=1", "shard.group=node", "pipeline.stages=2"],
+     "pipeline.stages=2 with shard.group='node': a stage's shards within a node are not built"),
+    (["shard.stage=1", "shard.group=rack"], "shard.group='rack': must be one of all, node"),
+])
+def test_sharding_within_a_node_refuses_what_it_cannot_run_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, environ={})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert load_config(None, ["shard.stage=2", "shard.group=node"], environ={}).shard.group == "node"
