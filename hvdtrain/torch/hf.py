@@ -67,6 +67,9 @@ class HfCausalLM(ModelAdapter):
     """
 
     derived_metrics: ClassVar[dict[str, Callable[..., float]]] = DERIVED_METRICS
+    whole_layers: ClassVar[bool] = True
+    """:meth:`layers` hands out parts of the model built whole, so ``shard.stage=3`` builds it
+    whole (keeping its Hugging Face names) and then shards it."""
 
     def __init__(self, **options: Any) -> None:
         self.config = HfOptions.of(options)

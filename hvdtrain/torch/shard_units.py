@@ -293,7 +293,8 @@ class UnitSharding:
 
     def _freed(self, module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
         """The parameters (by state-dict key) whose unit holds no gathered values now."""
-        for key, p in module.named_parameters(prefix=prefix):
+        # Tied parameters (GPT-2's embedding and head) under each of their keys.
+        for key, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
             unit = self.unit_of.get(id(p))
             if unit is not None and not unit.full:
                 yield key, p

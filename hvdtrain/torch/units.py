@@ -20,17 +20,31 @@ from hvdtrain.shard import shard_bounds
 
 def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
     """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
-    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module)."""
+    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module).
+    A parameter that two such modules share (tied embeddings: GPT-2's token embedding and
+    head) is in no unit: the modules holding it are cut finer and the ones it alone fills left
+    out, so it stays with the parameters in no unit (gathered for the whole pass)."""
     if isinstance(model, nn.Sequential):
         return [m for m in model if _bytes(m) or hasattr(m, UNIT)]  # UNIT: built sharded
+    units = _outermost(model, limit_bytes, set())
+    held = [id(p) for unit in units for p in unit.parameters()]
+    shared = {i for i in held if held.count(i) > 1}
+    return _outermost(model, limit_bytes, shared) if shared else units
+
+
+def _outermost(model: nn.Module, limit_bytes: int, shared: set[int]) -> list[nn.Module]:
+    """The outermost modules of at most ``limit_bytes`` holding none of ``shared``; a module
+    list is never one (it is not called, so its hooks would never run)."""
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
-            size = _bytes(child)
-            if size and (size <= limit_bytes or not any(True for _ in child.children())):
+            size, leaf = _bytes(child), not any(True for _ in child.children())
+            ties = any(id(p) in shared for p in child.parameters())
+            container = isinstance(child, nn.ModuleList | nn.ModuleDict)
+            if size and (size <= limit_bytes or leaf) and not ties and not container:
                 units.append(child)
-            elif size:
+            elif size and not leaf:
                 visit(child)
 
     visit(model)
@@ -66,7 +80,9 @@ def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: in
     None where the adapter has no layers of its own (its model is then built whole).
     ``seed_rank``: the job's rank whose seed goes on, where it is not ``rank`` (the shard's
     place among ``size``: shard.group=node, pipeline stages)."""
-    if type(adapter).layers is ModelAdapter.layers:
+    # An adapter whose layers() hand out parts of one model built whole (the Hugging Face
+    # adapter's, marked ``whole_layers``) would gain nothing and lose its parameters' names.
+    if type(adapter).layers is ModelAdapter.layers or getattr(adapter, "whole_layers", False):
         return None
     factories = adapter.layers(spec)
     if not factories:
