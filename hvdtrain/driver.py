@@ -33,6 +33,7 @@ from hvdtrain.engine import Engine, make_engine
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.layout import dedicated
 from hvdtrain.loop import Callback, Position, Stopped
+from hvdtrain.malloc import return_freed_blocks
 from hvdtrain.observe.watchdog import StallWatchdog
 from hvdtrain.ps.mpi import end_job_at_exit, split
 from hvdtrain.registry import DATASETS, MODELS
@@ -134,6 +135,8 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
     DATASETS.check(cfg.data.name)
     MODELS[cfg.framework].check(cfg.model.name)
     run_dir = RunDir(cfg.run_dir)
+    if cfg.shard.stage >= 2:  # its units' gathered parameters and gradients come and go a step
+        return_freed_blocks()
     dataset = make_dataset(cfg)
     engine = engine_factory(cfg, dataset)
     start = start_on_rank0(cfg, run_dir, engine) if engine.rank == 0 else Start()

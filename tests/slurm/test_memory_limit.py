@@ -5,7 +5,10 @@ The built-in GPT at 8 blocks of width 512 with Adam needs more than the ``--mem-
 in each of two data-parallel replicas: the kernel's out-of-memory killer ends the job, Slurm says so in
 the job's log and state (``OUT_OF_MEMORY``). The same model split into 2 pipeline stages holds half
 of the parameters, gradients and optimizer state on each rank and trains to the end in the same
-limit. Each rank's peak memory is in both runs' summaries and the test compares them."""
+limit, and so does the model sharded over the two ranks at ZeRO's stage 3 (``shard.stage=3``: each
+rank holds half of the parameters, gradients and optimizer state, and one unit's gathered
+parameters at a time). Each rank's peak memory is in the runs' summaries and the test compares
+them."""
 
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ def run_job(tmp_path, corpus, *overrides: str) -> tuple[str, str]:
     return job_id, wait_state(job_id, ENDED, timeout=420)
 
 
-def test_a_replica_over_the_limit_is_killed_and_two_stages_train_in_it(cluster, corpus, tmp_path):
+def test_a_replica_over_the_limit_is_killed_and_two_stages_or_shards_train_in_it(cluster, corpus,
+                                                                                 tmp_path):
     job_id, state = run_job(tmp_path / "replicas", corpus, "pipeline.stages=1")
     log = job_log(tmp_path / "replicas" / "run", job_id)
     assert state == "OUT_OF_MEMORY", log
@@ -48,4 +52,10 @@ def test_a_replica_over_the_limit_is_killed_and_two_stages_train_in_it(cluster, 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     # each stage's rank peaks well under one full replica (which the first job could not hold)
+    assert max(summary["peak_rss_mb"]) < 950, summary["peak_rss_mb"]
+    job_id, state = run_job(tmp_path / "shards", corpus, "shard.stage=3")
+    run_dir = tmp_path / "shards" / "run"
+    assert state == "COMPLETED", job_log(run_dir, job_id)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["shard_stage"] == 3
     assert max(summary["peak_rss_mb"]) < 950, summary["peak_rss_mb"]
