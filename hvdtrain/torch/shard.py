@@ -11,10 +11,11 @@ input); the gradients themselves live in one flat buffer. That is ZeRO stage 1's
 the arithmetic is the ring's (an average, then the same element-wise update), so a sharded run
 trains as a ring run of the same ranks.
 
-Checkpoints hold the optimizer state in the whole model's layout, the one Horovod's
-``DistributedOptimizer`` writes on the ring: rank 0 gathers the shards before it writes, and a
-restored state is cut into the shards of the current world. So a checkpoint moves between the
-ring, the sharded update and other numbers of ranks.
+Checkpoints: every rank writes its own shard (:mod:`hvdtrain.torch.shard_files`). A state in the
+whole model's layout, the one Horovod's ``DistributedOptimizer`` writes on the ring (a ring
+checkpoint, or a sharded one written before), is cut into the shards of the current world on
+restore (:func:`broadcast_shards`); :meth:`ShardedOptimizer.gather` still collects that layout
+onto rank 0 for a caller of ``state_dict``.
 """
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ of every unit, which its optimizer (the run's class and settings) steps.
   its gradient is reduce-scattered and the gathered parameters are freed. The parameters stay
   sharded after training; :meth:`UnitSharding.gather_all` makes them whole (a collective).
 
-Checkpoints hold the model and the optimizer state in the ring's layout, as at stage 1
-(:mod:`hvdtrain.torch.shard`): rank 0 gathers them, and a restored state is cut into the current
-world's shards, so a run resumes at another stage or number of ranks.
+Checkpoints: every rank writes its own shards (:mod:`hvdtrain.torch.shard_files`), so a run
+resumes at another stage or number of ranks. A state in the ring's layout (a ring checkpoint, or
+a sharded one written before) is cut into the current world's shards on restore, as at stage 1
+(:mod:`hvdtrain.torch.shard`).
 """
 
 from __future__ import annotations
