@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     extra = ["train.epochs=2"] if args.quick else []
     work = Path(args.work)
     out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": names}
-    for seed in range(args.seeds):
+    for seed in range(args.seed_from, args.seed_from + args.seeds):
         records = comp.job("torch", DATASET, seed, names, work / "torch", extra=extra)
         for r in records:
             run_dir = work / "torch" / f"{DATASET}-sgd-{r['method']}-s{seed}"
@@ -105,6 +105,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             None, *(int(s) for s in args.hook_starts.split(",") if s)]
         out["hook"][seed] = {("ddp" if s is None else f"hook{s}"): hook_job(seed, s, args.quick)
                             for s in starts}
+    return out
+
+
+def merge(paths: Sequence[str]) -> dict[str, Any]:
+    """The records of several ``--json`` files (jobs of other seeds, the same variants)."""
+    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": []}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        out["names"] = out["names"] or data["names"]
+        if data["names"] != out["names"]:
+            raise harness.BenchError(f"{path}: other variants than the first file's")
+        out["hvdtrain"].update({int(s): r for s, r in data["hvdtrain"].items()})
+        out["hook"].update({int(s): r for s, r in data["hook"].items()})
     return out
 
 
@@ -160,6 +173,8 @@ def report(data: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seed-from", type=int, default=0,
+                   help="the first seed (a measurement split into jobs of a seed each)")
     p.add_argument("--methods", default="topk,powersgd")
     p.add_argument("--dense", default="0,250",
                    help="comm.dense_steps values per method (-1: the config's default)")
@@ -170,8 +185,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/hvdtrain-bench-convergence")
     p.add_argument("--quick", action="store_true", help="2 epochs, a check of the script")
     p.add_argument("--json", default="", help="also write the raw records here")
+    p.add_argument("--merge", default="",
+                   help="comma-separated --json files of earlier jobs: report them together, "
+                        "run nothing")
     args = p.parse_args(argv)
-    data = run(args)
+    data = merge(args.merge.split(",")) if args.merge else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(data, default=str))
     print(report(data))

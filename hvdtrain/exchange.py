@@ -162,6 +162,11 @@ class GradientExchange(abc.ABC):
         """Continues as ``rank`` of ``size`` ranks, exchanging once every ``accumulation``
         micro-batches (elastic mode)."""
 
+    def run_length(self, total_steps: int) -> None:
+        """The run ends at step ``total_steps`` (the same on every rank), told before its first
+        step and again after an elastic resize; the compressing exchange resolves its dense start
+        (``comm.dense_fraction``) from it. No-op here."""
+
     def gather(self) -> None:
         """Collects every rank's own state onto every rank before a checkpoint (a collective)."""
 

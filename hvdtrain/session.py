@@ -13,6 +13,7 @@ from hvdtrain.config import Config
 from hvdtrain.data.contracts import Dataset
 from hvdtrain.engine import Engine
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import GradientExchange
 from hvdtrain.loop import Callback, Loop, Position, make_sampler, total_steps
 from hvdtrain.observe.records import MetricsLogger, make_logger
 from hvdtrain.rundir import RunDir
@@ -28,6 +29,15 @@ class Start:
     error: HvdtrainError | None = None
     """A problem rank 0 found before training; every rank raises it (its type picks the exit
     code), so all stop together."""
+
+
+def tell_run_length(engine: Engine, total: int) -> None:
+    """Tells the engine's gradient exchange that the run ends at step ``total`` (the compressing
+    exchange's dense start is a fraction of it, ``comm.dense_fraction``); an engine without an
+    exchange (a test's) has nothing to tell."""
+    exchange = getattr(engine, "exchange", None)
+    if isinstance(exchange, GradientExchange):
+        exchange.run_length(total)
 
 
 class Session:
@@ -49,6 +59,7 @@ class Session:
         ``position`` to the end of the run; returns the summary."""
         sampler = make_sampler(self.cfg, len(self.dataset.train()), world.accumulation)
         total = total_steps(self.cfg.train, sampler, world.size, position)
+        tell_run_length(self.engine, total)
         logger = self._logger(total, position.step)
         logger.restart(position.step, total)  # a logger kept over an elastic reset: new total
         self.loop = Loop(self.cfg, world, self.engine, self.dataset, self.checkpoints, logger,

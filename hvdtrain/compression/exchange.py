@@ -126,6 +126,11 @@ class Exchange(GradientExchange):
             self.rank, self.size = rank, size
             self._build()
 
+    def run_length(self, total_steps: int) -> None:
+        """The run's length: the dense start, where ``comm.dense_steps`` is -1, is
+        ``comm.dense_fraction`` of it (:func:`hvdtrain.compression.rules.dense_start`)."""
+        self.rule.run_length(total_steps)
+
     def run(self, grads: Sequence[Tensor]) -> list[Tensor]:
         """The average over the ranks of each gradient (one per shape, in the plan's order)."""
         self.step += 1

@@ -10,10 +10,12 @@ framework swaps its optimizer for plain SGD (no momentum, no decay) that applies
 :mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
 
 The step schedule, one for every method and rule (docs/compression.md, "Dense start"): steps
-1 to ``comm.dense_steps`` average every tensor dense (float32) and keep no error feedback, so
-PowerSGD's warm-started ``Q`` and every residual begin at step ``dense_steps + 1`` (torch's
-``start_powerSGD_iter``); compressed Adam estimates its variance over those steps (its dense
-warm-up) and DGC's density warm-up runs over the ``sparsity_warmup_steps`` steps after them.
+1 to ``comm.dense_steps`` (by default ``comm.dense_fraction`` of the run's steps, resolved by
+:func:`dense_start` when the trainer tells the exchange the run's length) average every tensor
+dense (float32) and keep no error feedback, so PowerSGD's warm-started ``Q`` and every residual
+begin at step ``dense_steps + 1`` (torch's ``start_powerSGD_iter``); compressed Adam estimates
+its variance over those steps (its dense warm-up) and DGC's density warm-up runs over the
+``sparsity_warmup_steps`` steps after them.
 
 A rule's stages never read the step number itself: what changes the shape of a step's work (the
 dense start, the density warm-up's ratio) is its :class:`Phase`, and the numbers that change
@@ -48,6 +50,7 @@ class RuleSettings(Protocol):
     sparsity_warmup_steps: int
     compress_momentum: bool
     dense_steps: int
+    dense_fraction: float
     rank: int
     adaptive: bool
     adaptive_interval: int
@@ -133,6 +136,15 @@ class Accordion:
         self.low, self.count = bool(low), int(count)
 
 
+def dense_start(dense_steps: int, dense_fraction: float, total_steps: int) -> int:
+    """The dense start's steps: ``dense_steps`` where it is set (0 or more); else (-1) the
+    ``dense_fraction`` of the run's ``total_steps``, rounded up, so that any fraction above 0
+    gives at least one dense step (compressed Adam needs one to estimate its variance)."""
+    if dense_steps >= 0:
+        return dense_steps
+    return min(total_steps, math.ceil(dense_fraction * total_steps - 1e-9))
+
+
 ACCORDION = "accordion"
 """The adaptive rule's entry in a checkpoint's compression state (not a slot: host numbers)."""
 
@@ -145,6 +157,9 @@ class Rule:
 
     def __init__(self, plan: Plan, comm: RuleSettings, opt: OptimizerSettings) -> None:
         self.plan, self.comm, self.opt = plan, comm, opt
+        self.dense_steps = max(comm.dense_steps, 0)
+        """Steps 1 to this average dense: ``comm.dense_steps``, or, where that is -1, 0 until
+        :meth:`run_length` resolves ``comm.dense_fraction`` of the run's steps."""
         self.accordion = (Accordion(comm.adaptive_interval, comm.adaptive_threshold)
                           if comm.adaptive and not plan.dense and not self.updates else None)
         """The adaptive rule (``comm.adaptive``), which the exchange shows every step's local
@@ -158,10 +173,16 @@ class Rule:
         """Whether compressed tensors keep error-feedback residuals at ``step``."""
         return self.plan.uses_feedback
 
+    def run_length(self, total_steps: int) -> None:
+        """The run ends at step ``total_steps`` (the same on every rank): resolves the dense
+        start (:func:`dense_start`)."""
+        self.dense_steps = dense_start(self.comm.dense_steps, self.comm.dense_fraction,
+                                       total_steps)
+
     def dense_now(self, step: int) -> bool:
         """Whether every tensor travels dense (float32) at ``step``: the dense start, steps 1 to
-        ``comm.dense_steps``."""
-        return step <= self.comm.dense_steps
+        :attr:`dense_steps`."""
+        return step <= self.dense_steps
 
     def begin_step(self, step: int) -> Phase:
         """Host-side preparation of ``step`` (before any stage); its phase."""
@@ -211,7 +232,7 @@ class DGC(Rule):
 
     def begin_step(self, step: int) -> Phase:
         # The density warm-up starts where the dense start ends.
-        self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step - self.comm.dense_steps,
+        self.plan.ratio = ref.warmup_ratio(self.comm.ratio, step - self.dense_steps,
                                            self.comm.sparsity_warmup_steps)
         return super().begin_step(step)
 
@@ -246,7 +267,7 @@ class DGC(Rule):
 
 class CompressedAdam(Rule):
     """Adam and AdamW with compressed momentum after a dense warm-up (1-bit Adam, 0/1 Adam): the
-    dense start, ``comm.dense_steps`` (at least 1 with this rule), is that warm-up."""
+    dense start, :attr:`Rule.dense_steps` (at least 1 with this rule), is that warm-up."""
 
     updates = True
 
@@ -291,7 +312,7 @@ class CompressedAdam(Rule):
         scalars = ctx.scalars or {}
         if compressed:  # the mean of the ranks' compressed momenta; the variance stays frozen
             m, v = mean, self.frozen_variance(ctx, t, mean)
-            v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** self.comm.dense_steps)
+            v_scale: Tensor = 1.0 / (1.0 - o.beta2 ** max(self.dense_steps, 1))
         else:
             m = ctx.store.read(m_key) * o.beta1 + mean * (1.0 - o.beta1)
             v = ctx.store.read(v_key) * o.beta2 + mean * mean * (1.0 - o.beta2)

@@ -299,6 +299,7 @@ class Trainer(OwnLoop):
             return  # accumulating: the exchange runs once per global batch
         if self.schedule:
             self.engine.kernels.set_lr(self.lr())
+        self.engine.exchange.run_length(self.total_steps)  # comm.dense_fraction's steps
         self.engine._stats = exchange_and_update(self.engine.kernels, self.engine.exchange)
         self._advance()
         self.pending = True

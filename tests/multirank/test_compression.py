@@ -18,12 +18,14 @@ from tests.multirank.conftest import Launch, launch_worker
 # Random-k runs DGC (SGD momentum, docs/compression.md) in both frameworks, and so does
 # TensorFlow's top-k, whose accuracy is held to uncompressed training's like the others (PyTorch's
 # top-k stays plain error feedback, the default); the density warm-up (250 steps by default, most
-# of these runs) is off so that the byte ratios are those of comm.ratio throughout.
-RUNS = ["qsgd:comm.compression=qsgd",
-        "topk:comm.compression=topk,comm.ratio=0.01,comm.min_size=0",
-        "powersgd:comm.compression=powersgd,comm.rank=2",
+# of these runs) is off so that the byte ratios are those of comm.ratio throughout, and so is the
+# dense start (comm.dense_fraction of the steps by default: test_compression_schedule.py).
+NO_DENSE = ",comm.dense_steps=0"
+RUNS = ["qsgd:comm.compression=qsgd" + NO_DENSE,
+        "topk:comm.compression=topk,comm.ratio=0.01,comm.min_size=0" + NO_DENSE,
+        "powersgd:comm.compression=powersgd,comm.rank=2" + NO_DENSE,
         "randomk:comm.compression=randomk,comm.min_size=0,train.backward_passes_per_step=2,"
-        "data.batch_size=16,train.epochs=3,checkpoint.every_steps=50"]
+        "data.batch_size=16,train.epochs=3,checkpoint.every_steps=50" + NO_DENSE]
 DGC = ",comm.momentum_correction=true,comm.sparsity_warmup_steps=0"
 DGC_RUNS = {"torch": ("randomk",), "tensorflow": ("randomk", "topk")}
 FRAMEWORKS = pytest.mark.parametrize("framework", ["torch", "tensorflow"])

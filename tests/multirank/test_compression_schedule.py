@@ -1,5 +1,6 @@
 """The compressing exchange's step schedule at 2 ranks (horovodrun --gloo), in both frameworks:
-the dense start makes the first ``comm.dense_steps`` steps exactly ``none``'s average, and the
+the dense start makes the first ``comm.dense_steps`` steps exactly ``none``'s average (by default
+``comm.dense_fraction`` of the run's steps, which ``hvdtrain train`` tells the exchange), and the
 adaptive switch takes the same decision on both ranks, visible in the bytes sent
 (``compress_schedule_worker.py``; the schedule's logic on simulated ranks:
 tests/unit/test_compression_schedule.py)."""
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from hvdtrain.compression import make_plan
+from hvdtrain.compression.rules import dense_start
+from hvdtrain.config import CommConfig
 from tests.conftest import horovodrun, read_jsonl
 from tests.multirank.compress_schedule_worker import DENSE, INTERVAL, RUNS, SHAPES, STEPS
 from tests.multirank.conftest import PYTHON, launch_worker
@@ -69,3 +72,24 @@ def test_a_training_with_a_dense_start_is_none_until_the_method_starts(framework
     later = [step for step in none if step > 6 and step in topk]
     assert all(topk[s]["wire_bytes"] * 10 < none[s]["wire_bytes"] for s in later)
     assert max(abs(topk[s]["loss"] - none[s]["loss"]) / none[s]["loss"] for s in later) > 1e-3
+
+
+@pytest.mark.parametrize("framework", ["torch", pytest.param("tensorflow", marks=pytest.mark.long)])
+@pytest.mark.timeout(900)
+def test_topk_alone_runs_dense_for_the_default_fraction_of_the_run_then_compressed(framework,
+                                                                                    tmp_path):
+    """``comm.compression=topk`` and nothing else (digits, 2 ranks, 75 steps): the first
+    ``dense_fraction`` x 75 steps, rounded up (3), send ``none``'s bytes (the float32 gradients), every later
+    step top-k's, as ``metrics.jsonl`` logs them step by step."""
+    steps = 75
+    launch_worker(2, "gloo", framework, tmp_path, [
+        f"topk:comm.compression=topk,train.max_steps={steps},log.every_steps=1"])
+    logged = {r["step"]: r for r in read_jsonl(tmp_path / "topk" / "metrics.jsonl")
+              if "wire_bytes" in r}
+    dense = dense_start(-1, CommConfig().dense_fraction, steps)
+    assert dense == 3 and sorted(logged) == list(range(1, steps + 1))
+    for step, record in logged.items():
+        if step <= dense:
+            assert record["wire_bytes"] == record["dense_bytes"] > 0, record
+        else:
+            assert 0 < 10 * record["wire_bytes"] < record["dense_bytes"], record

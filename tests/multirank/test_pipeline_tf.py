@@ -27,7 +27,8 @@ COMMON = ("model.options.hidden=[32],optim.lr=0.05,optim.scale_lr=false,optim.wa
 PIPE = COMMON + ",pipeline.stages=2,pipeline.microbatches=4,pipeline.schedule={s}"
 NP4 = {"gpipe": PIPE.format(b=8, s="gpipe"),
        "1f1b": PIPE.format(b=8, s="1f1b") + ",pipeline.split=[2]",  # by index: shapes by message
-       "qsgd": PIPE.format(b=8, s="1f1b") + ",comm.compression=qsgd"}
+       # qsgd from the first step (no dense start): every step's bytes are the plan's
+       "qsgd": PIPE.format(b=8, s="1f1b") + ",comm.compression=qsgd,comm.dense_steps=0"}
 NP2 = {"gpipe": PIPE.format(b=16, s="gpipe"), "1f1b": PIPE.format(b=16, s="1f1b")}
 LONG = pytest.mark.long
 # The launches: per (np, controller), groups of runs, each group one launch.

@@ -38,6 +38,7 @@ def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
     ``c.dense_steps`` of plain momentum SGD on the dense mean, whose velocity every rank's DGC
     velocity then starts from; the density warm-up counts from the end of the dense start."""
     plan = make_plan(c, SEED, SHAPES)
+    dense = max(c.dense_steps, 0)  # -1: a fraction of the run, 0 where no trainer tells its length
     u = {(r, i): np.zeros(int(np.prod(s)), F32) for r in range(size) for i, s in enumerate(SHAPES)}
     v = {key: value.copy() for key, value in u.items()}
     dense_u = {i: np.zeros(int(np.prod(s)), F32) for i, s in enumerate(SHAPES)}
@@ -48,11 +49,11 @@ def dgc_by_hand(c: CommConfig, size: int, steps: int) -> list[list[np.ndarray]]:
         if c.clip_norm:
             grads = [[g * ref.clip_factor(gs, c.clip_norm / np.sqrt(size)) for g in gs]
                      for gs in grads]
-        ratio = ref.warmup_ratio(c.ratio, step - c.dense_steps, c.sparsity_warmup_steps)
+        ratio = ref.warmup_ratio(c.ratio, step - dense, c.sparsity_warmup_steps)
         row = []
         for t in plan.tensors:
             i, n = t.index, t.size
-            if t.compressed and step <= c.dense_steps:
+            if t.compressed and step <= dense:
                 dense_u[i] = dense_u[i] * F32(0.9) + ref.dense_mean([g[i] for g in grads])
                 for r in range(size):
                     u[r, i] = dense_u[i].copy()
@@ -224,10 +225,30 @@ def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, pe
         np.testing.assert_allclose(arrays[per_rank], want, rtol=1e-6)
 
 
-def test_adam_warm_up_must_leave_a_variance_to_freeze():
-    with pytest.raises(ConfigError, match=r"comm.compress_momentum=true needs comm.dense_steps >= 1"):
+@pytest.mark.parametrize("off", ["comm.dense_steps=0", "comm.dense_fraction=0"])
+def test_adam_warm_up_must_leave_a_variance_to_freeze(off):
+    with pytest.raises(ConfigError, match=r"comm.compress_momentum=true needs a dense start "
+                                          r"\(comm.dense_steps >= 1, or -1 with "
+                                          r"comm.dense_fraction > 0\)"):
         load_config(None, ["comm.compression=topk", "optim.name=adam", "comm.compress_momentum=true",
-                           "comm.dense_steps=0"], environ={})
+                           off], environ={})
+
+
+def test_a_dense_fraction_beside_a_count_of_dense_steps_is_refused():
+    assert refusal(["comm.compression=topk", "comm.dense_steps=10", "comm.dense_fraction=0.1"]) == (
+        "comm.dense_fraction=0.1 does nothing with comm.dense_steps=10: a count of dense steps "
+        "wins over the fraction; set comm.dense_steps=-1 to use the fraction")
+    cfg = load_config(None, ["comm.compression=topk", "comm.dense_steps=-1",
+                             "comm.dense_fraction=0.1"], environ={})
+    assert (cfg.comm.dense_steps, cfg.comm.dense_fraction) == (-1, 0.1)
+
+
+@pytest.mark.parametrize(("key", "value", "default"), [("dense_steps", "5", "-1"),
+                                                       ("dense_fraction", "0.1", "0.03")])
+def test_the_dense_start_is_refused_with_parameter_servers(key, value, default):
+    assert refusal(["comm.topology=ps", "comm.compression=topk", f"comm.{key}={value}"]) == (
+        f"comm.{key}={value} does nothing with comm.topology='ps': the parameter servers' codec "
+        f"compresses from the first step; leave it at its default {default}")
 
 
 def test_the_old_adam_warm_up_key_names_the_dense_start():
@@ -283,7 +304,11 @@ METHOD_KEYS = [("ratio", "0.1", "0.01", ("topk", "randomk"), "topk and randomk")
                ("min_size", "0", "1024", ("topk", "randomk", "qsgd", "powersgd"),
                 "topk, randomk, qsgd and powersgd"),
                ("error_feedback", "false", "true", ("topk", "randomk", "powersgd"),
-                "topk, randomk and powersgd")]
+                "topk, randomk and powersgd"),
+               ("dense_steps", "5", "-1", ("topk", "randomk", "qsgd", "powersgd"),
+                "topk, randomk, qsgd and powersgd"),
+               ("dense_fraction", "0.1", "0.03", ("topk", "randomk", "qsgd", "powersgd"),
+                "topk, randomk, qsgd and powersgd")]
 """Each method parameter: a value, its default, the methods that read it, as the message lists them."""
 METHODS = ("none", "fp16", "topk", "randomk", "qsgd", "powersgd")
 STAGES = ["pipeline.stages=2", "pipeline.microbatches=2"]

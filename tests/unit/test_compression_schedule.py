@@ -10,7 +10,7 @@ import pytest
 
 from hvdtrain.compression import make_plan
 from hvdtrain.compression import reference as ref
-from hvdtrain.compression.rules import Accordion
+from hvdtrain.compression.rules import Accordion, dense_start
 from hvdtrain.config import CommConfig
 from tests.unit.numpy_world import Hub, NumpyExchange
 from tests.unit.test_compression_exchange import SEED, SHAPES, comm, grads_of, on_ranks
@@ -51,6 +51,75 @@ def test_the_dense_start_averages_dense_then_the_method_starts_afresh(method):
             assert wire == want_wire < dense
             for g, w in zip(got, want, strict=True):
                 np.testing.assert_array_equal(g, w)
+
+
+def test_the_default_dense_start_is_a_fraction_of_the_runs_steps_rounded_up():
+    """``comm.dense_steps: -1`` (the default) takes ``comm.dense_fraction`` of the run's steps,
+    rounded up (a fraction that is a whole number of steps stays that number); a count of 0 or
+    more is kept whatever the fraction."""
+    default = CommConfig()
+    assert (default.dense_steps, default.dense_fraction) == (-1, 0.03)
+    assert dense_start(-1, 0.03, 3780) == 114  # 113.4: the MNIST-1D CNN's 60 epochs
+    assert dense_start(-1, 0.04, 3780) == 152
+    assert dense_start(-1, 0.04, 75) == 3  # 3.0000000000000004 in floating point
+    assert dense_start(-1, 0.04, 10) == 1  # any fraction above 0: at least one step
+    assert dense_start(-1, 0.0, 1000) == 0
+    assert dense_start(-1, 1.0, 20) == 20
+    assert dense_start(0, 0.5, 100) == 0 and dense_start(7, 0.5, 100) == 7
+
+
+def told(c: CommConfig, total: int, steps: range, state: list[dict] | None = None) -> list[Any]:
+    """:func:`run`'s outputs from exchanges told that the run ends at ``total``; with ``state``
+    (each rank's :meth:`state_dict`, rank 0's read back) they resume from it first. Also each
+    rank's state after the steps."""
+    def rank(r: int, hub: Hub) -> tuple[list, dict]:
+        exchange = NumpyExchange(make_plan(c, SEED, SHAPES), r, SIZE, hub)
+        if state is not None:
+            if r == 0:
+                exchange.load_state_dict(state[0], "test")
+            exchange.broadcast(root_rank=0)
+        exchange.run_length(total)
+        out = []
+        for s in steps:
+            got = exchange.run(grads_of(r, s))
+            out.append((got, exchange.stats["wire_bytes"], exchange.stats["dense_bytes"]))
+        exchange.gather()
+        return out, exchange.state_dict()
+    return on_ranks(SIZE, rank)
+
+
+@pytest.mark.parametrize("method", ["topk", "powersgd"])
+def test_the_fraction_resolves_when_the_exchange_is_told_the_runs_length(method):
+    """Told that the run ends at step 40, the default settings with ``dense_fraction=0.1`` run
+    exactly ``dense_steps=4``; never told (code that builds an exchange itself), the exchange
+    compresses from the first step."""
+    c = comm(method, dense_fraction=0.1)
+    got = told(c, 40, range(1, 8))
+    want = run(comm(method, dense_steps=4), range(1, 8))
+    untold = run(c, range(1, 8))
+    for r in range(SIZE):
+        assert [w for _, w, _ in got[r][0]] == [w for _, w, _ in want[r]]
+        assert [w == d for _, w, d in got[r][0]] == [True] * 4 + [False] * 3
+        assert all(w < d for _, w, d in untold[r])
+        for (g, _, _), (w, _, _) in zip(got[r][0], want[r], strict=True):
+            for a, b in zip(g, w, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("stop", [2, 4, 5])
+def test_a_resume_inside_or_after_the_fractions_dense_start_continues_the_same(stop):
+    """A run of 40 steps at ``dense_fraction=0.1`` (4 dense steps) stopped after step ``stop``
+    and resumed from its state (the exchange's step travels in it) sends and averages what the
+    run without a stop does."""
+    c = comm("topk", dense_fraction=0.1)
+    whole = told(c, 40, range(1, 9))
+    first = told(c, 40, range(1, stop + 1))
+    resumed = told(c, 40, range(stop + 1, 9), state=[s for _, s in first])
+    for r in range(SIZE):
+        assert [w for _, w, _ in resumed[r][0]] == [w for _, w, _ in whole[r][0][stop:]]
+        for (g, _, _), (w, _, _) in zip(resumed[r][0], whole[r][0][stop:], strict=True):
+            for a, b in zip(g, w, strict=True):
+                np.testing.assert_array_equal(a, b)
 
 
 def test_accordion_compresses_less_where_the_norm_moves():
