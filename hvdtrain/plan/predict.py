@@ -465,8 +465,14 @@ def _unit_sharded(ctx: _Ctx, stage: int) -> Prediction:
         got: ShardStep = (stage2_step(units, upd, scatter, half, ratio) if stage == 2 else
                           stage3_step(units, upd, scatter, half, ctx.knobs.prefetch,
                                       ctx.knobs.reshard, ratio))
-        pred.wire_bytes = got.wire_bytes
-        return got.seconds, [Segment(*seg) for seg in got.segments]
+        # Each accumulated pass before the last has its collectives too (_sweep adds their
+        # compute): the pass's time beyond its compute, once for each.
+        extra = (ctx.knobs.accumulation - 1) * max(0.0, got.pass_s - ctx.fwd - ctx.bwd)
+        pred.wire_bytes = got.wire_bytes + (ctx.knobs.accumulation - 1) * got.pass_wire
+        segs = [Segment(lane, label, a + extra, b + extra) for lane, label, a, b in got.segments]
+        if extra:
+            segs.insert(0, Segment("comm", "the accumulated passes' collectives", 0.0, extra))
+        return got.seconds + extra, segs
     return _sweep(ctx, pred, step, memory=lambda n: _memory(ctx, n, stage))
 
 

@@ -67,6 +67,12 @@ class ShardStep:
     """``(lane, label, start, end)``."""
     wire_bytes: float = 0.0
     """Unit bytes reduce-scattered and all-gathered a step (the whole unit's, for each)."""
+    pass_s: float = 0.0
+    """One forward and backward pass with its collectives, to the last reduce-scatter's end:
+    what each accumulated pass before the step's last takes (``train.backward_passes_per_step``:
+    stages 2-3 reduce-scatter, and stage 3 gathers, in every pass)."""
+    pass_wire: float = 0.0
+    """The bytes of :attr:`pass_s`'s collectives."""
 
 
 class _Run:
@@ -117,6 +123,7 @@ def stage2_step(units: Sequence[ShardUnit], update_s: float, scatter: Cost, gath
         run.compute(f"backward {unit.name}", unit.backward_s)
         run.scatter(unit, scatter, unit.bytes * scatter_ratio)
     run.settle()
+    run.step.pass_s, run.step.pass_wire = run.t, run.step.wire_bytes
     run.compute("update of this rank's shards", update_s)
     for unit in units:
         run.wait(run.collective("all-gather", unit, gather(unit.bytes), unit.bytes))
@@ -142,6 +149,7 @@ def stage3_step(units: Sequence[ShardUnit], update_s: float, scatter: Cost, gath
     for root in (u for u in units if u.root):
         run.scatter(root, scatter, root.bytes * scatter_ratio)
     run.settle()
+    run.step.pass_s, run.step.pass_wire = run.t, run.step.wire_bytes
     run.compute("update of this rank's shards", update_s)
     run.step.seconds = run.t
     return run.step

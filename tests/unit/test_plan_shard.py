@@ -207,3 +207,18 @@ def test_a_config_sharded_within_nodes_is_refused() -> None:
     cfg = load_config(CONFIG, ["shard.stage=2", "shard.group=node"], environ={})
     with pytest.raises(ConfigError, match=re.escape(GROUP_UNPRICED)):
         configured_setting(cfg, cluster_from_tree(TWO), knobs_of(cfg))
+
+
+def test_accumulated_passes_carry_their_collectives() -> None:
+    """train.backward_passes_per_step=3: stages 2-3 reduce-scatter (and stage 3 gathers) in
+    every pass, stage 1 once a step (docs/sharding.md's wire_bytes)."""
+    cluster = cluster_from_tree(TWO)
+    one, three = _rows(cluster, Knobs(8)), _rows(cluster, Knobs(8, accumulation=3))
+    m = 2 * LAYER_BYTES
+    assert [three[f"shard stage {s}"].wire_bytes for s in (1, 2, 3)] == pytest.approx(
+        [2 * m, 3 * m + m, 3 * 3 * m])
+    # Each earlier pass: its compute (0.6) and, at stage 3, what its gathers and last
+    # reduce-scatter add beyond it (0.75 - 0.6; stage 2's last reduce-scatter: 0.05).
+    for stage, beyond in ((1, 0.0), (2, 0.05), (3, 0.15)):
+        want = _step(one[f"shard stage {stage}"]) + 2 * (0.6 + beyond)
+        assert _step(three[f"shard stage {stage}"]) == pytest.approx(want), stage
