@@ -6,8 +6,8 @@ Four ranks as two "nodes" of two under Gloo: ``horovodrun -H localhost:2,127.0.0
 ranks 0-1 local size 2 on node 0 and ranks 2-3 on node 1 (Horovod's ``local_rank``,
 ``local_size`` and ``cross_rank``), so the shard groups are [0, 1] and [2, 3] and the replica
 sets [0, 2] and [1, 3]. One launch: stages 1 and 3 hybrid, then the ring (the hybrid runs come
-first: Horovod starts with the dynamic process sets they need). Stage 2, the checkpoint round trip
-and fp16 on the wire are marked ``long``.
+first: Horovod starts with the dynamic process sets they need). Stage 2, the checkpoint round trip,
+fp16 on the wire, one node and uneven nodes are marked ``long``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,16 @@ TOLERANCE = 1e-5
 HOSTS = "localhost:2,127.0.0.1:2"
 
 
-def two_nodes(out: Path, runs: list[str]) -> Launch:
-    """The worker at 4 ranks on two "hosts" of one machine, 2 ranks each, under Gloo."""
-    cmd = [str(BIN / "horovodrun"), "-np", "4", "-H", HOSTS, "--gloo", PYTHON, WORKER, str(out),
-           str(CONFIG), *runs]
-    proc = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True,
+def launch(argv: list[str], hosts: str = HOSTS, np_: int = 4) -> subprocess.CompletedProcess:
+    """``argv`` at ``np_`` ranks on the "hosts" of one machine, under Gloo."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", hosts, "--gloo", *argv]
+    return subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True,
                           timeout=900)
+
+
+def two_nodes(out: Path, runs: list[str], hosts: str = HOSTS, np_: int = 4) -> Launch:
+    """The worker at 4 ranks on two "hosts" of one machine, 2 ranks each (or ``hosts``)."""
+    proc = launch([PYTHON, WORKER, str(out), str(CONFIG), *runs], hosts, np_)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return Launch("torch", "gloo", out)
 
@@ -116,3 +120,20 @@ def test_stage_two_fp16_and_checkpoints_within_a_node(tmp_path_factory):
         np.testing.assert_allclose(fp16[key], ring[key], atol=1e-2, rtol=0)
     logged = [r for r in read_jsonl(out / "h2_fp16" / "metrics.jsonl") if "wire_bytes" in r]
     assert logged and {r["cross_node_bytes"] for r in logged} == {2 * (PARAMETERS // 2)}
+
+
+@pytest.mark.long
+def test_one_node_is_sharding_over_all_and_uneven_nodes_are_refused(tmp_path_factory):
+    """On one node shard.group=node is shard.group=all (2 ranks on one host: equal to the
+    bit); nodes of 3 and 1 ranks stop the run at its start with one line."""
+    out = tmp_path_factory.mktemp("shard-hybrid-one-node")
+    one = two_nodes(out, [f"node:{ADAM},shard.stage=3,{NODE}", f"all:{ADAM},shard.stage=3"],
+                    hosts="localhost:2", np_=2)
+    node, every = one.rank("node", 0)[0], one.rank("all", 0)[0]
+    assert node.keys() == every.keys() and all(np.array_equal(node[k], every[k]) for k in node)
+    assert one.summary("node")["shard_ranks"] == 2
+    proc = launch([str(BIN / "hvdtrain"), "train", str(CONFIG), "shard.stage=1", NODE,
+                   "train.max_steps=1", f"log.dir={out / 'uneven'}"], hosts="localhost:3,127.0.0.1:1")
+    assert proc.returncode != 0
+    assert ("shard.group=node with [1, 3] ranks on different nodes: launch the same number of "
+            "ranks on every node, or use shard.group=all") in proc.stdout + proc.stderr
