@@ -12,9 +12,9 @@ hand-written loop hard-codes (``hvdtrain_worker.overrides``).
 
 The interleaved job calls :func:`run_torch` as variant ``api_worker:api_torch``, and
 :func:`run_tf`, ``handwritten_tf.py``'s loop on :class:`hvdtrain.tensorflow.tape.TapeTrainer`, as
-``api_worker:api_tf``: its forward pass runs eagerly under the user's ``tf.GradientTape`` (the API
-takes the tape), where the hand-written loop traces forward, allreduce and update into one
-``tf.function``.
+``api_worker:api_tf``: the hand-written loop's ``@tf.function`` step becomes ``@trainer.function``
+(docs/own-loop.md's recommended form), which traces forward, allreduce and update into one
+function as the hand-written step does; ``api_worker:api_tf_eager`` runs the same loop eagerly.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def run_torch(epochs: int, out_dir: Path) -> dict[str, Any]:
                                 clock, epochs)
 
 
-def run_tf(epochs: int, out_dir: Path) -> dict[str, Any]:
-    """``handwritten_tf.py``'s loop on :class:`TapeTrainer`; returns a measurement."""
+def run_tf(epochs: int, out_dir: Path, traced: bool = True) -> dict[str, Any]:
+    """``handwritten_tf.py``'s loop on :class:`TapeTrainer`, its step decorated with
+    ``@trainer.function`` (``traced``) or run eagerly; returns a measurement."""
     import keras
     import tensorflow as tf
 
@@ -104,6 +105,16 @@ def run_tf(epochs: int, out_dir: Path) -> dict[str, Any]:
     batches = trainer.dataset(train_x, train_y)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
+    def train_step(x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        trainer.apply_gradients(tape, loss)
+        return loss
+
+    # As the hand-written step: one trace, a free batch dimension for the short last batch.
+    signature = [tf.TensorSpec([None, handwritten_tf.NUM_FEATURES], tf.float32),
+                 tf.TensorSpec([None], tf.int64)]
+    step = trainer.function(train_step, input_signature=signature) if traced else train_step
     clock = workload.Clock()
     started = time.perf_counter()
     steps = 0
@@ -111,9 +122,7 @@ def run_tf(epochs: int, out_dir: Path) -> dict[str, Any]:
         batches.set_epoch(epoch)
         for x, y in batches:
             clock.step()
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            trainer.apply_gradients(tape, loss)
+            step(x, y)
             steps += 1
     clock.evaluation()
     _, eval_accuracy = handwritten_tf.evaluate(model, test_x, test_y)
@@ -124,5 +133,10 @@ def run_tf(epochs: int, out_dir: Path) -> dict[str, Any]:
                                 clock, epochs)
 
 
-VARIANTS = {"api_torch": run_torch, "api_tf": run_tf}
+def run_tf_eager(epochs: int, out_dir: Path) -> dict[str, Any]:
+    """:func:`run_tf` with the step run eagerly (the API's form without ``@trainer.function``)."""
+    return run_tf(epochs, out_dir, traced=False)
+
+
+VARIANTS = {"api_torch": run_torch, "api_tf": run_tf, "api_tf_eager": run_tf_eager}
 """This worker's run functions by ``harness.Variant`` key."""

@@ -3,7 +3,9 @@ tests/multirank/test_keras_fit.py under ``horovodrun -np 2``.
 
 ``worker.py OUT CONFIG [overrides...]`` trains digits with fit and writes each rank's weights
 (``fit-rank<r>.npz``) and fit's history (``fit-rank<r>.json``); with
-``HVDTRAIN_TEST_SIGNAL_AT=<step>`` each rank sends itself SIGUSR1 after that step.
+``HVDTRAIN_TEST_SIGNAL_AT=<step>`` each rank sends itself SIGUSR1 after that step. With
+``HVDTRAIN_TEST_TRAIN_TOO=1`` it first runs ``hvdtrain train`` on the same config (its
+parameters in ``train-rank<r>.npz``) and fits the trainer's own model.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from hvdtrain.config import load_config
 from hvdtrain.data.digits import DigitsDataset
+from hvdtrain.driver import train
+from hvdtrain.tensorflow import MLP
 from hvdtrain.tensorflow.fit import KerasFit
 
 
@@ -35,12 +40,24 @@ class SignalAt(keras.callbacks.Callback):
 
 def main() -> None:
     out, config, *overrides = sys.argv[1:]
+    train_too = os.environ.get("HVDTRAIN_TEST_TRAIN_TOO") == "1"
+    if train_too:
+        result = train(load_config(config, [*overrides, f"log.dir={Path(out) / 'train'}"]))
+        assert result.engine is not None
+        np.savez(Path(out) / f"train-rank{result.engine.rank}.npz",
+                 *result.engine.parameters().values())
     run = KerasFit(config, [*overrides, f"log.dir={Path(out) / 'fit'}"])
-    model = keras.Sequential([keras.Input(shape=(64,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dense(10)])
+    if train_too:  # the trainer's model, built after the KerasFit seeded Keras as the trainer does
+        model = MLP(hidden=[128]).build(DigitsDataset().spec())
+    else:
+        model = keras.Sequential([keras.Input(shape=(64,)),
+                                  keras.layers.Dense(128, activation="relu"),
+                                  keras.layers.Dense(10)])
     model.compile(optimizer=run.optimizer(), jit_compile=False, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     run.setup(model)
+    if train_too:  # rank 0's start, to tell that fit trained
+        np.savez(Path(out) / f"init-rank{run.rank}.npz", *model.get_weights())
     split = DigitsDataset().train()
     callbacks = [*run.callbacks(), SignalAt(run, int(os.environ.get("HVDTRAIN_TEST_SIGNAL_AT", 0)))]
     data = run.dataset(split.x, split.y)

@@ -1,5 +1,5 @@
-"""The examples of docs/own-loop.md at two ranks: a PyTorch loop and a Keras ``fit`` as a Horovod
-user writes them, and each one converted to hvdtrain."""
+"""The examples of docs/own-loop.md at two ranks: a PyTorch loop, a Keras ``fit`` and a
+``tf.GradientTape`` loop as a Horovod user writes them, and each one converted to hvdtrain."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def check_trained(records: list[dict]) -> None:
 
 
 def test_the_hvdtrain_conversions_train_checkpoint_and_log(tmp_path):
-    for name in ("torch_hvdtrain", "keras_hvdtrain"):
+    for name in ("torch_hvdtrain", "keras_hvdtrain", "tape_hvdtrain"):
         out = tmp_path / name
         ranks = run_example(name, out, "log.console=false", "log.wandb=disabled")
         check_trained(ranks)
@@ -46,8 +46,9 @@ def test_the_hvdtrain_conversions_train_checkpoint_and_log(tmp_path):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("name", ["torch_horovod", "keras_horovod"])
+@pytest.mark.parametrize("name", ["torch_horovod", "keras_horovod", "tape_horovod"])
 def test_the_horovod_originals_train(tmp_path, name):
     check_trained(run_example(name, tmp_path))
-    saved = {"torch_horovod": "model.pt", "keras_horovod": "model.weights.h5"}[name]
+    saved = {"torch_horovod": "model.pt", "keras_horovod": "model.weights.h5",
+             "tape_horovod": "model.weights.h5"}[name]
     assert (tmp_path / saved).is_file()  # rank 0 saved

@@ -1,6 +1,7 @@
 """Keras 3 ``model.fit`` with hvdtrain's callbacks at two ranks (:mod:`hvdtrain.tensorflow.fit`,
-docs/own-loop.md): the ranks agree, the metrics are averaged, and a stop by signal plus a resume
-ends bit-identical to the uninterrupted run."""
+docs/own-loop.md): the ranks agree, the metrics are averaged, a stop by signal plus a resume
+ends bit-identical to the uninterrupted run, and fit ends with the parameters of ``hvdtrain
+train`` on the same model, data and config."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.conftest import TF_CONFIG, horovodrun
 
@@ -20,20 +22,21 @@ RUN = ["train.epochs=2", "data.batch_size=16", "log.every_steps=5", "log.console
        "log.wandb=disabled"]
 
 
-def launch(out: Path, *overrides: str, signal_at: int = 0):
+def launch(out: Path, *overrides: str, signal_at: int = 0, train_too: bool = False):
     out.mkdir(parents=True, exist_ok=True)
     saved = dict(os.environ)
     os.environ["HVDTRAIN_TEST_SIGNAL_AT"] = str(signal_at)
+    os.environ["HVDTRAIN_TEST_TRAIN_TOO"] = "1" if train_too else "0"
     try:
         return horovodrun(2, "gloo", [sys.executable, WORKER, str(out), str(TF_CONFIG), *RUN,
-                                      *overrides], timeout=600)
+                                      *overrides], timeout=900)
     finally:
         os.environ.clear()
         os.environ.update(saved)
 
 
-def weights(out: Path, rank: int) -> list[np.ndarray]:
-    with np.load(out / f"fit-rank{rank}.npz") as npz:
+def weights(out: Path, rank: int, name: str = "fit") -> list[np.ndarray]:
+    with np.load(out / f"{name}-rank{rank}.npz") as npz:
         return [npz[f"arr_{i}"] for i in range(len(npz.files))]
 
 
@@ -64,3 +67,20 @@ def test_fit_averages_metrics_and_resumes_bit_identical_after_a_stop(tmp_path):
         for a, b in zip(weights(tmp_path / "whole", rank), weights(tmp_path / "stopped", rank),
                         strict=True):
             assert np.array_equal(a, b), f"rank {rank}: resumed weights differ"
+
+
+@pytest.mark.long
+def test_fit_ends_with_the_parameters_of_hvdtrain_train(tmp_path):
+    # 40 steps of 2 x 16, all full: fit's optimizer averages each rank's mean gradient, which is
+    # the trainer's weighted mean where the ranks' shares are equal (docs/own-loop.md).
+    proc = launch(tmp_path, "train.max_steps=40", "train.epochs=1", train_too=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        trained, fitted = weights(tmp_path, rank, "train"), weights(tmp_path, rank)
+        assert [t.shape for t in trained] == [t.shape for t in fitted] == \
+            [(64, 128), (128,), (128, 10), (10,)]
+        for i, (value, mine) in enumerate(zip(trained, fitted, strict=True)):
+            # The same updates: equal up to the loss's reduction (sum x weight in the trainer,
+            # Keras's mean here) and the allreduce (the trainer's fused one, Horovod's Keras one).
+            np.testing.assert_allclose(mine, value, rtol=0, atol=1e-5, err_msg=f"variable {i}")
+        assert np.abs(fitted[2] - weights(tmp_path, rank, "init")[2]).max() > 0.05  # it trained
