@@ -18,8 +18,9 @@ On the digits MLP with hidden layers of 32 and 16 (stage 0: ``fc1``, 2,080 param
 
 `make test` runs Gloo's launch (the two runs back to back) against the one-process reference
 trained in the test's own process. `long` (`make test-long`): MPI's launch, where the equality
-holds too, a pipeline without sharding resumes from the sharded run's step 10, and the sharded
-pipeline from the step 10 of one without sharding, each within 1e-5 of the uninterrupted run.
+holds too (1F1B and interleaved 1F1B), a pipeline without sharding resumes from the sharded run's
+step 10, and the sharded pipeline from the step 10 of one without sharding, each within 1e-5 of
+the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def assert_equals_one_process(launched: Launch, run: str, want: dict[str, np.nda
     assert_same_model(copy0, want, ATOL)
     assert_same_model(whole_model(launched, run, [2, 3]), copy0, 0.0)
     summary = launched.summary(run)
-    assert (summary["pipeline"], summary["shard_stage"], summary["steps"]) == (
-        "2 stages x 2 copies", 1, 23)
+    assert (summary["pipeline"], summary["shard_stage"], summary["shard_ranks"],
+            summary["steps"]) == ("2 stages x 2 copies", 1, 2, 23)
     for key in ("train_loss", "eval_loss"):
         assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
 
@@ -115,16 +116,19 @@ def test_two_stages_by_two_sharded_copies_equal_one_process_and_resume(tmp_path,
 @pytest.mark.long
 @pytest.mark.timeout(900)
 def test_under_mpi_and_resumed_with_or_without_sharding(tmp_path, one_process):
-    """MPI's launch: the sharded pipeline equals one process; a pipeline without sharding resumes
-    from its step 10, and it from the step 10 of a pipeline without sharding, each within ATOL."""
+    """MPI's launch: the sharded pipeline equals one process, with 1F1B and with interleaved 1F1B
+    (two pieces a rank, one shard over both); a pipeline without sharding resumes from its step
+    10, and it from the step 10 of a pipeline without sharding, each within ATOL."""
     want, final = one_process
     out = tmp_path / "np4-mpi"
     launched = launch(4, "mpi", out, [
         f"full:{SHARDED}",
+        f"interleaved:{SHARDED},pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2",
         f"plain:{PIPE},{resume(out, 'full', 10)}",
         f"unsharded:{PIPE}",
         f"back:{SHARDED},{resume(out, 'unsharded', 10)}"])
     assert_equals_one_process(launched, "full", want, final)
+    assert_equals_one_process(launched, "interleaved", want, final)
     full = whole_model(launched, "full", [0, 1])
     for run in ("plain", "back"):
         assert_same_model(whole_model(launched, run, [0, 1]), full, ATOL)
