@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import horovod.torch as hvd
@@ -34,3 +34,18 @@ def any_rank(flag: bool, process_set: Any = None) -> bool:
     total = hvd.allreduce(torch.tensor([float(flag)]), op=hvd.Sum, name="hvdtrain.any_rank",
                           process_set=group)
     return float(total) > 0
+
+
+_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
+"""Horovod process sets by their ranks: made once per process (a second training in the same
+process reuses them; Horovod refuses a duplicate)."""
+
+
+def process_set(ranks: Sequence[int]) -> Any:
+    """Horovod's process set of ``ranks`` (Horovod started with dynamic process sets), made on
+    first use; every rank must ask for every set in the same order. Pipeline stages' sets and
+    shard.group=node's come from here, so that one process's trainings share them."""
+    key = tuple(ranks)
+    if key not in _PROCESS_SETS:
+        _PROCESS_SETS[key] = hvd.add_process_set(list(key))
+    return _PROCESS_SETS[key]

@@ -29,7 +29,7 @@ from hvdtrain.exchange import (
 from hvdtrain.layout import Layout
 from hvdtrain.ps.exchange import ServerOptimizer, make_client
 from hvdtrain.ps.layout import chunk_elements
-from hvdtrain.torch.collectives import any_rank
+from hvdtrain.torch.collectives import any_rank, process_set
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.ps import ServerSide, TorchAsyncPSExchange, TorchPSExchange
 from hvdtrain.torch.shard import make_sharded
@@ -164,11 +164,9 @@ def hybrid_sets(layout: Layout, rank: int) -> tuple[Any, Any]:
     """``shard.group=node``: Horovod's process sets of ``rank``'s node (its shard group) and of
     the ranks holding its shard on the other nodes (None on a single node). Every rank makes
     every set, in the layout's order, as Horovod asks."""
-    from hvdtrain.torch.stages import stage_process_set  # stages builds on this module
-
     def made(ranks: list[int]) -> Any:
         whole = ranks == layout.worker_ranks()
-        return hvd.global_process_set if whole else stage_process_set(ranks)
+        return hvd.global_process_set if whole else process_set(ranks)
 
     nodes = {tuple(g): made(g) for g in layout.shard_groups()}
     across = ({tuple(g): made(g) for g in layout.stage_groups()} if layout.copies > 1 else {})

@@ -32,22 +32,16 @@ from hvdtrain.exchange import (
 )
 from hvdtrain.layout import Layout
 from hvdtrain.ps.layout import chunk_elements
-from hvdtrain.torch.collectives import TorchCollectives, any_rank
+from hvdtrain.torch.collectives import TorchCollectives, any_rank, process_set
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression
 from hvdtrain.torch.shard import make_sharded
 
-_PROCESS_SETS: dict[tuple[int, ...], Any] = {}
-"""Horovod process sets by their ranks: made once per process (a second training in the same
-process reuses them; Horovod refuses a duplicate)."""
-
 
 def stage_process_set(ranks: Sequence[int]) -> Any:
-    """Horovod's process set of ``ranks``; every rank must ask for every set in the same order."""
-    key = tuple(ranks)
-    if key not in _PROCESS_SETS:
-        _PROCESS_SETS[key] = hvd.add_process_set(list(key))
-    return _PROCESS_SETS[key]
+    """Horovod's process set of ``ranks``; every rank must ask for every set in the same order
+    (:func:`hvdtrain.torch.collectives.process_set`, which shard.group=node's sets share)."""
+    return process_set(ranks)
 
 
 def rendezvous_address(collectives: TorchCollectives) -> str:
