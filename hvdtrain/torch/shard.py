@@ -316,7 +316,9 @@ class ShardedExchange(GradientExchange):
         return [mine]
 
     def any_rank(self, flag: bool) -> bool:
-        return any_rank(flag, self.optimizer.process_set)
+        # shard.group=node: every node decides (the node's set would leave the others out).
+        whole = self.optimizer.replicas is not None
+        return any_rank(flag, None if whole else self.optimizer.process_set)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         check_resize(*self.job, rank, size)
