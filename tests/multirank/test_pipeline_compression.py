@@ -31,11 +31,13 @@ COMMON = ("train.epochs=1,optim.warmup_steps=0,log.every_steps=5,train.stall_tim
 # Each copy (and each data-parallel rank) takes 32 samples a step at lr 0.05 x 2.
 PIPE = "data.batch_size=32,optim.lr=0.05,pipeline.stages=2,pipeline.microbatches=4," + COMMON
 DATA = "data.batch_size=32,optim.lr=0.05," + COMMON
-DGC = "comm.compression=topk,comm.momentum_correction=true,comm.sparsity_warmup_steps=8"
+# No dense start (by default a fraction of the run): the methods from step 1, as these compare.
+DGC = ("comm.compression=topk,comm.momentum_correction=true,comm.sparsity_warmup_steps=8,"
+       "comm.dense_steps=0")
 METHODS = {
-    "randomk": "comm.compression=randomk,comm.ratio=0.25",
-    "qsgd": "comm.compression=qsgd",
-    "powersgd": "comm.compression=powersgd",
+    "randomk": "comm.compression=randomk,comm.ratio=0.25,comm.dense_steps=0",
+    "qsgd": "comm.compression=qsgd,comm.dense_steps=0",
+    "powersgd": "comm.compression=powersgd,comm.dense_steps=0",
     "adam_topk": ("comm.compression=topk,comm.compress_momentum=true,comm.dense_steps=8,"
                   "optim.name=adam,optim.lr=0.005"),
 }

@@ -33,7 +33,7 @@ from tests.multirank.test_pipeline_tf import stage_params
 ATOL = 1e-5  # float32 sums in another order (micro-batches) over 45 steps
 COMMON = ("optim.name=sgd,optim.lr=0.1,optim.scale_lr=false,optim.warmup_steps=0,"
           "train.epochs=1,log.every_steps=5,checkpoint.every_steps=10,checkpoint.keep=5,"
-          "comm.ratio=0.1,comm.min_size=100")
+          "comm.ratio=0.1,comm.min_size=100,comm.dense_steps=0")  # compressed from step 1
 TOPK = "comm.compression=topk," + COMMON
 RANDOMK = ("comm.compression=randomk," + COMMON
            + ",checkpoint.enabled=false,checkpoint.every_steps=0,checkpoint.keep=3")
