@@ -18,11 +18,15 @@ ranges of its own shard, and the ring or the export assembles one whole tensor a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import shard_bounds
@@ -175,3 +179,41 @@ def safetensors_header(tensors: Sequence[tuple[str, str, Sequence[int], int]],
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+class NumpyParts:
+    """The part files of a checkpoint of shards, open for reading slices as NumPy arrays (a
+    context manager; the TensorFlow engine's reader: ``hvdtrain/torch/shard_files.py`` has
+    PyTorch's)."""
+
+    def __init__(self, paths: Mapping[int, Path], layout: ShardLayout, where: str) -> None:
+        self.paths, self.layout, self.where = dict(paths), layout, where
+        self.stack = contextlib.ExitStack()
+        self.handles: dict[int, Any] = {}
+
+    def __enter__(self) -> NumpyParts:
+        from safetensors import safe_open
+
+        for shard, path in self.paths.items():
+            try:
+                self.handles[shard] = self.stack.enter_context(safe_open(str(path), "np"))
+            except Exception as exc:  # noqa: BLE001  (a missing or damaged part: one line)
+                self.stack.close()
+                raise HvdtrainError(f"{self.where}: cannot read its part {path} "
+                                    f"({type(exc).__name__}: {exc})") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def fill(self, out: np.ndarray, name: str, lo: int, kind: str) -> None:
+        """``out`` (flat) given the elements [lo, lo + len(out)) of parameter ``name``'s
+        ``kind``, from every part that holds some (each read without the rest of its tensor)."""
+        for r in self.layout.reads(name, lo, lo + out.size):
+            key = tensor_key(r.unit, kind)
+            try:
+                out[r.at:r.at + r.stop - r.start] = self.handles[r.shard].get_slice(key)[
+                    r.start:r.stop]
+            except Exception as exc:  # noqa: BLE001  (a tensor the layout names is not there)
+                raise HvdtrainError(f"{self.where}: part {self.paths[r.shard].name} lacks "
+                                    f"{key}[{r.start}:{r.stop}] ({exc})") from None

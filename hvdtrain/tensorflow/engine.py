@@ -261,7 +261,7 @@ class TensorFlowEngine(Engine):
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 arrays = {name: npz[name] for name in npz.files}
             meta = json.loads(str(arrays["meta"]))
-            parted = isinstance(meta, dict) and bool(meta.get("parts"))
+            parted = isinstance(meta, dict) and bool(meta.get("parts")) and "shards" not in meta
             expected = [] if parted else [f"{prefix}/{i}" for prefix, variables in (
                 ("model", self.model.variables), ("optimizer", self.optimizer.variables))
                 for i in range(len(variables))]

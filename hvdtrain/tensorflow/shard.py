@@ -9,11 +9,13 @@ updated shards are all-gathered back into every rank's model variables. Both col
 rounds of at most ``shard.chunk_kib`` per rank. The arithmetic is the ring's (an average, then the
 same element-wise update), so a sharded run trains as a ring run of the same ranks.
 
-Checkpoints (:class:`ShardedEngine`) hold every per-element optimizer slot whole, as one flat
-vector in the parameters' flat order (gathered onto rank 0 before a write), and its scalars
-(the step count, the learning rate) as they are: the layout does not depend on the number of
-ranks, so a run resumes at any world size; rank 0 reads it and every rank takes its own slice.
-The ring's checkpoints hold one slot per variable instead: the two do not resume each other.
+Checkpoints (:class:`ShardedEngine`): every rank writes its slices of each per-element optimizer
+slot to its own part (:mod:`hvdtrain.tensorflow.shard_files`), rank 0 the model and the
+optimizer's scalars (the step count, the learning rate); a run resumes at stage 1 or 2 and any
+world size, each rank reading its own slices. A checkpoint written before holds every slot whole,
+as one flat vector in the parameters' flat order: rank 0 reads it and every rank takes its own
+slice. The ring's checkpoints hold one slot per variable instead: the two do not resume each
+other.
 
 Keras 3: a Keras variable is not a ``tf.Variable``; values are read and assigned through Keras.
 """
@@ -35,6 +37,7 @@ from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, pieces, round_ranges, shard_bounds, step_bytes
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
+from hvdtrain.tensorflow.shard_files import layout_of, read_slots, shard_part
 from hvdtrain.tensorflow.shard_grads import (
     UnitExchange,
     UnitKernels,
@@ -209,6 +212,31 @@ class ShardedEngine(TensorFlowEngine):
         self.kernels.follow(self.exchange, self.accumulation)
         self._whole: dict[int, np.ndarray] = {}  # rank 0: slots gathered or restored, by index
 
+    _source: dict[str, Any] | None = None  # rank 0: a checkpoint of shards to read
+    _wrote_shards = False  # every rank wrote its slots' slices: rank 0's file holds the rest
+
+    def _slots(self) -> dict[int, np.ndarray]:
+        return {i: v.numpy() for i, v in enumerate(self.optimizer.variables) if _per_element(v)}
+
+    def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
+        # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py).
+        self._wrote_shards = True
+        return shard_part(self.shard, self._slots(), self.rank)
+
+    def state_bytes(self, meta: dict[str, Any]) -> bytes:
+        if self._wrote_shards:  # the layout in the meta; empty slots (_optimizer_arrays)
+            meta = {**meta, "shards": layout_of(self.shard, self._slots()).to_dict()}
+        return super().state_bytes(meta)
+
+    def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        meta = super().load_state(data, where)
+        if meta.get("shards") is not None:  # every rank reads its slices in broadcast_state
+            if self.restore_from is None:
+                raise HvdtrainError(f"{where}: a checkpoint of shards is read from its file only")
+            self._source = {"directory": str(self.restore_from.parent), "where": where,
+                            "entries": meta.get("parts") or [], "layout": meta["shards"]}
+        return meta
+
     def gather_state(self) -> None:
         # Every slot whole onto rank 0 (every rank joins the collectives, only rank 0 keeps).
         self._whole = {}
@@ -219,6 +247,10 @@ class ShardedEngine(TensorFlowEngine):
                     self._whole[i] = whole.numpy()
 
     def _optimizer_arrays(self) -> list[np.ndarray]:
+        if self._wrote_shards:  # the slots are in the parts: empty entries here
+            self._wrote_shards = False
+            return [np.zeros(0, np.float32) if _per_element(v) else v.numpy()
+                    for v in self.optimizer.variables]
         if self.shard.size > 1 and not all(
                 i in self._whole for i, v in enumerate(self.optimizer.variables)
                 if _per_element(v)):
@@ -234,6 +266,8 @@ class ShardedEngine(TensorFlowEngine):
 
     def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
         if name.startswith("optimizer/") and _per_element(var):
+            if value.shape == (0,):  # in the parts (load_state checks the layout is there)
+                return
             if value.shape != (self.shard.total,):
                 raise HvdtrainError(f"{where}: {name} has shape {value.shape}, a sharded run "
                                     f"keeps its optimizer slots flat ({self.shard.total},): it "
@@ -248,8 +282,16 @@ class ShardedEngine(TensorFlowEngine):
         # (zeros on a fresh start, as every rank's are), each rank keeping its own slice.
         scalars = [v for v in self.optimizer.variables if not _per_element(v)]
         hvd.broadcast_variables([v.value for v in [*self.model.variables, *scalars]], root_rank=0)
+        source = hvd.broadcast_object(self._source if self.rank == 0 else None, root_rank=0,
+                                      name="hvdtrain.shard.files")
+        self._source = None
+        if source is not None:  # from a checkpoint of shards: each rank reads its own slices
+            indices = [i for i, v in enumerate(self.optimizer.variables) if _per_element(v)]
+            slots = read_slots(source, self.shard, indices)
+            for i, values in slots.items():
+                self.optimizer.variables[i].assign(values)
         for i, var in enumerate(self.optimizer.variables):
-            if _per_element(var):
+            if _per_element(var) and source is None:
                 whole = self._whole.get(i, np.zeros(self.shard.total, np.float32))
                 got = hvd.broadcast(tf.constant(whole), root_rank=0, name=f"hvdtrain.shard.slot.{i}")
                 var.assign(self.shard.take(got))

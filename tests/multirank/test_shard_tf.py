@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.conftest import assert_accuracy_near, assert_loss_near, read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
@@ -81,8 +82,12 @@ def test_adam_equals_the_ring_and_resumes_its_checkpoint_exactly(sharded_tf):
             assert np.array_equal(resumed[key], adam[key]), (rank, key)
     with np.load(launch.out / "shard_adam" / "checkpoints" / "step-00000060.ckpt") as npz:
         slots = [npz[k] for k in npz.files if k.startswith("optimizer/") and npz[k].ndim == 1]
-    # Adam's two moments, each whole (both shards gathered) in the flat order.
-    assert [s.shape for s in slots] == [(PARAMETERS,), (PARAMETERS,)]
+    # Adam's two moments (the optimizer's variables 2 and 3, after its step count and rate) are
+    # in the ranks' parts, each rank's shard of each (4,805 elements).
+    assert [s.shape for s in slots] == [(0,), (0,)]
+    parts = sorted((launch.out / "shard_adam" / "checkpoints").glob("step-00000060.rank-*.part"))
+    assert [{k: v.shape for k, v in load_file(str(p)).items()} for p in parts] == [
+        {"u0.s2": (PARAMETERS // 2,), "u0.s3": (PARAMETERS // 2,)}] * 2
 
 
 def test_fp16_on_the_reduce_scatter_halves_its_bytes_and_stays_near(sharded_tf):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from tests.conftest import read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
@@ -99,7 +100,10 @@ def test_stage2_equals_the_ring_clips_and_stage1_resumes_its_checkpoint(stage2):
     assert_near(launch.rank("s1_from_s2", 0)[0], adam, "stage 1 from stage 2's step 60")
     with np.load(checkpoint(launch, "s2_adam", 60)) as npz:
         slots = [npz[k].shape for k in npz.files if k.startswith("optimizer/") and npz[k].ndim == 1]
-    assert slots == [(PARAMETERS,), (PARAMETERS,)]  # Adam's two moments, whole
+    assert slots == [(0,), (0,)]  # Adam's two moments are in the ranks' parts:
+    parts = sorted(checkpoint(launch, "s2_adam", 60).parent.glob("step-00000060.rank-*.part"))
+    # each rank's half of each variable (4,096 + 64 + 640 + 5), of each moment
+    assert [sum(t.size for t in load_file(str(p)).values()) for p in parts] == [PARAMETERS] * 2
     summary = launch.summary("s2_adam")
     assert summary["shard_stage"] == 2 and summary["shard_ranks"] == summary["world_size"] == 2
     # A step: the whole gradient once per micro-batch, the rank's slices (half of each unit) once.
