@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,65 @@ class OwnLoop:
     saved_step: int
     stop: StopRequest
 
+    elastic_state: Any = None
+    """Elastic mode's state (:class:`hvdtrain.own_loop_elastic.LoopState`), made by ``setup``
+    when ``elastic.enabled``; None otherwise."""
+    elastic_entered = False
+
     @property
     def total_steps(self) -> int:
         raise NotImplementedError
+
+    # -- elastic mode -------------------------------------------------------------------------
+
+    def elastic(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorates the function that holds the training loop: under ``elastic.enabled`` a call
+        runs it inside Horovod's elastic runner, again from the last commit after every reset
+        (workers lost or added), at the new world size; without, a call runs it once."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.cfg.elastic.enabled:
+                return fn(*args, **kwargs)
+            if self.elastic_state is None:
+                raise HvdtrainError("an @trainer.elastic function before trainer.setup(model)")
+            from hvdtrain.own_loop_elastic import run_elastic
+            self.elastic_entered = True
+            return run_elastic(self, fn, args, kwargs)
+        return run
+
+    def check_elastic(self, step: StepIndices | None, where: str) -> None:
+        """Under elastic mode, one line for a step outside the elastic function or outside
+        hvdtrain's sampler: neither could be restarted with each sample seen once."""
+        if self.elastic_state is None:
+            return
+        if not self.elastic_entered:
+            raise HvdtrainError(f"elastic.enabled=true: trainer.{where}() outside the training "
+                                "function; decorate the function that holds the loop with "
+                                "@trainer.elastic and call it")
+        if step is None:
+            raise HvdtrainError(f"elastic.enabled=true: trainer.{where}() on a batch that is not "
+                                "from the trainer's loader: only hvdtrain's sampler re-shards "
+                                "the epoch's rest after a reset, so that each sample is seen once")
+
+    def restart_from(self, position: Position, reset: bool) -> None:
+        """Elastic mode: the loop starts (again, after a ``reset``) from a committed position."""
+        self.position = dataclasses.replace(position)
+        self.resumed = self.resumed or reset
+        self.plan, self.cursor = None, 0
+        self._restart()
+
+    def _restart(self) -> None:
+        """A framework's own per-step bookkeeping back to a step's start (after a reset)."""
+
+    def _commit_if_due(self) -> None:
+        """Elastic mode: commits the state at this step boundary every ``elastic.commit_every``
+        steps (may raise Horovod's interrupt, when hosts were added or removed)."""
+        state = self.elastic_state
+        if state is None or self.position.step - state.position.step < \
+                self.cfg.elastic.commit_every:
+            return
+        if self.logger is not None:  # a new rank 0 keeps the records up to the commit
+            self.logger.flush()
+        state.commit_at(self.position)
 
     def close(self) -> None:
         raise NotImplementedError

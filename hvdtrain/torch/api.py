@@ -220,8 +220,26 @@ class Trainer(OwnLoop):
         self.objects = dict(objects)
         start = start_on_rank0(self.cfg, self.run_dir, self.engine) if self.engine.rank == 0 \
             else Start()
-        self._share(start)
+        if self.cfg.elastic.enabled:
+            self._elastic_start(start)
+        else:
+            self._share(start)
         return self.engine.model, WrappedOptimizer(self)
+
+    def _elastic_start(self, start: Start) -> None:
+        """Elastic mode: no collective before Horovod's elastic runner (a joining worker would
+        meet the others in the wrong one); the state's first sync gives every rank rank 0's."""
+        from hvdtrain.own_loop_elastic import LoopState
+        if start.resumed:
+            saved = self.engine.last_meta.get("objects", {})
+            for name, obj in self.objects.items():
+                if name not in saved:
+                    start = Start(error=HvdtrainError(
+                        f"checkpoint holds no state for setup object {name!r}"))
+                    break
+                obj.load_state_dict(saved[name])
+            self.resumed = True
+        self.elastic_state = LoopState(self, start)
 
     def dataloader(self, dataset: torch.utils.data.Dataset, **options: Any
                    ) -> torch.utils.data.DataLoader:
@@ -276,6 +294,7 @@ class Trainer(OwnLoop):
             raise HvdtrainError("trainer.backward() before trainer.setup(model, optimizer)")
         self.settle()
         step, accumulation = self._current(), self.engine.accumulation
+        self.check_elastic(step, "backward")
         last = self.micro == accumulation - 1
         self.engine.exchange.backward_starts(last)
         if step is None:  # the user's own loader: equal shares assumed
@@ -301,6 +320,9 @@ class Trainer(OwnLoop):
             self.engine.kernels.set_lr(self.lr())
         self.engine.exchange.run_length(self.total_steps)  # comm.dense_fraction's steps
         self.engine._stats = exchange_and_update(self.engine.kernels, self.engine.exchange)
+        step = self._current()
+        if self.elastic_state is not None and step is not None:
+            self.elastic_state.record.add(self.position.epoch, step)
         self._advance()
         self.pending = True
 
@@ -335,14 +357,15 @@ class Trainer(OwnLoop):
             self.save()
         if finished:
             return
+        self._commit_if_due()
         if step % self.cfg.log.every_steps == 0 or step == self.total_steps:
             agreed = self.engine.collectives.allreduce_sums({"stop": float(self.stop())})
             if agreed["stop"] > 0:
                 self._stop()
 
-    # -- logging ------------------------------------------------------------------------------
+    def _restart(self) -> None:
+        self.micro, self.pending = 0, False
 
-    # -- checkpoints --------------------------------------------------------------------------
 
     def parameters(self) -> dict[str, Any]:
         """The model's parameters as NumPy arrays, by name (for checks)."""
@@ -368,9 +391,10 @@ def refuse_unsupported(cfg: Config) -> None:
     if cfg.framework != "torch":
         raise HvdtrainError(f"framework={cfg.framework!r}: hvdtrain.torch.Trainer trains PyTorch "
                             "models; set framework=torch")
-    if cfg.elastic.enabled:
-        raise HvdtrainError("elastic.enabled=true: hvdtrain.torch.Trainer has no elastic mode "
-                            "yet; use `hvdtrain train` for elastic runs")
+    if cfg.elastic.enabled and cfg.elastic.on_resize != "scale_lr":
+        raise HvdtrainError(f"elastic.on_resize={cfg.elastic.on_resize!r}: "
+                            "hvdtrain.torch.Trainer's elastic mode keeps the per-rank batch "
+                            "(scale_lr); use `hvdtrain train` for keep_global_batch")
     if cfg.pipeline.stages > 1 or dedicated(cfg):
         raise HvdtrainError("pipeline.stages>1 and ps.placement=dedicated need `hvdtrain train`: "
                             "hvdtrain.torch.Trainer wraps one whole model per rank")
