@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import io
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ from hvdtrain.torch.engine import TorchEngine, make_optimizer
 from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.shard import ShardedOptimizer
+from hvdtrain.torch.shard_files import sources, whole_state
 from hvdtrain.torch.stages import (
     SavedActivations,
     build_pieces,
@@ -265,6 +267,7 @@ class PipelineEngine(TorchEngine, PartedState):
                                 "its adapter's layers() gives no layer list (see "
                                 "docs/pipeline.md#your-model-as-layers)")
         costs, self.all_params, self.all_keys, self.all_trainable = describe_layers(factories)
+        self.factories = factories  # the whole model on the meta device, for shard files
         self.layer_count = len(factories)
         self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
         self._check_every_rank_trains(costs)
@@ -424,7 +427,11 @@ class PipelineEngine(TorchEngine, PartedState):
         """Rank 0 restores a checkpoint (in parts of any split, or of the whole model) and keeps
         what :meth:`broadcast_state` needs to hand every rank its share."""
         state = read_state(data, where)
-        entries = state["meta"].get("parts")
+        source = sources(state, self.restore_from, where)
+        if source is not None:  # every rank's shard files (sharded, no stages): assembled whole
+            model, optimizer = whole_state(source, self._whole_on_meta())
+            state = {**state, "model": model, "optimizer": optimizer}
+        entries = None if source is not None else state["meta"].get("parts")
         if entries:
             problem = parts_misfit(entries, self.layer_count)
             if problem or self.restore_from is None:
@@ -447,6 +454,13 @@ class PipelineEngine(TorchEngine, PartedState):
         if "rng" in state:
             rng.restore(state["rng"])
         return state["meta"]
+
+    def _whole_on_meta(self) -> nn.Module:
+        """The whole model's layers on the meta device (no memory): its parameters' global names
+        and sizes, which a checkpoint of shard files is read by."""
+        with torch.device("meta"):
+            return nn.Sequential(OrderedDict((str(i), make())
+                                             for i, make in enumerate(self.factories)))
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")

@@ -19,8 +19,8 @@ On the digits MLP with hidden layers of 32 and 16 (stage 0: ``fc1``, 2,080 param
 `make test` runs Gloo's launch (the two runs back to back) against the one-process reference
 trained in the test's own process. `long` (`make test-long`): MPI's launch, where the equality
 holds too (1F1B and interleaved 1F1B), a pipeline without sharding resumes from the sharded run's
-step 10, and the sharded pipeline from the step 10 of one without sharding, each within 1e-5 of
-the uninterrupted run.
+step 10, and the sharded pipeline from the step 10 of one without sharding and from that of a
+sharded run without stages (its per-rank shard files), each within 1e-5 of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ PIPE = ("data.batch_size=32,pipeline.stages=2,pipeline.microbatches=4,checkpoint
 """2 copies of 32 samples a step: the global batch of 64, at the same rate (no scaling)."""
 SHARDED = PIPE + ",shard.stage=1,shard.chunk_kib=4"  # stage 0's 1,040-element shards: 2 rounds
 WHOLE = ["data.batch_size=64", "model.options.hidden=[32,16]", *COMMON.split(",")]
+FLAT = "data.batch_size=16,shard.stage=1,checkpoint.every_steps=10,checkpoint.keep=3," + COMMON
+"""Sharded data parallel without stages at -np 4: the same global batch of 64."""
 ATOL = 1e-5  # float32 sums in another order over 23 steps (seen: 6e-8); a wrong weight: 1e-3
 pytestmark = pytest.mark.timeout(1500)
 
@@ -118,7 +120,9 @@ def test_two_stages_by_two_sharded_copies_equal_one_process_and_resume(tmp_path,
 def test_under_mpi_and_resumed_with_or_without_sharding(tmp_path, one_process):
     """MPI's launch: the sharded pipeline equals one process, with 1F1B and with interleaved 1F1B
     (two pieces a rank, one shard over both); a pipeline without sharding resumes from its step
-    10, and it from the step 10 of a pipeline without sharding, each within ATOL."""
+    10, and it from the step 10 of a pipeline without sharding, and from the step 10 of a sharded
+    run without stages (4 copies of 16: every rank's shard file, assembled whole by rank 0), each
+    within ATOL."""
     want, final = one_process
     out = tmp_path / "np4-mpi"
     launched = launch(4, "mpi", out, [
@@ -126,11 +130,14 @@ def test_under_mpi_and_resumed_with_or_without_sharding(tmp_path, one_process):
         f"interleaved:{SHARDED},pipeline.schedule=interleaved_1f1b,pipeline.virtual_stages=2",
         f"plain:{PIPE},{resume(out, 'full', 10)}",
         f"unsharded:{PIPE}",
-        f"back:{SHARDED},{resume(out, 'unsharded', 10)}"])
+        f"back:{SHARDED},{resume(out, 'unsharded', 10)}",
+        f"flat:{FLAT}",
+        f"from_flat:{SHARDED},{resume(out, 'flat', 10)}"])
     assert_equals_one_process(launched, "full", want, final)
     assert_equals_one_process(launched, "interleaved", want, final)
     full = whole_model(launched, "full", [0, 1])
-    for run in ("plain", "back"):
+    assert (out / "flat" / "checkpoints" / "step-00000010.rank-3.part").exists()
+    for run in ("plain", "back", "from_flat"):
         assert_same_model(whole_model(launched, run, [0, 1]), full, ATOL)
         assert read_jsonl(out / run / "metrics.jsonl")[0]["step"] == 15, run
     assert "shard_stage" not in launched.summary("plain")
