@@ -9,6 +9,7 @@ key, the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -111,6 +112,10 @@ class TrainConfig:
     """Arithmetic of the forward and backward passes: ``fp32``, ``bf16`` (autocast / Keras mixed
     policy, CPU and GPU) or ``fp16`` (the same with loss scaling); weights, optimizer state and
     the gradient exchange stay float32 (see :mod:`hvdtrain.precision`)."""
+    loss_scale: float = _opt(0.0, min=0.0)
+    """``fp16``: the loss scale the run starts from, a power of two (0: the framework's, 2**16 for
+    PyTorch's ``GradScaler``, 2**15 for Keras's ``LossScaleOptimizer``); halved at each step
+    whose gradients overflow (the step is skipped), doubled after 2,000 steps without."""
     slow_rank: int = _opt(-1, min=-1)
     """Slow this rank down on purpose by ``slow_ms`` per step (-1: none): a straggler for
     experiments, such as ``ps.consistency=asp`` against ``bsp`` (docs/parameter-servers.md)."""
@@ -120,7 +125,14 @@ class TrainConfig:
 
 
 def check_train_unread(train: TrainConfig) -> None:
-    """``train.slow_ms`` without ``slow_rank``, and the reverse, as one-line errors."""
+    """``train.slow_ms`` without ``slow_rank``, and the reverse, and ``train.loss_scale``
+    without fp16 or not a power of two, as one-line errors."""
+    if train.precision != "fp16":
+        refuse_unread("train.", train, ["loss_scale"], f"train.precision={train.precision!r}",
+                      "only fp16 scales the loss", "train.precision=fp16")
+    elif train.loss_scale and math.frexp(train.loss_scale)[0] != 0.5:
+        raise ConfigError(f"train.loss_scale={train.loss_scale:g}: the loss scale must be a power "
+                          "of two (unscaling is then exact), e.g. 65536; or 0 for the framework's")
     if train.slow_rank < 0:
         refuse_unread("train.", train, ["slow_ms"], "train.slow_rank=-1", "no rank is slowed",
                       "train.slow_rank to the rank to slow")

@@ -74,10 +74,6 @@ RULES = (
     Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and (
         cfg.shard.stage >= 3 or cfg.shard.group == "node"), _tensorflow,
          {"shard.stage": 3, "framework": "tensorflow"}, only="at stage 3 or shard.group=node"),
-    Rule("shard", "fp16", lambda cfg: cfg.train.precision == "fp16",
-         lambda cfg: f"train.precision='fp16' with {_given(cfg)}: a shard's overflow would skip "
-                     "the step on one rank only; use fp32 or bf16",
-         {**ONE, "train.precision": "fp16"}),
 )
 
 STRATEGY = Strategy(

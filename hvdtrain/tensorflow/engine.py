@@ -144,7 +144,7 @@ class TensorFlowEngine(Engine):
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         set_threads(compute_threads(cfg.train.threads, self.local_size))
         self.device_kind, self.gpu = kind, place(kind, self.local_rank, self.local_size)
-        self.precision = Precision(cfg.train.precision)
+        self.precision = Precision(cfg.train.precision, cfg.train.loss_scale)
 
     def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
         model = self.adapter.build(dataset.spec())

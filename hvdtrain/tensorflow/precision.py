@@ -32,9 +32,10 @@ class Precision(PrecisionKernels):
 
     :meth:`attach` gives it the optimizer and the traced update, once those exist."""
 
-    def __init__(self, precision: str) -> None:
+    def __init__(self, precision: str, loss_scale: float = 0.0) -> None:
         self.policy_name = POLICIES[precision]
         self.scaling = scales_loss(precision)
+        self.initial_scale = loss_scale  # train.loss_scale: the first scale (0: Keras's)
         # Written inside the traced update: whether its gradients overflowed (the step was skipped).
         self.overflow = tf.Variable(0.0, trainable=False) if self.scaling else None
         self.optimizer: Any = None
@@ -60,7 +61,10 @@ class Precision(PrecisionKernels):
 
     def wrap(self, optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
         """The optimizer, inside a ``LossScaleOptimizer`` under fp16."""
-        return keras.optimizers.LossScaleOptimizer(optimizer) if self.scaling else optimizer
+        if not self.scaling:
+            return optimizer
+        start = {"initial_scale": self.initial_scale} if self.initial_scale else {}
+        return keras.optimizers.LossScaleOptimizer(optimizer, **start)
 
     @staticmethod
     def scale(optimizer: keras.optimizers.Optimizer, value: tf.Tensor) -> tf.Tensor:
@@ -77,6 +81,10 @@ class Precision(PrecisionKernels):
 
     def finite(self, grads: Sequence[tf.Tensor]) -> bool:
         return bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1 without loss scaling)."""
+        return float(self._loss_scale()) if self.scaling else 1.0
 
     def _loss_scale(self) -> tf.Tensor:
         return self.scale(self.optimizer, tf.constant(1.0))

@@ -42,6 +42,7 @@ from hvdtrain.tensorflow.shard_grads import (
     UnitExchange,
     UnitKernels,
     UnitShard,
+    agree_overflow,
     clip_shards,
     layer_units,
 )
@@ -161,6 +162,8 @@ class ShardedKernels(TensorFlowKernels):
 
     def _apply_shard(self, grads: list[tf.Tensor]) -> None:
         """The optimizer's update of the shard variable with its averaged gradient."""
+        if self.precision.scaling:  # fp16: skipped on every rank, or on none
+            grads = agree_overflow(grads)
         self.precision.note(grads)
         var = self.shard.var
         if self.clip_norm:  # the norm of the whole gradient, summed over the shards

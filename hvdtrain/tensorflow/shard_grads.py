@@ -24,6 +24,7 @@ checkpoints (:class:`hvdtrain.tensorflow.shard.ShardedEngine` writes and reads t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +50,17 @@ def clip_shards(grads: list[tf.Tensor], max_norm: float) -> list[tf.Tensor]:
     squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
     norm = tf.sqrt(hvd.allreduce(squares, op=hvd.Sum, name="hvdtrain.shard.clip"))
     return clip(grads, norm, max_norm)
+
+
+def agree_overflow(grads: list[tf.Tensor]) -> list[tf.Tensor]:
+    """fp16: this rank's shard of the averaged scaled gradient, made infinite where any rank's
+    shard overflowed (one allreduce of a flag over every rank). The ring's LossScaleOptimizer
+    sees the whole average; here each sees a shard, and so every rank skips the step and lowers
+    the scale together, or none does."""
+    finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+    flag = hvd.allreduce(tf.where(finite, 0.0, 1.0), op=hvd.Sum, name="hvdtrain.shard.overflow")
+    bump = tf.where(flag > 0, math.inf, 0.0)  # inf where any overflowed, else nothing changes
+    return [g + bump for g in grads]
 
 
 def layer_units(layers: Sequence[Any], variables: Sequence[Any]) -> list[list[int]]:
@@ -255,6 +267,8 @@ class UnitKernels(TensorFlowKernels):
 
     def _step(self, grads: list[tf.Tensor]) -> tf.Tensor:
         """Steps the shard with its averaged gradient."""
+        if self.precision.scaling:  # fp16: skipped on every rank, or on none
+            grads = agree_overflow(grads)
         self.precision.note(grads)
         var = self.shard.var
         if self.clip_norm:  # the norm of the whole gradient, summed over the shards

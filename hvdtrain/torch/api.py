@@ -78,7 +78,8 @@ class LoopEngine(TorchEngine):
         kind = self._start(cfg)
         torch.manual_seed(cfg.seed + self.rank)  # as the trainer, before the user builds the model
         self.device = place(kind, self.local_rank, self.local_size)
-        self.precision = Precision(cfg.train.precision, self.device)
+        self.precision = Precision(cfg.train.precision, self.device,
+                                   loss_scale=cfg.train.loss_scale)
         self.accumulation = cfg.train.backward_passes_per_step
         self.last_meta: dict[str, Any] = {}
 

@@ -76,7 +76,8 @@ class TorchEngine(Engine):
         if cfg.model.sync_batchnorm:
             self.model = syncbn.convert(self.model, self.device)
         self.model.to(self.device)  # before the optimizer, whose state then lives there too
-        self.precision = Precision(cfg.train.precision, self.device, cfg.optim.clip_norm)
+        self.precision = Precision(cfg.train.precision, self.device, cfg.optim.clip_norm,
+                                   cfg.train.loss_scale)
         self.adapter = PlacedAdapter(self.adapter, self.device, self.precision)
         self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                 workers=loader_workers(cfg.data.workers, self.local_size),

@@ -30,11 +30,14 @@ class Precision(PrecisionKernels):
 
     :meth:`attach` gives it the optimizer it steps, once that exists."""
 
-    def __init__(self, precision: str, device: torch.device, clip_norm: float = 0.0) -> None:
+    def __init__(self, precision: str, device: torch.device, clip_norm: float = 0.0,
+                 loss_scale: float = 0.0) -> None:
         self.device_type = device.type
         self.clip_norm = clip_norm  # optim.clip_norm: 0 is off
         self.dtype = DTYPES.get(precision)
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        # train.loss_scale: the first scale (0: torch's own, 2**16).
+        self.scaler = (torch.amp.GradScaler(device.type, init_scale=loss_scale or 2.0 ** 16)
+                       if precision == "fp16" else None)
         self.scaling = self.scaler is not None
         self.optimizer: Any = None
         self.params: list[torch.nn.Parameter] = []
@@ -77,10 +80,20 @@ class Precision(PrecisionKernels):
         for p, grad in zip(self.params, grads, strict=True):
             p.grad = grad
         if self.scaler is not None and not unscaled:
+            if self._overflowed(grads):
+                self.skip()  # on every rank: the ranks agreed
+                return
             self.scaler.unscale_(self.optimizer)
         if self.clip_norm:
             self._clip(grads)
         self._step()
+
+    def _overflowed(self, grads: Sequence[torch.Tensor]) -> bool:
+        # A sharded optimizer's gradients are its shards: whether any rank's overflowed, decided
+        # by all (a collective), so that every rank skips, or steps, as the ring's scaler does on
+        # the whole average. Elsewhere the scaler sees the whole averaged gradient itself.
+        overflowed = getattr(self.optimizer, "overflowed", None)
+        return bool(overflowed(grads)) if overflowed is not None else False
 
     def _clip(self, grads: Sequence[torch.Tensor]) -> None:
         # As torch.nn.utils.clip_grad_norm_; a sharded optimizer's gradients are its shards,
@@ -116,6 +129,10 @@ class Precision(PrecisionKernels):
         self.scaler.update()
         # The scale falls only when the step was skipped (it rises after a run of good steps).
         self._skipped = self.scaler.get_scale() < before
+
+    def loss_scale(self) -> float:
+        """The current loss scale (1 without loss scaling)."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
     def state_dict(self) -> dict[str, Any] | None:
         """The loss scaler's state for checkpoints (None without one)."""

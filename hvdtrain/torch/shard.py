@@ -158,6 +158,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm",
                              process_set=self.process_set).sqrt().float()
 
+    def overflowed(self, grads: Sequence[torch.Tensor]) -> bool:
+        """fp16: whether the step's scaled gradient holds an inf or a NaN in any rank's shard (one
+        allreduce of a flag over every rank). The ring's loss scaler sees the whole average; so
+        here every rank skips the step and lowers the scale, or none does."""
+        return any_rank(not all(bool(torch.isfinite(g).all()) for g in grads))
+
     def _load_shard(self) -> None:
         # From the parameters each step: a broadcast or restore of the model reaches the shard.
         for seg in segments(self.sizes, self.start, self.stop):

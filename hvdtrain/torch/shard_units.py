@@ -385,6 +385,12 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
         return hvd.allreduce(local, op=hvd.Sum, name="hvdtrain.shard.norm",
                              process_set=self.sharding.group).sqrt().float()
 
+    def overflowed(self, grads: Sequence[torch.Tensor]) -> bool:
+        """fp16: whether any rank's shards of the step's scaled gradient hold an inf or a NaN
+        (one allreduce of a flag over every rank), as :class:`hvdtrain.torch.shard.ShardedOptimizer`
+        decides it."""
+        return any_rank(not all(bool(torch.isfinite(g).all()) for g in grads))
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Steps the shards; stage 2 then all-gathers them into the parameters (a collective)."""

@@ -25,6 +25,15 @@ def test_bf16_policy_trains_digits_to_the_bar(tmp_path):
     assert keras.config.dtype_policy().name == "float32"  # the process's policy is left alone
 
 
+def test_fp16_starts_from_the_configured_loss_scale():
+    from hvdtrain.tensorflow.precision import Precision
+    for given, first in ((0.0, 2.0 ** 15), (1024.0, 1024.0)):  # 0: Keras's own
+        precision = Precision("fp16", given)
+        precision.optimizer = precision.wrap(keras.optimizers.SGD())
+        assert precision.loss_scale() == first
+    assert Precision("bf16").loss_scale() == 1.0
+
+
 def test_fp16_loss_scaling_skips_an_overflow(tmp_path):
     cfg = quiet_config(TF_CONFIG, tmp_path, "train.precision=fp16", "train.max_steps=5")
     result = train(cfg)

@@ -127,6 +127,12 @@ def test_fp16_with_hvdtrains_exchange_unscales_before_exchanging():
     assert float(weight.detach()) == 1.0 and precision.scaler.get_scale() == 2.0 ** 15
 
 
+def test_fp16_starts_from_the_configured_loss_scale():
+    assert Precision("fp16", torch.device("cpu")).loss_scale() == 2.0 ** 16  # torch's own
+    assert Precision("fp16", torch.device("cpu"), loss_scale=1024.0).loss_scale() == 1024.0
+    assert Precision("bf16", torch.device("cpu")).loss_scale() == 1.0
+
+
 def test_fp16_checkpoint_carries_the_scaler_and_loads_elsewhere(tmp_path):
     cfg = quiet_config(CONFIG, tmp_path, "train.precision=fp16", "train.max_steps=20")
     result = train(cfg)

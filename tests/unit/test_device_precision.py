@@ -78,3 +78,18 @@ def test_loop_leaves_out_a_skipped_overflow_and_stops_on_too_many():
     third = Loop._skip_check(loop, {"loss": 1.5, "count": 8.0}, True)  # over the limit: diverged
     assert third["loss"] != third["loss"]  # NaN, which the loop reports as divergence
     assert Loop._skip_check(loop, inf, False) is inf  # not skipped: the loop's divergence check sees it
+
+
+def test_the_first_loss_scale_is_fp16s_and_a_power_of_two():
+    cfg = load_config(None, ["train.precision=fp16", "train.loss_scale=16777216"], environ={})
+    assert cfg.train.loss_scale == 2.0 ** 24
+    assert load_config(None, [], environ={}).train.loss_scale == 0.0  # the framework's own
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["train.precision=bf16", "train.loss_scale=1024"], environ={})
+    assert str(info.value) == ("train.loss_scale=1024.0 does nothing with train.precision="
+                               "'bf16': only fp16 scales the loss; set train.precision=fp16 or "
+                               "leave train.loss_scale at its default 0.0")
+    with pytest.raises(ConfigError, match=r"^train.loss_scale=1000: the loss scale must be a "
+                                          r"power of two") as info:
+        load_config(None, ["train.precision=fp16", "train.loss_scale=1000"], environ={})
+    assert "\n" not in str(info.value)

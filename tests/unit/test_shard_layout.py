@@ -63,7 +63,6 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["train.precision=fp16"], "train.precision='fp16' with shard.stage=1"),
     (["elastic.enabled=true"], "elastic.enabled=true with shard.stage=1: the shards cannot"),
     (["comm.compression=topk"], "comm.compression='topk' with shard.stage=1: the sharded update's "
                                 "reduce-scatter carries none or fp16 only"),
@@ -94,7 +93,6 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     (["framework=tensorflow", "shard.stage=3"],
      "framework='tensorflow' with shard.stage=3: sharding parameters is built in PyTorch only "
      "so far"),
-    (["shard.stage=3", "train.precision=fp16"], "train.precision='fp16' with shard.stage=3"),
 ])
 def test_the_old_key_and_what_does_nothing_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -107,6 +105,14 @@ def test_the_sharded_update_is_accepted_in_both_frameworks(framework):
     cfg = load_config(None, [f"framework={framework}", "shard.stage=1", "train.precision=bf16",
                              "comm.compression=fp16", "shard.chunk_kib=8"], environ={})
     assert (cfg.shard.stage, cfg.shard.chunk_kib, cfg.comm.topology) == (1, 8, "ring")
+
+
+@pytest.mark.parametrize(("framework", "stage"), [("torch", 1), ("torch", 2), ("torch", 3),
+                                                  ("tensorflow", 1), ("tensorflow", 2)])
+def test_fp16_loss_scaling_is_accepted_at_every_built_stage(framework, stage):
+    cfg = load_config(None, [f"framework={framework}", f"shard.stage={stage}",
+                             "train.precision=fp16"], environ={})
+    assert (cfg.shard.stage, cfg.train.precision) == (stage, "fp16")
 
 
 def test_stages_two_and_three_take_their_keys_in_pytorch():
