@@ -50,6 +50,10 @@ class HfOptions:
     """Recompute each block's activations in the backward pass (``transformers``' own activation
     checkpointing): less memory, about a third more compute."""
 
+    untie_embeddings: bool = False
+    """Give the head its own copy of a tied token embedding (``tie_word_embeddings: false``):
+    pipeline stages need it, as the embedding and the head sit on different stages."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.pretrained, str):
             raise HvdtrainError(f"model.options.pretrained={self.pretrained!r}: expected a path")
@@ -63,9 +67,10 @@ class HfOptions:
                 or self.vocab_size < 0):
             raise HvdtrainError(f"model.options.vocab_size={self.vocab_size!r}: expected a "
                                 "non-negative integer")
-        if not isinstance(self.gradient_checkpointing, bool):
-            raise HvdtrainError(f"model.options.gradient_checkpointing="
-                                f"{self.gradient_checkpointing!r}: expected true or false")
+        for key in ("gradient_checkpointing", "untie_embeddings"):
+            if not isinstance(getattr(self, key), bool):
+                raise HvdtrainError(f"model.options.{key}={getattr(self, key)!r}: expected "
+                                    "true or false")
         if self.pretrained and (self.config or self.vocab_size):
             raise HvdtrainError("model.options: pretrained takes its config from its directory; "
                                 "drop config and vocab_size")

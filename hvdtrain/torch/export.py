@@ -75,6 +75,8 @@ def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], ou
     adapter = make_adapter(MODELS["torch"].get(cfg.model.name), cfg.model.options,
                            cfg.model.name, ClassifierAdapter)
     model: Any = adapter.build(make_dataset(cfg).spec())
+    if hasattr(adapter, "model_entries"):  # pipeline stages' names -> the model's own
+        entries = adapter.model_entries(model, entries)
     try:
         model.load_state_dict(entries)
     except RuntimeError as exc:

@@ -34,14 +34,15 @@ def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
 
 def _outermost(model: nn.Module, limit_bytes: int, shared: set[int]) -> list[nn.Module]:
     """The outermost modules of at most ``limit_bytes`` holding none of ``shared``; a module
-    list is never one (it is not called, so its hooks would never run)."""
+    list is never one (it is not called, so its hooks would never run), nor a module marked
+    :data:`SPLIT`."""
     units: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             size, leaf = _bytes(child), not any(True for _ in child.children())
             ties = any(id(p) in shared for p in child.parameters())
-            container = isinstance(child, nn.ModuleList | nn.ModuleDict)
+            container = isinstance(child, nn.ModuleList | nn.ModuleDict) or hasattr(child, SPLIT)
             if size and (size <= limit_bytes or leaf) and not ties and not container:
                 units.append(child)
             elif size and not leaf:
@@ -106,6 +107,10 @@ def build_by_units(adapter: ModelAdapter, spec: DatasetSpec, seed: int, rank: in
             make()
     return nn.Sequential(*modules)
 
+
+SPLIT = "_hvdtrain_split"
+"""The attribute that marks a module as never one unit, cut into its children: one whose
+output is no tensor (a ``transformers`` base model's), which a backward hook cannot see."""
 
 UNIT = "_hvdtrain_unit"
 """The attribute of a layer :func:`build_by_units` has already sharded: its :class:`Unit`."""
