@@ -14,7 +14,7 @@ EXCHANGE: frameworks.ExchangeParts = exchange
 FACTORIES: tuple[frameworks.ExchangeFactory, ...] = (
     exchange.dense_exchange, exchange.compressing_exchange, exchange.ps_exchange,
     exchange.server_optimizer_exchange, exchange.sharded_exchange,
-    stages.stage_allreduce, stages.stage_compressing)
+    stages.stage_allreduce, stages.stage_compressing, stages.stage_sharded)
 STAGES: frameworks.StageParts = stages
 KERNELS: frameworks.Kernels = collectives
 COLLECTIVES: frameworks.CollectivesClass = TorchCollectives
