@@ -10,8 +10,9 @@ to its token embedding) is fine-tuned for 4 steps of Adam:
   ring's parameters, the ring's standing for one process (tests/multirank/test_engines.py).
 
 One launch of ``tests/multirank/worker.py`` runs them one after the other (the pipeline first:
-it starts Horovod with process sets). Marked ``long``: stages 1 and 3 without activation
-checkpointing, and a Llama-architecture model from a config in 2 stages against the ring.
+it starts Horovod with process sets). Marked ``long``: stage 3's safetensors export, stages 1
+and 3 without activation checkpointing, and a Llama-architecture model from a config in 2 stages
+against the ring.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def test_the_ring_moved_from_the_pretrained_weights(launched):
     assert moved > 100 * TOLERANCE, moved
 
 
+@pytest.mark.long
 def test_stage_3_exports_the_tied_weight_once_with_its_alias(launched):
     """Stage 3's checkpoint (each rank's shards) exports as a ring run's: the tied weight once,
     the head named as its alias, at the ring's values."""
