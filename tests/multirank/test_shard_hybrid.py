@@ -24,6 +24,10 @@ from tests.multirank.conftest import PYTHON, WORKER, Launch
 ADAM = ("data.batch_size=16,train.backward_passes_per_step=2,train.max_steps=12,"
         "optim.warmup_steps=0,optim.name=adam,optim.lr=0.002,optim.weight_decay=0.01,"
         "checkpoint.every_steps=6")
+SGD = ("data.batch_size=16,train.backward_passes_per_step=2,train.max_steps=12,"
+       "optim.warmup_steps=0,optim.lr=0.05")
+CLIP = SGD + ",optim.clip_norm=0.3"
+"""SGD with momentum, the gradient clipped to a global norm of 0.3 (the MLP's starts near 2)."""
 NODE = "shard.group=node"
 PARAMETERS = 64 * 128 + 128 + 128 * 10 + 10
 """The digits MLP's parameters (9,610): a node's two ranks hold 4,805 each."""
@@ -102,15 +106,18 @@ def test_only_each_shard_leaves_the_node(hybrid):
 @pytest.mark.long
 def test_stage_two_fp16_and_checkpoints_within_a_node(tmp_path_factory):
     """Stage 2 within a node against the ring; fp16 on the wire near it; stage 3 within a node
-    resumed from the ring's step-6 checkpoint, and the ring from stage 3's (the checkpoints keep
-    the ring's layout: rank 0 gathers its node's shards)."""
+    resumed from the ring's step-6 checkpoint, and the ring from stage 3's (every rank wrote its
+    shards, the second node the same shards again); stages 1 and 3 clipped by the global norm
+    (summed over a node's shards) as the ring clips."""
     out = tmp_path_factory.mktemp("shard-hybrid-long")
     ckpt = out / "{}" / "checkpoints" / "step-00000006.ckpt"
     launch = two_nodes(out, [
         f"h2:{ADAM},shard.stage=2,{NODE}", f"h2_fp16:{ADAM},shard.stage=2,{NODE},"
         "comm.compression=fp16", f"h3:{ADAM},shard.stage=3,{NODE}", f"ring:{ADAM}",
         f"h3_from_ring:{ADAM},shard.stage=3,{NODE},checkpoint.resume={str(ckpt).format('ring')}",
-        f"ring_from_h3:{ADAM},checkpoint.resume={str(ckpt).format('h3')}"])
+        f"ring_from_h3:{ADAM},checkpoint.resume={str(ckpt).format('h3')}",
+        f"h1_clip:{CLIP},shard.stage=1,{NODE}", f"h3_clip:{CLIP},shard.stage=3,{NODE}",
+        f"ring_clip:{CLIP}", f"sgd:{SGD}"])
     ring = launch.rank("ring", 0)[0]
     assert_near(ranks_agree(launch, "h2"), ring, "stage 2 within a node")
     assert_near(ranks_agree(launch, "h3_from_ring"), ring, "stage 3 from a ring checkpoint")
@@ -120,6 +127,10 @@ def test_stage_two_fp16_and_checkpoints_within_a_node(tmp_path_factory):
         np.testing.assert_allclose(fp16[key], ring[key], atol=1e-2, rtol=0)
     logged = [r for r in read_jsonl(out / "h2_fp16" / "metrics.jsonl") if "wire_bytes" in r]
     assert logged and {r["cross_node_bytes"] for r in logged} == {2 * (PARAMETERS // 2)}
+    clipped = launch.rank("ring_clip", 0)[0]
+    assert not np.allclose(clipped["1.weight"], launch.rank("sgd", 0)[0]["1.weight"], atol=1e-3)
+    for run in ("h1_clip", "h3_clip"):
+        assert_near(ranks_agree(launch, run), clipped, f"{run} against the clipped ring")
 
 
 @pytest.mark.long
