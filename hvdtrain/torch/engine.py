@@ -136,6 +136,9 @@ class TorchEngine(Engine):
         if not isinstance(self.optimizer, ShardedOptimizer | UnitShardedOptimizer):
             hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if self.precision.scaling:  # fp16: rank 0's restored loss scale, the same on every rank
+            self.precision.load_state_dict(hvd.broadcast_object(
+                self.precision.state_dict(), root_rank=0, name="hvdtrain.precision"))
         # Each rank's own residuals, re-sharded if the size changed.
         self.exchange.resize(self.rank, self.size, self.accumulation)
         if is_sharded(self.optimizer):  # from a checkpoint of shards: each rank reads its own

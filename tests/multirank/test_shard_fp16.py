@@ -9,7 +9,8 @@ skipped in both frameworks, the scale down to 2**18): the ring and stages 1, 2 a
 (with the gradient clipped by global norm, after unscaling), the ring and stages 1 and 2 in
 TensorFlow (which refuses clipping under fp16). Each stage's parameters equal the fp16 ring's
 within 1e-5 (seen: to the bit), and every rank ends with the ring's loss scale and count of
-skipped steps.
+skipped steps. In PyTorch stage 3 also resumes from the ring's step-12 checkpoint, every rank
+from the scale rank 0 restored (2**18, not the first 2**24), to the ring's end.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ START = 2.0 ** 24
 """The first loss scale: float16 overflows under it until the scaler has halved it a few times."""
 FP16 = ("data.batch_size=16,train.backward_passes_per_step=2,train.epochs=1,optim.warmup_steps=0,"
         "optim.name=adam,optim.lr=0.002,optim.weight_decay=0.01,train.precision=fp16,"
-        f"train.loss_scale={START:.0f}")
+        f"train.loss_scale={START:.0f},checkpoint.every_steps=12")
 CLIP = ",optim.clip_norm=1.0"
 """PyTorch only: TensorFlow refuses clipping under fp16 (its update sees scaled gradients)."""
 STAGES = {"torch": (1, 2, 3), "tensorflow": (1, 2)}
@@ -40,6 +41,9 @@ averages each micro-batch before the sum, where the ring sums and then averages.
 def launch(out: Path, framework: str) -> Path:
     settings = FP16 + (CLIP if framework == "torch" else "")
     runs = [f"ring:{settings}", *(f"s{k}:{settings},shard.stage={k}" for k in STAGES[framework])]
+    if framework == "torch":
+        resume = out / "ring" / "checkpoints" / "step-00000012.ckpt"
+        runs.append(f"s3_from_ring:{settings},shard.stage=3,checkpoint.resume={resume}")
     proc = horovodrun(2, "gloo", [PYTHON, WORKER, str(out), str(CONFIGS[framework]), *runs],
                       timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,3 +73,13 @@ def test_fp16_stages_skip_and_scale_as_the_fp16_ring(tmp_path, framework):
             for key in ring:
                 np.testing.assert_allclose(params[key], ring[key], atol=TOLERANCE, rtol=0,
                                            err_msg=f"{where} {key}")
+
+    if framework != "torch":
+        return
+    for r in (0, 1):  # resumed at step 12 with the scale the ring had then, on every rank
+        params, record = rank(out, "s3_from_ring", r)
+        assert record["loss_scale"] == ring_record["loss_scale"], f"resumed rank {r}: {record}"
+        assert record["skipped_steps"] == 0, f"resumed rank {r}: {record}"  # all before step 12
+        for key in ring:
+            np.testing.assert_allclose(params[key], ring[key], atol=TOLERANCE, rtol=0,
+                                       err_msg=f"resumed stage 3 rank {r} {key}")
