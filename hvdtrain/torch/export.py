@@ -98,7 +98,8 @@ def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
         state = read_state(checkpoint.read_bytes(), str(checkpoint))
         source = sources(state, checkpoint, str(checkpoint))
         if source is not None:  # shards: streamed, never the whole model in memory
-            write_export(source, out / "model.safetensors", state["meta"])
+            write_export(source, out / "model.safetensors", state["meta"],
+                         *unshared(dict(source["model"])))
             return
     entries, meta = checkpoint_model(checkpoint)
     if fmt == "safetensors":

@@ -309,16 +309,15 @@ def whole_params(source: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return {**out, **{alias: out[name] for alias, name in layout.aliases.items()}}
 
 
-def write_export(source: Mapping[str, Any], path: Path, meta: Mapping[str, Any]) -> None:
+def write_export(source: Mapping[str, Any], path: Path, meta: Mapping[str, Any],
+                 rest: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> None:
     """``path`` (safetensors) of a sharded checkpoint's model: each trainable parameter read
-    whole from the parts and written one at a time after a header that names them all, then the
-    model's other entries (``source["model"]``); a shared parameter's other names are listed as
-    ``aliases`` in the metadata, as :func:`hvdtrain.torch.export.write_safetensors` lists them."""
-    from hvdtrain.torch.export import unshared
-
+    whole from the parts and written one at a time after a header that names them all, then
+    ``rest``, the model's other entries (each storage once, ``aliases`` naming the others); a
+    shared parameter's other names are listed as ``aliases`` in the metadata, as
+    :func:`hvdtrain.torch.export.write_safetensors` lists them."""
     where = source["where"]
     layout = ShardLayout.from_dict(source["layout"], where)
-    rest, aliases = unshared(dict(source["model"]))
     names = layout.names()
     header = [(n, "F32", layout.shapes[n], 4 * (layout.size_of(n) or 0)) for n in names]
     header += [(k, NAMES[t.dtype], list(t.shape), t.numel() * t.element_size())
