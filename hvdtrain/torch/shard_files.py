@@ -282,22 +282,28 @@ def _spread(opt: Any) -> None:
 def whole_state(source: Mapping[str, Any], model: nn.Module) -> tuple[dict, dict]:
     """The whole model's entries and optimizer state (the ring's layout, for a run without
     sharding) assembled from a sharded checkpoint's parts, one tensor at a time."""
+    layout = ShardLayout.from_dict(source["layout"], source["where"])
+    check_fits(layout, [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad],
+               source["where"])
+    entries = {**source["model"], **whole_params(source)}
+    return entries, whole_optimizer(source, [name for name, _ in model.named_parameters()])
+
+
+def whole_optimizer(source: Mapping[str, Any], names: Sequence[str] | None = None) -> dict:
+    """A sharded checkpoint's optimizer state in the ring's layout: an entry per parameter, by its
+    index in ``names`` (the model's parameters in order; None: the checkpoint's trainable
+    parameters, unit by unit, which is the model's order at stage 1), each tensor read whole."""
     where = source["where"]
     layout = ShardLayout.from_dict(source["layout"], where)
-    check_fits(layout, [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad],
-               where)
-    entries, state = dict(source["model"]), {}
+    state: dict[int, dict[str, Any]] = {}
     with Parts(Path(source["directory"]), source["entries"], layout, where) as parts:
-        for index, (name, _) in enumerate(model.named_parameters()):
+        for index, name in enumerate(layout.names() if names is None else names):
             if layout.size_of(name) is None:
-                continue  # frozen: among the model's entries
-            entries[name] = parts.whole(name, PARAMS, torch.float32)
+                continue  # frozen: no optimizer state
             state[index] = {key: parts.whole(name, key, DTYPES[dtype])
                             for key, dtype in layout.slots.items()}
             state[index].update(_scalars(layout, name))
-    for alias, name in layout.aliases.items():
-        entries[alias] = entries[name]
-    return entries, {"state": state, "param_groups": source["groups"]}
+    return {"state": state, "param_groups": source["groups"]}
 
 
 def whole_params(source: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from hvdtrain.torch.shard_files import sources, whole_optimizer
 from tests.conftest import assert_accuracy_near, assert_loss_near, read_jsonl
 from tests.multirank.conftest import EQUIV, Launch, launch_worker
 
@@ -86,7 +87,11 @@ def assert_equal(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: 
 
 
 def optimizer_state(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)["optimizer"]
+    """The checkpoint's optimizer state in the ring's layout (a sharded run's assembled whole
+    from its ranks' shard files)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    source = sources(state, path, str(path))
+    return state["optimizer"] if source is None else whole_optimizer(source)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
