@@ -9,8 +9,9 @@ skipped in both frameworks, the scale down to 2**18): the ring and stages 1, 2 a
 (with the gradient clipped by global norm, after unscaling), the ring and stages 1 and 2 in
 TensorFlow (which refuses clipping under fp16). Each stage's parameters equal the fp16 ring's
 within 1e-5 (seen: to the bit), and every rank ends with the ring's loss scale and count of
-skipped steps. In PyTorch stage 3 also resumes from the ring's step-12 checkpoint, every rank
-from the scale rank 0 restored (2**18, not the first 2**24), to the ring's end.
+skipped steps. A run resumed from a step-12 checkpoint (PyTorch: stage 3 from the ring's;
+TensorFlow: stage 1 from its own) goes on on every rank from the scale rank 0 restored (2**18,
+not the first 2**24), to the ring's end.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ averages each micro-batch before the sum, where the ring sums and then averages.
 def launch(out: Path, framework: str) -> Path:
     settings = FP16 + (CLIP if framework == "torch" else "")
     runs = [f"ring:{settings}", *(f"s{k}:{settings},shard.stage={k}" for k in STAGES[framework])]
-    if framework == "torch":
-        resume = out / "ring" / "checkpoints" / "step-00000012.ckpt"
-        runs.append(f"s3_from_ring:{settings},shard.stage=3,checkpoint.resume={resume}")
+    # Resumed at step 12: PyTorch's stage 3 from the ring, TensorFlow's stage 1 from its own
+    # (its sharded checkpoints and the ring's do not resume each other).
+    source, stage = ("ring", 3) if framework == "torch" else ("s1", 1)
+    resume = out / source / "checkpoints" / "step-00000012.ckpt"
+    runs.append(f"resumed:{settings},shard.stage={stage},checkpoint.resume={resume}")
     proc = horovodrun(2, "gloo", [PYTHON, WORKER, str(out), str(CONFIGS[framework]), *runs],
                       timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -73,13 +76,10 @@ def test_fp16_stages_skip_and_scale_as_the_fp16_ring(tmp_path, framework):
             for key in ring:
                 np.testing.assert_allclose(params[key], ring[key], atol=TOLERANCE, rtol=0,
                                            err_msg=f"{where} {key}")
-
-    if framework != "torch":
-        return
     for r in (0, 1):  # resumed at step 12 with the scale the ring had then, on every rank
-        params, record = rank(out, "s3_from_ring", r)
+        params, record = rank(out, "resumed", r)
         assert record["loss_scale"] == ring_record["loss_scale"], f"resumed rank {r}: {record}"
         assert record["skipped_steps"] == 0, f"resumed rank {r}: {record}"  # all before step 12
         for key in ring:
             np.testing.assert_allclose(params[key], ring[key], atol=TOLERANCE, rtol=0,
-                                       err_msg=f"resumed stage 3 rank {r} {key}")
+                                       err_msg=f"{framework} resumed rank {r} {key}")

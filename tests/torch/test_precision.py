@@ -127,6 +127,43 @@ def test_fp16_with_hvdtrains_exchange_unscales_before_exchanging():
     assert float(weight.detach()) == 1.0 and precision.scaler.get_scale() == 2.0 ** 15
 
 
+class ShardOptimizer(RecordingOptimizer):
+    """A sharded optimizer's side of fp16 (:meth:`overflowed`, which the real ones answer with an
+    allreduce over the ranks): here it answers ``anywhere``, as if another rank's shard had
+    overflowed or not."""
+
+    def __init__(self, params, calls: list, anywhere: bool) -> None:
+        super().__init__(params, calls)
+        self.anywhere = anywhere
+
+    def overflowed(self, grads) -> bool:
+        self.calls.append(("overflowed", float(grads[0])))
+        return self.anywhere
+
+
+def sharded_fp16_step(anywhere: bool) -> tuple[torch.nn.Parameter, Precision, list]:
+    """One fp16 step of the skeleton on the loss ``weight x 3`` with a sharded optimizer."""
+    weight = torch.nn.Parameter(torch.tensor([1.0]))
+    calls: list = []
+    precision = Precision("fp16", torch.device("cpu"), loss_scale=1024.0)
+    precision.attach(ShardOptimizer([weight], calls, anywhere))
+    precision.backward((weight * 3.0).sum())
+    exchange_and_update(OneWeight(precision, weight), RecordingExchange(calls, False))
+    return weight, precision, calls
+
+
+def test_fp16_sharded_ranks_decide_the_overflow_together_before_unscaling():
+    weight, precision, calls = sharded_fp16_step(anywhere=False)
+    assert calls == [("exchange", 3.0 * 1024), ("updating", None), ("overflowed", 3.0 * 1024),
+                     ("step", 3.0), ("end_update", None)]
+    assert not precision.skipped and precision.loss_scale() == 1024.0
+    # This rank's shard is finite, another's overflowed: this rank skips too, and halves.
+    weight, precision, calls = sharded_fp16_step(anywhere=True)
+    assert [name for name, _ in calls] == ["exchange", "updating", "overflowed", "end_update"]
+    assert precision.skipped and precision.loss_scale() == 512.0
+    assert float(weight.detach()) == 1.0
+
+
 def test_fp16_starts_from_the_configured_loss_scale():
     assert Precision("fp16", torch.device("cpu")).loss_scale() == 2.0 ** 16  # torch's own
     assert Precision("fp16", torch.device("cpu"), loss_scale=1024.0).loss_scale() == 1024.0
