@@ -89,6 +89,11 @@ def restore(engine: Engine, path: Path, cfg: Config) -> Position:
     if meta.get("framework") != cfg.framework:
         raise HvdtrainError(f"checkpoint {path} was written by {meta.get('framework')}, "
                             f"this run trains with {cfg.framework}")
+    written = meta.get("config", {}).get("optim", {}).get("name")
+    if written is not None and written != cfg.optim.name:  # its state has another shape
+        raise HvdtrainError(f"checkpoint {path} holds the state of optim.name={written!r}, this run "
+                            f"has optim.name={cfg.optim.name!r}: resume with {written!r}, or start "
+                            "afresh (checkpoint.resume=none, another log.dir)")
     return Position(**checked_position(meta, f"checkpoint {path}"))
 
 

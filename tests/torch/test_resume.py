@@ -132,3 +132,13 @@ def test_soak_kills_the_writer_mid_save_and_the_newest_valid_checkpoint_loads():
     summary = json.loads(proc.stdout.strip().splitlines()[-1])["summary"]
     assert summary == {**summary, "trials": 3, "completed": 3, "hangs": 0}
     assert summary["fallback_checked"] == 3
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_in_one_line(tmp_path):
+    """An AdamW checkpoint resumed by an SGD run would give SGD Adam's param groups (its step then
+    fails on a missing ``momentum``): refused before training, naming both."""
+    train(quiet_config(CONFIG, tmp_path, "optim.name=adamw", "train.max_steps=3"))
+    with pytest.raises(HvdtrainError, match=r"holds the state of optim.name='adamw', this run "
+                                            r"has optim.name='sgd'"):
+        train(quiet_config(CONFIG, tmp_path, "optim.name=sgd", "train.max_steps=6",
+                           "checkpoint.resume=auto"))
