@@ -128,7 +128,7 @@ class UnitSharding:
     def _hook(self, model: nn.Module) -> None:
         for unit in self.units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._arrived(u))
+                p.register_post_accumulate_grad_hook(lambda p, u=unit: self._arrived(u, p))
             if self.stage == 3 and unit.module is not None:
                 unit.module.register_forward_pre_hook(lambda *_, u=unit: self._before(u, 1))
                 unit.module.register_forward_hook(lambda *_, u=unit: self._after_forward(u))
@@ -178,9 +178,10 @@ class UnitSharding:
         self.stats["comm_s"] += time.perf_counter() - began
         unit.set_full(flat)
 
-    def _arrived(self, unit: Unit) -> None:
+    def _arrived(self, unit: Unit, p: nn.Parameter) -> None:
         if self.whole:
             return
+        unit.take_grad(p)  # into the unit's flat gradient, which the reduce-scatter sends
         unit.arrived += 1
         if unit.arrived == len(unit.params):
             self._scatter(unit)
@@ -194,15 +195,16 @@ class UnitSharding:
             p.grad = None
         if self.stage == 3:
             unit.free()
+        # At most one in flight: the unit before's, which overlapped this unit's backward pass,
+        # is received before this one starts (Horovod runs them in order anyway). A second in
+        # flight through the next unit's backward pass held one more unit's gradient and
+        # Horovod's buffers for it at the peak of resident memory.
+        while self.in_flight:
+            self._received(self.in_flight.pop(0))
         name = f"hvdtrain.shard.scatter.{unit.index}.{self.micro}"
         unit.scattering = hvd.reducescatter_async(flat.half() if self.half else flat, name=name,
                                                   op=hvd.Average, process_set=self.group)
-        # At most two in flight: the one just started and the one before, which overlapped this
-        # unit's backward pass. More would hold most of the whole gradient (and Horovod's copies
-        # of it) at the end of the pass.
         self.in_flight.append(unit)
-        while len(self.in_flight) > 2:
-            self._received(self.in_flight.pop(0))
 
     def _received(self, unit: Unit) -> None:
         began = time.perf_counter()
@@ -440,8 +442,8 @@ class UnitShardedOptimizer(torch.optim.Optimizer):
         broadcast_shards(self, root_rank)
 
     def _zero_step(self) -> None:
-        for unit in self.units:
-            unit.shard.grad = torch.zeros_like(unit.shard)
+        for unit in self.units:  # the shards' own gradient buffers (zeroed before every step
+            unit.shard.grad = unit.grad.zero_()  # anyway): no second set of shard-sized zeros
         self.step()
         for unit in self.units:
             unit.shard.grad = None

@@ -6,6 +6,7 @@ them are :mod:`hvdtrain.torch.shard_units`'s."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,6 +143,9 @@ class Unit:
         self.gathering: Any = None  # an all-gather's handle, started ahead
         self.scattering: Any = None  # the reduce-scatter of this micro-batch's gradient
         self.arrived = 0  # parameters whose gradient this backward pass has accumulated
+        self.offsets = {id(p): at for p, at in zip(
+            params, itertools.accumulate([0, *self.sizes[:-1]]), strict=True)}
+        self.pending: torch.Tensor | None = None  # this backward pass's flat gradient so far
 
     def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter with its view into the unit's flat vector ``flat``."""
@@ -165,6 +169,21 @@ class Unit:
         self.flat.untyped_storage().resize_(0)
         self.full = False
 
+    def take_grad(self, p: nn.Parameter) -> None:
+        """Moves ``p``'s gradient (just accumulated) into the unit's flat gradient and drops it:
+        the unit's whole gradient then exists once, where whole gradients concatenated at the
+        unit's end existed twice at the backward pass's peak."""
+        if p.grad is None:
+            return
+        if self.pending is None:  # zeros: a parameter that gets no gradient contributes none
+            self.pending = torch.zeros(self.total, dtype=self.shard.dtype,
+                                       device=self.shard.device)
+        at = self.offsets[id(p)]
+        self.pending[at:at + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+
     def flat_grad(self) -> torch.Tensor:
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros(shape)).reshape(-1)
-                          for p, shape in zip(self.params, self.shapes, strict=True)])
+        """This backward pass's flat gradient (zeros where none arrived); the unit lets go of it."""
+        flat, self.pending = self.pending, None
+        return flat if flat is not None else torch.zeros(self.total, dtype=self.shard.dtype,
+                                                         device=self.shard.device)
