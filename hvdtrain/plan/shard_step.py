@@ -101,10 +101,10 @@ class _Run:
         self.t = max(self.t, until)
 
     def scatter(self, unit: ShardUnit, cost: Cost, wire: float) -> None:
-        """The unit's reduce-scatter started; a third in flight waits for the oldest."""
+        """The unit's reduce-scatter starts once the one before it has ended (at most one in
+        flight, overlapping the next unit's backward pass, as ``torch/shard_units.py`` does)."""
+        self.settle()
         self.in_flight.append(self.collective("reduce-scatter", unit, cost(unit.bytes), wire))
-        while len(self.in_flight) > 2:
-            self.wait(self.in_flight.pop(0))
 
     def settle(self) -> None:
         for end in self.in_flight:
