@@ -24,9 +24,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, TypeVar
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import shard_bounds
@@ -181,22 +179,28 @@ def safetensors_header(tensors: Sequence[tuple[str, str, Sequence[int], int]],
     return struct.pack("<Q", len(text)) + text
 
 
-class NumpyParts:
-    """The part files of a checkpoint of shards, open for reading slices as NumPy arrays (a
-    context manager; the TensorFlow engine's reader: ``hvdtrain/torch/shard_files.py`` has
-    PyTorch's)."""
+_Parts = TypeVar("_Parts", bound="PartFiles")
+
+
+class PartFiles:
+    """The part files of a checkpoint of shards, open for reading slices (a context manager):
+    NumPy arrays here, the TensorFlow engine's reader; ``hvdtrain/torch/shard_files.py``'s
+    subclass reads torch tensors (``FRAMEWORK``, safetensors' name for the array type)."""
+
+    FRAMEWORK = "np"
 
     def __init__(self, paths: Mapping[int, Path], layout: ShardLayout, where: str) -> None:
         self.paths, self.layout, self.where = dict(paths), layout, where
         self.stack = contextlib.ExitStack()
         self.handles: dict[int, Any] = {}
 
-    def __enter__(self) -> NumpyParts:
+    def __enter__(self: _Parts) -> _Parts:
         from safetensors import safe_open
 
         for shard, path in self.paths.items():
             try:
-                self.handles[shard] = self.stack.enter_context(safe_open(str(path), "np"))
+                self.handles[shard] = self.stack.enter_context(
+                    safe_open(str(path), framework=self.FRAMEWORK))
             except Exception as exc:  # noqa: BLE001  (a missing or damaged part: one line)
                 self.stack.close()
                 raise HvdtrainError(f"{self.where}: cannot read its part {path} "
@@ -206,14 +210,17 @@ class NumpyParts:
     def __exit__(self, *exc: object) -> None:
         self.stack.close()
 
-    def fill(self, out: np.ndarray, name: str, lo: int, kind: str) -> None:
+    def read(self, shard: int, key: str, start: int, stop: int) -> Any:
+        """Elements [start, stop) of a part's tensor, read without the rest of it."""
+        try:
+            return self.handles[shard].get_slice(key)[start:stop]
+        except Exception as exc:  # noqa: BLE001  (a tensor the layout names is not there)
+            raise HvdtrainError(f"{self.where}: part {self.paths[shard].name} lacks "
+                                f"{key}[{start}:{stop}] ({exc})") from None
+
+    def fill(self, out: Any, name: str, lo: int, kind: str) -> None:
         """``out`` (flat) given the elements [lo, lo + len(out)) of parameter ``name``'s
-        ``kind``, from every part that holds some (each read without the rest of its tensor)."""
-        for r in self.layout.reads(name, lo, lo + out.size):
-            key = tensor_key(r.unit, kind)
-            try:
-                out[r.at:r.at + r.stop - r.start] = self.handles[r.shard].get_slice(key)[
-                    r.start:r.stop]
-            except Exception as exc:  # noqa: BLE001  (a tensor the layout names is not there)
-                raise HvdtrainError(f"{self.where}: part {self.paths[r.shard].name} lacks "
-                                    f"{key}[{r.start}:{r.stop}] ({exc})") from None
+        ``kind`` (``params`` or a slot), from every part that holds some."""
+        for r in self.layout.reads(name, lo, lo + len(out)):
+            out[r.at:r.at + r.stop - r.start] = self.read(r.shard, tensor_key(r.unit, kind),
+                                                           r.start, r.stop)

@@ -22,7 +22,7 @@ from hvdtrain.checkpoint import part_file
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import segments
 from hvdtrain.shard_files import (
-    NumpyParts,
+    PartFiles,
     ShardLayout,
     check_fits,
     part_label,
@@ -105,7 +105,7 @@ def read_slots(source: Mapping[str, Any], shard: Any, indices: Sequence[int]
     paths = {s: part_file(Path(source["directory"]), e, where)
              for s, e in shard_files(source["entries"], layout, where).items()}
     out: dict[int, np.ndarray] = {}
-    with NumpyParts(paths, layout, where) as parts:
+    with PartFiles(paths, layout, where) as parts:
         for i in indices:
             kind = f"s{i}"
             values = np.empty(shard.own, NUMPY[layout.slots[kind]])

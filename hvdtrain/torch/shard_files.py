@@ -16,7 +16,6 @@ tensors of :mod:`hvdtrain.shard_files`'s layout.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import segments
 from hvdtrain.shard_files import (
     PARAMS,
+    PartFiles,
     ShardLayout,
     check_fits,
     part_label,
@@ -168,47 +168,16 @@ def load_rest(model: nn.Module, entries: Mapping[str, Any], layout: ShardLayout,
                             f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
-class Parts:
-    """The part files of a sharded checkpoint, open for reading slices (a context manager)."""
+class Parts(PartFiles):
+    """The part files of a sharded checkpoint, open for reading slices as torch tensors."""
+
+    FRAMEWORK = "pt"
 
     def __init__(self, directory: Path, entries: Sequence[Mapping[str, Any]],
                  layout: ShardLayout, where: str) -> None:
-        self.layout, self.where = layout, where
-        self.paths = {shard: part_file(directory, entry, where)
-                      for shard, entry in shard_files(entries, layout, where).items()}
-        self.stack = contextlib.ExitStack()
-        self.handles: dict[int, Any] = {}
-
-    def __enter__(self) -> Parts:
-        from safetensors import safe_open
-
-        for shard, path in self.paths.items():
-            try:
-                self.handles[shard] = self.stack.enter_context(
-                    safe_open(str(path), framework="pt"))
-            except Exception as exc:  # noqa: BLE001  (a missing or damaged part: one line)
-                self.stack.close()
-                raise HvdtrainError(f"{self.where}: cannot read its part {path} "
-                                    f"({type(exc).__name__}: {exc})") from None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.close()
-
-    def read(self, shard: int, key: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of a part's tensor, read without the rest of it."""
-        try:
-            return self.handles[shard].get_slice(key)[start:stop]
-        except Exception as exc:  # noqa: BLE001  (a tensor the layout names is not there)
-            raise HvdtrainError(f"{self.where}: part {self.paths[shard].name} lacks "
-                                f"{key}[{start}:{stop}] ({exc})") from None
-
-    def fill(self, out: torch.Tensor, name: str, lo: int, kind: str) -> None:
-        """``out`` (flat) given the elements [lo, lo + len(out)) of parameter ``name``'s ``kind``
-        (``params`` or a slot), from every part that holds some."""
-        for r in self.layout.reads(name, lo, lo + out.numel()):
-            out[r.at:r.at + r.stop - r.start] = self.read(r.shard, tensor_key(r.unit, kind),
-                                                           r.start, r.stop)
+        super().__init__({shard: part_file(directory, entry, where)
+                          for shard, entry in shard_files(entries, layout, where).items()},
+                         layout, where)
 
     def whole(self, name: str, kind: str, dtype: torch.dtype) -> torch.Tensor:
         """Parameter ``name``'s ``kind`` whole, in its shape."""
