@@ -2,8 +2,9 @@
 
 Usage (under horovodrun): worker.py OUT_DIR CONFIG NAME:override,override [NAME:... ...]
 For each NAME it trains CONFIG with the overrides (log.dir = OUT_DIR/NAME) and
-writes OUT_DIR/NAME/rank<r>.npz (parameters) and OUT_DIR/NAME/rank<r>.json (this rank's own eval sums
-and the summary), so a test can check that ranks agree and that the summary is their average.
+writes OUT_DIR/NAME/rank<r>.npz (parameters) and OUT_DIR/NAME/rank<r>.json (this rank's own eval
+sums, the summary and its final loss scale), so a test can check that ranks agree and that the
+summary is their average.
 """
 
 import json
@@ -29,8 +30,11 @@ def main() -> None:
         rank = result.engine.rank
         run_dir.mkdir(parents=True, exist_ok=True)
         np.savez(run_dir / f"rank{rank}.npz", **result.engine.parameters())
-        (run_dir / f"rank{rank}.json").write_text(
-            json.dumps({"local_eval": result.local_eval, "summary": result.summary}))
+        # The loss scale (1 without fp16), where the engine has one.
+        scale_of = getattr(getattr(result.engine, "precision", None), "loss_scale", None)
+        scale = scale_of() if callable(scale_of) else None
+        (run_dir / f"rank{rank}.json").write_text(json.dumps(
+            {"local_eval": result.local_eval, "summary": result.summary, "loss_scale": scale}))
 
 
 if __name__ == "__main__":
