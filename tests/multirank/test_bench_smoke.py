@@ -186,7 +186,9 @@ def test_compression_smallest_run_of_resnet18_on_generated_images(tmp_path):
     assert [row[0] for row in losses[1:]] == ["torch images adam topk"] and losses[1][4] == "1"
     rows = {row[0]: row for row in results[1:]}
     assert set(rows) == {"torch images adam none", "torch images adam topk"}
-    assert rows["torch images adam none"][5] == "1.0" and float(rows["torch images adam topk"][5]) > 10
+    # The default dense start (comm.dense_fraction 0.03 of 10 steps, rounded up: step 1) sends one
+    # step of ten dense: 10 / (1 + 9 / r) for top-k's own ratio r (about 41 here) is 8.2.
+    assert rows["torch images adam none"][5] == "1.0" and 7 < float(rows["torch images adam topk"][5]) < 10
     none, topk = (float(rows[f"torch images adam {m}"][2]) for m in ("none", "topk"))
     assert float(losses[1][2]) == pytest.approx(100 * (none - topk), abs=0.011)
     assert len(list((tmp_path / "work" / "images" / "train").rglob("*.jpg"))) == 4000
