@@ -31,16 +31,19 @@ lint: setup
 # tests/slurm needs the one-node Slurm cluster, tests/cluster the two-node namespace cluster with
 # Slurm over it: all started here and stopped whatever the tests do (the trap), so that the machine is
 # left as it was. The unit tier runs on its own, where its conftest checks that it loaded no
-# framework. The slowest tests are listed at the end of the longest run (--durations).
+# framework. The slowest tests are listed at the end of the longest run (--durations). Every tier
+# runs even when one before it failed, so that one run shows every failure; make fails if any did.
 test: setup lint
 	trap 'bash scripts/cluster_local.sh stop; bash scripts/slurm_local.sh stop' EXIT; \
 	bash scripts/slurm_local.sh start && \
-	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes && \
-	$(BIN)/python -m pytest tests/unit && \
+	bash scripts/cluster_local.sh start 2 && bash scripts/slurm_local.sh start --nodes || exit 1; \
+	status=0; \
+	$(BIN)/python -m pytest tests/unit || status=1; \
 	$(BIN)/python -m pytest -m "not long" --durations=40 tests --ignore=tests/unit \
-		--ignore=tests/tensorflow --ignore=tests/horovod && \
-	$(BIN)/python -m pytest -m "not long" tests/tensorflow && \
-	$(BIN)/python -m pytest -rs tests/horovod
+		--ignore=tests/tensorflow --ignore=tests/horovod || status=1; \
+	$(BIN)/python -m pytest -m "not long" tests/tensorflow || status=1; \
+	$(BIN)/python -m pytest -rs tests/horovod || status=1; \
+	exit $$status
 
 # The cases marked `long`: the rest of exhaustive matrices (each schedule under each controller, ...)
 # whose representative case runs in `make test`, which they would take well past 30 minutes.

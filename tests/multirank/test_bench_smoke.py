@@ -74,6 +74,7 @@ def check_rows(table: list[list[str]], names: list[str]) -> None:
     assert table[1][5] == "1.000"
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
     """overhead.py (both frameworks), frameworks.py and monitoring.py: one interleaved job each."""
@@ -101,6 +102,7 @@ def test_step_time_benchmarks_tabulate_the_ratios_of_their_records(tmp_path):
         assert tables[0][2][5] == f"{runs[1][key] / runs[0][key]:.3f}"  # B over A, whole run
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_startup_launches_each_side_whole_and_reads_its_first_step(tmp_path):
     doc = tmp_path / "bench.md"
@@ -110,6 +112,7 @@ def test_startup_launches_each_side_whole_and_reads_its_first_step(tmp_path):
     assert all(float(row[3]) > 0 for row in tables[0][1:])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_allreduce_and_fusion_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"
@@ -123,6 +126,7 @@ def test_allreduce_and_fusion_smallest_runs(tmp_path):
     check_rows(fusion_tables[0], [fusion.BASELINE, fusion.CANDIDATE, fusion.CONTROL])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_ddp_and_scaling_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"
@@ -133,6 +137,7 @@ def test_ddp_and_scaling_smallest_runs(tmp_path):
     check_rows(scaling_tables[0], [scaling.ONE, scaling.TWO, scaling.CEILING, scaling.CONTROL])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"

@@ -111,7 +111,9 @@ def staged(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+# TensorFlow's launch is `long`: its stages with compression train in make test in
+# test_pipeline_tf_compression.py and test_pipeline_tf.py (qsgd under MPI).
+@pytest.mark.parametrize("framework", ["torch", pytest.param("tensorflow", marks=pytest.mark.long)])
 @pytest.mark.parametrize("method", METHODS)
 def test_the_lm_trains_in_stages_with_every_compression_method(staged, framework, method):
     launched = staged(framework)
