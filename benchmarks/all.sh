@@ -23,6 +23,35 @@ BENCHES=(
   "benchmarks/elastic_recovery.py --trials 1"
   "scripts/soak_checkpoint.py --trials 20 --record docs/benchmarks.md"
 )
+# Every other driver of benchmarks/, with why `make bench` leaves it out; each section of
+# docs/benchmarks.md gives its command. tests/unit/test_bench_list.py checks that every driver is
+# in one of the two lists. `bash benchmarks/all.sh --list` prints both.
+declare -A OTHERS=(
+  [cluster.py]="needs root: the namespace cluster on shaped links; one --part a run"
+  [ps_links.py]="needs root: the namespace cluster; about 30 minutes"
+  [plan_check.py]="needs root: the namespace cluster; about 25 minutes"
+  [plan_heldout.py]="needs root: the namespace cluster; a prediction committed before its measurement"
+  [mpi_tcp.py]="needs root: the namespace cluster; an investigation of Open MPI over TCP"
+  [shard_link.py]="needs root: the namespace cluster at 100 Mbit/s; about 8 minutes a round"
+  [data.py]="both frameworks' loading and memory parts would take make bench past 30 minutes"
+  [pipeline_tf.py]="the bubble at three micro-batch counts would take make bench past 30 minutes"
+  [ps_async.py]="asp against bsp with a slowed worker would take make bench past 30 minutes"
+  [ps_memory.py]="peak memory, not time: run beside shard_memory.py"
+  [shard_memory.py]="about 20 minutes at 2 and 4 ranks of a 150 M-parameter GPT"
+  [shard_memory_profile.py]="a profile of one job, not a claim: the phases of a step's peak memory"
+  [tf_shard_memory.py]="peak memory, not time: run beside shard_memory.py"
+  [shard_fsdp2.py]="torchrun's FSDP2 beside hvdtrain's stage 3 would take make bench past 30 minutes"
+  [compression_convergence.py]="hours: every method to convergence over seeds, beside torch's hook"
+  [compression_hook.py]="the anchor's side of compression_convergence.py, run by it"
+  [compression_sim.py]="a study of the update rules without Horovod, not a claim's benchmark"
+  [hf_horovod.py]="Hugging Face GPT-2 against a plain Horovod loop would take make bench past 30 minutes"
+  [hf_tokenize.py]="a 100 MB corpus tokenized twice a round would take make bench past 30 minutes"
+)
+if [[ "${1:-}" == "--list" ]]; then
+  for bench in "${BENCHES[@]}"; do echo "make bench: $bench"; done
+  for script in $(printf '%s\n' "${!OTHERS[@]}" | sort); do echo "by hand: $script (${OTHERS[$script]})"; done
+  exit 0
+fi
 start=$SECONDS
 for bench in "${BENCHES[@]}"; do
   t0=$SECONDS
