@@ -103,10 +103,28 @@ def knobs_of(cfg: Config) -> Knobs:
                  ps_overlap=cfg.ps.overlap, accumulation=World.of(cfg, 1).accumulation,
                  stages=cfg.pipeline.stages, servers=cfg.ps.servers if dedicated else 0,
                  comm={k: float(getattr(cfg.comm, k)) for k in RATIO_KEYS},
-                 compression=cfg.comm.compression,
+                 compression=cfg.comm.compression, dense_share=dense_share(cfg),
                  state_bytes=state_bytes(cfg.optim.name, cfg.optim.momentum),
                  prefetch=cfg.shard.prefetch, reshard=cfg.shard.reshard_after_forward,
                  shard_stage=cfg.shard.stage, shard_group=getattr(cfg.shard, "group", "all"))
+
+
+def dense_share(cfg: Config) -> float:
+    """The share of the run's steps a compressing method averages dense first, as training
+    resolves ``comm.dense_steps`` (:func:`hvdtrain.compression.rules.dense_start`): -1, the
+    default, is ``comm.dense_fraction`` of the run whatever its length; a count is a share of
+    ``train.max_steps``, which the plan then needs (the steps of ``train.epochs`` depend on the
+    data set's size, which the plan does not read)."""
+    steps = cfg.comm.dense_steps
+    if steps < 0:
+        return cfg.comm.dense_fraction
+    if steps == 0:
+        return 0.0
+    if not cfg.train.max_steps:
+        raise ConfigError(f"comm.dense_steps={steps}: the plan prices a dense start as a share of "
+                          "the run; set train.max_steps (the run's steps) or price "
+                          "comm.dense_fraction instead (comm.dense_steps=-1)")
+    return min(1.0, steps / cfg.train.max_steps)
 
 
 def refuser(cfg: Config) -> Refuse:

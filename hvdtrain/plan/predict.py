@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from typing import Any
 
+from hvdtrain.config import CommConfig
 from hvdtrain.errors import ConfigError
 from hvdtrain.layout import Layout
 from hvdtrain.pipeline.schedules import SCHEDULES, check_pipeline, microbatch_count
@@ -66,6 +67,11 @@ class Knobs:
     """``ps.chunk_kib``: the most a dedicated server's chunk holds."""
     ps_overlap: bool = True
     """``ps.overlap``: a PyTorch worker pushes each chunk as the backward pass produces it."""
+    dense_share: float = CommConfig().dense_fraction
+    """The share of the run's steps a compressing method averages dense before it starts
+    (``comm.dense_steps``, by default ``comm.dense_fraction`` of the run:
+    :func:`hvdtrain.plan.command.dense_share`):
+    its rows price the run's mean step and bytes, the dense steps included."""
     compression: str = "none"
     """``comm.compression`` of the config: the shard stages' reduce-scatters carry 2 bytes an
     element under ``fp16`` (their rows keep the config's method)."""
@@ -127,7 +133,9 @@ class Prediction:
     """A pipeline's micro-batches a step, as training resolves ``pipeline.microbatches``."""
     wire_bytes: float | None = None
     """Shard stages 2-3: the float32 bytes a rank hands its reduce-scatters and all-gathers a
-    step (the whole unit's for each), as the ``wire_bytes`` hvdtrain counts (docs/sharding.md)."""
+    step (the whole unit's for each), as the ``wire_bytes`` hvdtrain counts (docs/sharding.md).
+    Compressing methods: a rank's bytes per step averaged over the run, its dense start included
+    (:func:`run_wire_bytes`)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The dotted settings of ``how`` (``{"pipeline.stages": 2, ...}``): what the plan asks
     training's compatibility table about (empty: a setting hvdtrain does not run)."""
@@ -322,15 +330,39 @@ def _compressed(ctx: _Ctx) -> list[Prediction]:
             _sweep(ctx, pred, dense, memory=lambda n: _memory(ctx, n))
         else:
             def step(n: int, p: MethodProfile = prof, k: float = kernel) -> Outcome:
-                wire = ctx.profile.gradient_bytes / p.ratio
-                if p.collective == "allgather":
-                    t = costs.ring_allgather(wire, n * g, ctx.link_between(n), o)
-                else:
-                    t = costs.flat_allreduce(wire, n, g, c.intra, c.inter, o)
-                return _after(ctx, t, k if n * g > 1 else 0.0, f"{p.collective} of "
-                              f"{wire / 1e6:.2f} MB")
+                return _compressing_step(ctx, n, p, k)
             _sweep(ctx, pred, step)
+            pred.wire_bytes = run_wire_bytes(ctx.profile.gradient_bytes, prof.ratio,
+                                             ctx.knobs.dense_share)
     return out
+
+
+def run_wire_bytes(gradient_bytes: float, ratio: float, dense_share: float) -> float:
+    """A compressing method's bytes a rank sends per step, averaged over the run: its dense start
+    (``dense_share`` of the steps) sends the float32 gradient, the rest ``1 / ratio`` of it."""
+    return gradient_bytes * (dense_share + (1.0 - dense_share) / ratio)
+
+
+def _compressing_step(ctx: _Ctx, n: int, prof: MethodProfile, kernel_s: float) -> Outcome:
+    """A compressing method's step, the run's mean: ``dense_share`` of the steps average the
+    float32 gradient in an allreduce after the backward pass (the dense start: no kernels), the
+    rest run the method's kernels and collective of ``M / ratio``."""
+    c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
+    m, share = ctx.profile.gradient_bytes, ctx.knobs.dense_share
+    wire = m / prof.ratio
+    if prof.collective == "allgather":
+        t = costs.ring_allgather(wire, n * g, ctx.link_between(n), o)
+    else:
+        t = costs.flat_allreduce(wire, n, g, c.intra, c.inter, o)
+    kernel = kernel_s if n * g > 1 else 0.0
+    label = f"{prof.collective} of {wire / 1e6:.2f} MB"
+    if share > 0:
+        dense = costs.flat_allreduce(m, n, g, c.intra, c.inter, o)
+        t = share * dense + (1.0 - share) * t
+        kernel *= 1.0 - share
+        label += (f"; its dense start, {100 * share:.3g}% of the steps, an allreduce of "
+                  f"{m / 1e6:.2f} MB (the run's mean)")
+    return _after(ctx, t, kernel, label)
 
 
 def _ratio_misfit(ctx: _Ctx, prof: MethodProfile) -> str:
