@@ -15,9 +15,16 @@ above the seed's ``none`` final accuracy less 0.5 point); and that many steps ti
 Mbit/s link, a model: each step costs the run's measured step time on this host plus its wire
 bytes per rank at 12.5 MB/s (a 2-rank ring or allgather sends about one copy per rank per step).
 
+``--dataset images`` trains ResNet-18 instead (``configs/images_torch.yaml``, width 16, on
+``compression.py``'s generated images, 4,000 training and 1,000 test, SGD momentum 0.9 at 0.01 x 2
+ranks, cosine) for ``--steps`` steps, and the anchor on the same images, model, sampler, augmentation
+draws and schedule.
+
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --seeds 3
+    nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
+        --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 5
     .venv/bin/python benchmarks/compression_convergence.py --quick   # a tiny end-to-end check
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -72,13 +80,27 @@ def interval(values: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
-def hook_job(seed: int, start: int | None, quick: bool) -> dict[str, Any]:
-    """One torchrun run of the anchor (``start`` None: plain DDP)."""
+def image_budget(root: Path, steps: int) -> list[str]:
+    """ResNet-18's overrides: the generated images, and enough epochs for ``steps`` at 2 ranks
+    (the config's 5 give 315), capped there by ``train.max_steps``."""
+    per_epoch = math.ceil(comp.IMAGE_SET["train"] / (2 * 32))
+    return [*comp.image_overrides(root, steps),
+            f"train.epochs={max(5, math.ceil(steps / per_epoch))}"]
+
+
+def hook_job(seed: int, start: int | None, quick: bool,
+             images: tuple[Path, int] | None = None) -> dict[str, Any]:
+    """One torchrun run of the anchor (``start`` None: plain DDP); ``images``: ResNet-18 on
+    these images for this many steps, else the MNIST-1D CNN."""
     argv = [str(harness.python().parent / "torchrun"), "--standalone", "--nproc-per-node=2",
             str(Path(__file__).with_name("compression_hook.py")), "--seed", str(seed)]
     if start is not None:
         argv += ["--hook", "powersgd", "--start-iter", str(start)]
-    if quick:
+    if images is not None:
+        epochs = image_budget(*images)[-1].split("=")[1]
+        argv += ["--dataset", "images", "--images", str(images[0]), "--max-steps",
+                 str(images[1]), "--epochs", epochs]
+    elif quick:
         argv += ["--epochs", "2"]
     harness.log(f"torchrun seed {seed}: {'DDP' if start is None else f'powerSGD_hook {start}'}")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
@@ -92,19 +114,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every job; the records by seed."""
     names = variants(args.methods.split(","), [int(d) for d in args.dense.split(",")])
     names += [v for v in args.variants.split(",") if v]
-    extra = ["train.epochs=2"] if args.quick else []
     work = Path(args.work)
+    images = None
+    if args.dataset == comp.IMAGES:
+        images = (comp.make_image_set(work), 10 if args.quick else args.steps)
+        extra = image_budget(*images)
+    else:
+        extra = ["train.epochs=2"] if args.quick else []
     out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": names}
     for seed in range(args.seed_from, args.seed_from + args.seeds):
-        records = comp.job("torch", DATASET, seed, names, work / "torch", extra=extra)
+        records = comp.job("torch", args.dataset, seed, names, work / "torch", extra=extra)
         for r in records:
-            run_dir = work / "torch" / f"{DATASET}-sgd-{r['method']}-s{seed}"
+            run_dir = work / "torch" / f"{args.dataset}-sgd-{r['method']}-s{seed}"
             r["curve"] = curve(run_dir)
         out["hvdtrain"][seed] = {r["method"]: r for r in records}
         starts: list[int | None] = [] if args.hook_starts == "none" else [
             None, *(int(s) for s in args.hook_starts.split(",") if s)]
-        out["hook"][seed] = {("ddp" if s is None else f"hook{s}"): hook_job(seed, s, args.quick)
-                            for s in starts}
+        out["hook"][seed] = {("ddp" if s is None else f"hook{s}"):
+                             hook_job(seed, s, args.quick, images) for s in starts}
     return out
 
 
@@ -126,15 +153,29 @@ def fmt_interval(values: Sequence[float], scale: float = 100.0) -> str:
     return f"{mean:+.2f} ({lo:+.2f} to {hi:+.2f})" if len(values) > 1 else f"{mean:+.2f}"
 
 
-def report(data: dict[str, Any]) -> str:
-    """The section's tables."""
+def against_hook(data: dict[str, Any], seeds: Sequence[int], hooks: Sequence[str]) -> str:
+    """Lines pairing each hvdtrain PowerSGD variant with each hook start by seed: its accuracy
+    less the hook's (positive: hvdtrain's is higher), mean and 95% interval, in points."""
+    out = []
+    for name in (n for n in data["names"] if n.split("+")[0] == "powersgd"):
+        for hook in (h for h in hooks if h != "ddp"):
+            diff = [data["hvdtrain"][s][name]["accuracy"] - data["hook"][s][hook]["accuracy"]
+                    for s in seeds]
+            out.append(f"- hvdtrain `{name}` less torch's powerSGD_hook start {hook[4:]}, by "
+                       f"seed: {fmt_interval(diff)} points (per seed: "
+                       f"{', '.join(f'{100 * d:+.1f}' for d in diff)})")
+    return "\n\n" + "\n".join(out) if out else ""
+
+
+def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
+    """The section's tables; ``flat_epochs``: the last evaluations whose spread is printed."""
     seeds = sorted(data["hvdtrain"])
     lines = ["| run | seeds | accuracy | loss vs none (points, 95% interval) | fewer bytes "
              "than dense (run total) | steps to none's final | modeled s to it at 100 Mbit/s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     flat = []
     for seed in seeds:
-        c = data["hvdtrain"][seed]["none"]["curve"][-FLAT_EPOCHS:]
+        c = data["hvdtrain"][seed]["none"]["curve"][-flat_epochs:]
         flat.append(max(a for _, a in c) - min(a for _, a in c))
     for name in data["names"]:
         rs = [data["hvdtrain"][s][name] for s in seeds]
@@ -163,8 +204,8 @@ def report(data: dict[str, Any]) -> str:
                      f" | {fmt_interval(loss) + ' vs DDP' if name != 'ddp' else '—'} | — | — | — |")
     gap = [data["hook"][s]["ddp"]["accuracy"] - data["hvdtrain"][s]["none"]["accuracy"]
            for s in seeds if "ddp" in data["hook"][s]]
-    return "\n".join(lines) + (
-        f"\n\n`none` over its last {FLAT_EPOCHS} evaluations moves at most "
+    return "\n".join(lines) + against_hook(data, seeds, hooks) + (
+        f"\n\n`none` over its last {flat_epochs} evaluations moves at most "
         f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
         + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points"
            if gap else "") + ".\n")
@@ -175,6 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed-from", type=int, default=0,
                    help="the first seed (a measurement split into jobs of a seed each)")
+    p.add_argument("--dataset", choices=(DATASET, comp.IMAGES), default=DATASET,
+                   help="images: ResNet-18 on generated images for --steps steps")
+    p.add_argument("--steps", type=int, default=1000, help="ResNet-18's steps (--dataset images)")
+    p.add_argument("--flat-epochs", type=int, default=FLAT_EPOCHS,
+                   help="the last evaluations of none whose spread the report prints")
     p.add_argument("--methods", default="topk,powersgd")
     p.add_argument("--dense", default="0,250",
                    help="comm.dense_steps values per method (-1: the config's default)")
@@ -192,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = merge(args.merge.split(",")) if args.merge else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(data, default=str))
-    print(report(data))
+    print(report(data, args.flat_epochs))
     return 0
 
 

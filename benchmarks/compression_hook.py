@@ -36,51 +36,83 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 KEY = "bench_compression_hook"
 
 
-def overrides(seed: int) -> list[str]:
-    """The config the hvdtrain runs of the study train (the digits config, MNIST-1D CNN, SGD)."""
-    from compression import DATASETS, OPTIMIZERS
+def overrides(seed: int, dataset: str = "mnist1d-cnn") -> list[str]:
+    """The config the hvdtrain runs of the study train: the MNIST-1D CNN on the digits config, or
+    ResNet-18 on ``configs/images_torch.yaml`` (both SGD momentum)."""
+    from compression import DATASETS, IMAGE_OPTIMIZERS, OPTIMIZERS
 
-    return [f"seed={seed}", *DATASETS["mnist1d-cnn"], *OPTIMIZERS["sgd"]]
+    if dataset == "images":
+        return [f"seed={seed}", *IMAGE_OPTIMIZERS["sgd"]]
+    return [f"seed={seed}", *DATASETS[dataset], *OPTIMIZERS["sgd"]]
 
 
-def evaluate(model: Any, x: Any, y: Any) -> float:
-    """Accuracy over the whole test split (every rank scores all of it: no collective)."""
+def evaluate(model: Any, source: Any, rank: int, size: int, batch: int) -> float:
+    """Accuracy over the test split as hvdtrain's loop scores it: each rank its own shard
+    (:func:`hvdtrain.data.sampler.eval_shards`) on its own model (batch-norm statistics are a
+    rank's own in hvdtrain), the correct counts summed over the ranks."""
     import torch
+    import torch.distributed as dist
+
+    from hvdtrain.data.sampler import eval_shards
 
     model.eval()
+    counts = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        correct = sum(int((model(x[i:i + 512]).argmax(1) == y[i:i + 512]).sum())
-                      for i in range(0, len(y), 512))
+        for idx in eval_shards(len(source), rank, size, batch):
+            if len(idx):
+                b = source.load(idx)
+                out = model(torch.from_numpy(b.x))
+                counts += torch.tensor([float((out.argmax(1) == torch.from_numpy(b.y)).sum()),
+                                        float(len(idx))], dtype=torch.float64)
     model.train()
-    return correct / len(y)
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1])
+
+
+def config(args: argparse.Namespace) -> Any:
+    """hvdtrain's resolved config of the run (its model, data, batch, schedule and budget)."""
+    from hvdtrain.config import load_config
+
+    extra = [f"train.epochs={args.epochs}"] if args.epochs else []
+    if args.dataset == "images":
+        extra += [f"data.options.root={args.images}", f"train.max_steps={args.max_steps}"]
+    elif args.max_steps:
+        extra.append(f"train.max_steps={args.max_steps}")
+    name = "images_torch" if args.dataset == "images" else "digits_torch"
+    return load_config(ROOT / "configs" / f"{name}.yaml",
+                       [*overrides(args.seed, args.dataset), *extra], environ={})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Trains one run; returns rank 0's record (every rank returns one)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel
 
-    from compression import cnn1d
-    from hvdtrain.config import load_config
-    from hvdtrain.data.mnist1d import Mnist1dDataset
+    from hvdtrain.adapters import make_adapter
+    from hvdtrain.data.contracts import Draw
     from hvdtrain.data.sampler import ShardedSampler
+    from hvdtrain.driver import make_dataset
+    from hvdtrain.registry import MODELS
     from hvdtrain.schedule import lr_at
+    from hvdtrain.torch.models import ClassifierAdapter
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    epochs = [f"train.epochs={args.epochs}"] if args.epochs else []
-    cfg = load_config(ROOT / "configs" / "digits_torch.yaml", [*overrides(args.seed), *epochs],
-                      environ={})
-    data = Mnist1dDataset()
+    cfg = config(args)
+    data = make_dataset(cfg)
     train, test = data.train(), data.test()
-    x, y = torch.from_numpy(train.x), torch.from_numpy(train.y)
-    tx, ty = torch.from_numpy(test.x), torch.from_numpy(test.y)
+    adapter = make_adapter(MODELS["torch"].get(cfg.model.name), cfg.model.options,
+                           cfg.model.name, ClassifierAdapter)
     torch.manual_seed(cfg.seed + rank)
-    model = DistributedDataParallel(cnn1d(data.spec()))
+    # broadcast_buffers=False: hvdtrain keeps each rank's batch-norm statistics its own. One
+    # bucket (a cap above any model here; a set cap also sizes the first): with two, the hook's
+    # chained Gloo allreduces of the buckets ran in another order on each rank (ResNet-18:
+    # "Received data size doesn't match expected size").
+    model = DistributedDataParallel(adapter.build(data.spec()), broadcast_buffers=False,
+                                    bucket_cap_mb=1024)
     if args.hook == "powersgd":
         state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.rank,
                                    start_powerSGD_iter=args.start_iter, use_error_feedback=True,
@@ -89,25 +121,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     o = cfg.optim
     opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                           weight_decay=o.weight_decay)
-    sampler = ShardedSampler(len(y), cfg.data.batch_size, seed=cfg.seed)
+    sampler = ShardedSampler(len(train), cfg.data.batch_size, seed=cfg.seed,
+                             shuffle=cfg.data.shuffle)
     total = cfg.train.epochs * sampler.steps_in_epoch(size)
+    total = min(total, cfg.train.max_steps) if cfg.train.max_steps else total
     step, curve = 0, []
     for epoch in range(cfg.train.epochs):
         for plan in sampler.steps(epoch, rank, size):
-            idx = torch.from_numpy(plan.micro[0])
+            if step == total:
+                break
+            batch = train.load(plan.micro[0], Draw(cfg.seed, epoch))
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, o, size)
             opt.zero_grad()
             # hvdtrain's weighting: each rank's share of the step's global batch, so that DDP's
             # average over the ranks is the mean over the global batch when shards differ.
-            loss = F.cross_entropy(model(x[idx]), y[idx], reduction="sum") * size
-            (loss / plan.global_count).backward()
+            loss, _ = adapter.loss_and_metrics(model, torch.from_numpy(batch.x),
+                                               torch.from_numpy(batch.y))
+            (loss * size / plan.global_count).backward()
             opt.step()
             step += 1
-        curve.append(evaluate(model.module, tx, ty))
+        curve.append([step, evaluate(model.module, test, rank, size, cfg.data.eval_batch_size)])
+        if step == total:
+            break
     dist.destroy_process_group()
     return {KEY: 1, "hook": args.hook, "start": args.start_iter if args.hook else 0,
-            "seed": args.seed, "accuracy": curve[-1], "curve": curve, "steps": step}
+            "seed": args.seed, "accuracy": curve[-1][1], "curve": curve, "steps": step}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=2, help="PowerSGD's rank (hvdtrain's default)")
     p.add_argument("--start-iter", type=int, default=2,
                    help="start_powerSGD_iter: dense steps first (torch's minimum: 2)")
-    p.add_argument("--epochs", type=int, default=0, help="train.epochs (0: the study's 60)")
+    p.add_argument("--epochs", type=int, default=0, help="train.epochs (0: the config's)")
+    p.add_argument("--dataset", choices=("mnist1d-cnn", "images"), default="mnist1d-cnn",
+                   help="images: ResNet-18 on configs/images_torch.yaml")
+    p.add_argument("--images", default="", help="the generated images' root (--dataset images)")
+    p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: none)")
     args = p.parse_args(argv)
     record = run(args)
     if os.environ.get("RANK", "0") == "0":
