@@ -166,6 +166,9 @@ def _train(cfg: Config, callbacks: Sequence[Callback],
     summary = {**summary, **{key: list(column)
                              for key, column in zip(keys, zip(*placements, strict=True),
                                                     strict=True)}}
+    tokenizer = getattr(dataset, "tokenizer", None)  # the tokens' (docs/huggingface.md)
+    if tokenizer is not None:
+        summary["tokenizer"] = str(tokenizer)
     if cfg.comm.topology == "ps":  # world_size counts the workers: say what else ran
         servers = cfg.ps.servers if dedicated(cfg) else engine.size
         summary |= {"topology": "ps", "ps_placement": cfg.ps.placement, "ps_servers": servers}

@@ -10,7 +10,8 @@ Two uses, picked by the options:
   file lock; the others, and every later run with the same data and options, read it.
 - classification (``label_column``): the ``feature_columns`` (numbers, or one column of
   equal-length lists of numbers) as float32 inputs and the label column as int64 classes, held in
-  memory.
+  memory; one column of images (``datasets.Image``) gives ``[3, H, W]`` inputs in [0, 1], one of
+  nested lists its own shape.
 
 Either way the splits are :class:`~hvdtrain.data.contracts.Source` objects, so the global-batch
 sampler gives every sample once an epoch and a resumed run continues exactly, as for every source.
@@ -119,6 +120,9 @@ class HfDataset(BuiltDataset):
     data); classification: ``label_column``, ``feature_columns``.
     """
 
+    tokenizer: Path | None = None
+    """A text corpus's tokenizer file (:attr:`hvdtrain.data.text.TextDataset.tokenizer`)."""
+
     def __init__(self, path: str, text_column: str | None = None, label_column: str | None = None,
                  feature_columns: Sequence[str] = (), tokenizer: str = "bpe",
                  vocab_size: int = 1024, seq_len: int = 64, test_path: str | None = None,
@@ -150,6 +154,7 @@ class HfDataset(BuiltDataset):
             if not (root / "meta.json").is_file():
                 self._tokenize(root, path, column, file, vocab_size, test_path, test_fraction)
         corpus = TextDataset(str(root), seq_len)
+        self.tokenizer = corpus.tokenizer
         self._spec, self._train, self._test = corpus.spec(), corpus.train(), corpus.test()
 
     @staticmethod
@@ -181,10 +186,8 @@ class HfDataset(BuiltDataset):
         num_classes = getattr(train.features.get(label), "num_classes", None)
         arrays = []
         for table in (train, test):
-            x = np.stack([np.asarray(_column(table, name, "feature_columns"), np.float32)
-                          for name in features], axis=1)
-            arrays.append((x.reshape(len(x), -1), np.asarray(_column(table, label,
-                                                                     "label_column"))))
+            arrays.append((_inputs(table, features), np.asarray(_column(table, label,
+                                                                        "label_column"))))
         for _, y in arrays:
             if not np.issubdtype(y.dtype, np.integer):
                 raise HvdtrainError(f"data.options.label_column={label!r}: labels must be "
@@ -194,6 +197,42 @@ class HfDataset(BuiltDataset):
         for (_, y), split in zip(arrays, ("train", "test"), strict=True):
             check_label_range(y, num_classes, f"{path} ({split})")
         (xtr, ytr), (xte, yte) = arrays
+        if xtr.shape[1:] != xte.shape[1:]:
+            raise HvdtrainError(f"data.options.feature_columns: a training sample is "
+                                f"{list(xtr.shape[1:])}, an evaluation sample "
+                                f"{list(xte.shape[1:])}")
         self._train = Split(xtr, ytr.astype(np.int64))
         self._test = Split(xte, yte.astype(np.int64))
         self._spec = DatasetSpec(input_shape=xtr.shape[1:], num_classes=num_classes)
+
+
+def _inputs(table: Any, names: list[str]) -> np.ndarray:
+    """The float32 inputs of ``names``: numbers or 1-D lists, side by side in one vector; or one
+    column of images (``datasets.Image``) or of nested lists, each sample keeping its shape."""
+    columns = [_column(table, name, "feature_columns") for name in names]
+    if len(names) == 1 and type(table.features.get(names[0])).__name__ == "Image":
+        return _images(columns[0], names[0])
+    try:
+        parts = [np.asarray(column, np.float32) for column in columns]
+    except (TypeError, ValueError) as exc:  # lists of different lengths, strings
+        first = str(exc).strip().splitlines()[0]
+        raise HvdtrainError(f"data.options.feature_columns={names}: not numbers or lists of "
+                            f"one length ({first})") from None
+    if len(parts) == 1 and parts[0].ndim > 2:  # an image as nested lists: its shape kept
+        return parts[0]
+    x = np.stack(parts, axis=1)
+    return x.reshape(len(x), -1)
+
+
+def _images(column: Any, name: str) -> np.ndarray:
+    """The images of an ``Image`` column as float32 ``[N, 3, H, W]`` in [0, 1] (RGB, channels
+    first, as ``data.name: image_folder`` gives them); images of two sizes are one line."""
+    arrays = [np.asarray(image.convert("RGB"), np.float32) / 255.0 for image in column]
+    sizes = sorted({a.shape[:2] for a in arrays})
+    if len(sizes) > 1:
+        raise HvdtrainError(f"data.options.feature_columns={name!r}: images of {len(sizes)} "
+                            f"sizes ({', '.join(f'{h}x{w}' for h, w in sizes[:3])}, ...); "
+                            "resize them to one")
+    if not arrays:
+        return np.zeros((0, 3, 0, 0), np.float32)
+    return np.stack(arrays).transpose(0, 3, 1, 2).copy()

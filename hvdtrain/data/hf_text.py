@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,16 @@ MIN_BPE_VOCAB = 257
 """A byte-level BPE starts from the 256 bytes; it needs room for at least one merge."""
 
 
-def _lines(sources: Sequence[Path]) -> Iterator[str]:
-    """The corpus's lines, each with its newline: every file's text in order, each file ending in
-    one newline, as the byte-level ``make-text`` joins them."""
+def _chunks(sources: Sequence[Path]) -> Iterator[list[str]]:
+    """The corpus's lines, each with its newline, in lists of at most :data:`CHUNK_LINES`: every
+    file's text in order, each file ending in one newline, as the byte-level ``make-text`` joins
+    them. A list is sliced from a file's lines (no line at a time in Python); a piece never
+    spans two files, which changes nothing, as each line is encoded on its own."""
     for source in sources:
         text = source.read_text(encoding="utf-8", errors="replace").rstrip("\n") + "\n"
-        yield from text.splitlines(keepends=True)
+        lines = text.splitlines(keepends=True)
+        for start in range(0, len(lines), CHUNK_LINES):
+            yield lines[start:start + CHUNK_LINES]
 
 
 def chunked(lines: Iterable[str]) -> Iterator[list[str]]:
@@ -102,10 +107,18 @@ class Encoder:
             return int(self.impl.get_piece_size())
         return int(self.impl.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, lines: list[str]) -> list[list[int]]:
+    def encode(self, lines: list[str]) -> list[Any]:
+        """The library's encodings of ``lines``, one a line (:meth:`ids` reads them). Both
+        libraries encode without holding the GIL, so :func:`encode` runs this on a thread."""
         if self.sentencepiece:
-            return [list(ids) for ids in self.impl.encode(lines)]
-        return [e.ids for e in self.impl.encode_batch_fast(lines, add_special_tokens=False)]
+            return list(self.impl.encode(lines))
+        return list(self.impl.encode_batch_fast(lines, add_special_tokens=False))
+
+    def ids(self, encodings: list[Any]) -> Iterator[int]:
+        """The token ids of :meth:`encode`'s ``encodings``, in order."""
+        if self.sentencepiece:
+            return chain.from_iterable(encodings)
+        return chain.from_iterable(e.ids for e in encodings)
 
     def save(self, root: Path, path: Path | None) -> str:
         """Saves the tokenizer in ``root`` and returns its file name there."""
@@ -140,8 +153,8 @@ def make_tokenized_text(sources: Sequence[str | Path], out: str | Path, val_frac
     if path is not None and vocab_size:
         raise HvdtrainError("data make-text: --vocab-size is for --tokenizer bpe; a tokenizer "
                             "file has its own vocabulary")
-    encoder = Encoder(path, lambda: chunked(_lines(files)), vocab_size)
-    return write_corpus(root, encoder, chunked(_lines(files)), val_fraction,
+    encoder = Encoder(path, lambda: _chunks(files), vocab_size)
+    return write_corpus(root, encoder, _chunks(files), val_fraction,
                         {"tokenizer": "bpe" if path is None else str(path),
                          "sources": [str(s) for s in sources]}, path)
 
@@ -149,9 +162,18 @@ def make_tokenized_text(sources: Sequence[str | Path], out: str | Path, val_frac
 def encode(encoder: Encoder, chunks: Iterable[list[str]]) -> np.ndarray:
     """The ids of ``chunks`` as one array (``uint16`` up to 65,536 ids, else ``uint32``)."""
     dtype = "uint16" if encoder.vocab_size <= 1 << 16 else "uint32"
-    # Lists of ids become arrays in C (np.array of a flat list), not an id at a time in Python.
-    pieces = [np.array(list(chain.from_iterable(encoder.encode(chunk))), dtype)
-              for chunk in chunks]
+    pieces: list[np.ndarray] = []
+    # One piece ahead: the library encodes piece k + 1 on its threads (without the GIL) while
+    # this thread reads piece k's ids into an array, so that the ids cost no time of their own.
+    with ThreadPoolExecutor(1) as pool:
+        pending: Future[list[Any]] | None = None
+        for chunk in chunks:
+            ahead = pool.submit(encoder.encode, chunk)
+            if pending is not None:
+                pieces.append(np.fromiter(encoder.ids(pending.result()), dtype))
+            pending = ahead
+        if pending is not None:
+            pieces.append(np.fromiter(encoder.ids(pending.result()), dtype))
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
 
 

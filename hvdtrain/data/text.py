@@ -136,6 +136,10 @@ class TextDataset(BuiltDataset):
     where the built-in ``gpt`` takes its vocabulary from.
     """
 
+    tokenizer: Path | None = None
+    """The tokenizer file beside the ids (``meta.json``'s ``tokenizer_file``), None for bytes:
+    the run's summary names it and ``hvdtrain export`` writes it beside the model."""
+
     def __init__(self, root: str, seq_len: int = 64) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise HvdtrainError(f"data.options.seq_len={seq_len!r}: expected a positive integer")
@@ -144,6 +148,7 @@ class TextDataset(BuiltDataset):
         if "tokenizer_file" in meta:  # written by make-text --tokenizer (docs/huggingface.md)
             from hvdtrain.data.hf_vocab import check_tokenizer
             check_tokenizer(base, meta)
+            self.tokenizer = (base / str(meta["tokenizer_file"])).resolve()
         vocab, dtype = int(meta["vocab_size"]), str(meta["dtype"])
         counts = {"train": meta.get("train_tokens"), "test": meta.get("val_tokens")}
         sources = {split: TextSource(TokenFile(base / name, dtype, counts[split]), seq_len, vocab)

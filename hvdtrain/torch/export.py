@@ -74,7 +74,8 @@ def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], ou
 
     adapter = make_adapter(MODELS["torch"].get(cfg.model.name), cfg.model.options,
                            cfg.model.name, ClassifierAdapter)
-    model: Any = adapter.build(make_dataset(cfg).spec())
+    dataset = make_dataset(cfg)
+    model: Any = adapter.build(dataset.spec())
     if hasattr(adapter, "model_entries"):  # pipeline stages' names -> the model's own
         entries = adapter.model_entries(model, entries)
     try:
@@ -85,24 +86,45 @@ def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], ou
                             f"{first}") from None
     model.config.use_cache = True  # inference again
     model.save_pretrained(str(out))
-    root = cfg.data.options.get("root") if cfg.data.name == "text" else None
-    if root and (Path(root) / "meta.json").is_file():
-        name = json.loads((Path(root) / "meta.json").read_text()).get("tokenizer_file")
-        if name and (Path(root) / name).is_file():
-            shutil.copyfile(Path(root) / name, out / name)
+    write_tokenizer(getattr(dataset, "tokenizer", None), out, hf=True)
+
+
+def write_tokenizer(tokenizer: Path | None, out: Path, hf: bool = False) -> None:
+    """The corpus's tokenizer file (None: bytes, nothing to write) copied into ``out``; for a
+    transformers directory (``hf``) a ``tokenizer.json`` is written with its
+    ``tokenizer_config.json`` too, so that ``AutoTokenizer.from_pretrained(out)`` loads it."""
+    if tokenizer is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if hf and tokenizer.suffix == ".json":
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(str(out))
+    else:
+        shutil.copyfile(tokenizer, out / tokenizer.name)
 
 
 def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
     """Writes the export of ``checkpoint`` (of a run of ``cfg``) in format ``fmt`` to ``out``."""
-    if fmt == "safetensors":
-        state = read_state(checkpoint.read_bytes(), str(checkpoint))
-        source = sources(state, checkpoint, str(checkpoint))
-        if source is not None:  # shards: streamed, never the whole model in memory
-            write_export(source, out / "model.safetensors", state["meta"],
-                         *unshared(dict(source["model"])))
-            return
-    entries, meta = checkpoint_model(checkpoint)
-    if fmt == "safetensors":
-        write_safetensors(entries, out, meta)
+    if fmt == "hf":
+        write_hf(cfg, checkpoint, checkpoint_model(checkpoint)[0], out)
+        return
+    state = read_state(checkpoint.read_bytes(), str(checkpoint))
+    source = sources(state, checkpoint, str(checkpoint))
+    if source is not None:  # shards: streamed, never the whole model in memory
+        write_export(source, out / "model.safetensors", state["meta"],
+                     *unshared(dict(source["model"])))
     else:
-        write_hf(cfg, checkpoint, entries, out)
+        entries, meta = checkpoint_model(checkpoint)
+        write_safetensors(entries, out, meta)
+    write_tokenizer(corpus_tokenizer(cfg), out)
+
+
+def corpus_tokenizer(cfg: Config) -> Path | None:
+    """The tokenizer of the run's data (``data.name`` text or hf_dataset), None for any other
+    data or a corpus of bytes."""
+    if cfg.data.name not in ("text", "hf_dataset"):
+        return None  # no need to load the data
+    from hvdtrain.driver import make_dataset
+
+    return getattr(make_dataset(cfg), "tokenizer", None)

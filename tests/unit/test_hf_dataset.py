@@ -110,3 +110,43 @@ def test_paths_that_are_not_data_are_one_line(tmp_path):
                           ("empty", "not one written by save_to_disk")):
         with pytest.raises(HvdtrainError, match=message):
             HfDataset(path=str(tmp_path / path), text_column="text")
+
+
+def test_an_image_column_gives_channels_first_images_and_nested_lists_keep_their_shape(tmp_path):
+    """Image classification columns: a ``datasets.Image`` column (from Parquet, where the
+    images are PNG bytes, and from save_to_disk) gives [3, H, W] inputs in [0, 1], the pixels
+    of the images; one column of nested lists keeps its shape; ragged lists are one line."""
+    pytest.importorskip("PIL")
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (20, 5, 4, 3), dtype=np.uint8)
+    labels = datasets.ClassLabel(names=["a", "b", "c"])
+    features = datasets.Features({"image": datasets.Image(), "label": labels})
+    table = datasets.Dataset.from_dict({"image": list(pixels),
+                                        "label": (np.arange(20) % 3).tolist()}, features=features)
+    table.to_parquet(str(tmp_path / "images.parquet"))
+    table.save_to_disk(str(tmp_path / "images"))
+    expected = pixels.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    for path in ("images.parquet", "images"):
+        data = HfDataset(path=str(tmp_path / path), label_column="label",
+                         feature_columns=["image"], test_fraction=0.25)
+        assert data.spec().input_shape == (3, 5, 4) and data.spec().num_classes == 3, path
+        batch = data.test().load(np.arange(5))
+        np.testing.assert_array_equal(batch.x, expected[15:], err_msg=path)
+        assert batch.y.tolist() == [0, 1, 2, 0, 1], path
+    nested = datasets.Dataset.from_dict({"x": pixels[:, :, :, 0].tolist(),
+                                         "y": [0, 1] * 10})
+    data = HfDataset(path=_saved(nested, tmp_path / "nested"), label_column="y",
+                     feature_columns=["x"])
+    assert data.spec().input_shape == (5, 4)
+    np.testing.assert_array_equal(data.train().load(np.arange(2)).x, pixels[:2, :, :, 0])
+    ragged = datasets.Dataset.from_dict({"x": [[1.0, 2.0], [3.0]] * 5, "y": [0, 1] * 5})
+    with pytest.raises(HvdtrainError) as err:
+        HfDataset(path=_saved(ragged, tmp_path / "ragged"), label_column="y",
+                  feature_columns=["x"])
+    assert "feature_columns=['x']: not numbers or lists of one length" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def _saved(table, path) -> str:
+    table.save_to_disk(str(path))
+    return str(path)
