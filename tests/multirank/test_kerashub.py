@@ -127,3 +127,39 @@ def test_the_checkpoint_exports_to_keras_files_with_its_logits(finetuned):
     pretrained = token_model(keras_hub.models.CausalLM.from_preset(str(base / "pretrained"),
                                                                     preprocessor=None))
     assert float(np.abs(np.asarray(pretrained(batch, training=False)) - expected).max()) > 1e-3
+
+
+@pytest.mark.long
+def test_sharded_stages_1_and_2_train_a_keras_hub_model_as_the_ring(tmp_path):
+    """``shard.stage`` 1 and 2 (TensorFlow's stages) train a KerasHub GPT-2 from a config at two
+    ranks to the ring's parameters after 4 steps of Adam (seen on 2026-12-06: equal to the
+    bit), and the ring's training moved the model."""
+    from tests.multirank.conftest import PYTHON, WORKER
+
+    corpus = docs_corpus(tmp_path / "docs")
+    common = (f"data.options.root={corpus},model.name=kerashub_causal_lm,model.options={{}},"
+              "train.max_steps=4,optim.warmup_steps=0,checkpoint.every_steps=0,"
+              "log.console=false,data.batch_size=8")
+    proc = horovodrun(2, "gloo", [PYTHON, WORKER, str(tmp_path / "out"),
+                                  str(ROOT / "configs" / "lm_tf.yaml"), f"ring:{common}",
+                                  f"s1:{common},shard.stage=1", f"s2:{common},shard.stage=2"],
+                      timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    def parameters(run: str, rank: int) -> dict[str, np.ndarray]:
+        with np.load(tmp_path / "out" / run / f"rank{rank}.npz") as npz:
+            return dict(npz)
+
+    ring = parameters("ring", 0)
+    summary = json.loads((tmp_path / "out" / "ring" / "rank0.json").read_text())["summary"]
+    assert summary["final"]["eval_loss"] < math.log(256) - 0.2  # 4 steps moved the model
+    for run, stage in (("s1", 1), ("s2", 2)):
+        info = json.loads((tmp_path / "out" / run / "rank0.json").read_text())["summary"]
+        assert info["shard_stage"] == stage and info["shard_ranks"] == 2
+        for rank in (0, 1):
+            got = parameters(run, rank)
+            assert got.keys() == ring.keys() and len(ring) > 20
+            for key, value in ring.items():
+                np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-5,
+                                           err_msg=f"{run} rank {rank} {key}")
