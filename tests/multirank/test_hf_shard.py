@@ -10,9 +10,9 @@ to its token embedding) is fine-tuned for 4 steps of Adam:
   ring's parameters, the ring's standing for one process (tests/multirank/test_engines.py).
 
 One launch of ``tests/multirank/worker.py`` runs them one after the other (the pipeline first:
-it starts Horovod with process sets). Marked ``long``: stage 3's safetensors export, stages 1
-and 3 without activation checkpointing, and a Llama-architecture model from a config in 2 stages
-against the ring.
+it starts Horovod with process sets). Stage 3's safetensors export and the stages' ``hf`` export
+give the ring's logits. Marked ``long``: stages 1 and 3 without activation checkpointing, and a
+Llama-architecture model from a config in 2 stages against the ring.
 """
 
 from __future__ import annotations
@@ -130,11 +130,29 @@ def test_the_ring_moved_from_the_pretrained_weights(launched):
     assert moved > 100 * TOLERANCE, moved
 
 
-@pytest.mark.long
-def test_stage_3_exports_the_tied_weight_once_with_its_alias(launched):
-    """Stage 3's checkpoint (each rank's shards) exports as a ring run's: the tied weight once,
-    the head named as its alias, at the ring's values."""
+def logits_of(config, state: dict[str, np.ndarray], batch):
+    """The logits on ``batch`` of a transformers model of ``config`` holding ``state``."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    missing, unexpected = model.load_state_dict(
+        {key: torch.from_numpy(np.asarray(value)) for key, value in state.items()}, strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied: the embedding's
+    with torch.no_grad():
+        return model(input_ids=batch).logits
+
+
+def test_stage_3_exports_the_tied_weight_once_with_its_alias(launched, corpus_and_base):
+    """Stage 3's checkpoint (each rank's shards, streamed a tensor at a time) exports as a ring
+    run's: the tied weight once, the head named as its alias, at the ring's values; loaded into
+    the transformers model, the ring's logits."""
+    import torch
+    import transformers
     from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from tests.multirank.test_hf import windows
 
     run = launched / "out" / "s3_recompute"
     proc = hvdtrain_cli("export", str(run), "--format", "safetensors", timeout=600)
@@ -146,6 +164,11 @@ def test_stage_3_exports_the_tied_weight_once_with_its_alias(launched):
         for key in ring:
             np.testing.assert_allclose(f.get_tensor(key), ring[key], atol=TOLERANCE, rtol=0,
                                        err_msg=key)
+    config = transformers.AutoConfig.from_pretrained(str(launched / "pretrained"))
+    batch = windows(corpus_and_base[0], 4, 99)[:, :-1]
+    exported = load_file(str(run / "export-safetensors" / "model.safetensors"))
+    torch.testing.assert_close(logits_of(config, exported, batch),
+                               logits_of(config, ring, batch), rtol=0, atol=1e-4)
 
 
 def test_two_pipeline_stages_fine_tune_to_the_rings_parameters(launched):
@@ -157,11 +180,14 @@ def test_two_pipeline_stages_fine_tune_to_the_rings_parameters(launched):
     assert max(float(np.abs(ring[k] - pretrained[k]).max()) for k in pretrained) > 1e-3
 
 
-def test_pipeline_stages_export_to_transformers_under_its_names(launched):
+def test_pipeline_stages_export_to_transformers_under_its_names(launched, corpus_and_base):
     """The stages' checkpoint names the layer list (``0.wte.weight``, ...); ``export --format
     hf`` renames it to the model's keys: ``from_pretrained`` loads the fine-tuned weights, the
-    head its own (untied)."""
+    head its own (untied), and gives the ring's logits."""
+    import torch
     import transformers
+
+    from tests.multirank.test_hf import windows
 
     run = launched / "out" / "pipe"
     proc = hvdtrain_cli("export", str(run), "--format", "hf", timeout=600)
@@ -173,6 +199,11 @@ def test_pipeline_stages_export_to_transformers_under_its_names(launched):
     for key, value in parameters(launched, "ring_untied", 0).items():
         np.testing.assert_allclose(state[key].numpy(), value, atol=TOLERANCE, rtol=0,
                                    err_msg=key)
+    batch = windows(corpus_and_base[0], 4, 99)[:, :-1]
+    with torch.no_grad():
+        got = model.eval()(input_ids=batch).logits
+    torch.testing.assert_close(got, logits_of(model.config, parameters(launched, "ring_untied", 0),
+                                              batch), rtol=0, atol=1e-4)
 
 
 @pytest.mark.long
