@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -206,6 +206,11 @@ class Trainer(OwnLoop):
         self.logger: MetricsLogger | None = None
         self.saved_step = -1
         self.pending = False  # a step ended whose checkpoint and stop check are still to come
+        # The stop check started at the last log interval, resolved after the next step: the
+        # ranks' sum rides beside that step's gradients instead of stopping them for it.
+        self.stop_sum: Callable[[], dict[str, float]] | None = None
+        self.stop_agreed = False  # a resolved check found a stop request: sticky
+        self._total: tuple[tuple[int, Any], int] | None = None  # total_steps, by (size, sampler)
         self.stop = StopRequest().__enter__()  # until close(): the loop is the user's
 
     # -- set-up -------------------------------------------------------------------------------
@@ -267,8 +272,13 @@ class Trainer(OwnLoop):
         """The step at which ``train.epochs`` (capped by ``train.max_steps``) end."""
         if self.sampler is None:
             return self.cfg.train.max_steps
-        return total_steps(self.cfg.train, self.sampler.sampler, self.engine.data_size,
-                           dataclasses.replace(self.position))
+        # Read twice a step: computed once per world size and loader. A step moves the position
+        # by one global batch, which leaves the end where it was; a reset or a load may not.
+        key = (self.engine.data_size, self.sampler)
+        if self._total is None or self._total[0] != key:
+            self._total = key, total_steps(self.cfg.train, self.sampler.sampler,
+                                           self.engine.data_size, dataclasses.replace(self.position))
+        return self._total[1]
 
     @property
     def device(self) -> torch.device:
@@ -349,23 +359,52 @@ class Trainer(OwnLoop):
         """The step boundary after ``optimizer.step()``, run when the next step starts (its
         ``zero_grad`` or first ``backward``) or at :meth:`close`: the user's code after the step
         (a scheduler's step, a counter) is then in the checkpoint. Periodic checkpoints, and stop
-        requests agreed at each log interval, as the trainer does; none at the end."""
+        requests: summed over the ranks at each log interval beside the next step's gradients
+        (as the trainer's metrics are), and acted on after that step; none at the end."""
         if not self.pending:
             return
         self.pending = False
         step = self.position.step
+        stop = self.agreed_stop()
         if self.checkpoints.due(step) and self.saved_step != step:
             self.save()
         if finished:
             return
         self._commit_if_due()
-        if step % self.cfg.log.every_steps == 0 or step == self.total_steps:
-            agreed = self.engine.collectives.allreduce_sums({"stop": float(self.stop())})
-            if agreed["stop"] > 0:
-                self._stop()
+        if stop:
+            self._stop()
+        if step % self.cfg.log.every_steps == 0:
+            self.stop_sum = self.engine.collectives.start_allreduce_sums(
+                {"stop": float(self.stop())})
+
+    def agreed_stop(self) -> bool:
+        """Waits for the stop check in flight (started at the last log interval, a step or more
+        ago, so summed by now) and returns whether any rank has asked to stop. Every rank
+        resolves it at the same point of the loop (a step boundary, ``log``, ``load``, ``close``),
+        so all stop after the same step."""
+        pending, self.stop_sum = self.stop_sum, None
+        if pending is not None and pending()["stop"] > 0:
+            self.stop_agreed = True
+        return self.stop_agreed
+
+    def log(self, metrics: Mapping[str, float], step: int | None = None) -> dict[str, float]:
+        # The stop check and the metric sums share one collective's name: one in flight at a
+        # time. A stop it found is acted on at the next step boundary.
+        self.agreed_stop()
+        return super().log(metrics, step)
+
+    def save(self) -> Path | None:
+        self.agreed_stop()  # the checkpoint's own agreement is a sum too (see log)
+        return super().save()
+
+    def load(self, path: str | Path | None = None) -> bool:
+        self._total = None  # the restored position may end elsewhere (another max_steps)
+        self.agreed_stop()
+        return super().load(path)
 
     def _restart(self) -> None:
-        self.micro, self.pending = 0, False
+        # After an elastic reset a sum in flight belongs to the old world: dropped, not waited.
+        self.micro, self.pending, self.stop_sum, self._total = 0, False, None, None
 
 
     def parameters(self) -> dict[str, Any]:
@@ -377,6 +416,7 @@ class Trainer(OwnLoop):
         the stop-signal handlers restored. Every rank calls it once, after the loop."""
         try:
             self.settle(finished=True)
+            self.agreed_stop()  # nothing stays in flight: the run ends either way
             if self.logger is not None:
                 self.logger.close()
                 self.logger = None

@@ -66,16 +66,17 @@ def test_user_loop_ends_with_the_parameters_of_hvdtrain_train(equiv):
 
 
 def test_stop_by_signal_and_resume_is_bit_identical(equiv, tmp_path):
-    # Both ranks signal themselves after step 10; they agree at the log interval (step 12),
-    # checkpoint and exit 75; the resume continues from there.
+    # Both ranks signal themselves after step 10; the sum started at the log interval (step 12)
+    # rides beside step 13's gradients, so both checkpoint after step 13 and exit 75; the resume
+    # continues from there.
     stopped = launch(tmp_path, "loop", env={"HVDTRAIN_TEST_SIGNAL_AT": "10"})
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode != 0, output[-3000:]  # horovodrun reports exit 75 as a failure
     assert "Exit code: 75" in output, output[-3000:]
     stops = re.findall(r"\[(\d)\]<stderr>:hvdtrain: stopped on request at step (\d+)", output)
-    assert sorted(stops) == [("0", "12"), ("1", "12")], output[-3000:]
+    assert sorted(stops) == [("0", "13"), ("1", "13")], output[-3000:]
     assert [p.name for p in (tmp_path / "loop" / "checkpoints").glob("*.ckpt")] == \
-        ["step-00000012.ckpt"]
+        ["step-00000013.ckpt"]
     resumed = launch(tmp_path, "loop", "checkpoint.resume=auto")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     for rank in (0, 1):
