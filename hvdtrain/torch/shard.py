@@ -32,6 +32,7 @@ import torch
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
+from hvdtrain.malloc import return_freed_blocks
 from hvdtrain.shard import (
     check_resize,
     pieces,
@@ -143,11 +144,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Steps the shard (its gradient set from the exchange), then allgathers every shard back
         into the parameters (a collective)."""
         self._load_shard()
-        self.inner.step()
+        self._step_in_pieces()
         began = time.perf_counter()
         flat = [p.view(-1) for p in self.params]
         self.allgather(self.shard.detach(), flat.__getitem__, "params")
         self.stats["comm_s"] += time.perf_counter() - began
+
+    def _step_in_pieces(self) -> None:
+        # The inner optimizer over pieces of at most `chunk` elements of the shard, one after
+        # another: torch's CPU Adam makes temporaries the size of the tensor it steps (a square
+        # root, a quotient), which over the whole shard held 2 x its size at the step's peak.
+        # The update is element-wise, so the pieces give the whole step's values.
+        step_in_pieces(self.inner, self.shard, self.chunk)
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the step's gradient from this rank's shards of it (an
@@ -187,15 +195,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reducescatter(self, flat: torch.Tensor, wire: Any) -> torch.Tensor:
         """The average over the ranks of this rank's shard of ``flat`` (the whole flat gradient),
         in the same rounds as :meth:`allgather`, then over its replicas on the other nodes
-        (shard.group=node: :func:`across_nodes`) (a collective)."""
-        mine = torch.empty(self.stop - self.start, device=flat.device)
+        (shard.group=node: :func:`across_nodes`) (a collective). The average is written over
+        the rank's own range of ``flat`` and returned as a view of it."""
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             send = torch.cat([flat[lo:hi] for lo, hi in ranges])
             got = hvd.reducescatter(send, name=f"hvdtrain.shard.grads.{k}", op=hvd.Average,
                                     compression=wire, process_set=self.process_set)
+            # Into the rank's own range of `flat`, which later rounds no longer read: the
+            # shard's gradient needs no buffer of its own beside the whole one.
             a, b = ranges[self.rank]
-            mine[a - self.start:b - self.start] = got
+            flat[a:b] = got
+        mine = flat[self.start:self.stop]
         return across_nodes([mine], self.replicas, wire, "hvdtrain.shard.cross")[0]
 
     def _write(self, piece: torch.Tensor, lo: int, hi: int, targets: Targets) -> None:
@@ -291,6 +302,49 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 part[seg.flat - self.start:seg.flat - self.start + seg.length] = src
 
 
+def step_in_pieces(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter,
+                   piece: int) -> None:
+    """``optimizer.step()`` for its one flat parameter ``param`` (the shard), over pieces of at
+    most ``piece`` elements in turn, so that the optimizer's temporaries are the size of a
+    piece. Each piece sees the per-element state (Adam's moments, momentum) as views of the
+    whole and the per-parameter entries (Adam's step count) as they were before the step; an
+    element-wise optimizer gives the very values of one step over the whole."""
+    whole, grad = param.data, param.grad
+    total = whole.numel()
+    if grad is None or total <= piece:
+        optimizer.step()
+        return
+    before = dict(optimizer.state.get(param, {}))
+    made: dict[str, torch.Tensor] = {}  # a fresh optimizer's per-element state, whole
+    after: dict[str, Any] = {}
+    try:
+        for a in range(0, total, piece):
+            b = min(a + piece, total)
+            param.grad = None  # before .data: the shapes of the two must agree
+            param.data = whole[a:b]
+            param.grad = grad[a:b]
+            optimizer.state[param] = {k: v[a:b] if sharded(v) else _fresh(v)
+                                      for k, v in before.items()}
+            optimizer.step()
+            after = optimizer.state[param]
+            for key, value in after.items():
+                if sharded(value) and key not in before:
+                    made.setdefault(key, torch.empty(total, dtype=value.dtype,
+                                                     device=value.device))[a:b] = value
+    finally:
+        param.grad = None
+        param.data = whole
+        param.grad = grad
+    optimizer.state[param] = {k: before[k] if sharded(before.get(k)) else made.get(k, v)
+                              for k, v in after.items()}
+
+
+def _fresh(value: Any) -> Any:
+    """A per-parameter state entry as each piece must see it: a copy of its value before the
+    step (Adam's step count, which each piece's step advances in place)."""
+    return value.clone() if torch.is_tensor(value) else value
+
+
 class ShardedExchange(GradientExchange):
     """Horovod's ``reducescatter`` of the flat gradient, in rounds: each rank gets the average of
     its own shard, which :class:`ShardedOptimizer` steps and allgathers back. ``wire_bytes``
@@ -345,6 +399,9 @@ def make_sharded(optimizer: torch.optim.Optimizer, model: torch.nn.Module, rank:
     a pipeline stage's copies; a node's ranks under shard.group=node, then ``replicas`` is the
     set of the ranks holding the same shard on the other nodes). Stages 2 and 3 are
     :mod:`hvdtrain.torch.shard_units`'s, which builds on this module."""
+    # The rounds' buffers and the update's pieces come and go every step: without this, glibc
+    # keeps them in its heap once its threshold has risen (hvdtrain/malloc.py), as at stages 2-3.
+    return_freed_blocks()
     sharded_opt = ShardedOptimizer(optimizer, model, rank, size, chunk, process_set, replicas)
     return ShardedExchange(sharded_opt, compression), sharded_opt
 
