@@ -32,7 +32,9 @@ def checkpoint_arrays(path: Path) -> list[np.ndarray]:
     except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
         raise HvdtrainError(f"export: {path} is not a TensorFlow checkpoint of hvdtrain "
                             f"({type(exc).__name__})") from None
-    if isinstance(meta, dict) and meta.get("parts"):
+    # Sharded data parallel's parts (``shards`` in the meta) hold optimizer slots only: at
+    # TensorFlow's stages 1-2 the model is whole on every rank and in rank 0's file.
+    if isinstance(meta, dict) and meta.get("parts") and "shards" not in meta:
         raise HvdtrainError(f"export: {path} was written in parts by pipeline stages; "
                             "TensorFlow exports take a checkpoint of the whole model")
     return arrays
