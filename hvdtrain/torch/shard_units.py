@@ -111,7 +111,38 @@ class UnitSharding:
         rest = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
         if rest:
             groups.append((None, rest))
-        return [self._unit(i, module, params) for i, (module, params) in enumerate(groups)]
+        # A layer that build_by_units sharded whole but that is cut finer here (more than
+        # unit_bytes) is gathered, cut into its units and freed, one layer at a time.
+        owner = {id(sub): layer for layer in (model if isinstance(model, nn.Sequential) else ())
+                 if hasattr(layer, UNIT) for sub in layer.modules()}
+        units: list[Unit] = []
+        opened: nn.Module | None = None
+        for i, (part, params) in enumerate(groups):
+            holder = owner.get(id(part))
+            if holder is not opened:
+                self._close(opened, units)
+                opened = self._open(holder, i) if holder is not part else None
+            units.append(self._unit(i, part, params))
+        self._close(opened, units)
+        return units
+
+    def _open(self, layer: nn.Module | None, index: int) -> nn.Module | None:
+        if layer is not None:
+            built: Unit = getattr(layer, UNIT)
+            built.set_full(hvd.allgather(built.shard.detach(), name=f"hvdtrain.shard.cut.{index}",
+                                         process_set=self.group))
+        return layer
+
+    def _close(self, layer: nn.Module | None, units: list[Unit]) -> None:
+        if layer is None:
+            return
+        getattr(layer, UNIT).free()  # its parameters are views of their new units' buffers now
+        delattr(layer, UNIT)
+        if self.stage == 3:  # and those units' gathered values go too, before the next layer's
+            held = {id(p) for p in layer.parameters()}
+            for unit in units:
+                if unit.full and id(unit.params[0]) in held:
+                    unit.free()
 
     def _unit(self, index: int, module: nn.Module | None, params: list[nn.Parameter]) -> Unit:
         built: Unit | None = getattr(module, UNIT, None)

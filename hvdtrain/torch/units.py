@@ -20,13 +20,16 @@ from hvdtrain.shard import shard_bounds
 
 
 def find_units(model: nn.Module, limit_bytes: int) -> list[nn.Module]:
-    """The model's units in order: a ``Sequential``'s layers that hold parameters, else the
-    outermost modules holding at most ``limit_bytes`` of parameters (or holding no module).
+    """The model's units in order: a ``Sequential``'s layers that hold parameters (a layer of
+    more than ``limit_bytes`` cut as a model is), else the outermost modules holding at most
+    ``limit_bytes`` of parameters (or holding no module).
     A parameter that two such modules share (tied embeddings: GPT-2's token embedding and
     head) is in no unit: the modules holding it are cut finer and the ones it alone fills left
     out, so it stays with the parameters in no unit (gathered for the whole pass)."""
     if isinstance(model, nn.Sequential):
-        return [m for m in model if _bytes(m) or hasattr(m, UNIT)]  # UNIT: built sharded
+        return [unit for m in model if _bytes(m) or hasattr(m, UNIT)  # UNIT: built sharded
+                for unit in (_outermost(m, limit_bytes, set()) if _bytes(m) > limit_bytes
+                             else []) or [m]]
     units = _outermost(model, limit_bytes, set())
     held = [id(p) for unit in units for p in unit.parameters()]
     shared = {i for i in held if held.count(i) > 1}
