@@ -331,12 +331,14 @@ class ShardConfig:
     averaged across nodes (PyTorch)."""
     chunk_kib: int = _opt(4096, min=1)
     """``shard.stage=1``: the KiB per rank of each round of the reduce-scatter and the
-    all-gather, so that no collective holds a second copy of the whole gradient."""
+    all-gather, so that no collective holds a second copy of the whole gradient, and of each
+    piece of the shard the optimizer steps in turn (its temporaries are a piece's size)."""
     unit_kib: int = _opt(65536, min=1)
     """``shard.stage`` 2 and 3 (and ``model.activation_checkpointing``): a model that is not a
     ``Sequential`` of the adapter's layers is cut into units by descending into its modules
     until one holds at most this many KiB of parameters; a ``Sequential``'s units are its
-    layers."""
+    layers, a layer of more than this many KiB cut the same way (stage 3 holds a few units
+    gathered at once beside its shards)."""
     prefetch: int = _opt(1, min=0)
     """``shard.stage=3``: how many units ahead the all-gather of parameters starts while a unit
     computes (0: each unit waits for its own)."""

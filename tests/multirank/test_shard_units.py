@@ -118,8 +118,9 @@ def test_checkpoints_move_between_the_ring_and_stage_three(units):
 def test_the_gpt_trains_as_the_ring_at_stages_two_and_three(tmp_path_factory):
     """The built-in GPT (transformer blocks as units, built one at a time at stage 3) with
     dropout, AdamW, clipping and 2 micro-batches a step: stages 2 and 3 (with activation
-    checkpointing, prefetch 2 and the parameters kept from forward to backward) against the
-    ring, 30 steps at 2 ranks under Gloo (seen: 6e-6)."""
+    checkpointing, prefetch 2 and the parameters kept from forward to backward; and with each
+    block cut into its linear layers and norms, shard.unit_kib=64) against the ring, 30 steps
+    at 2 ranks under Gloo (seen: 6e-6)."""
     corpus = docs_corpus(tmp_path_factory.mktemp("text-shard") / "docs")
     gpt = (f"data.options.root={corpus},train.max_steps=30,train.backward_passes_per_step=2,"
            "optim.name=adamw,optim.weight_decay=0.01,model.options.dropout=0.1,"
@@ -129,11 +130,12 @@ def test_the_gpt_trains_as_the_ring_at_stages_two_and_three(tmp_path_factory):
                                   f"ring:{gpt}", f"s2:{gpt},shard.stage=2", f"s3:{gpt},shard.stage=3",
                                   f"s3_recompute:{gpt},shard.stage=3,shard.prefetch=2,"
                                   "shard.reshard_after_forward=false,"
-                                  "model.activation_checkpointing=true"], timeout=900)
+                                  "model.activation_checkpointing=true",
+                                  f"s3_cut:{gpt},shard.stage=3,shard.unit_kib=64"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     launch = Launch("torch", "gloo", out)
     ring = launch.rank("ring", 0)[0]
-    for run in ("s2", "s3", "s3_recompute"):
+    for run in ("s2", "s3", "s3_recompute", "s3_cut"):
         got = assert_ranks_agree(launch, run)
         assert got.keys() == ring.keys(), run
         for key in ring:
