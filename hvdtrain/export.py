@@ -7,12 +7,14 @@ first name; the others are listed in the file's metadata as ``aliases``). ``hf``
 directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads, for runs of
 ``model.name: hf_causal_lm``, with the corpus's tokenizer beside it where the corpus has one.
 For TensorFlow runs, ``keras`` writes the whole Keras model (``model.keras``) and ``weights.h5`` its
-weights (``model.weights.h5``). The frameworks' halves are ``hvdtrain/torch/export.py`` and
+weights (``model.weights.h5``). Every format but ``hf`` copies the corpus's tokenizer file beside
+the weights where the run's data has one. The frameworks' halves are ``hvdtrain/torch/export.py`` and
 ``hvdtrain/tensorflow/export.py``.
 """
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,4 +74,18 @@ def export(run_dir: str, fmt: str, out: str | None = None) -> Path:
         from hvdtrain.torch.export import export_torch
 
         export_torch(req.config, req.checkpoint, req.format, req.out)
+    if req.format != "hf":  # hf writes it as a transformers tokenizer
+        copy_tokenizer(req.config, req.out)
     return req.out
+
+
+def copy_tokenizer(cfg: Config, out: Path) -> None:
+    """Copies the tokenizer file of the run's corpus (``data.name`` text or hf_dataset, made by
+    ``make-text --tokenizer``) into ``out``, beside the weights; nothing for other data."""
+    if cfg.data.name not in ("text", "hf_dataset"):
+        return  # no need to open the data
+    from hvdtrain.driver import make_dataset
+
+    tokenizer = getattr(make_dataset(cfg), "tokenizer", None)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / Path(tokenizer).name)

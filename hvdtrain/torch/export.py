@@ -86,17 +86,16 @@ def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], ou
                             f"{first}") from None
     model.config.use_cache = True  # inference again
     model.save_pretrained(str(out))
-    write_tokenizer(getattr(dataset, "tokenizer", None), out, hf=True)
+    write_tokenizer(getattr(dataset, "tokenizer", None), out)
 
 
-def write_tokenizer(tokenizer: Path | None, out: Path, hf: bool = False) -> None:
-    """The corpus's tokenizer file (None: bytes, nothing to write) copied into ``out``; for a
-    transformers directory (``hf``) a ``tokenizer.json`` is written with its
-    ``tokenizer_config.json`` too, so that ``AutoTokenizer.from_pretrained(out)`` loads it."""
+def write_tokenizer(tokenizer: Path | None, out: Path) -> None:
+    """The corpus's tokenizer file (None: bytes, nothing to write) in the transformers directory
+    ``out``: a ``tokenizer.json`` with its ``tokenizer_config.json``, so that
+    ``AutoTokenizer.from_pretrained(out)`` loads it; a sentencepiece model copied as it is."""
     if tokenizer is None:
         return
-    out.mkdir(parents=True, exist_ok=True)
-    if hf and tokenizer.suffix == ".json":
+    if tokenizer.suffix == ".json":
         from transformers import PreTrainedTokenizerFast
 
         PreTrainedTokenizerFast(tokenizer_file=str(tokenizer)).save_pretrained(str(out))
@@ -117,14 +116,3 @@ def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
     else:
         entries, meta = checkpoint_model(checkpoint)
         write_safetensors(entries, out, meta)
-    write_tokenizer(corpus_tokenizer(cfg), out)
-
-
-def corpus_tokenizer(cfg: Config) -> Path | None:
-    """The tokenizer of the run's data (``data.name`` text or hf_dataset), None for any other
-    data or a corpus of bytes."""
-    if cfg.data.name not in ("text", "hf_dataset"):
-        return None  # no need to load the data
-    from hvdtrain.driver import make_dataset
-
-    return getattr(make_dataset(cfg), "tokenizer", None)
