@@ -339,6 +339,12 @@ class ShardConfig:
     until one holds at most this many KiB of parameters; a ``Sequential``'s units are its
     layers, a layer of more than this many KiB cut the same way (stage 3 holds a few units
     gathered at once beside its shards)."""
+    piece_kib: int = _opt(0, min=0)
+    """``shard.stage`` 2 and 3 (PyTorch): each unit's all-gathers and reduce-scatters run as
+    rounds of at most this many KiB per rank, one after another (0: one collective a unit). On
+    the namespace cluster's 100 Mbit/s links one large Gloo all-gather ran at half the link's
+    rate and 128 KiB rounds at the rate (docs/sharding.md, "Slow links"); each round costs a
+    Horovod cycle, and only the first overlaps computation. (Stage 1: ``shard.chunk_kib``.)"""
     prefetch: int = _opt(1, min=0)
     """``shard.stage=3``: how many units ahead the all-gather of parameters starts while a unit
     computes (0: each unit waits for its own)."""
@@ -358,6 +364,10 @@ def check_shard(shard: ShardConfig, model: ModelConfig) -> None:
         refuse_unread("shard.", shard, ["chunk_kib"], f"shard.stage={shard.stage}",
                       "only the sharded update reads it" if shard.stage == 0
                       else "only stage 1's rounds read it", "shard.stage=1")
+    if shard.stage < 2:
+        refuse_unread("shard.", shard, ["piece_kib"], f"shard.stage={shard.stage}",
+                      "only the units of stages 2 and 3 travel in pieces (stage 1's rounds: "
+                      "shard.chunk_kib)", "shard.stage=2 or 3")
     if shard.stage < 2 and not model.activation_checkpointing:
         refuse_unread("shard.", shard, ["unit_kib"], f"shard.stage={shard.stage}",
                       "units are cut at stages 2 and 3 or for activation checkpointing",
@@ -545,6 +555,9 @@ class Config:
         check_pipeline_section(self)
         check_ps(self.ps)
         check_shard(self.shard, self.model)
+        if self.framework == "tensorflow":
+            refuse_unread("shard.", self.shard, ["piece_kib"], "framework='tensorflow'",
+                          "TensorFlow's units gather and scatter whole", "framework='torch'")
         check_clip(self)
         check_strategies(self)  # what the strategies do not compose with: the one table
         check_comm(self.comm, self.optim)  # every comm setting that would do nothing, refused

@@ -9,6 +9,7 @@ import horovod.torch as hvd
 import torch
 
 from hvdtrain.engine import HorovodCollectives
+from hvdtrain.shard import piece_bounds, pieces, round_ranges, shard_sizes
 
 
 class TorchCollectives(HorovodCollectives):
@@ -49,3 +50,84 @@ def process_set(ranks: Sequence[int]) -> Any:
     if key not in _PROCESS_SETS:
         _PROCESS_SETS[key] = hvd.add_process_set(list(key))
     return _PROCESS_SETS[key]
+
+
+class Pieces:
+    """A collective started with Horovod and waited for with :meth:`wait`: one of Horovod's
+    asynchronous collectives, or several smaller ones (pieces) run one after another, each
+    started when the one before has arrived, so that one is in flight at a time (pieces started
+    together would be fused by Horovod into one again)."""
+
+    def __init__(self, count: int, start: Callable[[int], Any],
+                 take: Callable[[int, torch.Tensor], None],
+                 result: Callable[[], torch.Tensor]) -> None:
+        self._count, self._start, self._take, self._result = count, start, take, result
+        self._done = 0
+        self._handle = start(0)
+
+    def wait(self) -> torch.Tensor:
+        """The collective's result, once every piece has arrived."""
+        while self._handle is not None:
+            self._take(self._done, hvd.synchronize(self._handle))
+            self._done += 1
+            self._handle = self._start(self._done) if self._done < self._count else None
+        return self._result()
+
+
+def _whole(handle: Any) -> Pieces:
+    got: list[torch.Tensor] = []
+    return Pieces(1, lambda _: handle, lambda _, part: got.append(part), lambda: got[0])
+
+
+def piece_elements(piece_kib: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in ``piece_kib`` KiB (0: no pieces)."""
+    return piece_kib * 1024 // torch.empty((), dtype=dtype).element_size()
+
+
+def start_allgather(shard: torch.Tensor, name: str, process_set: Any, total: int, size: int,
+                    piece_kib: int = 0) -> Pieces:
+    """The all-gather of every rank's flat ``shard`` of a vector of ``total`` elements split
+    over ``size`` ranks as :func:`~hvdtrain.shard.shard_bounds` splits it; with ``piece_kib``,
+    in rounds of at most that many KiB per rank (``shard.piece_kib``: on a link where one large
+    Gloo all-gather runs at half the rate, docs/sharding.md)."""
+    piece = piece_elements(piece_kib, shard.dtype)
+    count = pieces(total, size, piece) if piece else 1
+    if count == 1:
+        return _whole(hvd.allgather_async(shard, name=name, process_set=process_set))
+    out = torch.empty(total, dtype=shard.dtype, device=shard.device)
+
+    def start(k: int) -> Any:
+        a, b = piece_bounds(shard.numel(), piece, k)
+        return hvd.allgather_async(shard[a:b], name=f"{name}.{k}", process_set=process_set)
+
+    def take(k: int, part: torch.Tensor) -> None:
+        at = 0
+        for lo, hi in round_ranges(total, size, piece, k):
+            out[lo:hi] = part[at:at + hi - lo]
+            at += hi - lo
+
+    return Pieces(count, start, take, lambda: out)
+
+
+def start_reducescatter(flat: torch.Tensor, name: str, process_set: Any, size: int, rank: int,
+                        op: Any, piece_kib: int = 0) -> Pieces:
+    """Horovod's reduce-scatter of ``flat`` (``rank``'s share of ``size``: its
+    :func:`~hvdtrain.shard.shard_bounds`), with ``piece_kib`` in rounds of at most that many
+    KiB per rank, as :func:`start_allgather`."""
+    total = flat.numel()
+    piece = piece_elements(piece_kib, flat.dtype)
+    count = pieces(total, size, piece) if piece else 1
+    if count == 1:
+        return _whole(hvd.reducescatter_async(flat, name=name, op=op, process_set=process_set))
+    own = shard_sizes(total, size)[rank]
+    mine = torch.empty(own, dtype=flat.dtype, device=flat.device)
+
+    def start(k: int) -> Any:
+        send = torch.cat([flat[lo:hi] for lo, hi in round_ranges(total, size, piece, k)])
+        return hvd.reducescatter_async(send, name=f"{name}.{k}", op=op, process_set=process_set)
+
+    def take(k: int, part: torch.Tensor) -> None:
+        a, b = piece_bounds(own, piece, k)
+        mine[a:b] = part
+
+    return Pieces(count, start, take, lambda: mine)

@@ -38,7 +38,7 @@ from torch import nn
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize
-from hvdtrain.torch.collectives import any_rank
+from hvdtrain.torch.collectives import any_rank, start_allgather, start_reducescatter
 from hvdtrain.torch.shard import (
     _Whole,
     across_nodes,
@@ -61,6 +61,10 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 
 class UnitSharding:
     """The hooks and collectives of stages 2 and 3 over the model's units (module docstring)."""
+
+    piece_kib = 0
+    """``shard.piece_kib``: each unit's all-gathers and reduce-scatters in rounds of at most this
+    many KiB per rank (0: one collective a unit); set by :func:`make_unit_sharded`."""
 
     def __init__(self, model: nn.Module, stage: int, rank: int, size: int, unit_bytes: int,
                  prefetch: int, reshard_after_forward: bool, compression: str,
@@ -196,16 +200,16 @@ class UnitSharding:
 
     def _start_gather(self, unit: Unit) -> None:
         if not unit.full and unit.gathering is None:
-            unit.gathering = hvd.allgather_async(unit.shard.detach(),
-                                                 name=f"hvdtrain.shard.gather.{unit.index}",
-                                                 process_set=self.group)
+            unit.gathering = start_allgather(unit.shard.detach(),
+                                             f"hvdtrain.shard.gather.{unit.index}", self.group,
+                                             unit.total, self.size, self.piece_kib)
 
     def _gather(self, unit: Unit) -> None:
         if unit.full:
             return
         self._start_gather(unit)
         began = time.perf_counter()
-        flat, unit.gathering = hvd.synchronize(unit.gathering), None
+        flat, unit.gathering = unit.gathering.wait(), None
         self.stats["comm_s"] += time.perf_counter() - began
         unit.set_full(flat)
 
@@ -233,13 +237,14 @@ class UnitSharding:
         while self.in_flight:
             self._received(self.in_flight.pop(0))
         name = f"hvdtrain.shard.scatter.{unit.index}.{self.micro}"
-        unit.scattering = hvd.reducescatter_async(flat.half() if self.half else flat, name=name,
-                                                  op=hvd.Average, process_set=self.group)
+        unit.scattering = start_reducescatter(flat.half() if self.half else flat, name,
+                                              self.group, self.size, self.rank, hvd.Average,
+                                              self.piece_kib)
         self.in_flight.append(unit)
 
     def _received(self, unit: Unit) -> None:
         began = time.perf_counter()
-        unit.grad += hvd.synchronize(unit.scattering).float()
+        unit.grad += unit.scattering.wait().float()
         self.stats["comm_s"] += time.perf_counter() - began
         unit.scattering = None
 
@@ -286,7 +291,7 @@ class UnitSharding:
             # One unit at a time (the next one's started ahead): never a second whole model.
             handle = self._start_params(0)
             for k, unit in enumerate(self.units):
-                flat = hvd.synchronize(handle)
+                flat = handle.wait()
                 handle = self._start_params(k + 1)
                 for p, view in unit.views(flat):
                     p.data.copy_(view)
@@ -295,8 +300,9 @@ class UnitSharding:
     def _start_params(self, k: int) -> Any:
         if k >= len(self.units):
             return None
-        return hvd.allgather_async(self.units[k].shard.detach(), name=f"hvdtrain.shard.params.{k}",
-                                   process_set=self.group)
+        unit = self.units[k]
+        return start_allgather(unit.shard.detach(), f"hvdtrain.shard.params.{k}", self.group,
+                               unit.total, self.size, self.piece_kib)
 
     def load_shards(self) -> None:
         """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
@@ -562,5 +568,6 @@ def make_unit_sharded(optimizer: torch.optim.Optimizer, model: nn.Module, rank: 
     sharding = UnitSharding(model, shard.stage, rank, size, shard.unit_kib * 1024,
                             shard.prefetch, shard.reshard_after_forward, compression, group,
                             replicas)
+    sharding.piece_kib = shard.piece_kib
     sharded_opt = UnitShardedOptimizer(optimizer, sharding)
     return UnitShardedExchange(sharded_opt, accumulation), sharded_opt

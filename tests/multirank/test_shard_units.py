@@ -6,8 +6,9 @@ shards), and its checkpoints move between the ring and stage 3.
 One launch under Gloo (-np 2): the ring with AdamW (2 micro-batches a step, one epoch of 23
 steps, a checkpoint every 12), stages 2 and 3 with the same settings, stage 3 with activation
 checkpointing, stage 3 resumed from the ring's step-12 checkpoint and the ring resumed from stage
-3's; then one epoch of SGD with momentum, unclipped and clipped (optim.clip_norm) on the ring and
-at stages 1-3. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
+3's, stages 2 and 3 with their collectives in pieces of 1 KiB a rank (``shard.piece_kib``); then
+one epoch of SGD with momentum, unclipped and clipped (optim.clip_norm) on the ring and at stages
+1-3. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
 with momentum), against the ring's run that test launches. The rest is marked ``long``.
 """
 
@@ -57,6 +58,8 @@ def units(tmp_path_factory) -> Callable[[str], Launch]:
                         f"s3_from_ring:{ADAMW},shard.stage=3,checkpoint.resume="
                         f"{ckpt(out, 'ring', 12)}",
                         f"ring_from_s3:{ADAMW},checkpoint.resume={ckpt(out, 's3', 12)}",
+                        f"s2_pieces:{ADAMW},shard.stage=2,shard.piece_kib=1",
+                        f"s3_pieces:{ADAMW},shard.stage=3,shard.piece_kib=1",
                         f"sgd:{SGD}", f"ring_clip:{CLIP}",
                         *(f"s{k}_clip:{CLIP},shard.stage={k}" for k in (1, 2, 3))]
             cache[controller] = launch_worker(2, controller, "torch", out, runs)
@@ -103,6 +106,17 @@ def test_stages_two_and_three_train_as_the_ring(units, two_ranks, controller):
     for run, gathers in (("s2", 1), ("s3", 4)):
         logged = [r for r in read_jsonl(launch.out / run / "metrics.jsonl") if "wire_bytes" in r]
         assert logged and {r["wire_bytes"] for r in logged} == {8 * PARAMETERS + 4 * gathers * own}
+
+
+def test_collectives_in_pieces_give_the_same_bits(units):
+    """shard.piece_kib=1: each unit's all-gathers and reduce-scatters in rounds of 256 elements
+    a rank (17 and 3 of them) train to the very bits of one collective a unit."""
+    launch = units("gloo")
+    for run in ("s2", "s3"):
+        whole, pieces = launch.rank(run, 0)[0], assert_ranks_agree(launch, f"{run}_pieces")
+        assert whole.keys() == pieces.keys() and len(whole) == 4
+        for key in whole:
+            assert np.array_equal(whole[key], pieces[key]), f"{run} in pieces at {key}"
 
 
 def test_checkpoints_move_between_the_ring_and_stage_three(units):

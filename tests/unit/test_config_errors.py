@@ -289,6 +289,10 @@ UNREAD = [
     (["shard.chunk_kib=8"],
      "shard.chunk_kib=8 does nothing with shard.stage=0: only the sharded update reads it; set "
      "shard.stage=1 or leave shard.chunk_kib at its default 4096"),
+    (["shard.stage=1", "shard.piece_kib=128"],
+     "shard.piece_kib=128 does nothing with shard.stage=1: only the units of stages 2 and 3 "
+     "travel in pieces (stage 1's rounds: shard.chunk_kib); set shard.stage=2 or 3 or leave "
+     "shard.piece_kib at its default 0"),
     (["comm.topology=ps", "ps.overlap=false", "ps.consistency=asp"],
      "ps.overlap=false does nothing with ps.consistency='asp': ps.overlap is read by dedicated "
      "servers under bsp with PyTorch and comm.compression none or fp16 only; leave ps.overlap at "
