@@ -67,10 +67,12 @@ from hvdtrain.torch.parts import part_bytes, read_parts, read_state
 from hvdtrain.torch.precision import Precision
 from hvdtrain.torch.shard import ShardedOptimizer
 from hvdtrain.torch.shard_files import sources, whole_state
+from hvdtrain.torch.shard_units import UnitShardedOptimizer
 from hvdtrain.torch.stages import (
     SavedActivations,
     build_pieces,
     describe_layers,
+    layers_of,
     make_optimizer_state,
     make_stage_exchange,
     pad_rows,
@@ -192,6 +194,9 @@ class PipelineKernels(StepKernels):
         return sums.get("loss", 0.0), {k: v for k, v in sums.items() if k not in ("loss", "count")}
 
     def gradients(self) -> list[torch.Tensor]:
+        own = getattr(self.engine.optimizer, "gradients", None)
+        if own is not None:  # shard.stage 2-3: the optimizer holds its shards' gradients
+            return list(own())
         grads = []
         for p in self.params:
             if p.grad is None:
@@ -216,6 +221,9 @@ class PipelineEngine(TorchEngine, PartedState):
         for module in self.modules.values():
             module.to(self.device)
         self.model = nn.ModuleDict({str(k): m for k, m in self.modules.items()})
+        # shard.stage 2-3: the rank's layers are the units (their hooks run in the schedule's
+        # passes); its state_dict stands for the pieces' (stage 3's freed parameters).
+        self.units_model = layers_of(self.modules) if cfg.shard.stage >= 2 else None
         self.precision = Precision(cfg.train.precision, self.device)
         self.data = TorchLoader(dataset.train(), dataset.test(), seed=cfg.seed,
                                 rank=self.data_rank,
@@ -230,7 +238,8 @@ class PipelineEngine(TorchEngine, PartedState):
         self.exchange, self.optimizer = make_stage_exchange(cfg, ExchangeRequest(
             cfg.comm, cfg.seed, self.layout.copy_of(self.rank), self.layout.copies,
             [p for _, p in trainable], optimizer=make_optimizer(cfg.optim, self.model),
-            model=self.model, shard=cfg.shard,
+            model=self.units_model or self.model, shard=cfg.shard,
+            accumulation=self.microbatches,
             layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
             process_set=self.stage_set,
             root=self.layout.rank_of(self.layout.stage_of(self.rank), 0)))
@@ -271,7 +280,11 @@ class PipelineEngine(TorchEngine, PartedState):
         self.layer_count = len(factories)
         self.bounds = stage_bounds(cfg.pipeline.split, costs, layer_names(factories), self.pieces)
         self._check_every_rank_trains(costs)
-        return build_pieces(factories, self.bounds, self.mine, cfg.seed)
+        # shard.stage=3: each layer cut to this copy's shard as it is made (on the CPU, as
+        # without stages: moving freed parameters to a GPU afterwards is not built).
+        shard = ((self.copy, self.layout.copies)
+                 if cfg.shard.stage == 3 and self.device.type == "cpu" else None)
+        return build_pieces(factories, self.bounds, self.mine, cfg.seed, shard)
 
     def _check_every_rank_trains(self, costs: Sequence[int]) -> None:
         """Refuses a split that leaves a rank of the pipeline without parameters (every rank
@@ -322,16 +335,18 @@ class PipelineEngine(TorchEngine, PartedState):
             return
         # A fresh start: the optimizer's state as the ring makes it (Adam's step count, weight
         # decay's first change), on every rank before the stage's copies take copy 0's.
-        sharded = isinstance(self.optimizer, ShardedOptimizer)
+        sharded = isinstance(self.optimizer, ShardedOptimizer | UnitShardedOptimizer)
         if not sharded:
             make_optimizer_state(self.optimizer)
         if self.stage_set is None:
             return
         root = self.layout.rank_of(self.stage, 0)
         for name, tensor in sorted(self.model.state_dict().items()):
+            if tensor.numel() and not tensor.untyped_storage().size():
+                continue  # shard.stage=3: a freed parameter (its shards are cut alike anyway)
             hvd.broadcast_(tensor, root, name=f"hvdtrain.stage.{name}",
                            process_set=self.stage_set)
-        if sharded:  # shard.stage=1: after copy 0's weights, the zero step on the shards
+        if sharded:  # shard.stage 1-3: after copy 0's weights, the zero step on the shards
             self.exchange.broadcast(root_rank=root)
             return
         state = hvd.broadcast_object(self.optimizer.state_dict(), root, name="hvdtrain.stage.opt",
@@ -392,12 +407,16 @@ class PipelineEngine(TorchEngine, PartedState):
     def _apply(self, model: dict, optimizer: dict, compression: dict, where: str) -> None:
         """Loads this rank's share of a checkpoint into its pieces, optimizer and exchange (whose
         per-copy state, saved by another number of copies, is re-sharded to this one's)."""
-        for piece, module in self.modules.items():
-            first, end = self.bounds[piece], self.bounds[piece + 1]
-            module.load_state_dict({k: v for k, v in model.items()
-                                    if first <= layer_of(k) < end})
+        if self.units_model is not None:  # shard.stage 2-3 (stage 3: each cuts its own shard)
+            self.units_model.load_state_dict(model)
+            own_shards(self.optimizer)
+        else:
+            for piece, module in self.modules.items():
+                first, end = self.bounds[piece], self.bounds[piece + 1]
+                module.load_state_dict({k: v for k, v in model.items()
+                                        if first <= layer_of(k) < end})
         self.optimizer.load_state_dict(optimizer)
-        if isinstance(self.optimizer, ShardedOptimizer):
+        if isinstance(self.optimizer, ShardedOptimizer | UnitShardedOptimizer):
             # Every rank took its shard of its stage's whole state: nothing to broadcast, and
             # the whole state kept for a broadcast would only hold memory.
             self.optimizer._full = None
@@ -411,8 +430,10 @@ class PipelineEngine(TorchEngine, PartedState):
         if self.copy != 0:
             return None
         compression = by_name(self.exchange.state_dict(), self.trainable)
+        # shard.stage=3: the layers' state_dict holds the parameters gather() kept on copy 0.
+        modules = [self.units_model] if self.units_model is not None else self.modules.values()
         return (f"stage-{self.stage}", sorted(self._layers_of(self.rank)),
-                part_bytes(self.modules.values(), self.own_params, self.optimizer, compression))
+                part_bytes(modules, self.own_params, self.optimizer, compression))
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         """Rank 0's ``step-N.ckpt`` beside the parts: the random and precision states and ``meta``
@@ -509,7 +530,12 @@ class PipelineEngine(TorchEngine, PartedState):
         return self._stage_sums(sums, self._agreed_keys(sums or {"loss": 0.0, "count": 0.0}))
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """This rank's parameters, named by global layer index as in the whole ``Sequential``."""
+        """This rank's parameters, named by global layer index as in the whole ``Sequential``
+        (shard.stage=3: gathered whole within the stage's copies first, a collective of every
+        rank: one that leaves before another stage's gather ends would shut Horovod down)."""
+        if isinstance(self.optimizer, UnitShardedOptimizer):
+            self.optimizer.sharding.gather_all(keep=True)
+            self.collectives.allgather_object(None)
         return {name: p.detach().cpu().numpy().copy()
                 for module in self.modules.values() for name, p in module.named_parameters()}
 
@@ -518,3 +544,20 @@ class PipelineEngine(TorchEngine, PartedState):
 
     def placement(self) -> dict[str, str]:
         return {**super().placement(), "pipeline": self.layout.describe()}
+
+
+def own_shards(optimizer: torch.optim.Optimizer) -> None:
+    """shard.stage=3: each unit's shard cut from the whole parameters this rank's layers just
+    loaded (every copy reads its share of a checkpoint itself: nothing to broadcast)."""
+    if not isinstance(optimizer, UnitShardedOptimizer):
+        return
+    sharding = optimizer.sharding
+    restored, sharding.restored = sharding.restored, None
+    if not restored:
+        return
+    for unit in sharding.units:
+        flat = torch.cat([restored[sharding.names[id(p)]].reshape(-1).float()
+                          for p in unit.params])
+        unit.shard.data.copy_(flat[unit.start:unit.stop])
+        if unit.full:
+            unit.set_full(flat)

@@ -68,7 +68,7 @@ class UnitSharding:
 
     def __init__(self, model: nn.Module, stage: int, rank: int, size: int, unit_bytes: int,
                  prefetch: int, reshard_after_forward: bool, compression: str,
-                 group: Any = None, replicas: Any = None) -> None:
+                 group: Any = None, replicas: Any = None, root: int | None = 0) -> None:
         self.stage, self.rank, self.size, self.prefetch = stage, rank, size, prefetch
         # The ranks sharing the model (None: every rank; shard.group=node: the node's) and, under
         # shard.group=node, the ranks holding the same shards on the other nodes.
@@ -81,11 +81,13 @@ class UnitSharding:
         every = list(model.parameters())
         self.index = {id(p): i for i, p in enumerate(every)}
         self.count = len(every)
-        if stage == 3:  # every rank starts from rank 0's values, as the ring's broadcast does
+        # Every rank starts from rank 0's values, as the ring's broadcast does (root None, a
+        # pipeline stage's copies: the caller's values agree already).
+        if stage == 3 and root is not None:
             # (those build_by_units freed were built from them on every rank already)
             hvd.broadcast_parameters({k: v for k, v in model.state_dict().items()
                                       if v.untyped_storage().size() or not v.numel()},
-                                     root_rank=0)
+                                     root_rank=root)
         self.units = self._cut(model, unit_bytes)
         self.unit_of = {id(p): u for u in self.units for p in u.params}
         self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
@@ -371,8 +373,10 @@ class UnitSharding:
             return
         restored = self.restored if hvd.rank() == root_rank else None
         self.restored = None
+        # A pipeline stage's copies share their process set; shard.group=node spans the nodes.
+        group = self.group if self.replicas is None else hvd.global_process_set
         if not hvd.broadcast_object(restored is not None, root_rank=root_rank,
-                                    name="hvdtrain.shard.restored"):
+                                    name="hvdtrain.shard.restored", process_set=group):
             return
         for unit in self.units:
             if restored is not None:
@@ -380,7 +384,8 @@ class UnitSharding:
                                   for p in unit.params])
             else:
                 flat = torch.empty(unit.total)
-            flat = hvd.broadcast(flat, root_rank, name=f"hvdtrain.shard.model.{unit.index}")
+            flat = hvd.broadcast(flat, root_rank, name=f"hvdtrain.shard.model.{unit.index}",
+                                 process_set=group)
             unit.shard.data.copy_(flat[unit.start:unit.stop])
             if unit.full:
                 unit.set_full(flat)
@@ -560,14 +565,16 @@ class UnitShardedExchange(GradientExchange):
 
 def make_unit_sharded(optimizer: torch.optim.Optimizer, model: nn.Module, rank: int, size: int,
                       shard: Any, compression: str, accumulation: int, group: Any = None,
-                      replicas: Any = None) -> tuple[UnitShardedExchange, UnitShardedOptimizer]:
+                      replicas: Any = None, root: int | None = 0
+                      ) -> tuple[UnitShardedExchange, UnitShardedOptimizer]:
     """The exchange and optimizer of ``shard.stage`` 2 or 3 (``shard``: the config section)
     over ``rank`` of ``size`` data-parallel copies, standing for ``optimizer``; ``group``:
     their Horovod process set (None: every rank), ``replicas``: under shard.group=node, the set
-    of the ranks holding the same shards on the other nodes."""
+    of the ranks holding the same shards on the other nodes; ``root``: the rank whose values
+    stage 3 starts from (None: they agree already, a pipeline stage's copies)."""
     sharding = UnitSharding(model, shard.stage, rank, size, shard.unit_kib * 1024,
                             shard.prefetch, shard.reshard_after_forward, compression, group,
-                            replicas)
+                            replicas, root)
     sharding.piece_kib = shard.piece_kib
     sharded_opt = UnitShardedOptimizer(optimizer, sharding)
     return UnitShardedExchange(sharded_opt, accumulation), sharded_opt

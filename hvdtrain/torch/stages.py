@@ -36,6 +36,8 @@ from hvdtrain.torch.collectives import TorchCollectives, any_rank, process_set
 from hvdtrain.torch.compression import make_compressing, optimizer_settings, with_optimizer
 from hvdtrain.torch.exchange import horovod_compression
 from hvdtrain.torch.shard import make_sharded
+from hvdtrain.torch.shard_units import make_unit_sharded
+from hvdtrain.torch.units import UNIT, Unit
 
 
 def stage_process_set(ranks: Sequence[int]) -> Any:
@@ -120,13 +122,16 @@ def describe_layers(factories: Sequence[Any]
 
 
 def build_pieces(factories: Sequence[Any], bounds: Sequence[int], mine: Sequence[int],
-                 seed: int) -> dict[int, nn.Sequential]:
+                 seed: int, shard: tuple[int, int] | None = None) -> dict[int, nn.Sequential]:
     """This rank's pieces, each an ``nn.Sequential`` whose children are named by their global
     layer index (so a piece's ``state_dict`` keys are the whole ``Sequential``'s).
 
     Every layer is made in order under ``seed``, as the whole model would be, and the other
     pieces' layers dropped at once: the rank's layers start from the whole model's values,
-    whatever the split, and no other layer outlives its own construction.
+    whatever the split, and no other layer outlives its own construction. ``shard``
+    (``shard.stage=3``: this copy and the stage's copies): each own layer is cut to this copy's
+    shard as soon as it exists (:func:`hvdtrain.torch.units.build_by_units`' way), so that no
+    rank holds even its stage whole.
     """
     torch.manual_seed(seed)
     owner = {i: piece for piece in mine for i in range(bounds[piece], bounds[piece + 1])}
@@ -134,9 +139,22 @@ def build_pieces(factories: Sequence[Any], bounds: Sequence[int], mine: Sequence
     for index, make in enumerate(factories):
         layer = make()
         if index in owner:
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if shard is not None and params:
+                unit = Unit(-1, layer, params, *shard)
+                unit.free()
+                setattr(layer, UNIT, unit)
             layers[owner[index]].append((str(index), layer))
         del layer
     return {piece: nn.Sequential(OrderedDict(named)) for piece, named in layers.items()}
+
+
+def layers_of(modules: dict[int, nn.Sequential]) -> nn.Sequential:
+    """This rank's layers, in its pieces' order, as one ``Sequential`` named by global index:
+    the units of ``shard.stage`` 2-3 (never called: the pieces run the layers), whose
+    ``state_dict`` is the pieces' own, keys and parameter order alike."""
+    return nn.Sequential(OrderedDict((name, layer) for module in modules.values()
+                                     for name, layer in module.named_children()))
 
 
 def pad_rows(batch: Any, rows: int) -> Any:
@@ -288,10 +306,19 @@ def stage_compressing(r: ExchangeRequest) -> Exchanged:
 
 
 def stage_sharded(r: ExchangeRequest) -> Exchanged:
-    """``sharded`` among a stage's copies (``shard.stage=1``): the copies shard the stage's
-    optimizer state in their process set, replacing the stage's allreduce by a reduce-scatter,
-    the shard's update and an all-gather (:mod:`hvdtrain.torch.shard`). Stages 2-3 are refused
-    with pipeline stages by the compatibility table."""
+    """``sharded`` among a stage's copies, in their process set. ``shard.stage=1``: the
+    stage's allreduce becomes a reduce-scatter, the shard's update and an all-gather
+    (:mod:`hvdtrain.torch.shard`). Stages 2-3 (``r.model``: the rank's layers,
+    :func:`layers_of`): the units' hooks of :mod:`hvdtrain.torch.shard_units` run inside the
+    schedule's passes, so each micro-batch's backward pass reduce-scatters each unit's gradient
+    into the copy's shard (summed over the micro-batches: no whole gradient outlives a unit's
+    pass), and at stage 3 each unit is gathered before each micro-batch's forward and backward
+    pass and freed after them."""
     assert r.shard is not None and r.model is not None, "a stage's sharded update needs both"
+    if r.shard.stage >= 2:
+        # root=None: every copy built the stage's layers from the same seed, and the engine's
+        # fresh start broadcasts copy 0's shards in the stage's set.
+        return make_unit_sharded(r.optimizer, r.model, r.rank, r.size, r.shard,
+                                 r.comm.compression, r.accumulation, r.process_set, root=None)
     return make_sharded(r.optimizer, r.model, r.rank, r.size, chunk_elements(r.shard.chunk_kib),
                         r.comm.compression, r.process_set)

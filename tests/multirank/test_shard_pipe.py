@@ -16,8 +16,16 @@ On the digits MLP with hidden layers of 32 and 16 (stage 0: ``fc1``, 2,080 param
   parameters, in the ring's layout); a run resumed from step 10 with sharding ends bit-identical
   to the uninterrupted run.
 
+At ``shard.stage`` 2 and 3 the units (the stage's layers) are sharded too: every micro-batch's
+backward pass reduce-scatters each unit's gradient into the copy's shard, and stage 3 gathers a
+unit before each micro-batch's forward and backward pass. The same equality with one process
+holds, each step hands Horovod every micro-batch's whole gradient plus the shard's all-gathers
+(stage 2: once, 18 bytes a stage parameter at 4 micro-batches; stage 3: before each forward and
+backward pass, 32), and a run resumed from step 10 ends bit-identical.
+
 `make test` runs Gloo's launch (the two runs back to back) against the one-process reference
-trained in the test's own process. `long` (`make test-long`): MPI's launch, where the equality
+trained in the test's own process, and stage 3's launch (full run and resumed run); stage 2's
+launch is `long`. `long` (`make test-long`): MPI's launch, where the equality
 holds too (1F1B and interleaved 1F1B), a pipeline without sharding resumes from the sharded run's
 step 10, and the sharded pipeline from the step 10 of one without sharding and from that of a
 sharded run without stages (its per-rank shard files), each within 1e-5 of the uninterrupted run.
@@ -66,23 +74,24 @@ def one_process(tmp_path_factory) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def assert_equals_one_process(launched: Launch, run: str, want: dict[str, np.ndarray],
-                              final: dict) -> None:
+                              final: dict, stage: int = 1) -> None:
     """Each copy of ``run`` holds ``want``'s parameters (within ATOL), the copies the same."""
     copy0 = whole_model(launched, run, [0, 1])
     assert_same_model(copy0, want, ATOL)
     assert_same_model(whole_model(launched, run, [2, 3]), copy0, 0.0)
     summary = launched.summary(run)
     assert (summary["pipeline"], summary["shard_stage"], summary["shard_ranks"],
-            summary["steps"]) == ("2 stages x 2 copies", 1, 2, 23)
+            summary["steps"]) == ("2 stages x 2 copies", stage, 2, 23)
     for key in ("train_loss", "eval_loss"):
         assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
 
 
-def sharded_step_bytes(launched: Launch, run: str) -> float:
-    """What a step hands Horovod, as a record gives it (the mean over the ranks): each rank its
-    stage's whole float32 gradient and its float32 half of it."""
+def sharded_step_bytes(launched: Launch, run: str, per_element: float = 6.0) -> float:
+    """What a step hands Horovod, as a record gives it (the mean over the ranks), in bytes per
+    element of each rank's stage: at stage 1 its whole float32 gradient and its float32 half
+    of it (6)."""
     counts = [sum(p.size for p in launched.rank(run, r)[0].values()) for r in range(4)]
-    return sum(4 * n + 4 * n / 2 for n in counts) / 4
+    return sum(per_element * n for n in counts) / 4
 
 
 @pytest.mark.timeout(900)
@@ -142,3 +151,47 @@ def test_under_mpi_and_resumed_with_or_without_sharding(tmp_path, one_process):
         assert read_jsonl(out / run / "metrics.jsonl")[0]["step"] == 15, run
     assert "shard_stage" not in launched.summary("plain")
     assert launched.summary("back")["shard_stage"] == 1
+
+
+UNIT_BYTES = {2: 4 * 4 + 4 / 2, 3: 4 * 4 + 2 * 4 * 4 / 2}
+"""Bytes a step hands Horovod per element of a rank's stage at 4 micro-batches: every
+micro-batch's float32 gradient to reduce-scatter, plus its float32 half to all-gather once
+(stage 2) or before each micro-batch's forward and backward pass (stage 3)."""
+
+
+def check_units_sharded(tmp_path: Path, one_process: tuple, stage: int) -> None:
+    """``shard.stage`` ``stage`` (2 or 3) at 2 stages x 2 copies: one process's parameters and
+    losses, the byte count of its collectives, each part's whole parameters and Adam state, and
+    a run resumed from step 10 bit-identical."""
+    want, final = one_process
+    out = tmp_path / f"np4-stage{stage}"
+    run = f"{PIPE},shard.stage={stage}"
+    launched = launch(4, "gloo", out, [f"full:{run}", f"same:{run},{resume(out, 'full', 10)}"])
+    assert_equals_one_process(launched, "full", want, final, stage)
+    records = [r for r in read_jsonl(out / "full" / "metrics.jsonl") if "wire_bytes" in r]
+    assert records and {r["wire_bytes"] for r in records} == {
+        sharded_step_bytes(launched, "full", UNIT_BYTES[stage])}
+    part = torch.load(out / "full" / "checkpoints" / "step-00000010.stage-0.part",
+                      weights_only=True)
+    assert sorted(part["model"]) == ["1.bias", "1.weight"]
+    assert tuple(part["model"]["1.weight"].shape) == (32, 64)  # gathered whole at stage 3 too
+    state = part["optimizer"]["state"]
+    assert tuple(state[0]["exp_avg"].shape) == (32, 64) and float(state[0]["step"]) == 11
+    full = whole_model(launched, "full", [0, 1])
+    for ranks in ([0, 1], [2, 3]):
+        assert_same_model(whole_model(launched, "same", ranks), full, 0.0)
+    assert launched.summary("same")["final"] == launched.summary("full")["final"]
+    assert read_jsonl(out / "same" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
+
+
+@pytest.mark.timeout(900)
+def test_stage_3_sharded_copies_of_two_stages_equal_one_process_and_resume(tmp_path,
+                                                                           one_process):
+    check_units_sharded(tmp_path, one_process, 3)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_stage_2_sharded_copies_of_two_stages_equal_one_process_and_resume(tmp_path,
+                                                                           one_process):
+    check_units_sharded(tmp_path, one_process, 2)

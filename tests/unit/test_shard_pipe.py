@@ -1,6 +1,7 @@
-"""Pipeline stages with sharded data parallel in the config: PyTorch's stage 1 composes (each
-stage's copies shard that stage's optimizer state), stages 2-3 and TensorFlow are refused with
-one line. The runs themselves: tests/multirank/test_shard_pipe.py."""
+"""Pipeline stages with sharded data parallel in the config: PyTorch's stages 1-3 compose (each
+stage's copies shard that stage's optimizer state, and at 2-3 its gradients and parameters);
+stages 2-3 with a zero-bubble schedule and TensorFlow are refused with one line. The runs
+themselves: tests/multirank/test_shard_pipe.py."""
 
 from __future__ import annotations
 
@@ -13,20 +14,24 @@ from hvdtrain.strategies.table import engine_path, exchange_path
 PIPE = ["pipeline.stages=2", "pipeline.microbatches=4"]
 
 
-def test_torch_stage_one_with_pipeline_stages_is_accepted_and_shards_within_each_stage():
-    cfg = load_config(None, [*PIPE, "shard.stage=1", "shard.chunk_kib=8"], environ={})
-    assert (cfg.pipeline.stages, cfg.shard.stage) == (2, 1)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_torch_stages_with_pipeline_stages_are_accepted_and_shard_within_each_stage(stage,
+                                                                                    schedule):
+    cfg = load_config(None, [*PIPE, f"shard.stage={stage}", f"pipeline.schedule={schedule}"],
+                      environ={})
+    assert (cfg.pipeline.stages, cfg.shard.stage) == (2, stage)
     assert engine_path(cfg) == "hvdtrain.torch.pipeline:PipelineEngine"
     assert exchange_path(cfg, stage=True) == "hvdtrain.torch.stages:stage_sharded"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["shard.stage=2"], "pipeline.stages=2 with shard.stage=2: a pipeline stage's copies shard "
-                        "its optimizer state only (shard.stage=1); stages 2-3 hook the backward "
-                        "pass, which the pipeline's schedule runs in its own pieces; use "
-                        "shard.stage=1"),
-    (["shard.stage=3"], "pipeline.stages=2 with shard.stage=3: a pipeline stage's copies shard "
-                        "its optimizer state only"),
+    (["shard.stage=2", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
+     "pipeline.stages=2 with shard.stage=2 and pipeline.schedule='interleaved_zero_bubble': its "
+     "weight passes set the gradients apart from the backward pass that stages 2-3 "
+     "reduce-scatter in; use another schedule or shard.stage=1"),
+    (["shard.stage=3", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
+     "pipeline.stages=2 with shard.stage=3 and pipeline.schedule='interleaved_zero_bubble'"),
     (["shard.stage=1", "framework=tensorflow"],
      "pipeline.stages=2 with shard.stage=1 and framework='tensorflow': sharding a stage's copies "
      "is built in PyTorch only so far; use shard.stage=0 or framework=torch"),
