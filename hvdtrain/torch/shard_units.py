@@ -89,6 +89,9 @@ class UnitSharding:
                                       if v.untyped_storage().size() or not v.numel()},
                                      root_rank=root)
         self.units = self._cut(model, unit_bytes)
+        if stage == 2:  # the parameters stay whole: a unit's shard is their own range of its
+            for unit in self.units:  # flat buffer, not a float32 copy beside them (4/N bytes)
+                unit.shard.data = unit.flat[unit.start:unit.stop]
         self.unit_of = {id(p): u for u in self.units for p in u.params}
         self.whole = False  # after finish(): the parameters stay gathered, the hooks rest
         self.micro = 0
@@ -310,6 +313,8 @@ class UnitSharding:
         """Stage 2: the shards taken from the parameters (a broadcast or restore reaches them)."""
         if self.stage == 2:
             for unit in self.units:
+                if _aliased(unit):  # the shard is the parameters' own range already
+                    continue
                 flat = torch.cat([p.detach().reshape(-1) for p in unit.params])
                 unit.shard.data.copy_(flat[unit.start:unit.stop])
 
@@ -389,6 +394,14 @@ class UnitSharding:
             unit.shard.data.copy_(flat[unit.start:unit.stop])
             if unit.full:
                 unit.set_full(flat)
+
+
+def _aliased(unit: Unit) -> bool:
+    """Whether the unit's parameters are views of its flat buffer and its shard their range of
+    it (stage 2, unless something replaced a parameter's data since)."""
+    at = unit.flat.data_ptr() + unit.start * unit.flat.element_size()
+    return unit.shard.data_ptr() == at and all(
+        p.data_ptr() == view.data_ptr() for p, view in unit.views(unit.flat))
 
 
 class UnitShardedOptimizer(torch.optim.Optimizer):
