@@ -1,4 +1,4 @@
-"""The plan prices a compressing method's run with its dense start (docs/planner.md, "Costs"):
+"""The plan prices a compressing method's run with its dense start (docs/planner.md, "The formulas"):
 ``comm.dense_steps`` as training resolves it, the dense steps' bytes and allreduce in the run's
 mean step."""
 
