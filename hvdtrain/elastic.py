@@ -16,10 +16,14 @@ which takes the engine's collectives as callables.
   starting global batch and learning rate (``keep_global_batch``).
 - Nothing runs a collective before the function given to ``hvd.elastic.run``: a worker that joins
   would otherwise meet the others in the wrong collective.
+- With ``shard.stage`` 1-3 each rank holds only its shard of the state, which dies with it: a
+  commit also writes every rank's shards to disk (:class:`CommitParts`), and after a reset every
+  rank reads its new shards from them, as a checkpoint of shards resumes at any number of ranks.
 """
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from hvdtrain.checkpoint import atomic_write
 from hvdtrain.config import Config
 from hvdtrain.data.sampler import StepIndices
+from hvdtrain.errors import EnvironmentFailure
 from hvdtrain.loop import Callback, Position
 from hvdtrain.world import World
 
@@ -121,3 +127,56 @@ def entry_event(state: Any, accumulation: int) -> dict[str, Any]:
     if state.failed_at is not None:
         event["lost_steps"] = state.failed_at - position.step
     return event
+
+
+class CommitParts:
+    """The shards of a sharded run's elastic commits (``shard.stage`` 1-3), in ``directory``.
+
+    A rank's shard of the parameters and optimizer state lives in its memory only, so a commit
+    kept in memory (as the ring's is) would die with the rank. At each commit every rank writes
+    its own shards to ``commit-<n>.rank-<r>.part`` (the safetensors part of a checkpoint of
+    shards, :mod:`hvdtrain.shard_files`), all at once and each atomically; the entries of every
+    part, gathered, go into the committed state (no manifest: a rank that dies after the gather
+    leaves every part on disk). After a reset each rank reads its shard of the new world from
+    the parts of the commit rank 0 holds. The last two commits are kept: a rank may hold either
+    when another dies mid-commit.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def write(self, engine: Any, number: int) -> list[dict[str, Any]]:
+        """Writes this rank's part of commit ``number`` and returns every rank's entry (file
+        name, shard, of), in rank order; a collective. Raises on every rank when a write
+        failed."""
+        part = engine.shard_part()
+        entry: dict[str, Any] | None = None
+        if part is not None:
+            label, fields, write = part
+            path = self.directory / f"commit-{number:08d}.{label}.part"
+            try:
+                atomic_write(path, write)
+                entry = {"file": path.name, **fields}
+            except OSError as exc:
+                entry = {"error": f"cannot write the elastic commit's part {path}: {exc}"}
+        # In a list: Horovod names the collective after the object's type (None or dict).
+        entries = [got[0] for got in engine.collectives.allgather_object([entry])]
+        failures = [e["error"] for e in entries if e is not None and "error" in e]
+        if failures:
+            raise EnvironmentFailure(failures[0])
+        return [e for e in entries if e is not None]
+
+    def source(self) -> Path:
+        """The path a reader of parts takes the directory of (``Engine.restore_from``)."""
+        return self.directory / "commit"
+
+    def prune(self, keep_from: int) -> None:
+        """Removes the parts (and temporary files) of the commits before ``keep_from``."""
+        for path in [*self.directory.glob("commit-*.part"), *self.directory.glob(".commit-*")]:
+            number = path.name.lstrip(".").split(".", 1)[0].removeprefix("commit-")
+            if number.isdigit() and int(number) < keep_from:
+                path.unlink(missing_ok=True)
+
+    def remove(self) -> None:
+        """Removes every commit's parts (the run ended: nothing resumes from them)."""
+        shutil.rmtree(self.directory, ignore_errors=True)

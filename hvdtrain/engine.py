@@ -204,6 +204,12 @@ class Engine(Step, StateIO):
         """Follows a new world (elastic mode): this rank's place, the world size, and the
         micro-batches each rank accumulates before its gradients are exchanged."""
 
+    def reshard(self) -> None:
+        """Builds the model and optimizer again, cut for the world of the last :meth:`resize`
+        (elastic mode with ``shard.stage`` 1-3, before the committed state is loaded into them);
+        a collective. Engines that cannot re-shard refuse."""
+        raise HvdtrainError(f"{self.framework}: elastic mode cannot re-shard this engine")
+
     def finish(self) -> None:
         """After the training's last step (or a requested stop), on every rank: ends the gradient
         exchange (parameter servers' workers tell the servers they are done). No-op here."""

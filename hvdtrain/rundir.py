@@ -52,6 +52,12 @@ class RunDir:
         return self.root / "elastic.jsonl"
 
     @property
+    def elastic_commits(self) -> Path:
+        """Elastic mode's commits of a sharded run: every rank's shards
+        (:class:`~hvdtrain.elastic.CommitParts`)."""
+        return self.root / "elastic-commits"
+
+    @property
     def indices(self) -> Path:
         """Elastic mode's record of the sample indices trained on, one file per epoch."""
         return self.root / "indices"

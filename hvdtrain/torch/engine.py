@@ -71,11 +71,9 @@ class TorchEngine(Engine):
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         kind = self._start(cfg, process_sets=hybrid(cfg))  # shard.group=node: a set per node
         torch.manual_seed(cfg.seed + self.rank)
-        self.model = self._build(cfg, dataset)
+        self._made = (cfg, dataset)  # elastic mode builds the model again to re-shard it
         self.device = place(kind, self.local_rank, self.local_size)
-        if cfg.model.sync_batchnorm:
-            self.model = syncbn.convert(self.model, self.device)
-        self.model.to(self.device)  # before the optimizer, whose state then lives there too
+        self.model = self._placed_model(cfg, dataset)
         self.precision = Precision(cfg.train.precision, self.device, cfg.optim.clip_norm,
                                    cfg.train.loss_scale)
         self.adapter = PlacedAdapter(self.adapter, self.device, self.precision)
@@ -104,6 +102,12 @@ class TorchEngine(Engine):
             (self.local_rank, self.local_size, hvd.cross_rank()))) if hybrid(cfg) else 1)
         torch.set_num_threads(compute_threads(cfg.train.threads, self.local_size))
         return kind
+    def _placed_model(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
+        model = self._build(cfg, dataset)
+        if cfg.model.sync_batchnorm:
+            model = syncbn.convert(model, self.device)
+        return model.to(self.device)  # before the optimizer, whose state then lives there too
+
     def _build(self, cfg: Config, dataset: Dataset) -> torch.nn.Module:
         # shard.stage=3 builds and shards one layer at a time where the adapter has layers (on
         # the CPU: moving freed parameters to a GPU afterwards is not built).
@@ -151,7 +155,20 @@ class TorchEngine(Engine):
         self.layout = self.layout.resized(size)
         self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
         self.accumulation = accumulation
-        self.exchange.resize(rank, size, accumulation)
+        if not is_sharded(self.optimizer):  # a sharded one is made again by reshard()
+            self.exchange.resize(rank, size, accumulation)
+
+    def reshard(self) -> None:
+        # The shards' bounds, units and hooks are cut for one world: the model and optimizer
+        # are made again for this one (stage 3 one unit at a time, as at the start) and the
+        # committed state is loaded into them. The random streams go on as they were.
+        streams = rng.capture()
+        cfg, dataset = self._made
+        self.model = self._placed_model(cfg, dataset)
+        self._make_optimizer(cfg)
+        self.exchange.resize(self.rank, self.size, self.accumulation)
+        self.model.train()
+        rng.restore(streams)
 
     def finish(self) -> None:
         self.exchange.finish()

@@ -23,10 +23,11 @@ DIGITS_TRAIN = 1437
 
 
 def elastic_job(framework: str, run: Path, hosts: str, np_: int, *overrides: str,
-                env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts ``horovodrun`` in elastic mode (1 to 2 workers) with a host-discovery script."""
+                env: dict[str, str] | None = None, max_np: int = 2) -> subprocess.Popen:
+    """Starts ``horovodrun`` in elastic mode (1 to ``max_np`` workers) with a host-discovery
+    script."""
     # One host alone does not start without naming the interface.
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--min-np", "1", "--max-np", "2",
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "--min-np", "1", "--max-np", str(max_np),
            "--network-interfaces", "lo", "--host-discovery-script", str(ROOT / "scripts" / hosts),
            str(BIN / "hvdtrain"), "train", str(CONFIGS[framework]), "elastic.enabled=true",
            f"elastic.commit_every={COMMIT_EVERY}", "elastic.record_indices=true",
