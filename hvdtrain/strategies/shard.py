@@ -31,12 +31,18 @@ def _compression(cfg: Any) -> str:
 
 def _pipeline(cfg: Any) -> str:
     given = f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)}"
-    if cfg.shard.stage >= 2:
-        return (f"{given}: a pipeline stage's copies shard its optimizer state only "
-                "(shard.stage=1); stages 2-3 hook the backward pass, which the pipeline's "
-                "schedule runs in its own pieces; use shard.stage=1")
+    if cfg.framework != "tensorflow":
+        return (f"{given} and pipeline.schedule={cfg.pipeline.schedule!r}: its weight passes "
+                "set the gradients apart from the backward pass that stages 2-3 reduce-scatter "
+                "in; use another schedule or shard.stage=1")
     return (f"{given} and framework='tensorflow': sharding a stage's copies is built in "
             "PyTorch only so far; use shard.stage=0 or framework=torch")
+
+
+def _split_weights(cfg: Any) -> bool:
+    """A schedule whose weight gradients torch computes apart (zero bubble), which the
+    post-accumulate-grad hooks of stages 2-3 never see."""
+    return cfg.pipeline.schedule in ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def _elastic(cfg: Any) -> str:
@@ -63,10 +69,11 @@ RULES = (
                      "own; use comm.topology=ring",
          {**ONE, "comm.topology": "ps"}),
     Rule("shard", "pipeline",
-         lambda cfg: cfg.pipeline.stages > 1 and (cfg.shard.stage >= 2
-                                                  or cfg.framework == "tensorflow"),
-         _pipeline, {"shard.stage": 2, "pipeline.stages": 2},
-         only="at stages 2-3, and in TensorFlow"),
+         lambda cfg: cfg.pipeline.stages > 1 and (
+             cfg.framework == "tensorflow" or (cfg.shard.stage >= 2 and _split_weights(cfg))),
+         _pipeline, {"shard.stage": 2, "pipeline.stages": 2, "pipeline.virtual_stages": 2,
+                     "pipeline.schedule": "interleaved_zero_bubble"},
+         only="in TensorFlow, and at stages 2-3 with a zero-bubble schedule"),
     Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1 and cfg.shard.group == "node",
          lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with shard.group='node': a "
                      "stage's shards within a node are not built; use shard.group=all",
