@@ -683,7 +683,7 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep,
     copies = Layout(ranks, stages).copies  # the job's layout of ranks, as training makes it
     biggest = max(step.stage_bytes)
     if shard:
-        return _sharded_pipeline_point(ctx, nodes, stages, step, copies, biggest)
+        return _sharded_pipeline_point(ctx, nodes, stages, step, copies, biggest, shard)
     if _same_node(ctx, stages):
         shared = c.inter.shared(stages)
         dp = costs.hierarchical_allreduce(biggest, nodes, g // stages, c.intra, shared, o)
@@ -701,11 +701,13 @@ def _pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep,
 
 
 def _sharded_pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineStep,
-                            copies: int, biggest: float) -> Outcome:
+                            copies: int, biggest: float, shard: int = 1) -> Outcome:
     """A pipeline whose stages' copies shard the optimizer state (``shard.stage=1``): after
     the schedule, the largest stage's reduce-scatter and all-gather among its copies (one flat
     ring each way, the node's link shared by the stages' rings), around the update of its
-    shard. Training refuses stages 2-3 with pipeline stages (the compatibility table)."""
+    shard. Stages 2-3 reduce-scatter every micro-batch's gradient (m of them) and stage 3
+    gathers its shards before each micro-batch's forward and backward pass (2m), priced here
+    as if none overlapped the schedule (an upper bound: they run inside its passes)."""
     c, g, o = ctx.cluster, ctx.cluster.ranks_per_node, ctx.cluster.overhead_s
     ratio = _scatter_ratio(ctx)
     if _same_node(ctx, stages):  # g / P copies of each stage a node, P rings through its link
@@ -715,9 +717,12 @@ def _sharded_pipeline_point(ctx: _Ctx, nodes: int, stages: int, step: PipelineSt
         def half(m: float) -> float:
             shared = c.inter.shared(g)
             return costs.flat_half(m, copies, 1, shared, shared, o)
-    rs, ag, upd = half(biggest * ratio), half(biggest), ctx.upd / stages / copies
     t = step.span_s
     micro = round(step.busy_s / (step.forward_s + step.backward_s)) if step.busy_s else 0
+    scatters = max(micro, 1) if shard >= 2 else 1
+    gathers = 2 * max(micro, 1) if shard == 3 else 1
+    rs, ag = scatters * half(biggest * ratio), gathers * half(biggest)
+    upd = ctx.upd / stages / copies
     segs = [Segment("compute", f"{micro} micro-batches, slowest stage", 0.0, step.busy_s),
             Segment("bubble", f"bubble {step.bubble:.0%}", step.busy_s, t),
             Segment("comm", f"stage reduce-scatter {biggest / 1e6:.2f} MB over {copies} copies",
