@@ -3,14 +3,17 @@
 Run each setting under horovodrun (one launch each, so that one run's peak does not carry into
 the next)::
 
-    for s in ring shard.stage=1 shard.stage=2; do
+    for s in ring ring-freed runtime shard.stage=1 shard.stage=2; do
       .venv/bin/horovodrun -np 2 --gloo .venv/bin/python benchmarks/tf_shard_memory.py /tmp/mem $s
     done
 
 It trains the digits MLP with 3 hidden layers of 4,096 (33.9 M parameters, Adam, batch 16 a rank)
 for 12 steps and prints one JSON line per rank: its peak RSS (``ru_maxrss``) and the seconds
-taken. docs/benchmarks.md ("TensorFlow sharded data parallel: peak memory per rank") holds the
-figures.
+taken. ``ring-freed`` is the ring with the allocators the sharded engine sets
+(:func:`hvdtrain.tensorflow.shard.return_freed_memory`: the C library's, with freed blocks given
+back); ``runtime`` the same process with hidden layers of 16 at ``shard.stage=1`` (what a rank
+holds besides the model's states, subtracted before comparing with ZeRO's formula).
+docs/benchmarks.md ("TensorFlow sharded data parallel: peak memory per rank") holds the figures.
 """
 
 from __future__ import annotations
@@ -29,11 +32,16 @@ SETTINGS = ["model.options={hidden: [4096, 4096, 4096]}", "optim.name=adam", "op
             "train.max_steps=12", "data.batch_size=16", "train.epochs=1",
             "checkpoint.every_steps=1000", "log.console=false", "log.wandb=disabled",
             "log.overwrite=true"]
+EXTRA = {"ring": [], "ring-freed": [],
+         "runtime": ["model.options={hidden: [16, 16, 16]}", "shard.stage=1"]}
 
 
 def main() -> None:
     out, setting = Path(sys.argv[1]), sys.argv[2]
-    extra = [] if setting == "ring" else [setting]
+    if setting == "ring-freed":  # before TensorFlow's first tensor
+        from hvdtrain.tensorflow.shard import return_freed_memory
+        return_freed_memory()
+    extra = EXTRA.get(setting, [setting])
     cfg = load_config(CONFIG, [f"log.dir={out / setting}", *SETTINGS, *extra], environ={})
     began = time.perf_counter()
     result = train(cfg)

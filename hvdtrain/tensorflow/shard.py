@@ -5,9 +5,16 @@ The same update as :mod:`hvdtrain.torch.shard`, on ``horovod.tensorflow`` ops: e
 ``reducescatter`` splits a vector). A step reduce-scatters the flat gradient with ``Average``
 (:class:`ShardedExchange`), the run's Keras optimizer steps one variable holding this rank's
 shard of the parameters (:class:`ShardedKernels`), so its slots cover 1/N of the model, and the
-updated shards are all-gathered back into every rank's model variables. Both collectives run in
-rounds of at most ``shard.chunk_kib`` per rank. The arithmetic is the ring's (an average, then the
-same element-wise update), so a sharded run trains as a ring run of the same ranks.
+updated shards are all-gathered back into every rank's model variables. The reduce-scatter runs in
+rounds of at most ``shard.chunk_kib`` per rank, each cut from the variables it covers (no flat
+copy of the gradient is made); the all-gather brings back whole variables, grouped up to a
+round's size. The arithmetic is the ring's (an average, then the same element-wise update), so a
+sharded run trains as a ring run of the same ranks.
+
+Memory (docs/benchmarks.md, "TensorFlow sharded data parallel"): a sharded engine switches
+TensorFlow to the C library's allocator with freed blocks returned (:func:`return_freed_memory`),
+because oneDNN's pool would keep every step's transients; and no whole vector of every parameter
+is made, in a step or in the start-up broadcast.
 
 Checkpoints (:class:`ShardedEngine`): every rank writes its slices of each per-element optimizer
 slot to its own part (:mod:`hvdtrain.tensorflow.shard_files`), rank 0 the model and the
@@ -22,6 +29,7 @@ Keras 3: a Keras variable is not a ``tf.Variable``; values are read and assigned
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,9 +40,18 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.config import Config
+from hvdtrain.data.contracts import Dataset
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
-from hvdtrain.shard import check_resize, pieces, round_ranges, shard_bounds, step_bytes
+from hvdtrain.malloc import return_freed_blocks
+from hvdtrain.shard import (
+    check_resize,
+    pieces,
+    round_ranges,
+    segments,
+    shard_bounds,
+    step_bytes,
+)
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
 from hvdtrain.tensorflow.shard_files import layout_of, read_slots, shard_part
@@ -45,6 +62,7 @@ from hvdtrain.tensorflow.shard_grads import (
     agree_overflow,
     clip_shards,
     layer_units,
+    unit_groups,
 )
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
 
@@ -64,29 +82,35 @@ class FlatShard:
         self.total, self.rank, self.size, self.chunk = sum(self.sizes), rank, size, chunk
         self.start, self.stop = shard_bounds(self.total, size, rank)
         self.own = self.stop - self.start
+        self.offsets = [sum(self.sizes[:j]) for j in range(len(self.sizes))]
+        self._groups = unit_groups(self.sizes, chunk * size)  # :meth:`store`'s all-gathers
         # The variable the optimizer steps: this rank's slice of the parameters.
         self.var = keras.Variable(np.zeros(self.own, np.float32), name="shard")
 
-    def flat(self, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
-        """``tensors`` (one per variable) as one flat float32 vector."""
-        return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], 0)
+    def _pieces(self, tensors: Sequence[Any], lo: int, hi: int) -> list[tf.Tensor]:
+        """The flat range [lo, hi) of ``tensors`` (one per variable), cut from each variable it
+        covers: no flat copy of every variable is made."""
+        return [tf.reshape(tf.cast(tensors[s.param], tf.float32), [-1])[
+            s.offset:s.offset + s.length] for s in segments(self.sizes, lo, hi)]
 
     def load(self) -> None:
-        """The shard variable from the model's current parameters (a broadcast or a restore
-        reaches the shard through them)."""
-        self.var.assign(self.flat([v.value for v in self.variables])[self.start:self.stop])
+        """The shard variable from the model's current parameters (after a broadcast or a
+        restore; the update keeps the two equal from there)."""
+        values = [v.value for v in self.variables]
+        self.var.assign(tf.concat(self._pieces(values, self.start, self.stop), 0))
 
     def take(self, whole: Any) -> Any:
         """This rank's shard of a flat vector of every parameter (a slot as checkpoints hold
         it)."""
         return whole[self.start:self.stop]
 
-    def reducescatter(self, flat: tf.Tensor, wire: Any) -> tf.Tensor:
-        """The average over the ranks of this rank's shard of ``flat`` (a collective)."""
+    def reducescatter(self, grads: Sequence[tf.Tensor], wire: Any) -> tf.Tensor:
+        """The average over the ranks of this rank's shard of the flat gradient (``grads``: one
+        per variable), in rounds each cut from the variables it covers (a collective)."""
         got = []
         for k in range(pieces(self.total, self.size, self.chunk)):
             ranges = round_ranges(self.total, self.size, self.chunk, k)
-            send = tf.concat([flat[lo:hi] for lo, hi in ranges], 0)
+            send = tf.concat([p for lo, hi in ranges for p in self._pieces(grads, lo, hi)], 0)
             got.append(hvd.reducescatter(send, op=hvd.Average, compression=wire,
                                          name=f"hvdtrain.shard.grads.{k}"))
         return tf.concat(got, 0)
@@ -108,12 +132,21 @@ class FlatShard:
         return tf.concat([piece for pieces_of in by_rank for piece in pieces_of], 0)
 
     def store(self) -> None:
-        """Every rank's updated shard written back into the model's variables (a collective)."""
-        flat = self.allgather(tf.convert_to_tensor(self.var.value), "params")
-        at = 0
-        for v, n in zip(self.variables, self.sizes, strict=True):
-            v.assign(tf.reshape(flat[at:at + n], v.shape))
-            at += n
+        """Every rank's updated shard written back into the model's variables (a collective):
+        one grouped all-gather of each rank's part of each variable (empty where its shard
+        misses the variable), whose result is that variable whole, in groups of at most a
+        round's elements (a larger variable alone). Only a group's variables are ever held
+        twice."""
+        mine = self.var.value
+        for g, group in enumerate(self._groups):
+            parts = []
+            for j in group:
+                lo = max(self.start, self.offsets[j])
+                hi = max(lo, min(self.stop, self.offsets[j] + self.sizes[j]))
+                parts.append(mine[lo - self.start:hi - self.start])
+            whole = hvd.grouped_allgather(parts, name=f"hvdtrain.shard.params.{g}")
+            for j, flat in zip(group, whole, strict=True):
+                self.variables[j].assign(tf.reshape(flat, self.variables[j].shape))
 
 
 class ShardedExchange(GradientExchange):
@@ -130,7 +163,7 @@ class ShardedExchange(GradientExchange):
 
     def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         began = time.perf_counter()
-        mine = self.shard.reducescatter(self.shard.flat(grads), self.wire)
+        mine = self.shard.reducescatter(grads, self.wire)
         wire, dense = self._bytes
         # The kernels' update adds the all-gather's wait before the step reads these.
         self.stats = {"wire_bytes": wire, "dense_bytes": dense, "compress_s": 0.0,
@@ -173,9 +206,9 @@ class ShardedKernels(TensorFlowKernels):
         self.optimizer.apply_gradients(zip(grads, [var], strict=True))
 
     def _update(self, grads: list[tf.Tensor]) -> None:
-        """Loads the shard from the parameters, steps it, and all-gathers every shard back (a
-        collective); the all-gather's wait counts as communication."""
-        self.shard.load()
+        """Steps the shard (equal to its part of the parameters since the last all-gather or
+        :meth:`FlatShard.load`), and all-gathers every shard back (a collective); the
+        all-gather's wait counts as communication."""
         self._apply_shard_fn(grads)
         began = time.perf_counter()
         self.shard.store()
@@ -188,10 +221,32 @@ def _per_element(var: Any) -> bool:
     return len(var.shape) == 1
 
 
+SYSTEM_ALLOCATOR = "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"
+"""TensorFlow's switch from oneDNN's CPU allocator to the C library's (read at its first
+allocation)."""
+
+
+def return_freed_memory() -> None:
+    """Lets the memory TensorFlow frees leave the process (unless the user set
+    ``TF_ONEDNN_USE_SYSTEM_ALLOCATOR``): with oneDNN on (TensorFlow's default on x86), its CPU
+    allocator serves large tensors from a BFC pool that never shrinks, so every transient of a
+    step (a round's pieces, a variable gathered whole, the optimizer's temporaries) stays
+    resident for the rest of the run, and the pool grows by doubling. The C library's allocator
+    with glibc's mmap threshold pinned (:func:`hvdtrain.malloc.return_freed_blocks`) gives
+    large blocks back when freed. Set before the engine's first tensor, which TensorFlow reads it
+    at; a process that already allocated keeps the pool."""
+    os.environ.setdefault(SYSTEM_ALLOCATOR, "1")
+    return_freed_blocks()
+
+
 class ShardedEngine(TensorFlowEngine):
     """The TensorFlow engine with ``shard.stage=1``: the update of :class:`ShardedKernels`, and
     checkpoints whose per-element optimizer slots are whole flat vectors (see the module
     docstring)."""
+
+    def __init__(self, cfg: Config, dataset: Dataset) -> None:
+        return_freed_memory()
+        super().__init__(cfg, dataset)
 
     def _make_update(self, cfg: Config, variables: Sequence[Any]) -> None:
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
@@ -218,8 +273,10 @@ class ShardedEngine(TensorFlowEngine):
     _source: dict[str, Any] | None = None  # rank 0: a checkpoint of shards to read
     _wrote_shards = False  # every rank wrote its slots' slices: rank 0's file holds the rest
 
-    def _slots(self) -> dict[int, np.ndarray]:
-        return {i: v.numpy() for i, v in enumerate(self.optimizer.variables) if _per_element(v)}
+    def _slots(self) -> dict[int, Any]:
+        """The per-element slots by optimizer variable index (the variables: a part reads them
+        a piece at a time, so no copy of a whole slot is made)."""
+        return {i: v for i, v in enumerate(self.optimizer.variables) if _per_element(v)}
 
     def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
         # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py).
@@ -282,11 +339,13 @@ class ShardedEngine(TensorFlowEngine):
 
     def broadcast_state(self) -> None:
         # The model and the optimizer's scalars from rank 0; each slot as rank 0 restored it
-        # (zeros on a fresh start, as every rank's are), each rank keeping its own slice.
+        # (zeros where it restored none, as every rank's are on a fresh start), each rank
+        # keeping its own slice.
         scalars = [v for v in self.optimizer.variables if not _per_element(v)]
         hvd.broadcast_variables([v.value for v in [*self.model.variables, *scalars]], root_rank=0)
-        source = hvd.broadcast_object(self._source if self.rank == 0 else None, root_rank=0,
-                                      name="hvdtrain.shard.files")
+        told = hvd.broadcast_object((self._source, sorted(self._whole)) if self.rank == 0
+                                    else None, root_rank=0, name="hvdtrain.shard.files")
+        source, whole = told
         self._source = None
         if source is not None:  # from a checkpoint of shards: each rank reads its own slices
             indices = [i for i, v in enumerate(self.optimizer.variables) if _per_element(v)]
@@ -294,10 +353,16 @@ class ShardedEngine(TensorFlowEngine):
             for i, values in slots.items():
                 self.optimizer.variables[i].assign(values)
         for i, var in enumerate(self.optimizer.variables):
-            if _per_element(var) and source is None:
-                whole = self._whole.get(i, np.zeros(self.shard.total, np.float32))
-                got = hvd.broadcast(tf.constant(whole), root_rank=0, name=f"hvdtrain.shard.slot.{i}")
+            if not _per_element(var) or source is not None:
+                continue
+            if i in whole:  # restored whole on rank 0: one slot at a time, each its slice
+                mine = self._whole.get(i) if self.rank == 0 else None
+                got = hvd.broadcast(tf.constant(mine) if mine is not None
+                                    else tf.zeros([self.shard.total]), root_rank=0,
+                                    name=f"hvdtrain.shard.slot.{i}")
                 var.assign(self.shard.take(got))
+            else:  # nothing to send: no whole vector is made (it would peak at 3 of them)
+                var.assign(tf.zeros([self.shard.own]))
         self._whole = {}
-        self.shard.load()  # stage 2's step keeps the shard and the parameters equal from here
+        self.shard.load()  # the step keeps the shard and the parameters equal from here
         self._follow_world()

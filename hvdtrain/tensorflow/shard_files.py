@@ -61,30 +61,37 @@ def _units(shard: Any) -> list[tuple[int, int]]:
     return [(0, shard.own)]
 
 
-def layout_of(shard: Any, slots: Mapping[int, np.ndarray]) -> ShardLayout:
+def layout_of(shard: Any, slots: Mapping[int, Any]) -> ShardLayout:
     """The layout of the parts this run writes; ``slots``: the per-element optimizer variables
-    by index (this rank's values)."""
+    by index (this rank's values, or the variables)."""
     named = list(zip(_names(shard), shard.sizes, strict=True))
     units = [[entry] for entry in named] if _per_variable(shard) else [named]
     return ShardLayout(units, shard.size, 2 if _per_variable(shard) else 1,
                        {name: [size] for name, size in named},
-                       {f"s{i}": DTYPES[value.dtype] for i, value in slots.items()})
+                       {f"s{i}": DTYPES[np.dtype(str(value.dtype))] for i, value in slots.items()})
 
 
-def shard_part(shard: Any, slots: Mapping[int, np.ndarray], rank: int
+WRITE_ELEMENTS = 1 << 20
+"""Elements of a slot read and written at a time: a part holds no slot's copy whole."""
+
+
+def shard_part(shard: Any, slots: Mapping[int, Any], rank: int
                ) -> tuple[str, dict[str, Any], Callable[[IO[bytes]], object]]:
     """This rank's part: its label, its manifest fields and the writer of its slices of each
-    per-element slot (``slots``, by optimizer variable index)."""
-    tensors = [(tensor_key(u, f"s{i}"), value[a:b]) for i, value in slots.items()
+    per-element slot (``slots``, by optimizer variable index: arrays, or variables that the
+    writer reads :data:`WRITE_ELEMENTS` at a time)."""
+    tensors = [(tensor_key(u, f"s{i}"), slots[i], a, b) for i in slots
                for u, (a, b) in enumerate(_units(shard))]
 
     def write(fileobj: IO[bytes]) -> None:
         fileobj.write(safetensors_header(
-            [(key, DTYPES[t.dtype], list(t.shape), t.nbytes) for key, t in tensors],
+            [(key, DTYPES[np.dtype(str(value.dtype))], [b - a],
+              (b - a) * np.dtype(str(value.dtype)).itemsize) for key, value, a, b in tensors],
             {"format": "np", "shard": str(shard.rank), "shards": str(shard.size)}))
-        for _, tensor in tensors:
-            if tensor.size:
-                fileobj.write(np.ascontiguousarray(tensor).data)
+        for _, value, a, b in tensors:
+            for lo in range(a, b, WRITE_ELEMENTS):
+                piece = np.asarray(value[lo:min(b, lo + WRITE_ELEMENTS)])
+                fileobj.write(np.ascontiguousarray(piece).data)
 
     return part_label(rank), {"shard": shard.rank, "of": shard.size}, write
 
