@@ -1,7 +1,8 @@
 """The PyTorch half of ``hvdtrain export`` (:mod:`hvdtrain.export`): a checkpoint's model entries,
 merged from its parts where pipeline stages wrote it, as safetensors or a transformers directory.
 A checkpoint whose ranks wrote their own shards (``shard.stage`` 1-3) is exported to safetensors
-one whole tensor at a time (:func:`hvdtrain.torch.shard_files.write_export`)."""
+one whole tensor at a time (:func:`hvdtrain.torch.shard_files.write_export`); a ring run's is
+mapped from its file and written a tensor at a time (:func:`mapped_state`)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from hvdtrain.adapters import make_adapter
 from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
+from hvdtrain.shard_files import safetensors_header
 from hvdtrain.torch.models import ClassifierAdapter
 from hvdtrain.torch.parts import read_parts, read_state
-from hvdtrain.torch.shard_files import sources, whole_params, write_export
+from hvdtrain.torch.shard_files import NAMES, sources, whole_params, write_export
 
 
 def checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model entries of the checkpoint at ``path`` (every part's, for one written in parts)
-    and its meta."""
-    state = read_state(path.read_bytes(), str(path))
+    """The model entries of the checkpoint at ``path`` (every part's, for one written in parts;
+    a whole checkpoint's mapped from its file) and its meta."""
+    state = mapped_state(path)
     model, meta = dict(state["model"]), state["meta"]
     source = sources(state, path, str(path))
     if source is not None:  # written by every rank of sharded data parallel
@@ -55,16 +57,38 @@ def unshared(entries: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
 
 
 def write_safetensors(entries: dict[str, torch.Tensor], out: Path, meta: dict[str, Any]) -> Path:
-    """``out/model.safetensors`` of ``entries``, with the run's step and the aliases as metadata."""
-    from safetensors.torch import save_file
-
+    """``out/model.safetensors`` of ``entries``, with the run's step and the aliases as metadata:
+    the header first, then each tensor's bytes in turn, so that tensors mapped from the
+    checkpoint file (:func:`mapped_state`) are read one at a time and never copied whole."""
     tensors, aliases = unshared(entries)
+    position = meta.get("position", {})
+    header = [(name, NAMES[t.dtype], list(t.shape), t.numel() * t.element_size())
+              for name, t in tensors.items()]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.safetensors"
-    position = meta.get("position", {})
-    save_file(tensors, str(path), metadata={"format": "pt", "aliases": json.dumps(aliases),
-                                            "step": str(position.get("step", ""))})
+    with path.open("wb") as fileobj:
+        fileobj.write(safetensors_header(header, {
+            "format": "pt", "aliases": json.dumps(aliases),
+            "step": str(position.get("step", ""))}))
+        for tensor in tensors.values():
+            if tensor.numel():  # little-endian, C order: the checkpoint's bytes as they are
+                fileobj.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return path
+
+
+def mapped_state(path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path`` with its tensors mapped from the file (``mmap``): a tensor's
+    pages are read when it is written and can be dropped after. A file ``torch.load`` cannot
+    map (an older format) is read whole by :func:`hvdtrain.torch.parts.read_state`, which
+    also gives the one-line error for a file that is no checkpoint."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001  (read_state names what is wrong in one line)
+        return read_state(path.read_bytes(), str(path))
+    if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
+            and isinstance(state["meta"], dict)):
+        return read_state(path.read_bytes(), str(path))
+    return state
 
 
 def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], out: Path) -> None:
@@ -108,11 +132,11 @@ def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
     if fmt == "hf":
         write_hf(cfg, checkpoint, checkpoint_model(checkpoint)[0], out)
         return
-    state = read_state(checkpoint.read_bytes(), str(checkpoint))
+    state = mapped_state(checkpoint)
     source = sources(state, checkpoint, str(checkpoint))
     if source is not None:  # shards: streamed, never the whole model in memory
         write_export(source, out / "model.safetensors", state["meta"],
                      *unshared(dict(source["model"])))
-    else:
+    else:  # a ring run's tensors mapped from the file; pipeline stages' parts read whole
         entries, meta = checkpoint_model(checkpoint)
         write_safetensors(entries, out, meta)

@@ -4,6 +4,7 @@ exports the whole model, and a tensor two names share is written once with its a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +50,33 @@ def test_a_shared_tensor_is_written_once_and_named_in_the_aliases(tmp_path):
     with safetensors_torch.safe_open(str(path), "pt") as f:
         assert json.loads(f.metadata()["aliases"]) == aliases and f.metadata()["step"] == "3"
         assert torch.equal(f.get_tensor("wte.weight"), embedding.weight.detach())
+
+
+def test_a_whole_checkpoint_is_mapped_and_exported_a_tensor_at_a_time(tmp_path):
+    """A ring run's checkpoint: its tensors are mapped from the file (not read into memory),
+    and the streamed safetensors file holds them, the tied one once, with the step."""
+    from hvdtrain.torch.export import checkpoint_model, mapped_state
+
+    embedding, head = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"wte": embedding, "head": head, "norm": nn.LayerNorm(4)}).to(
+        torch.bfloat16)
+    path = tmp_path / "step-00000007.ckpt"
+    torch.save({"model": model.state_dict(), "optimizer": {},
+                "meta": {"position": {"step": 7}}}, path)
+    state = mapped_state(path)
+    mapped = [(int(lo, 16), int(hi, 16)) for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.endswith(str(path)) for lo, hi in [line.split()[0].split("-")]]
+    assert mapped and all(any(lo <= t.data_ptr() < hi for lo, hi in mapped)
+                          for t in state["model"].values())  # in the file's pages, not copied
+    entries, meta = checkpoint_model(path)
+    written = write_safetensors(entries, tmp_path / "out", meta)
+    with safetensors_torch.safe_open(str(written), "pt") as f:
+        assert json.loads(f.metadata()["aliases"]) == {"head.weight": "wte.weight"}
+        assert f.metadata()["step"] == "7" and set(f.keys()) == {"wte.weight", "norm.weight",
+                                                                  "norm.bias"}
+        for key in f.keys():  # noqa: SIM118  (a safe_open handle is no dict)
+            assert torch.equal(f.get_tensor(key), model.state_dict()[key]), key
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(Exception, match=r"junk\.ckpt"):
+        mapped_state(tmp_path / "junk.ckpt")
