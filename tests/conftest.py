@@ -126,10 +126,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # Set by pytest itself, by torch on its first use (OpenMP and inductor settings), and by hvdtrain's
-# engines before the process's first hvd.init (cycle time, Open MPI's yielding and TCP flags), which
-# hold for the life of the process, as Horovod starts once per process: not leaks of a test.
+# engines before the process's first hvd.init (cycle time, Open MPI's yielding and TCP flags) or
+# TensorFlow's first tensor (a sharded engine's allocator), which hold for the life of the process,
+# as Horovod starts once per process: not leaks of a test.
 FRAMEWORK_SET = ("PYTEST_CURRENT_TEST", "KMP_", "TORCHINDUCTOR_", "HOROVOD_CYCLE_TIME",
-                 "OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl_tcp_flags")
+                 "OMPI_MCA_mpi_yield_when_idle", "OMPI_MCA_btl_tcp_flags",
+                 "TF_ONEDNN_USE_SYSTEM_ALLOCATOR")
 
 
 @pytest.fixture(autouse=True)
