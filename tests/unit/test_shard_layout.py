@@ -63,7 +63,11 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["elastic.enabled=true"], "elastic.enabled=true with shard.stage=1: the shards cannot"),
+    (["elastic.enabled=true", "framework=tensorflow"],
+     "elastic.enabled=true with shard.stage=1 and framework='tensorflow': re-sharding after a "
+     "reset is built in PyTorch only"),
+    (["elastic.enabled=true", "shard.group=node"],
+     "elastic.enabled=true with shard.stage=1 and shard.group='node': a reset changes"),
     (["comm.compression=topk"], "comm.compression='topk' with shard.stage=1: the sharded update's "
                                 "reduce-scatter carries none or fp16 only"),
     (["comm.compression=qsgd"], "comm.compression='qsgd' with shard.stage=1"),
