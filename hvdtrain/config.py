@@ -332,7 +332,8 @@ class ShardConfig:
     chunk_kib: int = _opt(4096, min=1)
     """``shard.stage=1``: the KiB per rank of each round of the reduce-scatter and the
     all-gather, so that no collective holds a second copy of the whole gradient, and of each
-    piece of the shard the optimizer steps in turn (its temporaries are a piece's size)."""
+    piece of the shard the optimizer steps in turn (its temporaries are a piece's size). In
+    TensorFlow an all-gather round is a group of whole variables up to that size."""
     unit_kib: int = _opt(65536, min=1)
     """``shard.stage`` 2 and 3 (and ``model.activation_checkpointing``): a model that is not a
     ``Sequential`` of the adapter's layers is cut into units by descending into its modules
