@@ -71,9 +71,13 @@ _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
 class FlatShard:
     """This rank's shard of the model's flat trainable parameters, and the rounds of the two
-    collectives that move shards (``chunk``: elements per rank in one round)."""
+    collectives that move shards (``chunk``: elements per rank in one round). ``process_set``:
+    Horovod's set of the ranks that share the shards (a pipeline stage's copies; ``rank`` and
+    ``size`` are the place and number in it), every rank's by default."""
 
-    def __init__(self, variables: Sequence[Any], rank: int, size: int, chunk: int) -> None:
+    def __init__(self, variables: Sequence[Any], rank: int, size: int, chunk: int,
+                 process_set: Any = None) -> None:
+        self.process_set = hvd.global_process_set if process_set is None else process_set
         self.variables = list(variables)
         for v in self.variables:
             if v.dtype != "float32":
@@ -112,7 +116,8 @@ class FlatShard:
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             send = tf.concat([p for lo, hi in ranges for p in self._pieces(grads, lo, hi)], 0)
             got.append(hvd.reducescatter(send, op=hvd.Average, compression=wire,
-                                         name=f"hvdtrain.shard.grads.{k}"))
+                                         name=f"hvdtrain.shard.grads.{k}",
+                                         process_set=self.process_set))
         return tf.concat(got, 0)
 
     def allgather(self, mine: tf.Tensor, tag: str) -> tf.Tensor:
@@ -123,7 +128,7 @@ class FlatShard:
             ranges = round_ranges(self.total, self.size, self.chunk, k)
             a, b = ranges[self.rank]
             got = hvd.allgather(mine[a - self.start:b - self.start],
-                                name=f"hvdtrain.shard.{tag}.{k}")
+                                name=f"hvdtrain.shard.{tag}.{k}", process_set=self.process_set)
             at = 0
             for r, (lo, hi) in enumerate(ranges):
                 by_rank[r].append(got[at:at + hi - lo])
@@ -144,7 +149,8 @@ class FlatShard:
                 lo = max(self.start, self.offsets[j])
                 hi = max(lo, min(self.stop, self.offsets[j] + self.sizes[j]))
                 parts.append(mine[lo - self.start:hi - self.start])
-            whole = hvd.grouped_allgather(parts, name=f"hvdtrain.shard.params.{g}")
+            whole = hvd.grouped_allgather(parts, name=f"hvdtrain.shard.params.{g}",
+                                          process_set=self.process_set)
             for j, flat in zip(group, whole, strict=True):
                 self.variables[j].assign(tf.reshape(flat, self.variables[j].shape))
 
