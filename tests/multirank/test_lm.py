@@ -1,6 +1,6 @@
 """The language model at two ranks (Gloo): it trains (TensorFlow too, dense and compressed), and
 -np 2 with batch b equals -np 1 with batch 2b; at four ranks in 2 stages x 2 copies it trains
-with every compression method."""
+with every compression method (`long`)."""
 
 from __future__ import annotations
 
@@ -111,9 +111,12 @@ def staged(tmp_path_factory):
     return get
 
 
-# TensorFlow's launch is `long`: its stages with compression train in make test in
-# test_pipeline_tf_compression.py and test_pipeline_tf.py (qsgd under MPI).
-@pytest.mark.parametrize("framework", ["torch", pytest.param("tensorflow", marks=pytest.mark.long)])
+# Both launches are `long` (make test-long). What still covers them in make test: every method
+# in PyTorch's stages in test_pipeline_compression.py, TensorFlow's stages with compression in
+# test_pipeline_tf_compression.py and test_pipeline_tf.py (qsgd under MPI), and the GPT in
+# pipeline stages in tests/slurm/test_memory_limit.py and (Hugging Face's) test_hf_shard.py.
+@pytest.mark.long
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 @pytest.mark.parametrize("method", METHODS)
 def test_the_lm_trains_in_stages_with_every_compression_method(staged, framework, method):
     launched = staged(framework)
