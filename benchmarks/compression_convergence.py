@@ -18,13 +18,18 @@ bytes per rank at 12.5 MB/s (a 2-rank ring or allgather sends about one copy per
 ``--dataset images`` trains ResNet-18 instead (``configs/images_torch.yaml``, width 16, on
 ``compression.py``'s generated images, 4,000 training and 1,000 test, SGD momentum 0.9 at 0.01 x 2
 ranks, cosine) for ``--steps`` steps, and the anchor on the same images, model, sampler, augmentation
-draws and schedule.
+draws and schedule. ``--framework tensorflow`` trains hvdtrain's runs with TensorFlow
+(``configs/images_tf.yaml``, the same images and overrides; no anchor: torch's hook is PyTorch's).
+``--hook-only`` runs the anchor alone (a seed's hook runs, merged with ``--merge`` beside that
+seed's hvdtrain runs from another job).
 
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --seeds 3
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
         --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 5
+    nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
+        --seeds 1 --seed-from 3 --hook-only --hook-starts 30 --json /tmp/hook-s3.json
     .venv/bin/python benchmarks/compression_convergence.py --quick   # a tiny end-to-end check
 """
 
@@ -110,6 +115,15 @@ def hook_job(seed: int, start: int | None, quick: bool,
     return lines[0]
 
 
+def hvdtrain_job(framework: str, dataset: str, seed: int, names: Sequence[str], out: Path,
+                 extra: Sequence[str]) -> dict[str, Any]:
+    """One seed's hvdtrain runs in one job; their records by variant, each with its eval curve."""
+    records = comp.job(framework, dataset, seed, names, out, extra=extra)
+    for r in records:
+        r["curve"] = curve(out / f"{dataset}-sgd-{r['method']}-s{seed}")
+    return {r["method"]: r for r in records}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every job; the records by seed."""
     names = variants(args.methods.split(","), [int(d) for d in args.dense.split(",")])
@@ -121,13 +135,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         extra = image_budget(*images)
     else:
         extra = ["train.epochs=2"] if args.quick else []
-    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": names}
+    if args.hook_only and args.hook_starts == "none":
+        raise harness.BenchError("--hook-only runs the anchor: give --hook-starts")
+    if args.framework != "torch" and args.hook_starts != "none":
+        raise harness.BenchError("--framework tensorflow has no anchor: add --hook-starts none")
+    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": [] if args.hook_only else names,
+                           "framework": args.framework}
     for seed in range(args.seed_from, args.seed_from + args.seeds):
-        records = comp.job("torch", args.dataset, seed, names, work / "torch", extra=extra)
-        for r in records:
-            run_dir = work / "torch" / f"{args.dataset}-sgd-{r['method']}-s{seed}"
-            r["curve"] = curve(run_dir)
-        out["hvdtrain"][seed] = {r["method"]: r for r in records}
+        if not args.hook_only:
+            out["hvdtrain"][seed] = hvdtrain_job(args.framework, args.dataset, seed, names,
+                                                 work / args.framework, extra)
         starts: list[int | None] = [] if args.hook_starts == "none" else [
             None, *(int(s) for s in args.hook_starts.split(",") if s)]
         out["hook"][seed] = {("ddp" if s is None else f"hook{s}"):
@@ -136,15 +153,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def merge(paths: Sequence[str]) -> dict[str, Any]:
-    """The records of several ``--json`` files (jobs of other seeds, the same variants)."""
-    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": []}
+    """The records of several ``--json`` files (jobs of other seeds, the same variants and
+    framework; a ``--hook-only`` file adds its hook runs to its seeds)."""
+    out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": [], "framework": None}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        out["names"] = out["names"] or data["names"]
-        if data["names"] != out["names"]:
-            raise harness.BenchError(f"{path}: other variants than the first file's")
+        fw = data.get("framework", "torch")  # files written before --framework: PyTorch's
+        if data["hvdtrain"]:
+            out["names"] = out["names"] or data["names"]
+            out["framework"] = out["framework"] or fw
+            if (data["names"], fw) != (out["names"], out["framework"]):
+                raise harness.BenchError(f"{path}: other variants or framework than the first's")
         out["hvdtrain"].update({int(s): r for s, r in data["hvdtrain"].items()})
-        out["hook"].update({int(s): r for s, r in data["hook"].items()})
+        for s, r in data["hook"].items():
+            out["hook"].setdefault(int(s), {}).update(r)
+    out["framework"] = out["framework"] or "torch"
     return out
 
 
@@ -177,6 +200,7 @@ def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
     for seed in seeds:
         c = data["hvdtrain"][seed]["none"]["curve"][-flat_epochs:]
         flat.append(max(a for _, a in c) - min(a for _, a in c))
+    label = "hvdtrain" + (" TensorFlow" if data.get("framework") == "tensorflow" else "")
     for name in data["names"]:
         rs = [data["hvdtrain"][s][name] for s in seeds]
         base = [data["hvdtrain"][s]["none"] for s in seeds]
@@ -186,29 +210,36 @@ def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
         got = [x for x in reach if x is not None]
         secs = [x * (r["step_ms"] / 1e3 + r["wire_per_step"] / LINK_BYTES_PER_S)
                 for x, r in zip(reach, rs, strict=True) if x is not None]
-        lines.append(f"| hvdtrain `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
+        lines.append(f"| {label} `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
                      f"{fmt_interval(loss) if name != 'none' else '—'} | "
                      f"{statistics.median(r['ratio'] for r in rs):.1f}x | "
                      f"{statistics.mean(got):.0f} ({len(got)}/{len(rs)} reach it)" if got else
-                     f"| hvdtrain `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
+                     f"| {label} `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
                      f"{fmt_interval(loss) if name != 'none' else '—'} | "
                      f"{statistics.median(r['ratio'] for r in rs):.1f}x | none reach it")
         lines[-1] += f" | {statistics.mean(secs):.1f} |" if secs else " | — |"
-    hooks = sorted({k for s in seeds for k in data["hook"][s]})
+    hooked = [s for s in seeds if data["hook"].get(s)]  # seeds whose anchor ran
+    hooks = sorted({k for s in hooked for k in data["hook"][s]})
     for name in hooks:
-        rs = [data["hook"][s][name] for s in seeds]
-        base = [data["hook"][s]["ddp"] for s in seeds]
+        rs = [data["hook"][s][name] for s in hooked]
+        base = [data["hook"][s]["ddp"] for s in hooked]
         loss = [b["accuracy"] - r["accuracy"] for b, r in zip(base, rs, strict=True)]
         label = "torch DDP" if name == "ddp" else f"torch powerSGD_hook, start {name[4:]}"
         lines.append(f"| {label} | {len(rs)} | {statistics.mean(r['accuracy'] for r in rs):.4f}"
                      f" | {fmt_interval(loss) + ' vs DDP' if name != 'ddp' else '—'} | — | — | — |")
     gap = [data["hook"][s]["ddp"]["accuracy"] - data["hvdtrain"][s]["none"]["accuracy"]
-           for s in seeds if "ddp" in data["hook"][s]]
-    return "\n".join(lines) + against_hook(data, seeds, hooks) + (
+           for s in hooked if "ddp" in data["hook"][s]]
+    return "\n".join(lines) + against_hook(data, hooked, hooks) + (
         f"\n\n`none` over its last {flat_epochs} evaluations moves at most "
         f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
         + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points"
            if gap else "") + ".\n")
+
+
+def hook_lines(data: dict[str, Any]) -> str:
+    """A ``--hook-only`` job's anchor runs, a line each (the report pairs them after ``--merge``)."""
+    return "\n".join(f"seed {s} {name}: accuracy {r['accuracy']:.4f}"
+                     for s, runs in sorted(data["hook"].items()) for name, r in runs.items())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,6 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seed-from", type=int, default=0,
                    help="the first seed (a measurement split into jobs of a seed each)")
+    p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
+                   help="hvdtrain's runs' framework (tensorflow: --dataset images, no anchor)")
     p.add_argument("--dataset", choices=(DATASET, comp.IMAGES), default=DATASET,
                    help="images: ResNet-18 on generated images for --steps steps")
     p.add_argument("--steps", type=int, default=1000, help="ResNet-18's steps (--dataset images)")
@@ -228,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="start_powerSGD_iter values (empty: plain DDP only; none: no torchrun)")
     p.add_argument("--variants", default="",
                    help="more hvdtrain variants, e.g. topk+adaptive=true+dense_steps=100")
+    p.add_argument("--hook-only", action="store_true",
+                   help="the anchor's runs alone (merge them with the seeds' hvdtrain runs)")
     p.add_argument("--work", default="/tmp/hvdtrain-bench-convergence")
     p.add_argument("--quick", action="store_true", help="2 epochs, a check of the script")
     p.add_argument("--json", default="", help="also write the raw records here")
@@ -238,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = merge(args.merge.split(",")) if args.merge else run(args)
     if args.json:
         Path(args.json).write_text(json.dumps(data, default=str))
-    print(report(data, args.flat_epochs))
+    print(report(data, args.flat_epochs) if data["hvdtrain"] else hook_lines(data))
     return 0
 
 
