@@ -320,9 +320,9 @@ class ShardConfig:
     each step reduce-scatters the flat gradient over a stage's data-parallel copies, every rank
     updates the shard of the parameters it owns, and all-gathers the updated shards back, so a
     rank keeps 1/N of the optimizer state and trains as the ring does. 2: the gradients too, per
-    unit of the model, reduce-scattered as the backward pass makes them (PyTorch). 3: the
-    parameters too: each unit's are all-gathered before its forward and its backward pass and
-    freed after (PyTorch)."""
+    unit of the model, reduce-scattered as the backward pass makes them. 3: the parameters too:
+    each unit's are all-gathered before its forward and its backward pass and freed after (in
+    TensorFlow a unit is one of ``model.layers``, recomputed in the backward pass)."""
     group: str = _opt("all", choices=("all", "node"))
     """The ranks that shard the model. ``all``: a stage's data-parallel copies (every rank
     without pipeline stages). ``node``: the ranks of one node (Horovod's ``local_size``), each

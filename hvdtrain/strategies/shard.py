@@ -55,9 +55,6 @@ def _elastic(cfg: Any) -> str:
 
 
 def _tensorflow(cfg: Any) -> str:
-    if cfg.shard.stage >= 3:
-        return (f"framework='tensorflow' with {_given(cfg)}: sharding parameters is built in "
-                "PyTorch only so far; use shard.stage=1 or 2")
     return ("framework='tensorflow' with shard.group='node': sharding within a node is built in "
             "PyTorch only so far; use shard.group=all")
 
@@ -87,9 +84,9 @@ RULES = (
         cfg.framework == "tensorflow" or cfg.shard.group == "node"), _elastic,
          {**ONE, "elastic.enabled": True, "framework": "tensorflow"},
          only="in TensorFlow, and with shard.group=node"),
-    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow" and (
-        cfg.shard.stage >= 3 or cfg.shard.group == "node"), _tensorflow,
-         {"shard.stage": 3, "framework": "tensorflow"}, only="at stage 3 or shard.group=node"),
+    Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow"
+         and cfg.shard.group == "node", _tensorflow,
+         {**ONE, "shard.group": "node", "framework": "tensorflow"}, only="with shard.group=node"),
 )
 
 STRATEGY = Strategy(

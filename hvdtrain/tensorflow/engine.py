@@ -202,7 +202,7 @@ class TensorFlowEngine(Engine):
         return sums
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
-        arrays = {f"model/{i}": v.numpy() for i, v in enumerate(self.model.variables)}
+        arrays: dict[str, Any] = {f"model/{i}": v for i, v in enumerate(self._model_arrays())}
         arrays |= {f"optimizer/{i}": v for i, v in enumerate(self._optimizer_arrays())}
         arrays |= {f"rng/{name}": value for name, value in rng.capture().items()}
         arrays |= {COMPRESSION + k: v for k, v in (self.exchange.state_dict() or {}).items()}
@@ -210,6 +210,10 @@ class TensorFlowEngine(Engine):
         buffer = io.BytesIO()
         np.savez(buffer, meta=np.array(json.dumps(meta)), **arrays)
         return buffer.getvalue()
+
+    def _model_arrays(self) -> list[np.ndarray]:
+        """The model's variables as a checkpoint holds them."""
+        return [v.numpy() for v in self.model.variables]
 
     def _optimizer_arrays(self) -> list[np.ndarray]:
         """The optimizer's variables as a checkpoint holds them."""

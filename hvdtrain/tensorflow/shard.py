@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -40,7 +40,9 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.config import Config
+from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset
+from hvdtrain.data.tree import leading_size
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.malloc import return_freed_blocks
@@ -52,8 +54,17 @@ from hvdtrain.shard import (
     shard_bounds,
     step_bytes,
 )
+from hvdtrain.step import add_batch_sums
 from hvdtrain.tensorflow.collectives import any_rank
+from hvdtrain.tensorflow.data import batch_signature
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
+from hvdtrain.tensorflow.shard3 import (
+    Stage3Exchange,
+    Stage3Kernels,
+    Stage3Units,
+    gather_model,
+    make_stage3,
+)
 from hvdtrain.tensorflow.shard_files import layout_of, read_slots, shard_part
 from hvdtrain.tensorflow.shard_grads import (
     UnitExchange,
@@ -257,7 +268,18 @@ class ShardedEngine(TensorFlowEngine):
     def _make_update(self, cfg: Config, variables: Sequence[Any]) -> None:
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
         self.shard: FlatShard | UnitShard
-        if cfg.shard.stage >= 2:
+        self.units: Stage3Units | None = None
+        if cfg.shard.stage >= 3:  # hvdtrain/tensorflow/shard3.py
+            self.shard = make_stage3(self.model, variables, self.rank, self.size,
+                                     cfg.shard.unit_kib)
+            self.exchange = Stage3Exchange(self.shard, cfg.comm.compression, self.accumulation,
+                                           2 if cfg.shard.reshard_after_forward else 1)
+            self.units = Stage3Units(self.model, self.shard, cfg.shard.prefetch,
+                                     cfg.shard.reshard_after_forward, self.exchange.wire)
+            self.kernels = Stage3Kernels(
+                self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
+                l2=l2_decay(cfg.optim, False), shard=self.shard)
+        elif cfg.shard.stage >= 2:
             self.shard = UnitShard(variables, layer_units(self.model.layers, variables),
                                    self.rank, self.size, cfg.shard.unit_kib * 256)
             self.exchange = UnitExchange(self.shard, cfg.comm.compression, self.accumulation)
@@ -287,6 +309,8 @@ class ShardedEngine(TensorFlowEngine):
     def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
         # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py).
         self._wrote_shards = True
+        if self.units is not None and self.units.released:  # stage 3: the model for rank 0
+            self._model_whole = gather_model(self.units.shard, self.rank == 0)
         return shard_part(self.shard, self._slots(), self.rank)
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
@@ -326,6 +350,39 @@ class ShardedEngine(TensorFlowEngine):
                   for i, v in enumerate(self.optimizer.variables)]
         self._whole = {}
         return arrays
+
+    _model_whole: list[np.ndarray] | None = None  # stage 3, rank 0: gathered for a checkpoint
+
+    def _model_arrays(self) -> list[np.ndarray]:
+        if self._model_whole is None:
+            return super()._model_arrays()
+        whole, self._model_whole = self._model_whole, None  # the trainable ones only (check_model)
+        return whole
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        if self.units is None or not self.units.released:
+            return super().parameters()
+        # Stage 3: gathered one group at a time (a collective: every rank asks)
+        return {f"{i}.{v.name}": value for i, (v, value) in enumerate(zip(
+            self.model.trainable_variables, gather_model(self.units.shard, True), strict=True))}
+
+    def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
+        if self.units is None:
+            return super().evaluate(batches)
+        # Stage 3's forward gathers: every rank runs as many batches (empty ones to fill up).
+        loaded = list(self.data.eval_batches(batches))
+        most = int(hvd.allreduce(tf.constant(len(loaded)), op=hvd.Max,
+                                 name="hvdtrain.shard3.eval_batches"))
+        sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
+        for x, y in loaded:
+            loss_sum, metrics = self._eval_fn(x, y)
+            add_batch_sums(sums, loss_sum, metrics, leading_size(x))
+        empty = [None if isinstance(part, tf.NoneTensorSpec) else tree.map_tree(
+            lambda s: tf.zeros([0, *s.shape[1:]], s.dtype), part)
+            for part in batch_signature(self.spec)]
+        for _ in range(most - len(loaded)):
+            self._eval_fn(*empty)
+        return sums
 
     def _global_names(self) -> dict[str, np.ndarray]:
         return {}  # the optimizer's slots are flat, not by layer: no pipeline stage reads them
@@ -371,4 +428,6 @@ class ShardedEngine(TensorFlowEngine):
                 var.assign(tf.zeros([self.shard.own]))
         self._whole = {}
         self.shard.load()  # the step keeps the shard and the parameters equal from here
+        if self.units is not None:  # stage 3: the rank keeps its slices only from here
+            self.units.release()
         self._follow_world()

@@ -94,9 +94,6 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     (["shard.stage=1", "shard.reshard_after_forward=false"],
      "shard.reshard_after_forward=false does nothing with shard.stage=1"),
     (["shard.unit_kib=4"], "shard.unit_kib=4 does nothing with shard.stage=0: units are cut"),
-    (["framework=tensorflow", "shard.stage=3"],
-     "framework='tensorflow' with shard.stage=3: sharding parameters is built in PyTorch only "
-     "so far"),
 ])
 def test_the_old_key_and_what_does_nothing_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -112,7 +109,8 @@ def test_the_sharded_update_is_accepted_in_both_frameworks(framework):
 
 
 @pytest.mark.parametrize(("framework", "stage"), [("torch", 1), ("torch", 2), ("torch", 3),
-                                                  ("tensorflow", 1), ("tensorflow", 2)])
+                                                  ("tensorflow", 1), ("tensorflow", 2),
+                                                  ("tensorflow", 3)])
 def test_fp16_loss_scaling_is_accepted_at_every_built_stage(framework, stage):
     cfg = load_config(None, [f"framework={framework}", f"shard.stage={stage}",
                              "train.precision=fp16"], environ={})

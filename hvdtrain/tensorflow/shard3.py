@@ -1,0 +1,230 @@
+"""Sharded data parallel at stage 3 for TensorFlow (``shard.stage=3``): parameters sharded too.
+
+Between steps a rank holds only its slice of every trainable variable (the stage-2 layout of
+:class:`hvdtrain.tensorflow.shard_grads.UnitShard`, in the one variable the optimizer steps): the
+model's own variables are emptied (:meth:`Stage3Units.release`). A unit is one of
+``model.layers`` with trainable variables; its ``call`` is wrapped in a ``tf.custom_gradient``
+(:meth:`Stage3Units._unit`) whose forward all-gathers the unit's variables whole
+(``hvd.grouped_allgather``) and runs the layer on them through a ``keras.StatelessScope``, and
+whose backward gathers them again, runs the layer once more under its own tape (as
+``tf.recompute_grad`` does: the outer tape keeps only the unit's input and its slices) and
+reduce-scatters the weights' gradient into the rank's slices (``hvd.grouped_reducescatter``,
+``Average``). The outer tape's gradient with respect to the shard variable is then the average of
+this rank's slices, which the run's optimizer steps as at stage 2; nothing is all-gathered after
+the step.
+
+``shard.prefetch`` p: a unit's forward gather waits for the input of the unit p before it (so
+p units' gathers run ahead of the computation), its backward gather for the output gradient of
+the unit p after it. ``shard.reshard_after_forward=false``: the backward pass reuses the
+forward's gathered variables instead of gathering again, so the graph keeps every unit's gathered
+variables from the forward pass to the backward pass (what a plain tape would hold).
+
+Checkpoints are stage 2's: every rank writes its slices of the optimizer's slots, and the
+variables are gathered one group at a time for rank 0's model entries (:func:`gather_model`),
+so stages 1-3 and any number of ranks resume each other's checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import horovod.tensorflow as hvd
+import keras
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
+
+
+def check_model(model: keras.Model) -> None:
+    """The models stage 3 runs, as one-line errors: no non-trainable state (a forward pass under a
+    ``StatelessScope`` would drop its updates), every trainable variable in one of
+    ``model.layers``, each layer's variables one unit."""
+    if model.non_trainable_variables:
+        raise HvdtrainError(
+            f"shard.stage=3 with framework='tensorflow': the model has non-trainable variables "
+            f"({model.non_trainable_variables[0].path}: batch statistics or a seed generator), "
+            "which stage 3 does not carry yet; use shard.stage=2")
+    variables = model.trainable_variables
+    units = layer_units(model.layers, variables)
+    owners = [_owner(model.layers, variables[u[0]]) for u in units]
+    if None in owners or len(set(owners)) != len(owners):
+        raise HvdtrainError("shard.stage=3 with framework='tensorflow': every trainable variable "
+                            "must belong to exactly one of model.layers, a layer's variables "
+                            "consecutive; use shard.stage=2")
+
+
+def _owner(layers: Sequence[Any], var: Any) -> int | None:
+    for k, layer in enumerate(layers):
+        if any(v is var for v in layer.trainable_variables):
+            return k
+    return None
+
+
+class Stage3Units:
+    """The model's layers wrapped to gather their variables from ``shard`` (see the module
+    docstring); ``wire``: Horovod's compression of the reduce-scatter."""
+
+    def __init__(self, model: keras.Model, shard: UnitShard, prefetch: int, reshard: bool,
+                 wire: Any) -> None:
+        self.model, self.shard = model, shard
+        self.prefetch, self.reshard, self.wire = prefetch, reshard, wire
+        self.variables = shard.variables
+        self._inputs: dict[int, tf.Tensor] = {}  # the current trace's unit inputs, by unit
+        self._douts: dict[int, tf.Tensor] = {}  # and output gradients
+        self.released = False
+        k = 0
+        for layer, unit in zip(_unit_layers(model, shard), shard.units, strict=True):
+            layer.call = self._wrapped(k, layer.call, unit)
+            k += 1
+        self.count = k
+
+    def _gather(self, unit: Sequence[int], pieces: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """The unit's variables whole, each in its shape (a collective)."""
+        flats = hvd.grouped_allgather(list(pieces))
+        return [tf.reshape(f, self.variables[i].shape) for f, i in zip(flats, unit, strict=True)]
+
+    def _after(self, held: dict[int, tf.Tensor], k: int) -> list[tf.Tensor]:
+        """The control dependency of a gather: unit ``k``'s tensor in ``held`` if this trace
+        recorded one."""
+        found = held.get(k)
+        graph = tf.compat.v1.get_default_graph()
+        return [found] if found is not None and getattr(found, "graph", None) is graph else []
+
+    def _wrapped(self, k: int, call: Callable[..., Any], unit: list[int]) -> Callable[..., Any]:
+        """``call`` of unit ``k`` (variables ``unit``) gathering its variables around it."""
+        mapped = [self.variables[i] for i in unit]
+
+        def run(x: tf.Tensor, full: Sequence[tf.Tensor], kwargs: dict[str, Any]) -> Any:
+            with keras.StatelessScope(state_mapping=list(zip(mapped, full, strict=True))):
+                return call(x, **kwargs)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if len(args) != 1 or not isinstance(args[0], tf.Tensor):
+                raise HvdtrainError("shard.stage=3 with framework='tensorflow': each of "
+                                    "model.layers must take one tensor; use shard.stage=2")
+            value = self.shard.var.value
+            pieces = [value[self.shard.starts[i]:self.shard.starts[i] + self.shard.owns[i]]
+                      for i in unit]
+            float_input = args[0].dtype.is_floating
+
+            @tf.custom_gradient
+            def forward(x: tf.Tensor, *mine: tf.Tensor) -> Any:
+                self._inputs[k] = x
+                with tf.control_dependencies(self._after(self._inputs, max(0, k - self.prefetch))):
+                    full = self._gather(unit, [tf.identity(p) for p in mine])
+                y = run(x, full, kwargs)
+
+                def backward(dy: tf.Tensor) -> list[Any]:
+                    self._douts[k] = dy
+                    later = min(self.count - 1, k + self.prefetch)
+                    again = full
+                    if self.reshard:  # gathered again: the forward's copies died after it
+                        with tf.control_dependencies(self._after(self._douts, later)):
+                            again = self._gather(unit, [tf.identity(p) for p in mine])
+                    with tf.GradientTape() as tape:
+                        tape.watch(again)
+                        if float_input:
+                            tape.watch(x)
+                        y2 = run(x, again, kwargs)
+                    grads = tape.gradient(y2, [x, *again], output_gradients=dy,
+                                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                    flats = [tf.reshape(g, [-1]) for g in grads[1:]]
+                    scattered = hvd.grouped_reducescatter(flats, op=hvd.Average,
+                                                          compression=self.wire)
+                    return [grads[0] if float_input else None, *scattered]
+
+                return y, backward
+
+            return forward(args[0], *pieces)
+
+        return wrapped
+
+    def release(self) -> None:
+        """Empties the model's variables: the rank keeps its slices (in the shard variable)
+        only. Their storage becomes a variable of any shape (Keras still reports each one's)."""
+        for v in self.variables:
+            if not self.released:
+                v._value = tf.Variable(v._value, shape=tf.TensorShape(None), trainable=False,
+                                       name=v.name)
+            v._value.assign(tf.zeros([0], v._value.dtype))
+        self.released = True
+
+    def materialise(self) -> None:
+        """Every variable whole again from the ranks' slices (a collective)."""
+        if self.released:
+            self.shard.store()
+            self.released = False
+
+
+def _unit_layers(model: keras.Model, shard: UnitShard) -> list[Any]:
+    """The layer of each of ``shard``'s units."""
+    layers = []
+    for unit in shard.units:
+        k = _owner(model.layers, shard.variables[unit[0]])
+        assert k is not None  # check_model
+        layers.append(model.layers[k])
+    return layers
+
+
+def gather_model(shard: UnitShard, keep: bool) -> list[np.ndarray]:
+    """Every trainable variable whole, gathered one group at a time (a collective); kept (as
+    arrays) where ``keep``, else dropped as soon as gathered."""
+    whole: list[np.ndarray] = []
+    mine = shard.var.value
+    for g, group in enumerate(shard._group_vars):
+        pieces = [mine[shard.starts[i]:shard.starts[i] + shard.owns[i]] for i in group]
+        got = hvd.grouped_allgather(pieces, name=f"hvdtrain.shard3.model.{g}")
+        if keep:
+            whole += [f.numpy().reshape(shard.variables[i].shape)
+                      for f, i in zip(got, group, strict=True)]
+    return whole
+
+
+def make_stage3(model: keras.Model, variables: Sequence[Any], rank: int, size: int,
+                unit_kib: int) -> UnitShard:
+    """Stage 2's shard of ``variables`` by layer, after checking the model fits stage 3."""
+    check_model(model)
+    return UnitShard(variables, layer_units(model.layers, variables), rank, size,
+                     unit_kib * 256)
+
+
+class Stage3Exchange(UnitExchange):
+    """Stage 2's exchange with stage 3's bytes: per micro-batch the whole gradient once (its
+    reduce-scatter) and the rank's float32 slices once per gather (two with
+    ``shard.reshard_after_forward``, one without)."""
+
+    def __init__(self, shard: UnitShard, compression: str, accumulation: int,
+                 gathers: int) -> None:
+        super().__init__(shard, compression, accumulation)
+        item = 2 if compression == "fp16" else 4
+        self._bytes = (float((item * shard.total + 4 * shard.own * gathers) * accumulation),
+                       float((4 * shard.total + 4 * shard.own * gathers) * accumulation))
+
+
+class Stage3Kernels(UnitKernels):
+    """Stage 2's kernels where the gradient of the shard variable comes out of the tape already
+    reduce-scattered (each unit's backward does it) and nothing is gathered after the step."""
+
+    def _shard_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
+                         ) -> tuple[tf.Tensor, dict, tf.Tensor]:
+        var = self.shard.var.value
+        with tf.GradientTape() as tape:
+            loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=True)
+            target = self.precision.scale(self.optimizer, loss_sum * scale)
+        mine = tape.gradient(target, var, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return loss_sum, metrics, tf.convert_to_tensor(mine)
+
+    def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+        """The last micro-batch and the shard's update: its loss sum and metrics, and 0 for the
+        communication's seconds (the gathers and reduce-scatters run inside the passes)."""
+        loss_sum, metrics, grads = self._gradients(x, y, scale)
+        self._metric_keys = sorted(metrics)
+        self._step(grads)
+        values = [loss_sum, *(metrics[k] for k in self._metric_keys), tf.constant(0.0)]
+        return tf.stack([tf.cast(v, tf.float64) for v in values])
+
+    def _apply(self, grads: list[tf.Tensor]) -> None:
+        self._step(grads)
