@@ -225,12 +225,20 @@ class CommConfig:
     tensor dense (float32), then the method starts, its error feedback and PowerSGD's warm-started
     ``Q`` with it (torch's ``start_powerSGD_iter``); compressed Adam's dense warm-up, and DGC's
     density warm-up begins after it (docs/compression.md, "Dense start"). -1: ``dense_fraction``
-    of the run's steps; 0: none."""
+    of the run's steps, at least ``dense_min_steps``; 0: none."""
     dense_fraction: float = _opt(0.03, min=0.0, max=1.0)
     """With ``dense_steps: -1``: the dense start as a fraction of the run's optimizer steps
-    (``train.epochs`` capped by ``train.max_steps``), rounded up to whole steps (0: none). The
-    default is the measured one: of the dense starts that kept top-k 1% at 10x fewer bytes over
-    the run on the MNIST-1D CNN, the most accurate (docs/compression.md, "Dense start")."""
+    (``train.epochs`` capped by ``train.max_steps``), rounded up to whole steps, at least
+    ``dense_min_steps``. The default is the measured one: of the dense starts that kept top-k 1%
+    at 10x fewer bytes over the run on the MNIST-1D CNN, the most accurate (docs/compression.md,
+    "Dense start")."""
+    dense_min_steps: int = _opt(30, min=0)
+    """With ``dense_steps: -1``: the dense start's floor, capped at the run's length, so a short
+    run averages dense until training has settled (a run of 30 steps or fewer is all dense).
+    From ``dense_min_steps / dense_fraction`` steps on (1,000 with the defaults) the fraction
+    alone decides. The default is the largest floor that leaves those runs as they were and
+    is above torch's advised 10% at 200 steps (docs/compression.md, "Dense start"; 0: the
+    fraction alone)."""
     adaptive: bool = False
     """``topk``, ``randomk``, ``powersgd`` (plain averaging): Accordion's switch between two
     levels. Every ``adaptive_interval`` steps, where the mean gradient norm changed by at least

@@ -128,7 +128,8 @@ class Exchange(GradientExchange):
 
     def run_length(self, total_steps: int) -> None:
         """The run's length: the dense start, where ``comm.dense_steps`` is -1, is
-        ``comm.dense_fraction`` of it (:func:`hvdtrain.compression.rules.dense_start`)."""
+        ``comm.dense_fraction`` of it, at least ``comm.dense_min_steps``
+        (:func:`hvdtrain.compression.rules.dense_start`)."""
         self.rule.run_length(total_steps)
 
     def run(self, grads: Sequence[Tensor]) -> list[Tensor]:

@@ -10,12 +10,12 @@ framework swaps its optimizer for plain SGD (no momentum, no decay) that applies
 :mod:`hvdtrain.compression.reference`'s docstring ("Update rules").
 
 The step schedule, one for every method and rule (docs/compression.md, "Dense start"): steps
-1 to ``comm.dense_steps`` (by default ``comm.dense_fraction`` of the run's steps, resolved by
-:func:`dense_start` when the trainer tells the exchange the run's length) average every tensor
-dense (float32) and keep no error feedback, so PowerSGD's warm-started ``Q`` and every residual
-begin at step ``dense_steps + 1`` (torch's ``start_powerSGD_iter``); compressed Adam estimates
-its variance over those steps (its dense warm-up) and DGC's density warm-up runs over the
-``sparsity_warmup_steps`` steps after them.
+1 to ``comm.dense_steps`` (by default ``comm.dense_fraction`` of the run's steps, at least
+``comm.dense_min_steps``, resolved by :func:`dense_start` when the trainer tells the exchange
+the run's length) average every tensor dense (float32) and keep no error feedback, so
+PowerSGD's warm-started ``Q`` and every residual begin at step ``dense_steps + 1`` (torch's
+``start_powerSGD_iter``); compressed Adam estimates its variance over those steps (its dense
+warm-up) and DGC's density warm-up runs over the ``sparsity_warmup_steps`` steps after them.
 
 A rule's stages never read the step number itself: what changes the shape of a step's work (the
 dense start, the density warm-up's ratio) is its :class:`Phase`, and the numbers that change
@@ -51,6 +51,7 @@ class RuleSettings(Protocol):
     compress_momentum: bool
     dense_steps: int
     dense_fraction: float
+    dense_min_steps: int
     rank: int
     adaptive: bool
     adaptive_interval: int
@@ -136,13 +137,20 @@ class Accordion:
         self.low, self.count = bool(low), int(count)
 
 
-def dense_start(dense_steps: int, dense_fraction: float, total_steps: int) -> int:
-    """The dense start's steps: ``dense_steps`` where it is set (0 or more); else (-1) the
-    ``dense_fraction`` of the run's ``total_steps``, rounded up, so that any fraction above 0
-    gives at least one dense step (compressed Adam needs one to estimate its variance)."""
+def dense_start(dense_steps: int, dense_fraction: float, dense_min_steps: int,
+                total_steps: int) -> int:
+    """The dense start's steps, the one rule that training in both frameworks and ``hvdtrain
+    plan`` apply: ``dense_steps`` where it is set (0 or more); else (-1) the larger of the
+    ``dense_fraction`` of the run's ``total_steps``, rounded up (so any fraction above 0 gives at
+    least one dense step: compressed Adam needs one to estimate its variance), and the floor
+    ``dense_min_steps``, capped at the run's length. The floor keeps a short run from starting
+    the method before training has settled (docs/compression.md, "Dense start"); from
+    ``dense_min_steps / dense_fraction`` steps on (1,000 with the defaults) the fraction alone
+    decides."""
     if dense_steps >= 0:
         return dense_steps
-    return min(total_steps, math.ceil(dense_fraction * total_steps - 1e-9))
+    share = math.ceil(dense_fraction * total_steps - 1e-9)
+    return min(total_steps, max(share, dense_min_steps))
 
 
 ACCORDION = "accordion"
@@ -159,7 +167,8 @@ class Rule:
         self.plan, self.comm, self.opt = plan, comm, opt
         self.dense_steps = max(comm.dense_steps, 0)
         """Steps 1 to this average dense: ``comm.dense_steps``, or, where that is -1, 0 until
-        :meth:`run_length` resolves ``comm.dense_fraction`` of the run's steps."""
+        :meth:`run_length` resolves ``comm.dense_fraction`` of the run's steps (at least
+        ``comm.dense_min_steps``)."""
         self.accordion = (Accordion(comm.adaptive_interval, comm.adaptive_threshold)
                           if comm.adaptive and not plan.dense and not self.updates else None)
         """The adaptive rule (``comm.adaptive``), which the exchange shows every step's local
@@ -177,7 +186,7 @@ class Rule:
         """The run ends at step ``total_steps`` (the same on every rank): resolves the dense
         start (:func:`dense_start`)."""
         self.dense_steps = dense_start(self.comm.dense_steps, self.comm.dense_fraction,
-                                       total_steps)
+                                       self.comm.dense_min_steps, total_steps)
 
     def dense_now(self, step: int) -> bool:
         """Whether every tensor travels dense (float32) at ``step``: the dense start, steps 1 to

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hvdtrain.compression.rules import dense_start
 from hvdtrain.config import Config, load_config
 from hvdtrain.errors import ConfigError
 from hvdtrain.pipeline.schedules import microbatch_count
@@ -111,20 +112,21 @@ def knobs_of(cfg: Config) -> Knobs:
 
 def dense_share(cfg: Config) -> float:
     """The share of the run's steps a compressing method averages dense first, as training
-    resolves ``comm.dense_steps`` (:func:`hvdtrain.compression.rules.dense_start`): -1, the
-    default, is ``comm.dense_fraction`` of the run whatever its length; a count is a share of
-    ``train.max_steps``, which the plan then needs (the steps of ``train.epochs`` depend on the
-    data set's size, which the plan does not read)."""
-    steps = cfg.comm.dense_steps
-    if steps < 0:
-        return cfg.comm.dense_fraction
+    resolves the dense start (:func:`hvdtrain.compression.rules.dense_start`, the one rule) over
+    ``train.max_steps``. Without ``train.max_steps`` (the steps of ``train.epochs`` depend on the
+    data set's size, which the plan does not read) the default ``comm.dense_steps: -1`` prices
+    ``comm.dense_fraction``, exact for a run of ``comm.dense_min_steps / comm.dense_fraction``
+    steps or more (1,000 with the defaults), where the floor no longer binds; a count needs it."""
+    steps, total = cfg.comm.dense_steps, cfg.train.max_steps
     if steps == 0:
         return 0.0
-    if not cfg.train.max_steps:
+    if not total:
+        if steps < 0:
+            return cfg.comm.dense_fraction
         raise ConfigError(f"comm.dense_steps={steps}: the plan prices a dense start as a share of "
                           "the run; set train.max_steps (the run's steps) or price "
                           "comm.dense_fraction instead (comm.dense_steps=-1)")
-    return min(1.0, steps / cfg.train.max_steps)
+    return dense_start(steps, cfg.comm.dense_fraction, cfg.comm.dense_min_steps, total) / total
 
 
 def refuser(cfg: Config) -> Refuse:

@@ -69,7 +69,8 @@ class Knobs:
     """``ps.overlap``: a PyTorch worker pushes each chunk as the backward pass produces it."""
     dense_share: float = CommConfig().dense_fraction
     """The share of the run's steps a compressing method averages dense before it starts
-    (``comm.dense_steps``, by default ``comm.dense_fraction`` of the run:
+    (``comm.dense_steps``, by default ``comm.dense_fraction`` of the run, at least
+    ``comm.dense_min_steps``:
     :func:`hvdtrain.plan.command.dense_share`):
     its rows price the run's mean step and bytes, the dense steps included."""
     compression: str = "none"

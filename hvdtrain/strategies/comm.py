@@ -16,13 +16,14 @@ topology and with pipeline stages too:
 - their sub-keys (DGC's ``momentum_masking``, ``clip_norm``, ``sparsity_warmup_steps``) set away
   from their defaults while the rule is off;
 - a method's parameters (``ratio``, ``rank``, ``bucket``, ``min_size``, ``error_feedback=false``,
-  ``dense_steps``, ``dense_fraction``) set away from their defaults with a method that does not
-  read them, and the dense start's keys with parameter servers (their codec compresses from the
-  first step); ``dense_fraction`` with ``dense_steps`` set (a count wins over a fraction);
+  ``dense_steps``, ``dense_fraction``, ``dense_min_steps``) set away from their defaults with a
+  method that does not read them, and the dense start's keys with parameter servers (their codec
+  compresses from the first step); ``dense_fraction`` or ``dense_min_steps`` with
+  ``dense_steps`` set (a count wins over the fraction and its floor);
 - ``comm.adaptive`` (Accordion's switch) with a method other than ``topk``, ``randomk`` and
   ``powersgd``, with parameter servers or with an update rule, and its sub-keys while it is off;
-- compressed Adam without a dense start (``dense_steps=0``, or ``dense_fraction=0`` where
-  ``dense_steps`` is -1: its variance is estimated there);
+- compressed Adam without a dense start (``dense_steps=0``, or ``dense_fraction=0`` and
+  ``dense_min_steps=0`` where ``dense_steps`` is -1: its variance is estimated there);
 - the keys that ``dense_steps`` replaced (:data:`RETIRED_KEYS`), with a line naming it.
 
 Framework-free and feature-free, and free of :mod:`hvdtrain.config` (which calls it): the defaults
@@ -56,6 +57,7 @@ METHOD_KEYS = {
     "error_feedback": ("topk", "randomk", "powersgd"),
     "dense_steps": ("topk", "randomk", "qsgd", "powersgd"),
     "dense_fraction": ("topk", "randomk", "qsgd", "powersgd"),
+    "dense_min_steps": ("topk", "randomk", "qsgd", "powersgd"),
 }
 """Per ``comm`` key, the methods that read it (``none`` and ``fp16`` send every tensor whole; qsgd
 keeps no residual)."""
@@ -83,6 +85,7 @@ class CommSettings(Protocol):
     compress_momentum: bool
     dense_steps: int
     dense_fraction: float
+    dense_min_steps: int
     adaptive: bool
     topology: str
 
@@ -160,22 +163,25 @@ def check_comm(comm: CommSettings, optim: OptimSettings) -> None:
 def _check_dense_start(comm: CommSettings, changed: dict[str, Any], defaults: dict[str, Any]
                        ) -> None:
     """Refuses a dense start that compressed Adam cannot warm up in, one on parameter servers,
-    and ``dense_fraction`` beside a ``dense_steps`` count (which wins)."""
+    and ``dense_fraction`` or ``dense_min_steps`` beside a ``dense_steps`` count (which wins)."""
     if comm.compress_momentum and (comm.dense_steps == 0 or (
-            comm.dense_steps < 0 and not comm.dense_fraction > 0)):
+            comm.dense_steps < 0 and not comm.dense_fraction > 0 and comm.dense_min_steps < 1)):
         raise ConfigError("comm.compress_momentum=true needs a dense start (comm.dense_steps >= 1, "
-                          "or -1 with comm.dense_fraction > 0): compressed Adam estimates its "
-                          "variance in the dense steps, then freezes it")
-    for key in ("dense_steps", "dense_fraction"):
+                          "or -1 with comm.dense_fraction > 0 or comm.dense_min_steps >= 1): "
+                          "compressed Adam estimates its variance in the dense steps, then "
+                          "freezes it")
+    for key in ("dense_steps", "dense_fraction", "dense_min_steps"):
         if key in changed and comm.topology != "ring":
             raise ConfigError(f"comm.{key}={changed[key]!r} does nothing with "
                               f"comm.topology={comm.topology!r}: the parameter servers' codec "
                               "compresses from the first step; leave it at its default "
                               f"{defaults[key]!r}")
-    if "dense_fraction" in changed and comm.dense_steps >= 0:
-        raise ConfigError(f"comm.dense_fraction={changed['dense_fraction']!r} does nothing with "
-                          f"comm.dense_steps={comm.dense_steps}: a count of dense steps wins over "
-                          "the fraction; set comm.dense_steps=-1 to use the fraction")
+    for key in ("dense_fraction", "dense_min_steps"):
+        if key in changed and comm.dense_steps >= 0:
+            raise ConfigError(f"comm.{key}={changed[key]!r} does nothing with "
+                              f"comm.dense_steps={comm.dense_steps}: a count of dense steps wins "
+                              "over the fraction and its floor; set comm.dense_steps=-1 to use "
+                              "them")
 
 
 def _check_adaptive(comm: CommSettings) -> None:

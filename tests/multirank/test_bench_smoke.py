@@ -37,6 +37,11 @@ import overhead  # noqa: E402
 import scaling  # noqa: E402
 import startup  # noqa: E402
 
+ONE_DENSE = ("--train-extra", "comm.dense_steps=1")
+"""The quick compression runs (10 to 25 steps) set one dense step: the default dense start,
+at least ``comm.dense_min_steps`` (30), would average every step of them dense and leave no
+compression to check (the driver gives the key to the compressing runs only)."""
+
 
 def run_driver(doc: Path, script: str | Path, *args: str) -> None:
     """Runs ``script --quick`` (a file name in ``benchmarks/`` or a path) writing its section
@@ -141,7 +146,7 @@ def test_ddp_and_scaling_smallest_runs(tmp_path):
 @pytest.mark.timeout(900)
 def test_compression_checkpoint_and_recovery_smallest_runs(tmp_path):
     doc = tmp_path / "bench.md"
-    run_driver(doc, "compression.py")
+    run_driver(doc, "compression.py", *ONE_DENSE)
     run_driver(doc, "checkpoint.py", "--hidden", "64")
     run_driver(doc, "elastic_recovery.py", "--frameworks", "torch")
     (compression_tables, checkpoint_tables, recovery_tables) = sections(doc).values()
@@ -160,7 +165,7 @@ def test_compression_smallest_run_of_the_language_model(tmp_path):
     """``--datasets lm``: the LM config on the docs corpus the driver makes, measured by eval
     perplexity in tables of its own, and judged by the relative increase against ``none``."""
     doc = tmp_path / "bench.md"
-    run_driver(doc, "compression.py", "--datasets", "lm", "--methods", "none,topk",
+    run_driver(doc, "compression.py", "--datasets", "lm", "--methods", "none,topk", *ONE_DENSE,
                "--work", str(tmp_path / "work"))
     (losses, results), = sections(doc).values()
     assert losses[0][2] == "perplexity increase vs none (%)"
@@ -183,7 +188,7 @@ def test_compression_smallest_run_of_resnet18_on_generated_images(tmp_path):
     """``--datasets images``: ResNet-18's config on images the driver generates, measured by eval
     accuracy, with its own title and the issue's bars."""
     doc = tmp_path / "bench.md"
-    run_driver(doc, "compression.py", "--datasets", "images", "--methods", "none,topk",
+    run_driver(doc, "compression.py", "--datasets", "images", "--methods", "none,topk", *ONE_DENSE,
                "--work", str(tmp_path / "work"))
     (title, (losses, results)), = sections(doc).items()
     assert "ResNet-18 on generated images, 10 steps" in title
@@ -191,8 +196,8 @@ def test_compression_smallest_run_of_resnet18_on_generated_images(tmp_path):
     assert [row[0] for row in losses[1:]] == ["torch images adam topk"] and losses[1][4] == "1"
     rows = {row[0]: row for row in results[1:]}
     assert set(rows) == {"torch images adam none", "torch images adam topk"}
-    # The default dense start (comm.dense_fraction 0.03 of 10 steps, rounded up: step 1) sends one
-    # step of ten dense: 10 / (1 + 9 / r) for top-k's own ratio r (about 41 here) is 8.2.
+    # One dense step (ONE_DENSE) of ten: 10 / (1 + 9 / r) for top-k's own ratio r (about 41
+    # here) is 8.2.
     assert rows["torch images adam none"][5] == "1.0" and 7 < float(rows["torch images adam topk"][5]) < 10
     none, topk = (float(rows[f"torch images adam {m}"][2]) for m in ("none", "topk"))
     assert float(losses[1][2]) == pytest.approx(100 * (none - topk), abs=0.011)

@@ -1,6 +1,7 @@
 """The compressing exchange's step schedule at 2 ranks (horovodrun --gloo), in both frameworks:
 the dense start makes the first ``comm.dense_steps`` steps exactly ``none``'s average (by default
-``comm.dense_fraction`` of the run's steps, which ``hvdtrain train`` tells the exchange), and the
+``comm.dense_fraction`` of the run's steps and at least ``comm.dense_min_steps``, which ``hvdtrain
+train`` resolves from the run's length it tells the exchange), and the
 adaptive switch takes the same decision on both ranks, visible in the bytes sent
 (``compress_schedule_worker.py``; the schedule's logic on simulated ranks:
 tests/unit/test_compression_schedule.py)."""
@@ -76,18 +77,19 @@ def test_a_training_with_a_dense_start_is_none_until_the_method_starts(framework
 
 @pytest.mark.parametrize("framework", ["torch", pytest.param("tensorflow", marks=pytest.mark.long)])
 @pytest.mark.timeout(900)
-def test_topk_alone_runs_dense_for_the_default_fraction_of_the_run_then_compressed(framework,
-                                                                                    tmp_path):
-    """``comm.compression=topk`` and nothing else (digits, 2 ranks, 75 steps): the first
-    ``dense_fraction`` x 75 steps, rounded up (3), send ``none``'s bytes (the float32 gradients), every later
-    step top-k's, as ``metrics.jsonl`` logs them step by step."""
+def test_topk_alone_runs_dense_for_the_default_dense_start_then_compressed(framework, tmp_path):
+    """``comm.compression=topk`` and nothing else (digits, 2 ranks, 75 steps): the default dense
+    start, here its floor ``dense_min_steps`` (30, above ``dense_fraction`` x 75 = 3 steps), sends
+    ``none``'s bytes (the float32 gradients), every later step top-k's, as ``metrics.jsonl`` logs
+    them step by step."""
     steps = 75
     launch_worker(2, "gloo", framework, tmp_path, [
         f"topk:comm.compression=topk,train.max_steps={steps},log.every_steps=1"])
     logged = {r["step"]: r for r in read_jsonl(tmp_path / "topk" / "metrics.jsonl")
               if "wire_bytes" in r}
-    dense = dense_start(-1, CommConfig().dense_fraction, steps)
-    assert dense == 3 and sorted(logged) == list(range(1, steps + 1))
+    default = CommConfig()
+    dense = dense_start(-1, default.dense_fraction, default.dense_min_steps, steps)
+    assert dense == 30 and sorted(logged) == list(range(1, steps + 1))
     for step, record in logged.items():
         if step <= dense:
             assert record["wire_bytes"] == record["dense_bytes"] > 0, record

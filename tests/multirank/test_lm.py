@@ -73,7 +73,7 @@ def test_tensorflow_two_ranks_train_the_lm_with_dense_and_compressed_exchanges(t
     methods = ("none", "qsgd")
     launched = launch(2, tmp_path_factory.mktemp("lm-tf-np2"),
                       [f"{m}:data.options.root={corpus},train.max_steps=20,comm.compression={m}"
-                       for m in methods], "tensorflow")
+                       + ("" if m == "none" else ONE_DENSE) for m in methods], "tensorflow")
     for method in methods:
         summary = launched.summary(method)
         assert summary["world_size"] == 2 and summary["steps"] == 20
@@ -88,9 +88,12 @@ def test_tensorflow_two_ranks_train_the_lm_with_dense_and_compressed_exchanges(t
 # stage's process set, the stages' split runs through the transformer blocks.
 STAGED = ("pipeline.stages=2,pipeline.microbatches=2,data.batch_size=8,train.max_steps=30,"
           "optim.warmup_steps=5")
-METHODS = {"fp16": "", "topk": ",comm.min_size=256,comm.ratio=0.1",
-           "randomk": ",comm.min_size=256,comm.ratio=0.1", "qsgd": ",comm.min_size=256",
-           "powersgd": ",comm.min_size=256"}
+ONE_DENSE = ",comm.dense_steps=1"
+"""One dense step, then the method: the default dense start, at least ``comm.dense_min_steps``
+(30), would average every step of these short runs dense."""
+METHODS = {"fp16": "", "topk": ",comm.min_size=256,comm.ratio=0.1" + ONE_DENSE,
+           "randomk": ",comm.min_size=256,comm.ratio=0.1" + ONE_DENSE,
+           "qsgd": ",comm.min_size=256" + ONE_DENSE, "powersgd": ",comm.min_size=256" + ONE_DENSE}
 """Each method and its parameters (a key the method does not read is refused)."""
 
 

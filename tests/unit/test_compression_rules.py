@@ -225,26 +225,33 @@ def test_velocities_and_frozen_variance_checkpoint_and_reshard(new_size, opt, pe
         np.testing.assert_allclose(arrays[per_rank], want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("off", ["comm.dense_steps=0", "comm.dense_fraction=0"])
+@pytest.mark.parametrize("off", [["comm.dense_steps=0"],
+                                 ["comm.dense_fraction=0", "comm.dense_min_steps=0"]])
 def test_adam_warm_up_must_leave_a_variance_to_freeze(off):
     with pytest.raises(ConfigError, match=r"comm.compress_momentum=true needs a dense start "
                                           r"\(comm.dense_steps >= 1, or -1 with "
-                                          r"comm.dense_fraction > 0\)"):
+                                          r"comm.dense_fraction > 0 or comm.dense_min_steps >= 1\)"):
         load_config(None, ["comm.compression=topk", "optim.name=adam", "comm.compress_momentum=true",
-                           off], environ={})
+                           *off], environ={})
+    # The floor alone is a dense start.
+    cfg = load_config(None, ["comm.compression=topk", "optim.name=adam",
+                             "comm.compress_momentum=true", "comm.dense_fraction=0"], environ={})
+    assert cfg.comm.dense_min_steps == 30
 
 
-def test_a_dense_fraction_beside_a_count_of_dense_steps_is_refused():
-    assert refusal(["comm.compression=topk", "comm.dense_steps=10", "comm.dense_fraction=0.1"]) == (
-        "comm.dense_fraction=0.1 does nothing with comm.dense_steps=10: a count of dense steps "
-        "wins over the fraction; set comm.dense_steps=-1 to use the fraction")
+@pytest.mark.parametrize(("key", "value"), [("dense_fraction", "0.1"), ("dense_min_steps", "5")])
+def test_a_dense_fraction_or_floor_beside_a_count_of_dense_steps_is_refused(key, value):
+    assert refusal(["comm.compression=topk", "comm.dense_steps=10", f"comm.{key}={value}"]) == (
+        f"comm.{key}={value} does nothing with comm.dense_steps=10: a count of dense steps "
+        "wins over the fraction and its floor; set comm.dense_steps=-1 to use them")
     cfg = load_config(None, ["comm.compression=topk", "comm.dense_steps=-1",
-                             "comm.dense_fraction=0.1"], environ={})
-    assert (cfg.comm.dense_steps, cfg.comm.dense_fraction) == (-1, 0.1)
+                             f"comm.{key}={value}"], environ={})
+    assert (cfg.comm.dense_steps, str(getattr(cfg.comm, key))) == (-1, value)
 
 
 @pytest.mark.parametrize(("key", "value", "default"), [("dense_steps", "5", "-1"),
-                                                       ("dense_fraction", "0.1", "0.03")])
+                                                       ("dense_fraction", "0.1", "0.03"),
+                                                       ("dense_min_steps", "5", "30")])
 def test_the_dense_start_is_refused_with_parameter_servers(key, value, default):
     assert refusal(["comm.topology=ps", "comm.compression=topk", f"comm.{key}={value}"]) == (
         f"comm.{key}={value} does nothing with comm.topology='ps': the parameter servers' codec "

@@ -56,16 +56,30 @@ def test_the_dense_start_averages_dense_then_the_method_starts_afresh(method):
 def test_the_default_dense_start_is_a_fraction_of_the_runs_steps_rounded_up():
     """``comm.dense_steps: -1`` (the default) takes ``comm.dense_fraction`` of the run's steps,
     rounded up (a fraction that is a whole number of steps stays that number); a count of 0 or
-    more is kept whatever the fraction."""
+    more is kept whatever the fraction and its floor."""
     default = CommConfig()
     assert (default.dense_steps, default.dense_fraction) == (-1, 0.03)
-    assert dense_start(-1, 0.03, 3780) == 114  # 113.4: the MNIST-1D CNN's 60 epochs
-    assert dense_start(-1, 0.04, 3780) == 152
-    assert dense_start(-1, 0.04, 75) == 3  # 3.0000000000000004 in floating point
-    assert dense_start(-1, 0.04, 10) == 1  # any fraction above 0: at least one step
-    assert dense_start(-1, 0.0, 1000) == 0
-    assert dense_start(-1, 1.0, 20) == 20
-    assert dense_start(0, 0.5, 100) == 0 and dense_start(7, 0.5, 100) == 7
+    assert dense_start(-1, 0.03, 0, 3780) == 114  # 113.4: the MNIST-1D CNN's 60 epochs
+    assert dense_start(-1, 0.04, 0, 3780) == 152
+    assert dense_start(-1, 0.04, 0, 75) == 3  # 3.0000000000000004 in floating point
+    assert dense_start(-1, 0.04, 0, 10) == 1  # any fraction above 0: at least one step
+    assert dense_start(-1, 0.0, 0, 1000) == 0
+    assert dense_start(-1, 1.0, 0, 20) == 20
+    assert dense_start(0, 0.5, 30, 100) == 0 and dense_start(7, 0.5, 30, 100) == 7
+
+
+def test_the_default_dense_start_has_a_floor_that_long_runs_do_not_reach():
+    """The default floor, ``comm.dense_min_steps: 30``, lifts a short run's dense start (200
+    steps: 30, above torch's advised 10%), caps at the run's length (a 10-step run is all dense)
+    and leaves runs of 1,000 steps or more at the fraction alone."""
+    d = CommConfig()
+    assert d.dense_min_steps == 30
+    start = [dense_start(d.dense_steps, d.dense_fraction, d.dense_min_steps, n)
+             for n in (10, 30, 200, 999, 1000, 1001, 2400, 3780)]
+    assert start == [10, 30, 30, 30, 30, 31, 72, 114]
+    for n in (1000, 1001, 1500, 2400, 3780, 10_000):  # the converged budgets: as before
+        assert dense_start(-1, 0.03, 30, n) == dense_start(-1, 0.03, 0, n)
+    assert dense_start(-1, 0.0, 30, 200) == 30  # the floor alone
 
 
 def told(c: CommConfig, total: int, steps: range, state: list[dict] | None = None) -> list[Any]:
@@ -93,7 +107,7 @@ def test_the_fraction_resolves_when_the_exchange_is_told_the_runs_length(method)
     """Told that the run ends at step 40, the default settings with ``dense_fraction=0.1`` run
     exactly ``dense_steps=4``; never told (code that builds an exchange itself), the exchange
     compresses from the first step."""
-    c = comm(method, dense_fraction=0.1)
+    c = comm(method, dense_fraction=0.1, dense_min_steps=0)
     got = told(c, 40, range(1, 8))
     want = run(comm(method, dense_steps=4), range(1, 8))
     untold = run(c, range(1, 8))
@@ -106,12 +120,25 @@ def test_the_fraction_resolves_when_the_exchange_is_told_the_runs_length(method)
                 np.testing.assert_array_equal(a, b)
 
 
+def test_the_floor_lifts_a_short_runs_dense_start():
+    """A run of 40 steps at ``dense_fraction=0.1`` (4 steps) with ``dense_min_steps=6`` averages
+    dense for 6 steps, then compresses exactly as ``dense_steps=6`` does."""
+    got = told(comm("topk", dense_fraction=0.1, dense_min_steps=6), 40, range(1, 9))
+    want = run(comm("topk", dense_steps=6), range(1, 9))
+    for r in range(SIZE):
+        assert [w == d for _, w, d in got[r][0]] == [True] * 6 + [False] * 2
+        assert [w for _, w, _ in got[r][0]] == [w for _, w, _ in want[r]]
+        for (g, _, _), (w, _, _) in zip(got[r][0], want[r], strict=True):
+            for a, b in zip(g, w, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("stop", [2, 4, 5])
 def test_a_resume_inside_or_after_the_fractions_dense_start_continues_the_same(stop):
     """A run of 40 steps at ``dense_fraction=0.1`` (4 dense steps) stopped after step ``stop``
     and resumed from its state (the exchange's step travels in it) sends and averages what the
     run without a stop does."""
-    c = comm("topk", dense_fraction=0.1)
+    c = comm("topk", dense_fraction=0.1, dense_min_steps=0)
     whole = told(c, 40, range(1, 9))
     first = told(c, 40, range(1, stop + 1))
     resumed = told(c, 40, range(stop + 1, 9), state=[s for _, s in first])

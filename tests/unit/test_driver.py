@@ -18,10 +18,12 @@ from tests.unit.numpy_world import NumpyEngine
 STEPS = 9
 # Digits' 1,437 training samples at 256 a step: 6 steps an epoch, the last one short (157), so
 # that the 9 steps cross an epoch boundary; two micro-batches a step, and random-k with its step
-# count and error-feedback residuals, so that a checkpoint carries compression state too.
+# count and error-feedback residuals, so that a checkpoint carries compression state too (one
+# dense step: the default dense start, at least comm.dense_min_steps, would average all 9 dense;
+# a rule's own comm.dense_steps comes later and wins).
 OVERRIDES = ("data.batch_size=128", "train.backward_passes_per_step=2", "comm.compression=randomk",
              "comm.min_size=0", "comm.ratio=0.2", f"train.max_steps={STEPS}", "log.every_steps=1",
-             "optim.warmup_steps=2", "log.tensorboard=false")
+             "optim.warmup_steps=2", "log.tensorboard=false", "comm.dense_steps=1")
 
 
 def run(tmp_path: Path, *overrides: str, callbacks=()):

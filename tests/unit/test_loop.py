@@ -70,7 +70,8 @@ def indices(results: list[tuple[Position, bytes, Record]]) -> np.ndarray:
 def test_a_reset_to_another_world_size_reshards_the_epochs_remaining_samples(tmp_path, on_resize):
     cfg = quiet_config(CONFIG, tmp_path, "data.batch_size=32", "train.backward_passes_per_step=3",
                        "train.epochs=1", "train.max_steps=4", "elastic.enabled=true",
-                       f"elastic.on_resize={on_resize}", "comm.compression=topk", "comm.min_size=0")
+                       f"elastic.on_resize={on_resize}", "comm.compression=topk", "comm.min_size=0",
+                       "comm.dense_steps=1")  # compressed from step 2, residuals to reshard
     before = run_world(cfg, world_at(cfg, 2, 2), Position(), tmp_path / "a", None)
     position, state = before[0][0], before[0][1]
     assert position.step == 4 and position.in_epoch == 4 * 2 * 3 * 32

@@ -40,6 +40,10 @@ def _rows(overrides: list[str]) -> dict[str, Prediction]:
     (["comm.compression=topk", "comm.dense_fraction=0.1"], 0.1),
     (["comm.compression=topk", "comm.dense_steps=0"], 0.0),
     (["comm.compression=topk", "comm.dense_steps=50", "train.max_steps=1000"], 0.05),
+    # the default's floor, comm.dense_min_steps=30, where the run's length is known: 30 of 200
+    (["comm.compression=topk", "train.max_steps=200"], 0.15),
+    (["comm.compression=topk", "train.max_steps=1000"], 0.03),  # the floor no longer binds
+    (["comm.compression=topk", "train.max_steps=20"], 1.0),  # all dense
 ])
 def test_the_dense_share_is_training_s(overrides: list[str], share: float) -> None:
     assert dense_share(load_config(CONFIG, overrides, environ={})) == pytest.approx(share)
