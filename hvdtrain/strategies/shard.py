@@ -35,8 +35,8 @@ def _pipeline(cfg: Any) -> str:
         return (f"{given} and pipeline.schedule={cfg.pipeline.schedule!r}: its weight passes "
                 "set the gradients apart from the backward pass that stages 2-3 reduce-scatter "
                 "in; use another schedule or shard.stage=1")
-    return (f"{given} and framework='tensorflow': sharding a stage's copies is built in "
-            "PyTorch only so far; use shard.stage=0 or framework=torch")
+    return (f"{given} and framework='tensorflow': TensorFlow's stages shard their copies at "
+            "stage 1 only so far; use shard.stage=1 or framework=torch")
 
 
 def _split_weights(cfg: Any) -> bool:
@@ -67,10 +67,11 @@ RULES = (
          {**ONE, "comm.topology": "ps"}),
     Rule("shard", "pipeline",
          lambda cfg: cfg.pipeline.stages > 1 and (
-             cfg.framework == "tensorflow" or (cfg.shard.stage >= 2 and _split_weights(cfg))),
+             (cfg.framework == "tensorflow" and cfg.shard.stage >= 2)
+             or (cfg.shard.stage >= 2 and _split_weights(cfg))),
          _pipeline, {"shard.stage": 2, "pipeline.stages": 2, "pipeline.virtual_stages": 2,
                      "pipeline.schedule": "interleaved_zero_bubble"},
-         only="in TensorFlow, and at stages 2-3 with a zero-bubble schedule"),
+         only="at stages 2-3 in TensorFlow or with a zero-bubble schedule"),
     Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1 and cfg.shard.group == "node",
          lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with shard.group='node': a "
                      "stage's shards within a node are not built; use shard.group=all",
@@ -99,7 +100,8 @@ STRATEGY = Strategy(
     engines={"tensorflow": "hvdtrain.tensorflow.shard:ShardedEngine"},
     exchanges=(ExchangeKind("sharded", always, {
         "torch": "hvdtrain.torch.exchange:sharded_exchange",
-        "torch.stage": "hvdtrain.torch.stages:stage_sharded"}),),
+        "torch.stage": "hvdtrain.torch.stages:stage_sharded",
+        "tensorflow.stage": "hvdtrain.tensorflow.stages:stage_sharded"}),),
     checkpoint=CheckpointLayout(WHOLE, "rank 0", "every rank's shard of the optimizer state", True),
     cost="hvdtrain.plan.predict:sharded",
 )

@@ -57,7 +57,9 @@ from hvdtrain.tensorflow import compression, parts
 from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update, stepping_optimizer
+from hvdtrain.tensorflow.shard import FlatShard
 from hvdtrain.tensorflow.stage_state import StageState
+from hvdtrain.tensorflow.stages import ShardedUpdate, ShardSlots, StageShardedExchange
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 # messages ---------------------------------------------------------------------------------------
@@ -266,6 +268,19 @@ class TensorFlowStageKernels(TensorFlowKernels, stage_step.StageKernels):
         return sums
 
 
+class ShardedStageKernels(ShardedUpdate, TensorFlowStageKernels):
+    """A sharded stage's kernels (``shard.stage=1``): the stage's passes and messages, the
+    sharded update of :class:`hvdtrain.tensorflow.stages.ShardedUpdate`."""
+
+    def __init__(self, *args: Any, shard: FlatShard, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shard = shard
+
+    def follow(self, exchange: Any, accumulation: int) -> None:
+        self.sharded = exchange
+        super().follow(exchange, accumulation)
+
+
 # the exchange within a stage's copies -----------------------------------------------------------
 
 class StageExchange(compression.CompressingExchange):
@@ -384,17 +399,24 @@ class PipelineEngine(StageState, TensorFlowEngine):
             cfg.comm, cfg.seed, self.copy, self.copies, variables,
             optimizer=make_optimizer(cfg.optim), settings=optimizer_settings(cfg.optim),
             layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
-            process_set=self.stage_set, root=self.root))
+            process_set=self.stage_set, root=self.root, shard=cfg.shard))
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
         self.optimizer = self.precision.wrap(optimizer)
-        self.optimizer.build(variables)
+        # shard.stage=1 (tensorflow/stages.py): the optimizer steps the copy's shard.
+        shard = self.exchange.shard if isinstance(self.exchange, StageShardedExchange) else None
+        self.optimizer.build([shard.var] if shard else variables)
+        self.slots = ShardSlots(shard, self.optimizer, self.trainable) if shard else None
         self.stats: dict[str, float] = {}
         self.accumulation = 1
-        self.kernels = self.stage_kernels = TensorFlowStageKernels(
+        kernels: type[TensorFlowStageKernels] = TensorFlowStageKernels
+        extra: dict[str, Any] = {}
+        if shard is not None:
+            kernels, extra = ShardedStageKernels, {"shard": shard}
+        self.kernels = self.stage_kernels = kernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
             l2=l2_decay(cfg.optim, plain), stage=self.stage, stages=self.layout.stages,
             metric_keys=self._metric_keys(),
-            prev=self._link(links, -1), next_=self._link(links, +1))
+            prev=self._link(links, -1), next_=self._link(links, +1), **extra)
         self.kernels.follow(self.exchange, 1)
         self.runner = StageRunner(cfg.pipeline.schedule)
         pipe = cfg.pipeline
@@ -495,8 +517,16 @@ class PipelineEngine(StageState, TensorFlowEngine):
             self._load_share(restored)
         hvd.broadcast_variables(self._state_variables(), root_rank=self.root,
                                 process_set=self.stage_set)
+        if self.slots is not None:  # each copy's slice of the slots copy 0 restored
+            self.slots.scatter(restored is not None, self.root)
         self._follow_world()
         self.exchange.broadcast(root_rank=self.root)
+
+    def _state_variables(self) -> list[tf.Variable]:
+        if self.slots is None:
+            return super()._state_variables()
+        # A shard's slots differ per copy (ShardSlots.scatter hands them out).
+        return [v.value for v in [*self.model.variables, *self.slots.scalars()]]
 
     def _follow_world(self) -> None:
         self.kernels.follow(self.exchange, 1)  # a pipeline's world does not change (no elastic)

@@ -24,6 +24,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.pipeline.state import parts_holding, parts_misfit
 from hvdtrain.tensorflow import parts, rng
+from hvdtrain.tensorflow.stages import ShardSlots, slot_entries
 
 
 class StageState(PartedState):
@@ -41,6 +42,8 @@ class StageState(PartedState):
     """The global names of this stage's trainable variables, in its exchange's order."""
     all_trainable: list[str]
     """The whole model's, in the order of its exchange (a checkpoint written whole)."""
+    slots: ShardSlots | None
+    """A sharded stage's optimizer slots (``shard.stage=1``), else None."""
     restore_from: Path | None
     _restored: dict[str, Any] | None
 
@@ -73,20 +76,28 @@ class StageState(PartedState):
             raise HvdtrainError(failures[0])
 
     def _own_entries(self) -> dict[str, Any]:
-        """This stage's variables and its optimizer's, by global name."""
-        return parts.named_state(self.layers, self.first_layer, self.optimizer)
+        """This stage's variables and its optimizer's, by global name (a sharded stage's slots
+        as a stage without sharding holds them: :class:`hvdtrain.tensorflow.stages.ShardSlots`)."""
+        return slot_entries(parts.named_state(self.layers, self.first_layer, self.optimizer),
+                            self.slots)
 
     def part_bytes(self) -> tuple[str, list[int], bytes] | None:
         """Copy 0's ranks write their layers, with every copy's exchange state (residuals differ
         per copy: gathered first, a collective in the stage's process set); the other copies
         hold the same layers."""
         self.exchange.gather()
+        if self.slots is not None:  # every copy's shard of each slot, whole (in the stage's set)
+            self.slots.gather()
         if self.copy != 0:
+            if self.slots is not None:
+                self.slots.whole = {}
             return None
         layers = list(range(self.first_layer, self.first_layer + len(self.layers)))
         compression = by_name(self.exchange.state_dict(), self.trainable)
-        return (f"stage-{self.stage}", layers,
-                parts.part_bytes(self._own_entries(), compression))
+        written = parts.part_bytes(self._own_entries(), compression)
+        if self.slots is not None:
+            self.slots.whole = {}
+        return f"stage-{self.stage}", layers, written
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         """Rank 0's ``step-N.ckpt`` beside the parts: its random states and ``meta`` (which lists

@@ -1,7 +1,8 @@
 """Pipeline stages with sharded data parallel in the config: PyTorch's stages 1-3 compose (each
 stage's copies shard that stage's optimizer state, and at 2-3 its gradients and parameters);
-stages 2-3 with a zero-bubble schedule and TensorFlow are refused with one line. The runs
-themselves: tests/multirank/test_shard_pipe.py."""
+TensorFlow's stage 1 composes too; stages 2-3 with a zero-bubble schedule or in TensorFlow are
+refused with one line. The runs themselves: tests/multirank/test_shard_pipe.py and
+test_tf_shard_pipe.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ def test_torch_stages_with_pipeline_stages_are_accepted_and_shard_within_each_st
     assert exchange_path(cfg, stage=True) == "hvdtrain.torch.stages:stage_sharded"
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_tensorflow_stage_1_with_pipeline_stages_shards_within_each_stage(schedule):
+    cfg = load_config(None, [*PIPE, "shard.stage=1", f"pipeline.schedule={schedule}",
+                             "framework=tensorflow"], environ={})
+    assert engine_path(cfg) == "hvdtrain.tensorflow.pipeline:PipelineEngine"
+    assert exchange_path(cfg, stage=True) == "hvdtrain.tensorflow.stages:stage_sharded"
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["shard.stage=2", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
      "pipeline.stages=2 with shard.stage=2 and pipeline.schedule='interleaved_zero_bubble': its "
@@ -32,9 +41,12 @@ def test_torch_stages_with_pipeline_stages_are_accepted_and_shard_within_each_st
      "reduce-scatter in; use another schedule or shard.stage=1"),
     (["shard.stage=3", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
      "pipeline.stages=2 with shard.stage=3 and pipeline.schedule='interleaved_zero_bubble'"),
-    (["shard.stage=1", "framework=tensorflow"],
-     "pipeline.stages=2 with shard.stage=1 and framework='tensorflow': sharding a stage's copies "
-     "is built in PyTorch only so far; use shard.stage=0 or framework=torch"),
+    (["shard.stage=2", "framework=tensorflow"],
+     "pipeline.stages=2 with shard.stage=2 and framework='tensorflow': TensorFlow's stages shard "
+     "their copies at stage 1 only so far; use shard.stage=1 or framework=torch"),
+    (["shard.stage=3", "framework=tensorflow"],
+     "pipeline.stages=2 with shard.stage=3 and framework='tensorflow': TensorFlow's stages shard "
+     "their copies at stage 1 only"),
 ])
 def test_what_pipeline_stages_do_not_shard_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:

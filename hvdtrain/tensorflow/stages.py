@@ -1,0 +1,198 @@
+"""TensorFlow pipeline stages x sharded copies (``pipeline.stages`` > 1 with ``shard.stage=1``):
+each stage's data-parallel copies shard that stage's optimizer state in the stage's Horovod
+process set, as :func:`hvdtrain.torch.stages.stage_sharded` does in PyTorch.
+
+- **The update.** The stage's exchange (:func:`stage_sharded`) is the sharded update of
+  :mod:`hvdtrain.tensorflow.shard` over the stage's trainable variables, its collectives in the
+  stage's set (``rank``/``size``: the copy and the copies): the reduce-scatter averages each copy's
+  shard of the stage's flat gradient, the run's Keras optimizer steps one variable holding the
+  copy's shard of the stage's parameters (its slots cover 1/copies of the stage), and an
+  all-gather in the set writes the shards back into the stage's layers (:class:`ShardedUpdate`).
+- **Checkpoints.** A stage's part holds its optimizer state in the layout of a stage without
+  sharding: each slot by the global name of its variable (``optimizer/<layer>.<j>/<slot>``,
+  :mod:`hvdtrain.tensorflow.parts`), gathered whole in the stage's set before copy 0 writes it
+  (:class:`ShardSlots`). A sharded pipeline therefore resumes from a pipeline checkpoint with or
+  without sharding, of any split, and one without sharding from a sharded one. On resume copy 0
+  reads the whole slots, and each copy takes its slice from copy 0's broadcast in the set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from hvdtrain.errors import HvdtrainError
+from hvdtrain.exchange import Exchanged, ExchangeRequest
+from hvdtrain.ps.layout import chunk_elements
+from hvdtrain.tensorflow.shard import FlatShard, ShardedExchange
+from hvdtrain.tensorflow.step import _traced, clip
+
+
+class StageShardedExchange(ShardedExchange):
+    """:class:`~hvdtrain.tensorflow.shard.ShardedExchange` among one stage's copies: the shard's
+    collectives run in the stage's process set (``shard.process_set``), and so does the overflow
+    vote of loss scaling."""
+
+    def any_rank(self, flag: bool) -> bool:
+        total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum,
+                              name="hvdtrain.stage.shard.any", process_set=self.shard.process_set)
+        return float(total[0]) > 0
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
+
+
+def stage_sharded(r: ExchangeRequest) -> Exchanged:
+    """``sharded`` among a stage's copies (``r.process_set``; ``r.rank``, ``r.size``: this copy
+    and the copies): ``shard.stage=1``'s reduce-scatter, the shard's update and all-gather, in
+    rounds of ``shard.chunk_kib`` per copy. The engine steps the returned optimizer over the
+    shard's variable (:class:`ShardedUpdate`)."""
+    if r.shard is None or r.shard.stage != 1:
+        raise HvdtrainError("shard.stage: TensorFlow's pipeline stages shard at stage 1 only")
+    shard = FlatShard(list(r.params), r.rank, r.size, chunk_elements(r.shard.chunk_kib),
+                      r.process_set)
+    return StageShardedExchange(shard, r.comm.compression), r.optimizer
+
+
+class ShardedUpdate:
+    """The stage kernels' update when the stage is sharded (a mixin before
+    :class:`hvdtrain.tensorflow.pipeline.TensorFlowStageKernels`): the averaged shard of the
+    gradient steps the shard's variable, then the shards are all-gathered into the stage's
+    layers. Forward, backward and the messages are the stage's own."""
+
+    shard: FlatShard
+    sharded: StageShardedExchange
+    optimizer: Any
+    precision: Any
+    clip_norm: float
+    l2: float
+    apply: Any
+
+    def _compile(self) -> None:
+        super()._compile()  # type: ignore[misc]
+        signature = [[tf.TensorSpec([self.shard.own], tf.float32)]]
+        self._apply_shard_fn = _traced(self._apply_shard, signature)
+        self.apply = self._update
+        self.precision.attach(self.optimizer, self._update, [(self.shard.own,)])
+
+    def _apply_shard(self, grads: list[tf.Tensor]) -> None:
+        """The optimizer's update of the shard variable with its averaged gradient."""
+        if self.precision.scaling:  # fp16: every copy skips the step, or none does
+            grads = self._agree_overflow(grads)
+        self.precision.note(grads)
+        var = self.shard.var
+        if self.clip_norm:  # the stage's norm, summed over its copies' shards
+            squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
+            norm = tf.sqrt(hvd.allreduce(squares, op=hvd.Sum, name="hvdtrain.stage.shard.clip",
+                                         process_set=self.shard.process_set))
+            grads = clip(grads, norm, self.clip_norm)
+        if self.l2:  # as the stage's: L2 on the gradient, element by element
+            grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
+        self.optimizer.apply_gradients(zip(grads, [var], strict=True))
+
+    def _agree_overflow(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The shard's gradient, made infinite where any copy's shard overflowed."""
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        flag = hvd.allreduce(tf.where(finite, 0.0, 1.0), op=hvd.Sum,
+                             name="hvdtrain.stage.shard.overflow",
+                             process_set=self.shard.process_set)
+        bump = tf.where(flag > 0, np.inf, 0.0)
+        return [g + bump for g in grads]
+
+    def _update(self, grads: list[tf.Tensor]) -> None:
+        """Steps the shard, then all-gathers every copy's shard back into the stage's layers (a
+        collective in the stage's set, counted as communication)."""
+        self._apply_shard_fn(grads)
+        began = time.perf_counter()
+        self.shard.store()
+        self.sharded.stats["comm_s"] += time.perf_counter() - began
+
+
+def per_element(var: Any) -> bool:
+    """Whether an optimizer variable is a slot of the shard (one value per element) rather than a
+    scalar (the step count, the learning rate, a loss scale)."""
+    return len(var.shape) == 1
+
+
+class _SlotPiece:
+    """One variable's piece of a whole slot, as a checkpoint entry: its value read from, and
+    assigned into, the slot's flat vector that :class:`ShardSlots` holds."""
+
+    def __init__(self, slots: ShardSlots, index: int, offset: int, shape: tuple[int, ...]) -> None:
+        self.slots, self.index, self.offset, self.shape = slots, index, offset, shape
+        self.size = int(np.prod(shape))
+
+    def numpy(self) -> np.ndarray:
+        whole = self.slots.whole[self.index]
+        return whole[self.offset:self.offset + self.size].reshape(self.shape).copy()
+
+    def assign(self, value: np.ndarray) -> None:
+        whole = self.slots.whole.setdefault(
+            self.index, np.zeros(self.slots.shard.total, np.float32))
+        whole[self.offset:self.offset + self.size] = np.asarray(value, np.float32).reshape(-1)
+
+
+class ShardSlots:
+    """A sharded stage's optimizer state as the checkpoint entries of a stage without sharding
+    (see the module docstring). ``names``: the global names of the stage's trainable variables,
+    in the shard's order."""
+
+    def __init__(self, shard: FlatShard, optimizer: Any, names: Sequence[str]) -> None:
+        self.shard, self.optimizer, self.names = shard, optimizer, list(names)
+        self.whole: dict[int, np.ndarray] = {}
+        """Whole slots by optimizer variable index: gathered for a checkpoint, or restored."""
+        ref = shard.var.path.replace("/", "_")
+        self._kinds = {i: v.name[len(ref) + 1:] for i, v in enumerate(optimizer.variables)
+                       if per_element(v) and v.name.startswith(ref + "_")}
+        if len(self._kinds) != sum(per_element(v) for v in optimizer.variables):
+            raise HvdtrainError("shard.stage with pipeline stages: an optimizer slot that is not "
+                                "the shard's")
+
+    def entries(self) -> dict[str, Any]:
+        """The optimizer's checkpoint entries: each slot per variable by global name, and the
+        optimizer's scalars (``optimizer/opt/<name>``)."""
+        found: dict[str, Any] = {f"optimizer/opt/{v.name}": v for v in self.optimizer.variables
+                                 if not per_element(v)}
+        for i, kind in self._kinds.items():
+            for name, offset, variable in zip(self.names, self.shard.offsets,
+                                              self.shard.variables, strict=True):
+                found[f"optimizer/{name}/{kind}"] = _SlotPiece(self, i, offset,
+                                                              tuple(variable.shape))
+        return found
+
+    def gather(self) -> None:
+        """Every slot whole on every copy (a collective in the stage's set)."""
+        self.whole = {i: self.shard.allgather(tf.convert_to_tensor(
+            self.optimizer.variables[i].value), f"state.{i}").numpy() for i in self._kinds}
+
+    def scatter(self, restored: bool, root: int) -> None:
+        """After a restore (``restored``: on every copy), each copy's slice of copy 0's whole
+        slots (a broadcast in the stage's set from ``root``, copy 0's job rank); the shard
+        variable from the stage's parameters (which the broadcasts made equal)."""
+        if restored:
+            for i in self._kinds:
+                mine = self.whole.get(i)
+                sent = tf.constant(mine) if mine is not None else tf.zeros([self.shard.total])
+                got = hvd.broadcast(sent, root, name=f"hvdtrain.stage.shard.slot.{i}",
+                                    process_set=self.shard.process_set)
+                self.optimizer.variables[i].assign(self.shard.take(got))
+        self.whole = {}
+        self.shard.load()
+
+    def scalars(self) -> list[Any]:
+        """The optimizer's variables that every copy holds whole (broadcast as they are)."""
+        return [v for v in self.optimizer.variables if not per_element(v)]
+
+
+def slot_entries(entries: Mapping[str, Any], slots: ShardSlots | None) -> dict[str, Any]:
+    """A stage's checkpoint entries with its optimizer's replaced by ``slots``' where the stage
+    is sharded."""
+    if slots is None:
+        return dict(entries)
+    return {**{k: v for k, v in entries.items() if not k.startswith("optimizer/")},
+            **slots.entries()}
