@@ -10,7 +10,12 @@ resumed from that ordinary checkpoint agrees with it. TensorFlow with Adam: the 
 at ``-np 2`` (2 stages) and ``-np 1``. A stop signal to one stage of a PyTorch pipeline stops both
 after the same step with a checkpoint in parts, from which a run without stages finishes.
 
-`make test` runs all three (the PyTorch and TensorFlow sequences about a minute each alone).
+`make test` runs each framework's first launch (the same, another split and, in PyTorch, another
+number of stages and copies, and a misfit checkpoint refused) and the stop signal; the launches
+without stages and from a whole checkpoint are `long` (about 30 s of make test, estimated): it has
+those resumes in both frameworks in test_pipeline_compression.py and
+test_pipeline_tf_compression.py (data parallel from a pipeline's parts, a pipeline from a data
+parallel checkpoint, with the exchange's state).
 """
 
 from __future__ import annotations
@@ -61,14 +66,20 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], atol: 
         np.testing.assert_allclose(got[key], want[key], atol=atol, rtol=0, err_msg=key)
 
 
-@pytest.mark.timeout(1200)  # three launches; slow on busy shared cores
-def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
-    four = tmp_path / "np4"
-    launched4 = launch(4, "gloo", four, [
+@pytest.fixture(scope="module")
+def torch_parts(tmp_path_factory) -> tuple[Path, Launch]:
+    """PyTorch's -np 4 launch: the run in parts and its resumes (its folder and launch)."""
+    four = tmp_path_factory.mktemp("np4")
+    return four, launch(4, "gloo", four, [
         f"full:{PIPE}",
         f"same:{PIPE},{step10(four, 'full')}",
         f"other:{PIPE},{OTHER_SPLIT},{step10(four, 'full')}",
         f"four:{FOUR},{step10(four, 'full')}"], hidden=HIDDEN)
+
+
+@pytest.mark.timeout(1200)  # slow on busy shared cores
+def test_torch_resumes_in_parts_with_any_split_or_number_of_stages(torch_parts, tmp_path):
+    four, launched4 = torch_parts
     ckpts = four / "full" / "checkpoints"
     manifest = json.loads((ckpts / "step-00000010.json").read_text())
     assert [p["file"] for p in manifest["parts"]] == ["step-00000010.stage-0.part",
@@ -93,6 +104,18 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     assert read_jsonl(four / "four" / "metrics.jsonl")[0]["step"] == 15  # it resumed at 10
     assert launched4.summary("four")["steps"] == 23
 
+    # Parts of another model: a one-line error (exit 2) before anything trains.
+    other = hvdtrain_cli("train", str(CONFIG), "model.options.hidden=[16]", "log.wandb=disabled",
+                         f"log.dir={tmp_path / 'misfit'}", step10(four, "full"))
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert "does not fit the model" in other.stderr and "step-00000010.ckpt" in other.stderr
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)  # three launches; slow on busy shared cores
+def test_torch_resumes_without_stages_and_from_a_whole_checkpoint(torch_parts, tmp_path):
+    four, launched4 = torch_parts
+    full = whole_model(launched4, "full", [0, 1])
     one = tmp_path / "np1"
     launched1 = launch(1, "gloo", one, [f"none:{WHOLE},{step10(four, 'full')}", f"whole:{WHOLE}"],
                        hidden=HIDDEN)
@@ -106,12 +129,6 @@ def test_torch_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoi
     assert_close(whole_model(launched2, "from_whole", [0, 1]), launched1.rank("whole", 0)[0], ATOL)
     final = launched2.summary("from_whole")["final"]
     assert abs(final["train_loss"] - launched1.summary("whole")["final"]["train_loss"]) < 1e-4
-
-    # Parts of another model: a one-line error (exit 2) before anything trains.
-    other = hvdtrain_cli("train", str(CONFIG), "model.options.hidden=[16]", "log.wandb=disabled",
-                         f"log.dir={tmp_path / 'misfit'}", step10(four, "full"))
-    assert other.returncode == 2, other.stderr[-2000:]
-    assert "does not fit the model" in other.stderr and "step-00000010.ckpt" in other.stderr
 
 
 TF_COMMON = ("optim.name=adam,optim.lr=0.01,optim.scale_lr=false,"
@@ -145,13 +162,19 @@ def assert_same_list(got: list[np.ndarray], want: list[np.ndarray], atol: float)
         np.testing.assert_allclose(mine, theirs, atol=atol, rtol=0)
 
 
-@pytest.mark.timeout(1200)  # TensorFlow's start-up is most of each launch
-def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_checkpoint(tmp_path):
-    """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
-    two = tmp_path / "np2"
-    launched2 = tf_launch(2, two, [
+@pytest.fixture(scope="module")
+def tf_parts(tmp_path_factory) -> tuple[Path, Launch]:
+    """TensorFlow's -np 2 launch: the run in parts and its resumes (its folder and launch)."""
+    two = tmp_path_factory.mktemp("np2")
+    return two, tf_launch(2, two, [
         f"full:{TF_PIPE}", f"same:{TF_PIPE},{step(two, 'full', 20)}",
         f"other:{TF_PIPE},pipeline.split=[3],{step(two, 'full', 20)}"])
+
+
+@pytest.mark.timeout(1200)  # TensorFlow's start-up is most of each launch
+def test_tensorflow_resumes_in_parts_with_any_split(tf_parts):
+    """The same checks with Keras 3 and Adam (its slots by global name) at -np 2 (2 stages)."""
+    two, launched2 = tf_parts
     manifest = json.loads((two / "full" / "checkpoints" / "step-00000020.json").read_text())
     assert [p["layers"] for p in manifest["parts"]] == [[0, 1], [2, 3]]
     full = stage_params(launched2, "full", [0, 1])
@@ -161,6 +184,12 @@ def test_tensorflow_resumes_in_parts_with_any_split_or_none_and_from_a_whole_che
     assert len(launched2.rank("other", 1)[0]) == 2  # split [3]: the head alone on stage 1
     assert_same_list(stage_params(launched2, "other", [0, 1]), full, ATOL)
 
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)  # TensorFlow's start-up is most of each launch
+def test_tensorflow_resumes_without_stages_and_from_a_whole_checkpoint(tf_parts, tmp_path):
+    two, launched2 = tf_parts
+    full = stage_params(launched2, "full", [0, 1])
     one = tmp_path / "np1"
     launched1 = tf_launch(1, one, [
         f"none:{TF_COMMON},{step(two, 'full', 20)}", f"whole:{TF_COMMON}"])
