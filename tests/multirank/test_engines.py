@@ -101,10 +101,16 @@ def test_frameworks_agree(two_ranks):
     assert torch_run["steps"] == tf_run["steps"] and torch_run["samples"] == tf_run["samples"]
 
 
-@setups
+@pytest.mark.parametrize("framework, controller", [
+    *(pytest.param(f, "gloo", marks=pytest.mark.long, id=f"{f}-gloo")
+      for f in ("torch", "tensorflow")),
+    pytest.param("torch", "mpi", id="torch-mpi"),
+    pytest.param("tensorflow", "mpi", id="tensorflow-mpi")])
 def test_cli_under_horovodrun(framework, controller, tmp_path):
     """The documented command line: only rank 0 prints and writes; the summary says 2 ranks and
-    how long the ranks took to start (inside the launch, as whole processes)."""
+    how long the ranks took to start (inside the launch, as whole processes). Gloo's rows are
+    `long`: `hvdtrain train` runs under Gloo's horovodrun in make test in both frameworks
+    (test_syncbn.py, test_stop_resume.py), and these checks under MPI's."""
     launched = time.monotonic()
     proc = horovodrun(2, controller, [str(Path(PYTHON).with_name("hvdtrain")), "train",
                                       str(CONFIGS[framework]), "train.epochs=3",
