@@ -82,6 +82,11 @@ def check_recovery(run: Path, killed_at: float) -> dict:
     return reset
 
 
+# `long` (66 s in make test): make test has a PyTorch worker rejoining through the hosts file
+# after a node was lost (tests/cluster/test_elastic_nodes.py), one SIGKILLed mid-epoch with the
+# learning rate halved (test_data_elastic.py), and the rate at every resize in the core's loop
+# (tests/unit/test_loop.py).
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_torch_worker_joins_through_the_hosts_file_then_one_is_killed(tmp_path):
     """Scale-up then scale-down in one job: 1 worker, a host added to the hosts file joins (the
