@@ -278,7 +278,7 @@ class ShardedEngine(TensorFlowEngine):
                                      cfg.shard.reshard_after_forward, self.exchange.wire)
             self.kernels = Stage3Kernels(
                 self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
-                l2=l2_decay(cfg.optim, False), shard=self.shard)
+                l2=l2_decay(cfg.optim, False), shard=self.shard, units=self.units)
         elif cfg.shard.stage >= 2:
             self.shard = UnitShard(variables, layer_units(self.model.layers, variables),
                                    self.rank, self.size, cfg.shard.unit_kib * 256)

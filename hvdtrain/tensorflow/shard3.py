@@ -26,6 +26,7 @@ so stages 1-3 and any number of ranks resume each other's checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
@@ -75,6 +77,7 @@ class Stage3Units:
         self._inputs: dict[int, tf.Tensor] = {}  # the current trace's unit inputs, by unit
         self._douts: dict[int, tf.Tensor] = {}  # and output gradients
         self.released = False
+        self._split: tuple[Any, list[tf.Tensor]] | None = None
         k = 0
         for layer, unit in zip(_unit_layers(model, shard), shard.units, strict=True):
             layer.call = self._wrapped(k, layer.call, unit)
@@ -97,25 +100,29 @@ class Stage3Units:
         """``call`` of unit ``k`` (variables ``unit``) gathering its variables around it."""
         mapped = [self.variables[i] for i in unit]
 
-        def run(x: tf.Tensor, full: Sequence[tf.Tensor], kwargs: dict[str, Any]) -> Any:
-            with keras.StatelessScope(state_mapping=list(zip(mapped, full, strict=True))):
+        def run(x: tf.Tensor, full: Sequence[tf.Tensor], kwargs: dict[str, Any],
+                cast: str | None) -> Any:
+            # The layer's autocast (a mixed policy: float16 compute on float32 variables), which
+            # Layer.__call__ sets around the forward only, also around the backward's run.
+            with (AutocastScope(cast) if cast else contextlib.nullcontext()), \
+                    keras.StatelessScope(state_mapping=list(zip(mapped, full, strict=True))):
                 return call(x, **kwargs)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if len(args) != 1 or not isinstance(args[0], tf.Tensor):
                 raise HvdtrainError("shard.stage=3 with framework='tensorflow': each of "
                                     "model.layers must take one tensor; use shard.stage=2")
-            value = self.shard.var.value
-            pieces = [value[self.shard.starts[i]:self.shard.starts[i] + self.shard.owns[i]]
-                      for i in unit]
+            split = self.split()
+            pieces = [split[i] for i in unit]
             float_input = args[0].dtype.is_floating
+            cast = getattr(get_autocast_scope(), "dtype", None)
 
             @tf.custom_gradient
             def forward(x: tf.Tensor, *mine: tf.Tensor) -> Any:
                 self._inputs[k] = x
                 with tf.control_dependencies(self._after(self._inputs, max(0, k - self.prefetch))):
                     full = self._gather(unit, [tf.identity(p) for p in mine])
-                y = run(x, full, kwargs)
+                y = run(x, full, kwargs, cast)
 
                 def backward(dy: tf.Tensor) -> list[Any]:
                     self._douts[k] = dy
@@ -128,7 +135,7 @@ class Stage3Units:
                         tape.watch(again)
                         if float_input:
                             tape.watch(x)
-                        y2 = run(x, again, kwargs)
+                        y2 = run(x, again, kwargs, cast)
                     grads = tape.gradient(y2, [x, *again], output_gradients=dy,
                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
                     flats = [tf.reshape(g, [-1]) for g in grads[1:]]
@@ -141,6 +148,16 @@ class Stage3Units:
             return forward(args[0], *pieces)
 
         return wrapped
+
+    def split(self) -> list[tf.Tensor]:
+        """The shard variable cut into each variable's slice, once per traced function: the
+        gradient of a split is one concatenation, where each slice of the variable would have
+        its own gradient the size of the whole shard."""
+        graph = tf.compat.v1.get_default_graph()
+        if self._split is None or self._split[0] is not graph:
+            self._split = (graph, tf.split(tf.convert_to_tensor(self.shard.var.value),
+                                           self.shard.owns))
+        return self._split[1]
 
     def release(self) -> None:
         """Empties the model's variables: the rank keeps its slices (in the shard variable)
@@ -208,14 +225,18 @@ class Stage3Kernels(UnitKernels):
     """Stage 2's kernels where the gradient of the shard variable comes out of the tape already
     reduce-scattered (each unit's backward does it) and nothing is gathered after the step."""
 
+    def __init__(self, *args: Any, units: Stage3Units, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units = units
+
     def _shard_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
                          ) -> tuple[tf.Tensor, dict, tf.Tensor]:
-        var = self.shard.var.value
         with tf.GradientTape() as tape:
+            pieces = self.units.split()  # what the units' forward passes take their slices from
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=True)
             target = self.precision.scale(self.optimizer, loss_sum * scale)
-        mine = tape.gradient(target, var, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return loss_sum, metrics, tf.convert_to_tensor(mine)
+        grads = tape.gradient(target, pieces, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return loss_sum, metrics, tf.concat(grads, 0)
 
     def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
         """The last micro-batch and the shard's update: its loss sum and metrics, and 0 for the
