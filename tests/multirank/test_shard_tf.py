@@ -6,7 +6,9 @@ bytes.
 One launch under Gloo (-np 2): the ring and the sharded update with SGD with momentum (1 epoch,
 global batch 32), the same with Adam and weight decay (2 epochs, a checkpoint every 20 steps),
 the sharded Adam run resumed from its step-60 checkpoint, and fp16 on the wire. The 9,610
-parameters travel in 8 KiB rounds (three a step). Under MPI, one launch of the SGD pair.
+parameters travel in 8 KiB rounds (three a step). Under MPI, one launch of the SGD pair, `long`:
+make test's MPI launch of TensorFlow's sharding (test_tf_shard2.py) trains stage 1 beside the
+ring and stage 2.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def assert_near(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: s
         np.testing.assert_allclose(got[key], want[key], rtol=0, atol=TOLERANCE, err_msg=what)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.long)])
 def test_two_ranks_with_sgd_momentum_equal_the_ring(sharded_tf, controller):
     launch = sharded_tf(controller)
     p0, p1 = (launch.rank("shard_sgd", r)[0] for r in (0, 1))

@@ -6,7 +6,9 @@ One launch under Gloo (-np 2, 2 micro-batches a step of 8 samples a rank, global
 ring and stage 2 with Adam and weight decay (2 epochs, a checkpoint every 20 steps), stage 1
 resumed from stage 2's step-60 checkpoint, the ring and stage 2 with AdamW (1 epoch), and SGD
 with momentum at stage 2, and clipped by global norm on the ring and at stage 2. Under
-MPI, one launch of the ring and stage 2 with SGD with momentum. In make test-long, one rank
+MPI, one launch of the ring and stages 1 and 2 with SGD with momentum (make test's MPI rows of
+TensorFlow's sharding, stage 1's too: test_shard_tf.py's own MPI launch is `long`). In make
+test-long, one rank
 (batch 16, the same global batch) resumes stage 2's step-60 checkpoint at stage 2.
 """
 
@@ -66,7 +68,8 @@ def stage2(tmp_path_factory) -> Callable[[str], Launch]:
                         f"s2_clip:{sgd},{CLIP},{STAGE2}"]
             elif which == "mpi":
                 sgd = f"{step(2, 1, 0.025)},{SGD}"
-                runs = [f"ring_sgd:{sgd}", f"s2_sgd:{sgd},{STAGE2}"]
+                runs = [f"ring_sgd:{sgd}", f"s2_sgd:{sgd},{STAGE2}",
+                        f"s1_sgd:{sgd},shard.stage=1,shard.chunk_kib=8"]
             else:
                 saved = checkpoint(get("gloo"), "s2_adam", 60)
                 runs = [f"one:{step(1, 2, 0.001)},{ADAM},{STAGE2},checkpoint.resume={saved}"]
@@ -116,10 +119,16 @@ def test_stage2_equals_the_ring_clips_and_stage1_resumes_its_checkpoint(stage2):
     assert max(np.abs(ring[k] - free[k]).max() for k in ring) > 1e-2  # the clip bites
 
 
-def test_stage2_equals_the_ring_under_mpi(stage2):
+def test_stages_1_and_2_equal_the_ring_under_mpi(stage2):
     launch = stage2("mpi")
-    assert_near(assert_ranks_agree(launch, "s2_sgd"), launch.rank("ring_sgd", 0)[0],
-                "SGD with momentum, accumulation: stage 2 under MPI")
+    ring = launch.rank("ring_sgd", 0)[0]
+    for stage in (1, 2):
+        run = f"s{stage}_sgd"
+        assert_near(assert_ranks_agree(launch, run), ring,
+                    f"SGD with momentum, accumulation: stage {stage} under MPI")
+        summary = launch.summary(run)
+        assert summary["shard_stage"] == stage
+        assert summary["shard_ranks"] == summary["world_size"] == 2
 
 
 @pytest.mark.long
