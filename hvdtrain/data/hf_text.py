@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ def _chunks(sources: Sequence[Path]) -> Iterator[list[str]]:
     for source in sources:
         text = source.read_text(encoding="utf-8", errors="replace").rstrip("\n") + "\n"
         lines = text.splitlines(keepends=True)
+        del text  # the lines hold the text; not a second copy of it while they are encoded
         for start in range(0, len(lines), CHUNK_LINES):
             yield lines[start:start + CHUNK_LINES]
 
@@ -109,7 +109,7 @@ class Encoder:
 
     def encode(self, lines: list[str]) -> list[Any]:
         """The library's encodings of ``lines``, one a line (:meth:`ids` reads them). Both
-        libraries encode without holding the GIL, so :func:`encode` runs this on a thread."""
+        libraries encode a batch on their own threads, without holding the GIL."""
         if self.sentencepiece:
             return list(self.impl.encode(lines))
         return list(self.impl.encode_batch_fast(lines, add_special_tokens=False))
@@ -159,22 +159,32 @@ def make_tokenized_text(sources: Sequence[str | Path], out: str | Path, val_frac
                          "sources": [str(s) for s in sources]}, path)
 
 
-def encode(encoder: Encoder, chunks: Iterable[list[str]]) -> np.ndarray:
-    """The ids of ``chunks`` as one array (``uint16`` up to 65,536 ids, else ``uint32``)."""
-    dtype = "uint16" if encoder.vocab_size <= 1 << 16 else "uint32"
-    pieces: list[np.ndarray] = []
-    # One piece ahead: the library encodes piece k + 1 on its threads (without the GIL) while
-    # this thread reads piece k's ids into an array, so that the ids cost no time of their own.
-    with ThreadPoolExecutor(1) as pool:
-        pending: Future[list[Any]] | None = None
-        for chunk in chunks:
-            ahead = pool.submit(encoder.encode, chunk)
-            if pending is not None:
-                pieces.append(np.fromiter(encoder.ids(pending.result()), dtype))
-            pending = ahead
-        if pending is not None:
-            pieces.append(np.fromiter(encoder.ids(pending.result()), dtype))
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+def id_dtype(vocab_size: int) -> str:
+    """The ids' array type: ``uint16`` up to 65,536 tokens, else ``uint32``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def encode(encoder: Encoder, chunks: Iterable[list[str]]) -> list[np.ndarray]:
+    """The ids of ``chunks``, an array a chunk (``uint16`` up to 65,536 ids, else ``uint32``)."""
+    dtype = id_dtype(encoder.vocab_size)
+    # One chunk after the other on this thread, as a user of the library would: it encodes a
+    # chunk on every core already, and reading the previous chunk's ids on a thread of our own
+    # beside it (as make-text did until this) made three busy threads on two cores, the likely
+    # cause of its 18% more CPU time than the library's at 100 MB; the ids cost about 3% of
+    # the encoding (docs/benchmarks.md, "make-text with a tokenizer").
+    return [np.fromiter(encoder.ids(encoder.encode(chunk)), dtype) for chunk in chunks]
+
+
+def write_span(pieces: Sequence[np.ndarray], start: int, stop: int, path: Path) -> None:
+    """Writes ids ``start`` to ``stop`` of the ``pieces`` laid end to end to ``path``, a piece at
+    a time (the corpus's ids are never copied into one array)."""
+    with path.open("wb") as fileobj:
+        offset = 0
+        for piece in pieces:
+            lo, hi = max(start - offset, 0), min(stop - offset, len(piece))
+            if lo < hi:
+                piece[lo:hi].tofile(fileobj)
+            offset += len(piece)
 
 
 def write_corpus(root: Path, encoder: Encoder, chunks: Iterable[list[str]], val_fraction: float,
@@ -185,23 +195,26 @@ def write_corpus(root: Path, encoder: Encoder, chunks: Iterable[list[str]], val_
     tokenizer (read from ``path``, or the one trained) and ``meta.json`` (``info`` added to it).
     Returns the meta."""
     vocab = encoder.vocab_size
-    tokens = encode(encoder, chunks)
-    split = len(tokens) - round(len(tokens) * val_fraction)
+    pieces = encode(encoder, chunks)
+    total = sum(len(piece) for piece in pieces)
+    split = total - round(total * val_fraction)
     if val_chunks is not None:
-        split = len(tokens)
-        tokens = np.concatenate([tokens, encode(encoder, val_chunks)])
-    dtype = str(tokens.dtype)
-    if tokens.size and int(tokens.max()) >= vocab:  # added tokens beyond the reported size
+        split = total
+        pieces += encode(encoder, val_chunks)
+        total = sum(len(piece) for piece in pieces)
+    dtype = id_dtype(vocab)
+    top = max((int(piece.max()) for piece in pieces if piece.size), default=-1)
+    if top >= vocab:  # added tokens beyond the reported size
         raise HvdtrainError(f"tokenizer {info.get('tokenizer')}: it gives id "
-                            f"{int(tokens.max())}, outside its vocabulary of {vocab}")
-    if split < 2 or len(tokens) - split < 2:
-        raise HvdtrainError(f"{len(tokens)} tokens of text leave a split empty at a validation "
+                            f"{top}, outside its vocabulary of {vocab}")
+    if split < 2 or total - split < 2:
+        raise HvdtrainError(f"{total} tokens of text leave a split empty at a validation "
                             f"fraction of {val_fraction}; give more text")
     root.mkdir(parents=True, exist_ok=True)
     meta = {"vocab_size": vocab, "dtype": dtype, "train_tokens": split,
-            "val_tokens": len(tokens) - split, **info,
+            "val_tokens": total - split, **info,
             "tokenizer_file": encoder.save(root, path)}
-    tokens[:split].tofile(root / SPLITS["train"])
-    tokens[split:].tofile(root / SPLITS["test"])
+    write_span(pieces, 0, split, root / SPLITS["train"])
+    write_span(pieces, split, total, root / SPLITS["test"])
     (root / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta

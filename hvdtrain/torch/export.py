@@ -1,13 +1,15 @@
 """The PyTorch half of ``hvdtrain export`` (:mod:`hvdtrain.export`): a checkpoint's model entries,
 merged from its parts where pipeline stages wrote it, as safetensors or a transformers directory.
 A checkpoint whose ranks wrote their own shards (``shard.stage`` 1-3) is exported to safetensors
-one whole tensor at a time (:func:`hvdtrain.torch.shard_files.write_export`); a ring run's is
-mapped from its file and written a tensor at a time (:func:`mapped_state`)."""
+one whole tensor at a time (:func:`hvdtrain.torch.shard_files.write_export`); a ring run's, and
+each part of one that pipeline stages wrote, is mapped from its file (:func:`mapped_state`,
+:func:`mapped_parts`) and written a tensor at a time."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +21,21 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.registry import MODELS
 from hvdtrain.shard_files import safetensors_header
 from hvdtrain.torch.models import ClassifierAdapter
-from hvdtrain.torch.parts import read_parts, read_state
+from hvdtrain.torch.parts import checked_part, read_state
 from hvdtrain.torch.shard_files import NAMES, sources, whole_params, write_export
 
 
 def checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The model entries of the checkpoint at ``path`` (every part's, for one written in parts;
-    a whole checkpoint's mapped from its file) and its meta."""
+    """The model entries of the checkpoint at ``path`` (every part's, for one written in parts)
+    mapped from their files, and its meta."""
     state = mapped_state(path)
     model, meta = dict(state["model"]), state["meta"]
     source = sources(state, path, str(path))
     if source is not None:  # written by every rank of sharded data parallel
         model.update(whole_params(source))
     elif meta.get("parts"):
-        for part in read_parts(path.parent, meta["parts"], str(path)):
-            model.update(part["model"])
+        for part in mapped_parts(path.parent, meta["parts"], str(path)):
+            model.update(part)
     if not model:
         raise HvdtrainError(f"export: {path} holds no model entries")
     return model, meta
@@ -76,19 +78,31 @@ def write_safetensors(entries: dict[str, torch.Tensor], out: Path, meta: dict[st
     return path
 
 
-def mapped_state(path: Path) -> dict[str, Any]:
-    """The checkpoint at ``path`` with its tensors mapped from the file (``mmap``): a tensor's
-    pages are read when it is written and can be dropped after. A file ``torch.load`` cannot
-    map (an older format) is read whole by :func:`hvdtrain.torch.parts.read_state`, which
-    also gives the one-line error for a file that is no checkpoint."""
+def mapped_state(path: Path, where: str | None = None) -> dict[str, Any]:
+    """The checkpoint (or part) at ``path`` with its tensors mapped from the file (``mmap``): a
+    tensor's pages are read when it is written and can be dropped after, and what is not
+    written (the optimizer's state) is never read. A file ``torch.load`` cannot map (an older
+    format) is read whole by :func:`hvdtrain.torch.parts.read_state`, which also gives the
+    one-line error (naming ``where``, default the path) for a file that is no checkpoint."""
+    where = where or str(path)
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001  (read_state names what is wrong in one line)
-        return read_state(path.read_bytes(), str(path))
+        return read_state(path.read_bytes(), where)
     if not (isinstance(state, dict) and {"model", "optimizer", "meta"} <= state.keys()
             and isinstance(state["meta"], dict)):
-        return read_state(path.read_bytes(), str(path))
+        return read_state(path.read_bytes(), where)
     return state
+
+
+def mapped_parts(directory: Path, entries: Sequence[Mapping[str, Any]], where: str
+                 ) -> Iterator[dict[str, torch.Tensor]]:
+    """The model entries of each part that the manifest ``entries`` name, checked against its
+    sha256 and mapped from its file (:func:`mapped_state`): no part is read whole, so the
+    export holds one tensor's pages at a time, as for a ring run's checkpoint."""
+    for entry in entries:
+        path = checked_part(directory, entry, where)
+        yield dict(mapped_state(path, f"part {path}")["model"])
 
 
 def write_hf(cfg: Config, checkpoint: Path, entries: dict[str, torch.Tensor], out: Path) -> None:
@@ -137,6 +151,6 @@ def export_torch(cfg: Config, checkpoint: Path, fmt: str, out: Path) -> None:
     if source is not None:  # shards: streamed, never the whole model in memory
         write_export(source, out / "model.safetensors", state["meta"],
                      *unshared(dict(source["model"])))
-    else:  # a ring run's tensors mapped from the file; pipeline stages' parts read whole
+    else:  # a ring run's tensors, or pipeline stages' parts, mapped from their files
         entries, meta = checkpoint_model(checkpoint)
         write_safetensors(entries, out, meta)

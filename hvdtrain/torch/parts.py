@@ -61,20 +61,27 @@ def part_bytes(modules: Iterable[nn.Module], params: Sequence[str],
     return buffer.getvalue()
 
 
+def checked_part(directory: Path, entry: Mapping[str, Any], where: str) -> Path:
+    """The part file that the manifest ``entry`` names in ``directory``, checked against its
+    sha256; one-line errors naming the part (:func:`read_parts`)."""
+    path = part_file(directory, entry, where)  # the very file verify() checked
+    try:
+        same = sha256_of(path) == entry.get("sha256")
+    except OSError as exc:
+        raise HvdtrainError(f"{where}: cannot read its part {path} "
+                            f"({exc.strerror or exc})") from None
+    if not same:
+        raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
+    return path
+
+
 def read_parts(directory: Path, entries: Sequence[Mapping[str, Any]], where: str) -> list[StagePart]:
     """The parts that ``entries`` (manifest entries) name, from ``directory``, each checked
     against its sha256 first; one-line errors naming the part, and for an entry that names a
     path rather than a file of ``directory`` (:func:`hvdtrain.checkpoint.part_file`)."""
     parts = []
     for entry in entries:
-        path = part_file(directory, entry, where)  # the very file verify() checked
-        try:
-            same = sha256_of(path) == entry.get("sha256")
-        except OSError as exc:
-            raise HvdtrainError(f"{where}: cannot read its part {path} "
-                                f"({exc.strerror or exc})") from None
-        if not same:
-            raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
+        path = checked_part(directory, entry, where)
         state = read_state(path.read_bytes(), f"part {path}")
         parts.append({"model": state["model"], "optimizer": state["optimizer"],
                       "params": list(state.get("params", ())),
