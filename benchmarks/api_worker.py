@@ -5,10 +5,11 @@ The same model, data, optimizer, batch, epochs, evaluation and clock as the hand
 the few lines the docs page changes: ``Trainer`` instead of ``hvd.init`` and the seeding,
 ``setup`` instead of the broadcasts and ``DistributedOptimizer``, ``dataloader`` instead of
 ``DistributedSampler``, ``trainer.backward`` instead of ``loss.backward``, ``trainer.save``
-(atomic, with its manifest) instead of ``torch.save`` on rank 0. As in the hand-written loop,
-batches are cut by tensor indexing (the dataset's ``__getitems__``, identity collation), so a
-``DataLoader``'s per-sample collation does not enter the comparison. The config pins what the
-hand-written loop hard-codes (``hvdtrain_worker.overrides``).
+(atomic, with its manifest) instead of ``torch.save`` on rank 0. Both loops iterate a
+``DataLoader`` over the same dataset (``handwritten_torch.Indexed``: a batch by one tensor
+indexing, identity collation), the hand-written one with torch's ``DistributedSampler``, this one
+with hvdtrain's global-batch sampler. The config pins what the hand-written loop hard-codes
+(``hvdtrain_worker.overrides``).
 
 The interleaved job calls :func:`run_torch` as variant ``api_worker:api_torch``, and
 :func:`run_tf`, ``handwritten_tf.py``'s loop on :class:`hvdtrain.tensorflow.tape.TapeTrainer`, as
@@ -37,23 +38,6 @@ from hvdtrain.torch import Trainer  # noqa: E402
 from workload import BASE_LR, MOMENTUM  # noqa: E402
 
 
-class Indexed(torch.utils.data.Dataset):
-    """Two tensors, fetched a batch at a time by indexing (``DataLoader`` calls ``__getitems__``)."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.tensor(idx, dtype=torch.long)
-        return self.x[index], self.y[index]
-
-
 def run_torch(epochs: int, out_dir: Path) -> dict[str, Any]:
     """Trains from scratch on the API, evaluates, checkpoints; returns a measurement."""
     config = hvdtrain_worker.CONFIGS["torch"]
@@ -63,8 +47,8 @@ def run_torch(epochs: int, out_dir: Path) -> dict[str, Any]:
     model = handwritten_torch.make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR * trainer.size, momentum=MOMENTUM)
     model, optimizer = trainer.setup(model, optimizer)
-    loader = trainer.dataloader(Indexed(train_x, train_y), num_workers=0,
-                                collate_fn=lambda batch: batch)
+    loader = trainer.dataloader(handwritten_torch.Indexed(train_x, train_y), num_workers=0,
+                                collate_fn=handwritten_torch.keep_batch)
 
     clock = workload.Clock()
     started = time.perf_counter()

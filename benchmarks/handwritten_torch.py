@@ -5,9 +5,13 @@ problem as ``configs/digits_torch.yaml``: scikit-learn's digits (same stratified
 ``hvdtrain.data.digits.DigitsDataset``), the same MLP, SGD at ``0.05 x size`` with momentum 0.9,
 ``hvd.DistributedOptimizer``, a per-rank batch of 32 sharded by ``DistributedSampler`` with a
 shuffle per epoch, then one evaluation on the test split and one ``torch.save`` on rank 0.
-The data stay in memory and batches are cut by tensor indexing, as hvdtrain does, so that a
-``DataLoader``'s per-sample collation does not enter the comparison. It deliberately does not import
-hvdtrain; its settings and data come from :mod:`workload`, as the other workers' do.
+The loop is the one Horovod's users write (and issue 58's): ``train_loader.sampler.set_epoch(epoch)``
+and ``for x, y in train_loader`` over a ``DataLoader`` with a ``DistributedSampler``. The data stay
+in memory: the dataset (:class:`Indexed`) hands the loader a batch by one tensor indexing
+(``__getitems__``, identity collation), so a per-sample collation does not enter the comparison;
+the API loop (``api_worker.py``) goes through a ``DataLoader`` over the same dataset the same way.
+It deliberately does not import hvdtrain; its settings and data come from :mod:`workload`, as the
+other workers' do.
 
 The interleaved job (``workload.job_main``) calls :func:`run` as variant
 ``handwritten_torch:handwritten_torch``. The wall time runs from the first step through the final
@@ -25,6 +29,7 @@ import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import workload
@@ -43,19 +48,49 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 10))
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: DistributedSampler,
-          x: torch.Tensor, y: torch.Tensor, epochs: int, clock: workload.Clock) -> int:
+class Indexed(torch.utils.data.Dataset):
+    """Two tensors, fetched a batch at a time by indexing (``DataLoader`` calls ``__getitems__``)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.tensor(idx, dtype=torch.long)
+        return self.x[index], self.y[index]
+
+
+def keep_batch(batch: Any) -> Any:
+    """The loaders' ``collate_fn``: ``Indexed.__getitems__`` already returns the batch."""
+    return batch
+
+
+def make_loader(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+    """The training loader as in Horovod's ``pytorch_mnist.py``: a ``DistributedSampler`` that
+    shuffles per epoch, ``BATCH_SIZE`` samples per rank and step, no loader workers."""
+    dataset = Indexed(x, y)
+    sampler = DistributedSampler(dataset, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True,
+                                 seed=SEED)
+    return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=0,
+                      collate_fn=keep_batch)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, train_loader: DataLoader,
+          epochs: int, clock: workload.Clock) -> int:
     """Trains for ``epochs`` epochs and returns the number of optimizer steps."""
     model.train()
     steps = 0
     for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        order = torch.tensor(list(sampler))
-        for begin in range(0, len(order), BATCH_SIZE):
+        train_loader.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        for x, y in train_loader:
             clock.step()
-            idx = order[begin:begin + BATCH_SIZE]
             optimizer.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             steps += 1
@@ -81,7 +116,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     """Trains from scratch, evaluates, saves to ``out_dir`` on rank 0; returns a measurement.
 
-    Every call builds its own model, optimizer and sampler and reseeds, so repeated calls in one
+    Every call builds its own model, optimizer and loader and reseeds, so repeated calls in one
     process (``workload.job_main``) are independent and alike. ``hvd.init`` is idempotent.
     """
     hvd.init()
@@ -93,12 +128,11 @@ def run(epochs: int, out_dir: Path) -> dict[str, Any]:
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    sampler = DistributedSampler(torch.utils.data.TensorDataset(train_x, train_y),
-                                 num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=SEED)
+    train_loader = make_loader(train_x, train_y)
 
     clock = workload.Clock()
     started = time.perf_counter()
-    steps = train(model, optimizer, sampler, train_x, train_y, epochs, clock)
+    steps = train(model, optimizer, train_loader, epochs, clock)
     clock.evaluation()
     _, eval_accuracy = evaluate(model, test_x, test_y)
     if hvd.rank() == 0:

@@ -34,7 +34,7 @@ import torch.utils.data
 from hvdtrain.checkpoint import CheckpointManager
 from hvdtrain.config import Config, load_config
 from hvdtrain.data.loading import loader_workers
-from hvdtrain.data.sampler import EpochPlan
+from hvdtrain.data.sampler import EpochPlan, StepIndices
 from hvdtrain.driver import start_on_rank0
 from hvdtrain.errors import EnvironmentFailure, HvdtrainError
 from hvdtrain.exchange import ExchangeRequest
@@ -301,40 +301,44 @@ class Trainer(OwnLoop):
         """Back-propagates ``loss``, the mean over this micro-batch's samples, weighted so that
         the exchanged gradient is the mean over the global batch (ranks may hold unequal
         shares), through the loss scaler; the gradients accumulate over the step's micro-batches."""
-        if not hasattr(self.engine, "kernels"):
+        # The hot path of every user step: attributes read once, the no-op calls skipped
+        # (benchmarks/overhead.py --candidate api measures what is left).
+        engine = self.engine
+        if not hasattr(engine, "kernels"):
             raise HvdtrainError("trainer.backward() before trainer.setup(model, optimizer)")
-        self.settle()
-        step, accumulation = self._current(), self.engine.accumulation
-        self.check_elastic(step, "backward")
-        last = self.micro == accumulation - 1
-        self.engine.exchange.backward_starts(last)
+        if self.pending:
+            self.settle()
+        step, accumulation, micro = self._current(), engine.accumulation, self.micro
+        if self.elastic_state is not None:
+            self.check_elastic(step, "backward")
+        engine.exchange.backward_starts(micro == accumulation - 1)
         if step is None:  # the user's own loader: equal shares assumed
-            self.engine.precision.backward(loss, 1.0 / accumulation)
+            engine.precision.backward(loss, 1.0 / accumulation)
         else:
-            count = len(step.micro[self.micro])
+            count = len(step.micro[micro])
             if count == 0:  # nothing here: zero gradients still join the exchange
-                params = [p for p in self.engine.model.parameters() if p.requires_grad]
+                params = [p for p in engine.model.parameters() if p.requires_grad]
                 cast(torch.Tensor, sum(p.sum() for p in params)).backward(torch.tensor(0.0))
             else:
-                weight = self.engine.data_size * count / step.global_count
-                self.engine.precision.backward(loss, weight)
-        self.micro += 1
+                engine.precision.backward(loss, engine.data_size * count / step.global_count)
+        self.micro = micro + 1
 
     def optimizer_step(self) -> None:
         """The wrapped optimizer's ``step``: at a global batch's last micro-batch, the exchange and
         update, then the position advances and a checkpoint or stop may follow."""
-        if not hasattr(self.engine, "kernels"):
+        engine = self.engine
+        if not hasattr(engine, "kernels"):
             raise HvdtrainError("optimizer.step() before trainer.setup(model, optimizer)")
-        if self.micro < self.engine.accumulation:
+        if self.micro < engine.accumulation:
             return  # accumulating: the exchange runs once per global batch
         if self.schedule:
-            self.engine.kernels.set_lr(self.lr())
-        self.engine.exchange.run_length(self.total_steps)  # comm.dense_fraction's steps
-        self.engine._stats = exchange_and_update(self.engine.kernels, self.engine.exchange)
+            engine.kernels.set_lr(self.lr())
+        engine.exchange.run_length(self.total_steps)  # comm.dense_fraction's steps
+        engine._stats = exchange_and_update(engine.kernels, engine.exchange)
         step = self._current()
         if self.elastic_state is not None and step is not None:
             self.elastic_state.record.add(self.position.epoch, step)
-        self._advance()
+        self._advance(step)
         self.pending = True
 
     def lr(self) -> float:
@@ -343,8 +347,9 @@ class Trainer(OwnLoop):
         return lr_at(self.position.step, self.total_steps, self.cfg.optim,
                      self.engine.data_size, base_lr=world.lr)
 
-    def _advance(self) -> None:
-        step, pos = self._current(), self.position
+    def _advance(self, step: StepIndices | None) -> None:
+        """Moves the position past ``step`` (this step's indices; None: the user's own loader)."""
+        pos = self.position
         self.micro = 0
         pos.step += 1
         if step is None:

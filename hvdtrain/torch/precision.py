@@ -63,6 +63,8 @@ class Precision(PrecisionKernels):
         the graph: the same gradients, one operation fewer each way."""
         if self.scaler is not None:
             self.scaler.scale(loss * weight).backward()
+        elif weight == 1.0:  # torch's own seed (ones): the same gradients, no seed to validate
+            loss.backward()
         else:
             loss.backward(torch.full_like(loss, weight))
 
