@@ -3,8 +3,9 @@ the same text, side by side (issue 59's target: within 10%).
 
 A corpus of ``--mb`` megabytes (this repository's README.md and docs/*.md, repeated) is encoded by
 a BPE of ``--vocab`` tokens trained on the docs once. The library's time (A) is
-``Tokenizer.encode_batch_fast`` over the same lines in the same pieces of 4,096; make-text's (B)
-is the whole of it (reading, encoding, one array of the ids, writing). A round runs A, B and the
+``Tokenizer.encode_batch_fast`` over the same lines in the same pieces of 4,096, each piece's ids
+kept in an array, as any user of the library keeps them; make-text's (B) is the whole of it
+(reading, encoding, the ids in arrays, writing). A round runs A, B and the
 library again (A', the A/A control), in reverse order every other round; the medians over
 ``--repeats`` rounds are compared (:mod:`benchmarks.harness`), and the section is written to
 docs/benchmarks.md unless ``--no-write``.
@@ -23,11 +24,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import harness
-from hvdtrain.data.hf_text import CHUNK_LINES, make_tokenized_text
+from hvdtrain.data.hf_text import CHUNK_LINES, id_dtype, make_tokenized_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 1.10
@@ -43,15 +47,21 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def library(tokenizer_file: Path, corpus: Path, out: Path) -> None:
-    """The library alone: read, split into lines, encode in pieces (the ids left as the library
-    gives them: make-text's turning them into one array and writing it count against it)."""
+def library(tokenizer_file: Path, corpus: Path, out: Path) -> np.ndarray:
+    """The library alone, as its user gets a corpus's ids into an array: read, split into lines,
+    encode in pieces, each piece's ids (``Encoding.ids``) into an array, one array of them.
+    (Until 2026-12-06 the ids were left as the library gave them, not kept: a baseline that
+    did less than any use of the library.) make-text's writing the files counts against it."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     lines = corpus.read_text().splitlines(keepends=True)
+    dtype = id_dtype(tokenizer.get_vocab_size(with_added_tokens=True))
+    pieces = []
     for k in range(0, len(lines), CHUNK_LINES):
-        tokenizer.encode_batch_fast(lines[k:k + CHUNK_LINES], add_special_tokens=False)
+        encodings = tokenizer.encode_batch_fast(lines[k:k + CHUNK_LINES], add_special_tokens=False)
+        pieces.append(np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype))
+    return np.concatenate(pieces)
 
 
 def make_text(tokenizer_file: Path, corpus: Path, out: Path) -> None:
@@ -63,7 +73,7 @@ def measure(tokenizer: Path, corpus: Path, work: Path, rounds: int, first: int =
             ) -> dict[str, list[dict[str, float]]]:
     """``rounds`` rounds of A, B, A' (reversed every other round, counted from ``first``): each
     variant's wall and CPU seconds a run."""
-    variants: list[tuple[str, Callable[[Path, Path, Path], None]]] = [
+    variants: list[tuple[str, Callable[[Path, Path, Path], object]]] = [
         (BASELINE, library), (CANDIDATE, make_text), (CONTROL, library)]
     samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
     for index in range(first, first + rounds):
@@ -139,9 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes = [
         f"A {size:.1f} MB corpus (README.md and docs/*.md repeated) encoded with a byte-level BPE "
         f"of {args.vocab:,} tokens trained on the docs; `make_tokenized_text` (what `hvdtrain "
-        "data make-text --tokenizer FILE` runs: read, encode, one array, write) against "
+        "data make-text --tokenizer FILE` runs: read, encode, the ids in arrays, write) against "
         f"`Tokenizer.encode_batch_fast` over the same lines in the same pieces of {CHUNK_LINES:,}, "
+        "each piece's ids (`Encoding.ids`) into a numpy array and one array of them at the end, "
         f"in one process, {rounds} rounds of A, B, A' (reversed every other round).",
+        "Since efb58d9 the baseline keeps the ids: before, it left them as the library returned "
+        "them (less work than any use of the library; the 1.151 of c541683 was measured so), and "
+        "make-text reads each piece's ids on the calling thread after the library encodes it, "
+        "as the baseline does; before, a thread of its own read them beside the library's "
+        "encoding threads (three busy threads on two cores).",
         "CPU time is the process's user and system time over the run, every thread's: the "
         "work done, which a loaded machine's scheduling moves less than the wall time.",
         f"Result, make-text / tokenizers time: {verdict}.",
