@@ -7,9 +7,10 @@ step of 13: the last micro-batch holds one sample of copy 0 and none of copy 1, 
 run three micro-batches to copy 0's four. Several trainings share each launch: TensorFlow's
 start-up is most of a launch's time.
 
-`make test` runs the one-process reference, Gloo's -np 4 launch (gpipe, 1f1b with a split by
-index) and MPI's (1f1b and qsgd: the cheapest MPI rows, a stage's average in a process set of 2
-copies); the -np 2 launches, MPI's gpipe and Gloo's qsgd are `long` (`make test-long`).
+`make test` runs the one-process reference and MPI's -np 4 launch (1f1b with a split by index,
+qsgd and gpipe: a stage's average in a process set of 2 copies); Gloo's -np 4 launches and the
+-np 2 launches are `long` (`make test-long`). TensorFlow's stages train under Gloo in make test
+in test_pipeline_checkpoint.py and test_pipeline_tf_compression.py.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ NP2 = {"gpipe": PIPE.format(b=16, s="gpipe"), "1f1b": PIPE.format(b=16, s="1f1b"
 LONG = pytest.mark.long
 # The launches: per (np, controller), groups of runs, each group one launch.
 GROUPS = {(1, "gloo"): [["one"]], (4, "gloo"): [["gpipe", "1f1b"], ["qsgd"]],
-          (4, "mpi"): [["1f1b", "qsgd"], ["gpipe"]],
+          (4, "mpi"): [["1f1b", "qsgd", "gpipe"]],
           (2, "gloo"): [["gpipe", "1f1b"]], (2, "mpi"): [["gpipe", "1f1b"]]}
 CONTROLLERS = [pytest.param("gloo", marks=LONG), "mpi"]  # of qsgd
-# (controller, np, run): Gloo's -np 4 and MPI's -np 4 1f1b in `make test`, the rest `long`.
-MATRIX = [("gloo", 4, "gpipe"), ("gloo", 4, "1f1b"), ("mpi", 4, "1f1b")] + [
+# (controller, np, run): MPI's -np 4 in `make test`, the rest `long`.
+MATRIX = [("mpi", 4, "1f1b"), ("mpi", 4, "gpipe")] + [
     pytest.param(c, n, r, marks=LONG) for c, n, r in
-    [("gloo", 2, "gpipe"), ("gloo", 2, "1f1b"), ("mpi", 4, "gpipe"), ("mpi", 2, "gpipe"),
-     ("mpi", 2, "1f1b")]]
+    [("gloo", 4, "gpipe"), ("gloo", 4, "1f1b"), ("gloo", 2, "gpipe"), ("gloo", 2, "1f1b"),
+     ("mpi", 2, "gpipe"), ("mpi", 2, "1f1b")]]
 # A test's first launch trains up to three epochs at -np 4 (about 4 minutes under Gloo on 2 busy
 # cores, more under MPI) after the one-process reference.
 pytestmark = pytest.mark.timeout(1500)
@@ -99,9 +100,9 @@ def test_stages_train_as_one_process_on_the_global_batch(launches, controller, n
 
 
 def test_each_stage_reports_its_compute_wait_and_memory_and_the_bubble_is_measured(launches):
-    """Gloo's -np 4 launch: the train records carry both stages' figures and the measured bubble
+    """MPI's -np 4 launch: the train records carry both stages' figures and the measured bubble
     (timings: only their ranges are checked)."""
-    records = [r for r in read_jsonl(launches(4, "gloo", "1f1b").out / "1f1b" / "metrics.jsonl")
+    records = [r for r in read_jsonl(launches(4, "mpi", "1f1b").out / "1f1b" / "metrics.jsonl")
                if "step_time_median_s" in r]
     assert records
     for record in records:
