@@ -8,9 +8,10 @@ the other 14 of 32 rows, two of four micro-batches empty), the loss weighting an
 Horovod average in its process set all have to be right. A launch trains several schedules back
 to back.
 
-`make test` runs Gloo's launch of every schedule, MPI's launch of 1F1B alone (the cheapest row that
-averages a stage in an MPI process set) and the 2-rank pipeline with 1F1B; MPI's other schedules
-and the 2-rank GPipe are `long` (`make test-long`).
+`make test` runs Gloo's launch of every schedule and MPI's launch of 1F1B alone (the cheapest row
+that averages a stage in an MPI process set); MPI's other schedules and the 2-rank pipelines are
+`long` (`make test-long`): 2 stages of one copy equal the ring in make test in test_hf_shard.py
+(Hugging Face's GPT-2), and train in test_pipeline_checkpoint.py's stop and resume.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def test_only_the_last_stage_reports_and_every_test_sample_counts_once(four_rank
     assert counts == [0, 180, 0, 180]
 
 
-@pytest.mark.parametrize("name", ["1f1b", pytest.param("gpipe", marks=pytest.mark.long)])
+@pytest.mark.long
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
 def test_two_stages_one_copy_equal_one_process(reference, tmp_path_factory, name):
     run = (f"{name}:data.batch_size=64,optim.lr=0.1,pipeline.stages=2,pipeline.microbatches=4,"
            f"{COMMON},{SCHEDULES[name]}")
