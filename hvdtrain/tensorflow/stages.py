@@ -30,7 +30,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import Exchanged, ExchangeRequest
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.tensorflow.shard import FlatShard, ShardedExchange
-from hvdtrain.tensorflow.step import _traced, clip
+from hvdtrain.tensorflow.step import _traced
 
 
 class StageShardedExchange(ShardedExchange):
@@ -69,7 +69,6 @@ class ShardedUpdate:
     sharded: StageShardedExchange
     optimizer: Any
     precision: Any
-    clip_norm: float
     l2: float
     apply: Any
 
@@ -81,28 +80,14 @@ class ShardedUpdate:
         self.precision.attach(self.optimizer, self._update, [(self.shard.own,)])
 
     def _apply_shard(self, grads: list[tf.Tensor]) -> None:
-        """The optimizer's update of the shard variable with its averaged gradient."""
-        if self.precision.scaling:  # fp16: every copy skips the step, or none does
-            grads = self._agree_overflow(grads)
+        """The optimizer's update of the shard variable with its averaged gradient. Pipeline
+        stages train in fp32 without clipping (the config refuses both), so neither a loss
+        scale's overflow vote nor a norm spans the copies here."""
         self.precision.note(grads)
         var = self.shard.var
-        if self.clip_norm:  # the stage's norm, summed over its copies' shards
-            squares = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
-            norm = tf.sqrt(hvd.allreduce(squares, op=hvd.Sum, name="hvdtrain.stage.shard.clip",
-                                         process_set=self.shard.process_set))
-            grads = clip(grads, norm, self.clip_norm)
         if self.l2:  # as the stage's: L2 on the gradient, element by element
             grads = [g + self.precision.scale(self.optimizer, self.l2 * var.value) for g in grads]
         self.optimizer.apply_gradients(zip(grads, [var], strict=True))
-
-    def _agree_overflow(self, grads: list[tf.Tensor]) -> list[tf.Tensor]:
-        """The shard's gradient, made infinite where any copy's shard overflowed."""
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        flag = hvd.allreduce(tf.where(finite, 0.0, 1.0), op=hvd.Sum,
-                             name="hvdtrain.stage.shard.overflow",
-                             process_set=self.shard.process_set)
-        bump = tf.where(flag > 0, np.inf, 0.0)
-        return [g + bump for g in grads]
 
     def _update(self, grads: list[tf.Tensor]) -> None:
         """Steps the shard, then all-gathers every copy's shard back into the stage's layers (a
