@@ -1,11 +1,13 @@
 """The TensorFlow half of ``hvdtrain export`` (:mod:`hvdtrain.export`): the run's Keras model
-built as training built it, given a checkpoint's weights, saved whole (``keras``:
-``model.keras``) or as weights only (``weights.h5``: ``model.weights.h5``)."""
+built as training built it, given a checkpoint's weights one variable at a time as they are
+read from the file, saved whole (``keras``: ``model.keras``) or as weights only (``weights.h5``:
+``model.weights.h5``)."""
 
 from __future__ import annotations
 
-import io
 import json
+from collections.abc import Generator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -22,40 +24,65 @@ FILES = {"keras": "model.keras", "weights.h5": "model.weights.h5"}
 """The file each TensorFlow format writes in the output directory."""
 
 
-def checkpoint_arrays(path: Path) -> list[np.ndarray]:
-    """The model's variables in a checkpoint of the TensorFlow engine, in the model's order."""
+def checkpoint_arrays(path: Path) -> tuple[int, Generator[np.ndarray, None, None]]:
+    """How many model variables a checkpoint of the TensorFlow engine holds, and an iterator
+    over them in the model's order that reads each from the file when it is reached (the file,
+    an uncompressed ``.npz``, is never read whole: one variable's array is held at a time)."""
+    npz = None
     try:
-        with np.load(io.BytesIO(path.read_bytes()), allow_pickle=False) as npz:
-            meta = json.loads(str(npz["meta"]))
-            count = sum(1 for name in npz.files if name.startswith("model/"))
-            arrays = [npz[f"model/{i}"] for i in range(count)]
+        npz = np.load(path, allow_pickle=False)
+        meta = json.loads(str(npz["meta"]))
+        count = sum(1 for name in npz.files if name.startswith("model/"))
     except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
-        raise HvdtrainError(f"export: {path} is not a TensorFlow checkpoint of hvdtrain "
-                            f"({type(exc).__name__})") from None
+        if npz is not None:
+            npz.close()
+        raise not_ours(path, exc) from None
     # Sharded data parallel's parts (``shards`` in the meta) hold optimizer slots only: at
     # TensorFlow's stages 1-2 the model is whole on every rank and in rank 0's file.
     if isinstance(meta, dict) and meta.get("parts") and "shards" not in meta:
+        npz.close()
         raise HvdtrainError(f"export: {path} was written in parts by pipeline stages; "
                             "TensorFlow exports take a checkpoint of the whole model")
-    return arrays
+    return count, read_arrays(npz, count, path)
+
+
+def not_ours(path: Path, exc: BaseException) -> HvdtrainError:
+    """The one-line error for a file that is no TensorFlow checkpoint of hvdtrain."""
+    return HvdtrainError(f"export: {path} is not a TensorFlow checkpoint of hvdtrain "
+                         f"({type(exc).__name__})")
+
+
+def read_arrays(npz: Any, count: int, path: Path
+                ) -> Generator[np.ndarray, None, None]:
+    """``model/0`` to ``model/{count - 1}`` of the open ``npz``, each read when reached; the
+    file is closed at the end (or when the iterator is closed)."""
+    with npz:
+        for i in range(count):
+            try:
+                value = npz[f"model/{i}"]
+            except Exception as exc:  # noqa: BLE001  (a damaged member: one line naming it)
+                raise not_ours(path, exc) from None
+            yield value
 
 
 def trained_model(cfg: Config, checkpoint: Path) -> Any:
-    """The run's model (``cfg``'s adapter on its dataset) holding the checkpoint's weights."""
+    """The run's model (``cfg``'s adapter on its dataset) holding the checkpoint's weights,
+    assigned one variable at a time as the file is read."""
     from hvdtrain.driver import make_dataset
 
     adapter = make_adapter(MODELS["tensorflow"].get(cfg.model.name), cfg.model.options,
                            cfg.model.name, ClassifierAdapter)
     model = adapter.build(make_dataset(cfg).spec())
-    arrays = checkpoint_arrays(checkpoint)
-    if len(arrays) != len(model.variables):
-        raise HvdtrainError(f"export: {checkpoint} holds {len(arrays)} model variables, the "
-                            f"run's model has {len(model.variables)}")
-    for i, (var, value) in enumerate(zip(model.variables, arrays, strict=True)):
-        if tuple(var.shape) != value.shape:
-            raise HvdtrainError(f"export: {checkpoint}: model/{i} has shape {value.shape}, the "
-                                f"run's model has {tuple(var.shape)}")
-        var.assign(value)
+    count, arrays = checkpoint_arrays(checkpoint)
+    with closing(arrays):
+        if count != len(model.variables):
+            raise HvdtrainError(f"export: {checkpoint} holds {count} model variables, the "
+                                f"run's model has {len(model.variables)}")
+        for i, (var, value) in enumerate(zip(model.variables, arrays, strict=True)):
+            if tuple(var.shape) != value.shape:
+                raise HvdtrainError(f"export: {checkpoint}: model/{i} has shape {value.shape}, "
+                                    f"the run's model has {tuple(var.shape)}")
+            var.assign(value)
     return model
 
 

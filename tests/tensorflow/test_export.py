@@ -38,3 +38,27 @@ def test_a_keras_export_has_the_checkpoints_logits(tmp_path):
     assert np.abs(np.asarray(other(x, training=False)) - expected).max() > 1e-3
     other.load_weights(weights)
     np.testing.assert_allclose(np.asarray(other(x, training=False)), expected, rtol=0, atol=1e-6)
+
+
+def test_the_checkpoint_is_read_one_variable_at_a_time(tmp_path):
+    """The export reads the checkpoint's variables one after another from the file: the most
+    it holds at once is about one variable (4 MiB of 8), not the file's 32 MiB."""
+    import json
+    import tracemalloc
+
+    from hvdtrain.tensorflow.export import checkpoint_arrays
+
+    arrays = {f"model/{i}": np.full((1 << 20,), i, np.float32) for i in range(8)}
+    path = tmp_path / "step-00000001.ckpt"
+    with path.open("wb") as fileobj:
+        np.savez(fileobj, meta=np.array(json.dumps({"position": {"step": 1}})), **arrays)
+    del arrays
+    tracemalloc.start()
+    try:
+        count, values = checkpoint_arrays(path)
+        sums = [float(value.sum()) for value in values]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count == 8 and sums == [float(i << 20) for i in range(8)]
+    assert peak < 3 * (4 << 20), peak  # the file read whole would be 32 MiB
