@@ -104,9 +104,13 @@ def eval_shards(num_samples: int, rank: int, world_size: int, batch_size: int
                 ) -> Iterator[np.ndarray]:
     """This rank's evaluation batches: every ``world_size``-th sample, in order, in batches.
 
-    A rank with no samples still gets one empty batch, so that every rank reports the same metric
-    names to the allreduce that follows.
+    Every rank gets as many batches as the rank with the most samples, its last one short or
+    empty where it has fewer: a sharded model (``shard.stage=3``) gathers its parameters in each
+    batch's forward, a collective of every rank, so a rank with one batch fewer would leave the
+    others waiting. A rank with no samples gets one empty batch, so that every rank reports the
+    same metric names to the allreduce that follows.
     """
     mine = np.arange(rank, num_samples, world_size)
-    for begin in range(0, max(len(mine), 1), batch_size):
+    most = max(-(-num_samples // world_size), 1)  # the largest rank's share
+    for begin in range(0, most, batch_size):
         yield mine[begin:begin + batch_size]

@@ -68,3 +68,12 @@ def test_eval_shards_cover_the_split_and_give_every_rank_a_batch():
     parts = [np.concatenate(list(eval_shards(11, r, 3, 2))) for r in range(3)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(11))
     assert [len(list(eval_shards(1, r, 2, 4))) for r in range(2)] == [1, 1]
+
+
+def test_eval_shards_give_every_rank_as_many_batches():
+    """37 samples at 2 ranks in batches of 2: 19 and 18 samples, 10 batches each (rank 1's last
+    one empty), so that a stage-3 model's gathers in each forward pair up across the ranks."""
+    batches = [list(eval_shards(37, r, 2, 2)) for r in range(2)]
+    assert [len(b) for b in batches] == [10, 10]
+    assert [len(b[-1]) for b in batches] == [1, 0]
+    assert sorted(np.concatenate([np.concatenate(b) for b in batches]).tolist()) == list(range(37))
