@@ -47,10 +47,13 @@ test: setup lint
 
 # The cases marked `long`: the rest of exhaustive matrices (each schedule under each controller, ...)
 # whose representative case runs in `make test`, which they would take well past 30 minutes.
-# They need no cluster: all are multi-rank runs on this machine. scripts/test_long.py runs the
-# pytest invocations (tests/multirank, then tests/tensorflow in a process of its own) and, only
-# when all are green, records the date, commit and counts in docs/testing.md (its marked block).
+# Most are multi-rank runs on this machine; tests/slurm's need the one-node Slurm cluster, started
+# here and stopped whatever the tests do. scripts/test_long.py runs the pytest invocations
+# (tests/multirank, tests/slurm, then tests/tensorflow in a process of its own) and, only when all
+# are green, records the date, commit and counts in docs/testing.md (its marked block).
 test-long: setup
+	trap 'bash scripts/slurm_local.sh stop' EXIT; \
+	bash scripts/slurm_local.sh start || exit 1; \
 	$(BIN)/python scripts/test_long.py
 
 # Horovod's own parallel suites (torch, TensorFlow; Gloo and MPI; 2 ranks) against the installed

@@ -24,10 +24,12 @@ DOC = ROOT / "docs" / "testing.md"
 BEGIN, END = "<!-- test-long:begin -->", "<!-- test-long:end -->"
 INVOCATIONS = [
     ["-m", "long", "--durations=15", "tests/multirank"],
+    ["-m", "long", "tests/slurm"],
     ["-m", "long", "tests/tensorflow"],
 ]
-"""The pytest arguments of each invocation: the TensorFlow folder in a process of its own (as in
-``make test``: Horovod for both frameworks in one process crashes it at exit)."""
+"""The pytest arguments of each invocation: tests/slurm on the one-node cluster that ``make
+test-long`` starts; the TensorFlow folder in a process of its own (as in ``make test``: Horovod
+for both frameworks in one process crashes it at exit)."""
 
 
 @dataclass

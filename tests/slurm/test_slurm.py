@@ -217,6 +217,7 @@ def test_submitted_job_trains_two_ranks(cluster, tmp_path, options):
     assert "restart count 0" in job_log(run_dir, job_id)
 
 
+@pytest.mark.long  # make test: the two-node preemption (tests/cluster/test_slurm_nodes.py)
 def test_preempted_job_requeues_and_resumes(cluster, tmp_path):
     run_dir, epochs = tmp_path / "run", 60
     job_id = submit(run_dir, f"train.epochs={epochs}", "log.every_steps=5", "checkpoint.every_steps=1000")
