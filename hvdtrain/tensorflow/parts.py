@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +119,38 @@ def read_part(path: Path, names: Collection[str], where: str, sha256: str | None
 
 def read_parts(directory: Path, manifest: Iterable[Mapping[str, Any]], names: Collection[str],
                where: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The arrays of ``names`` held by the parts that ``manifest`` lists (each checked against its
-    sha256; an entry two parts hold, such as ``opt/``, is the first part's; an entry that names
-    a path rather than a file of ``directory`` is refused: :func:`hvdtrain.checkpoint.part_file`),
-    and those parts' exchange states merged (slots by variable name:
-    :func:`hvdtrain.compression.state.merge_named`)."""
+    """The arrays of ``names`` held by the parts that ``manifest`` lists (read as
+    :func:`iter_parts` reads them), and those parts' exchange states merged (slots by variable
+    name: :func:`hvdtrain.compression.state.merge_named`)."""
+    manifest = list(manifest)
     values: dict[str, np.ndarray] = {}
-    states = []
-    for part in manifest:
-        # The very file verify() checked; an entry that names a path is refused.
-        found, state = read_part(part_file(directory, part, where), names, where,
-                                 part.get("sha256"))
-        values |= {k: v for k, v in found.items() if k not in values}
-        states.append(state)
+    states: list[dict[str, np.ndarray]] = [{} for _ in manifest]
+    for k, name, value in iter_parts(directory, manifest, names, where, COMPRESSION):
+        if name.startswith(COMPRESSION):
+            states[k][name[len(COMPRESSION):]] = value
+        else:
+            values[name] = value
     return values, merge_named(states, where)
+
+
+def iter_parts(directory: Path, manifest: Iterable[Mapping[str, Any]], names: Collection[str],
+               where: str, prefix: str | None = None
+               ) -> Iterator[tuple[int, str, np.ndarray]]:
+    """``(k, name, array)`` for each array of ``names`` (and, of each part, every array whose
+    name starts with ``prefix``) held by the parts that ``manifest`` lists, ``k`` the part's
+    position in it; each part is checked against its sha256 before it is read, and each array
+    is read from the file when it is reached (:func:`iter_entries`), so that a reader that
+    assigns it and lets it go holds one at a time. An entry two parts hold, such as ``opt/``, is
+    the first part's (a later part's copy is not read); an entry that names a path rather than
+    a file of ``directory`` is refused (:func:`hvdtrain.checkpoint.part_file`)."""
+    wanted = set(names)
+    for k, part in enumerate(manifest):
+        # The very file verify() checked; an entry that names a path is refused.
+        path = part_file(directory, part, where)
+        for name, value in iter_entries(path, set(wanted), where, part.get("sha256"), prefix):
+            if prefix is None or not name.startswith(prefix):
+                wanted.discard(name)
+            yield k, name, value
 
 
 def read_compression(path: Path, where: str) -> dict[str, np.ndarray]:
@@ -146,13 +164,23 @@ def read_entries(path: Path, names: Collection[str], where: str, sha256: str | N
     """The arrays of ``names`` (and every array whose name starts with ``prefix``) that the
     ``.npz`` file ``path`` holds (only those are read), after checking its sha256 when one is
     given."""
+    return dict(iter_entries(path, names, where, sha256, prefix))
+
+
+def iter_entries(path: Path, names: Collection[str], where: str, sha256: str | None = None,
+                 prefix: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, array)`` for each array of ``names`` (and each whose name starts with ``prefix``)
+    that the ``.npz`` file ``path`` holds, in the file's order, after checking its sha256 when
+    one is given. Each array is read from the file when it is reached (``np.load`` opens the
+    archive lazily; hvdtrain's parts are uncompressed), never the file whole."""
     try:
         if sha256 is not None and sha256_of(path) != sha256:
             raise HvdtrainError(f"{where}: its part {path} differs from the manifest (corrupted)")
         wanted = set(names)
         with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files
-                    if name in wanted or (prefix is not None and name.startswith(prefix))}
+            for name in npz.files:
+                if name in wanted or (prefix is not None and name.startswith(prefix)):
+                    yield name, npz[name]
     except HvdtrainError:
         raise
     except Exception as exc:  # noqa: BLE001  (whatever the file holds: one line naming it)
@@ -163,14 +191,37 @@ def read_entries(path: Path, names: Collection[str], where: str, sha256: str | N
 def assign(entries: Mapping[str, Any], values: Mapping[str, np.ndarray], where: str) -> None:
     """Assigns each entry its value, or a one-line error naming what is missing or misshapen
     (``opt/`` entries are taken where present: a stage without loss scaling has none)."""
-    missing = [n for n in entries if n not in values and not n.startswith("optimizer/opt/")]
+    check_complete(entries, values, where)
+    for name, var in entries.items():
+        if name in values:
+            assign_one(var, name, values[name], where)
+
+
+def assign_each(entries: Mapping[str, Any], values: Iterable[tuple[str, np.ndarray]],
+                where: str) -> None:
+    """Assigns each ``(name, array)`` of ``values`` to its entry as it comes (a reader such as
+    :func:`iter_parts` then holds one array at a time), then the one-line error of
+    :func:`assign` for an entry that got none (a caller saves nothing after that error)."""
+    done: set[str] = set()
+    for name, value in values:
+        assign_one(entries[name], name, value, where)
+        done.add(name)
+    check_complete(entries, done, where)
+
+
+def check_complete(entries: Collection[str], present: Collection[str], where: str) -> None:
+    """A one-line error naming the first of ``entries`` that ``present`` lacks (``opt/``
+    entries may be absent: a stage without loss scaling has none)."""
+    missing = [n for n in entries if n not in present and not n.startswith("optimizer/opt/")]
     if missing:
         raise HvdtrainError(f"{where} does not fit the model: no entry {missing[0]} "
                             f"({len(missing)} missing)")
-    for name, var in entries.items():
-        if name not in values:
-            continue
-        if tuple(var.shape) != values[name].shape:
-            raise HvdtrainError(f"{where} does not fit the model: {name} has shape "
-                                f"{values[name].shape}, the model has {tuple(var.shape)}")
-        var.assign(values[name])
+
+
+def assign_one(var: Any, name: str, value: np.ndarray, where: str) -> None:
+    """Assigns ``value`` to the variable ``var`` of entry ``name``, or a one-line error when
+    their shapes differ."""
+    if tuple(var.shape) != value.shape:
+        raise HvdtrainError(f"{where} does not fit the model: {name} has shape "
+                            f"{value.shape}, the model has {tuple(var.shape)}")
+    var.assign(value)

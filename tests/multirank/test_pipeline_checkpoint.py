@@ -7,8 +7,10 @@ with another split, and one at 4 stages x 1 copy (another number of stages and o
 within ``ATOL``; at ``-np 1`` (no stages) a run resumed from the same parted checkpoint agrees too,
 and a run without stages writes an ordinary checkpoint; at ``-np 2`` (2 stages, one copy) a run
 resumed from that ordinary checkpoint agrees with it. TensorFlow with Adam: the same four checks
-at ``-np 2`` (2 stages) and ``-np 1``. A stop signal to one stage of a PyTorch pipeline stops both
-after the same step with a checkpoint in parts, from which a run without stages finishes.
+at ``-np 2`` (2 stages) and ``-np 1``, and ``hvdtrain export`` of the run in parts to ``.keras``
+and ``.weights.h5`` (in this process, from the first launch's run). A stop signal to one stage of
+a PyTorch pipeline stops both after the same step with a checkpoint in parts, from which a run
+without stages finishes.
 
 `make test` runs each framework's first launch (the same, another split and, in PyTorch, another
 number of stages and copies, and a misfit checkpoint refused) and the stop signal; the launches
@@ -28,11 +30,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import keras  # at collection, as in test_kerashub.py: importing TensorFlow sets variables
 import numpy as np
 import pytest
 import yaml
 
 from hvdtrain.checkpoint import parts_of, verify
+from hvdtrain.data.digits import DigitsDataset
+from hvdtrain.export import export
+from hvdtrain.tensorflow.export import FILES  # (its package sets TF_CPP_MIN_LOG_LEVEL)
 from tests.conftest import BIN, CONFIG, TF_CONFIG, horovodrun, hvdtrain_cli, read_jsonl, run_env
 from tests.multirank.conftest import PYTHON, WORKER, Launch
 from tests.multirank.test_pipeline import launch, whole_model
@@ -183,6 +189,37 @@ def test_tensorflow_resumes_in_parts_with_any_split(tf_parts):
     assert read_jsonl(two / "same" / "metrics.jsonl")[0]["step"] == 30  # it resumed at 20
     assert len(launched2.rank("other", 1)[0]) == 2  # split [3]: the head alone on stage 1
     assert_same_list(stage_params(launched2, "other", [0, 1]), full, ATOL)
+
+
+@pytest.mark.timeout(600)
+def test_a_tensorflow_run_in_parts_exports_to_keras_with_the_trained_logits(tf_parts):
+    """``hvdtrain export`` of the 2-stage run (its newest checkpoint, step 45, in two parts):
+    the ``.keras`` file holds the stages' final parameters and gives the eval loss and accuracy
+    that the stages reported; ``.weights.h5`` loaded into a model of other weights gives the
+    same logits."""
+    two, launched2 = tf_parts
+    run = two / "full"
+    manifest = json.loads((run / "checkpoints" / "step-00000045.json").read_text())
+    assert [p["layers"] for p in manifest["parts"]] == [[0, 1], [2, 3]]
+    final = stage_params(launched2, "full", [0, 1])
+    loaded = keras.saving.load_model(export(str(run), "keras") / FILES["keras"])
+    assert_same_list([np.asarray(v) for v in loaded.trainable_variables], final, 0.0)
+    test = DigitsDataset().test()
+    logits = np.asarray(loaded(test.x, training=False), np.float64)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    losses = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(test.y)), test.y]
+    reported = launched2.summary("full")["final"]
+    assert float(losses.mean()) == pytest.approx(reported["eval_loss"], rel=1e-4)
+    assert float((logits.argmax(axis=1) == test.y).mean()) == pytest.approx(
+        reported["eval_accuracy"], abs=1e-9)
+
+    weights = export(str(run), "weights.h5") / FILES["weights.h5"]
+    keras.utils.set_random_seed(2)
+    other = keras.models.clone_model(loaded)  # fresh weights: the file must set them all
+    assert np.abs(np.asarray(other(test.x, training=False)) - logits).max() > 1e-3
+    other.load_weights(weights)
+    np.testing.assert_allclose(np.asarray(other(test.x, training=False)), logits, rtol=0,
+                               atol=1e-5)
 
 
 @pytest.mark.long

@@ -4,6 +4,7 @@ both files give the logits of the model in the run's checkpoint."""
 from __future__ import annotations
 
 import io
+import itertools
 from pathlib import Path
 
 import keras
@@ -62,3 +63,50 @@ def test_the_checkpoint_is_read_one_variable_at_a_time(tmp_path):
         tracemalloc.stop()
     assert count == 8 and sums == [float(i << 20) for i in range(8)]
     assert peak < 3 * (4 << 20), peak  # the file read whole would be 32 MiB
+
+
+def test_stage_parts_are_read_one_variable_at_a_time_and_checked(tmp_path):
+    """The parts of a checkpoint by pipeline stages are read as the export and a resume without
+    stages read them (``iter_parts``): one variable after another, each part checked against its
+    sha256 first, an entry two parts hold taken from the first; a part changed on disk is
+    refused in one line before anything of it is read."""
+    import tracemalloc
+
+    import pytest
+
+    from hvdtrain.checkpoint import sha256_of
+    from hvdtrain.errors import HvdtrainError
+    from hvdtrain.tensorflow.parts import iter_parts, read_parts
+
+    manifest = []
+    for stage, layers in enumerate(((0, 1), (2, 3))):
+        arrays = {f"model/{k}.0": np.full((1 << 20,), k, np.float32) for k in layers}
+        arrays["optimizer/opt/iteration"] = np.array(stage, np.int64)  # in both: the first's
+        path = tmp_path / f"step-00000001.stage-{stage}.part"
+        with path.open("wb") as fileobj:
+            np.savez(fileobj, **arrays)
+        manifest.append({"file": path.name, "layers": list(layers), "sha256": sha256_of(path)})
+    del arrays
+    names = [f"model/{k}.0" for k in range(4)] + ["optimizer/opt/iteration"]
+    tracemalloc.start()
+    try:
+        sums = {name: float(value.sum())
+                for _, name, value in iter_parts(tmp_path, manifest, names, "the checkpoint")}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert sums == {**{f"model/{k}.0": float(k << 20) for k in range(4)},
+                    "optimizer/opt/iteration": 0.0}
+    assert peak < 3 * (4 << 20), peak  # the parts read whole would be 16 MiB
+    values, _ = read_parts(tmp_path, manifest, names, "the checkpoint")  # the resume's reader
+    assert {name: float(value.sum()) for name, value in values.items()} == sums
+
+    path = tmp_path / manifest[1]["file"]
+    data = bytearray(path.read_bytes())
+    data[-30] ^= 1
+    path.write_bytes(bytes(data))
+    read = iter_parts(tmp_path, manifest, names, "the checkpoint")
+    assert [name for _, name, _ in itertools.islice(read, 3)] == [
+        "model/0.0", "model/1.0", "optimizer/opt/iteration"]
+    with pytest.raises(HvdtrainError, match=r"stage-1\.part differs from the manifest"):
+        next(read)
