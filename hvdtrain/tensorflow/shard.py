@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -40,9 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdtrain.config import Config
-from hvdtrain.data import tree
 from hvdtrain.data.contracts import Dataset
-from hvdtrain.data.tree import leading_size
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.malloc import return_freed_blocks
@@ -54,9 +52,7 @@ from hvdtrain.shard import (
     shard_bounds,
     step_bytes,
 )
-from hvdtrain.step import add_batch_sums
 from hvdtrain.tensorflow.collectives import any_rank
-from hvdtrain.tensorflow.data import batch_signature
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
 from hvdtrain.tensorflow.shard3 import (
     Stage3Exchange,
@@ -365,24 +361,6 @@ class ShardedEngine(TensorFlowEngine):
         # Stage 3: gathered one group at a time (a collective: every rank asks)
         return {f"{i}.{v.name}": value for i, (v, value) in enumerate(zip(
             self.model.trainable_variables, gather_model(self.units.shard, True), strict=True))}
-
-    def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
-        if self.units is None:
-            return super().evaluate(batches)
-        # Stage 3's forward gathers: every rank runs as many batches (empty ones to fill up).
-        loaded = list(self.data.eval_batches(batches))
-        most = int(hvd.allreduce(tf.constant(len(loaded)), op=hvd.Max,
-                                 name="hvdtrain.shard3.eval_batches"))
-        sums: dict[str, float] = {"loss": 0.0, "count": 0.0}
-        for x, y in loaded:
-            loss_sum, metrics = self._eval_fn(x, y)
-            add_batch_sums(sums, loss_sum, metrics, leading_size(x))
-        empty = [None if isinstance(part, tf.NoneTensorSpec) else tree.map_tree(
-            lambda s: tf.zeros([0, *s.shape[1:]], s.dtype), part)
-            for part in batch_signature(self.spec)]
-        for _ in range(most - len(loaded)):
-            self._eval_fn(*empty)
-        return sums
 
     def _global_names(self) -> dict[str, np.ndarray]:
         return {}  # the optimizer's slots are flat, not by layer: no pipeline stage reads them
