@@ -47,12 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     for flag, kind, default in (("--nodes", int, 1), ("--tasks-per-node", int, 1),
                                 ("--time", str, "01:00:00"), ("--partition", str, ""),
                                 ("--account", str, ""), ("--mem-per-cpu", str, ""),
+                                ("--mem", str, ""),
                                 ("--signal-lead", int, 120),
                                 ("--controller", str, "gloo"), ("--launcher", str, "horovodrun"),
                                 ("--gpus-per-node", int, 0), ("--min-nodes", int, 1),
                                 ("--server-nodes", int, 0),
                                 ("--network-interface", str, "")):
         slurm.add_argument(flag, type=kind, default=default, help=f"default: {default!r}")
+    slurm.add_argument("--overcommit", action="store_true",
+                       help="ask for the ranks as --ntasks with --overcommit (more ranks than "
+                       "a node's CPUs; horovodrun only)")
     slurm.add_argument("--elastic", action="store_true",
                        help="render elastic.sbatch (elastic Horovod)")
     export = sub.add_parser("export", help="write a run's newest checkpoint as safetensors, a "
@@ -182,7 +186,8 @@ def _slurm(args: argparse.Namespace) -> int:
 
     options = slurm.JobOptions(nodes=args.nodes, tasks_per_node=args.tasks_per_node, time=args.time,
                                partition=args.partition, account=args.account,
-                               mem_per_cpu=args.mem_per_cpu, signal_lead=args.signal_lead,
+                               mem_per_cpu=args.mem_per_cpu, mem=args.mem,
+                               overcommit=args.overcommit, signal_lead=args.signal_lead,
                                controller=args.controller,
                                launcher=args.launcher, gpus_per_node=args.gpus_per_node,
                                elastic=args.elastic, min_nodes=args.min_nodes,

@@ -79,6 +79,15 @@ class JobOptions:
     mem_per_cpu: str = ""
     """Memory a CPU (a rank) may use, Slurm's ``--mem-per-cpu`` (``1500M``, ``4G``); empty: the
     cluster's default. Under ``task/cgroup`` a job past it is killed and ends ``OUT_OF_MEMORY``."""
+    mem: str = ""
+    """Memory a node's tasks may use together, Slurm's ``--mem`` (``4G``); empty: the cluster's
+    default. Slurm takes either this or ``mem_per_cpu``. With :attr:`overcommit`, where a node
+    gives fewer CPUs than ranks, it is the way to give the ranks their memory."""
+    overcommit: bool = False
+    """Ask for the ranks as ``--ntasks`` with ``--overcommit`` instead of ``--ntasks-per-node``:
+    Slurm then allocates one CPU a node however many ranks run there (a node with fewer cores
+    than ``tasks_per_node``, such as a test cluster's). horovodrun still places
+    ``tasks_per_node`` ranks on each node; ``--launcher srun`` is refused."""
     signal_lead: int = 120
     """Seconds before the end at which Slurm sends USR1 so that the run can checkpoint."""
     controller: str = "gloo"
@@ -113,6 +122,14 @@ class JobOptions:
         if self.mem_per_cpu and not _MEMORY.match(self.mem_per_cpu):
             raise HvdtrainError(f"--mem-per-cpu={self.mem_per_cpu!r}: expected a size such as "
                                 "1500M or 4G (K, M, G or T; M when no unit)")
+        if self.mem and not _MEMORY.match(self.mem):
+            raise HvdtrainError(f"--mem={self.mem!r}: expected a size such as 4G or 1500M "
+                                "(K, M, G or T; M when no unit)")
+        if self.mem and self.mem_per_cpu:
+            raise HvdtrainError("--mem and --mem-per-cpu: Slurm takes one of them, not both")
+        if self.overcommit and self.launcher == "srun":
+            raise HvdtrainError("--overcommit: renders for --launcher horovodrun only (srun "
+                                "would start each task on a CPU of its own)")
         if self.signal_lead < 0:
             raise HvdtrainError(f"--signal-lead={self.signal_lead}: must be >= 0 seconds")
         if self.controller not in CONTROLLERS:
@@ -191,7 +208,7 @@ def render(config_path: str | Path, overrides: Sequence[str] = (),
         nodes=options.nodes, tasks_per_node=options.tasks_per_node, ntasks=total_ranks(cfg, options),
         server_nodes=options.server_nodes, servers_per_node=servers_per_node, time=options.time,
         partition=options.partition, account=options.account, mem_per_cpu=options.mem_per_cpu,
-        signal_lead=options.signal_lead,
+        mem=options.mem, overcommit=options.overcommit, signal_lead=options.signal_lead,
         controller=options.controller, launcher=options.launcher,
         gpus_per_node=options.gpus_per_node, min_np=options.min_nodes * options.tasks_per_node,
         network_interface=options.network_interface,
