@@ -23,11 +23,20 @@ draws and schedule. ``--framework tensorflow`` trains hvdtrain's runs with Tenso
 ``--hook-only`` runs the anchor alone (a seed's hook runs, merged with ``--merge`` beside that
 seed's hvdtrain runs from another job).
 
+``--dataset lm`` trains the built-in GPT (``configs/lm_torch.yaml`` at d_model 32, :data:`GPT`: 2
+blocks, byte tokens, Adam at 0.0015 x 2 ranks with 20 warm-up steps, cosine; ``--optimizer sgd``:
+SGD momentum 0.9 at 0.05) for ``--steps`` steps on a fixed corpus generated at run time from a
+seed, no download (:func:`sentence_text`), evaluated every epoch (56 steps); its figure is eval
+perplexity and a method's loss its relative increase over ``none``'s (percent). No anchor runs
+for it (``--hook-starts none``).
+
 Usage (from the repository root)::
 
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --seeds 3
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
         --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 5
+    nice -n 5 .venv/bin/python benchmarks/compression_convergence.py --dataset lm --steps 600 \
+        --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 3 --seeds 5
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
         --seeds 1 --seed-from 3 --hook-only --hook-starts 30 --json /tmp/hook-s3.json
     .venv/bin/python benchmarks/compression_convergence.py --quick   # a tiny end-to-end check
@@ -41,6 +50,7 @@ import math
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,6 +65,16 @@ SLACK = 0.005
 """Steps to ``none``'s final accuracy count the first evaluation within this of it."""
 FLAT_EPOCHS = 10
 """``none`` counts as converged where its last this many evaluations lie within 1 point."""
+CORPUS_SEED = 60
+"""The seed the GPT's generated corpus is drawn from (:func:`sentence_text`): a fixed text."""
+CORPUS_BYTES = 120_000
+"""The corpus's size: 108,000 training tokens, 56 steps an epoch at 2 ranks, so that ``none``'s
+curve has an evaluation every 56 steps."""
+WORDS = 40
+"""The generated corpus's vocabulary of made-up words (300 took a d_model 32 GPT past 400 steps)."""
+GPT = ["model.options.d_model=32"]
+"""The GPT's overrides of ``configs/lm_torch.yaml``: half its width (2 blocks, d_model 32, 4
+heads; 33,000 parameters), small enough for 5 seeds of each method on a loaded 2-core host."""
 
 
 def variants(methods: Sequence[str], dense: Sequence[int]) -> list[str]:
@@ -65,15 +85,70 @@ def variants(methods: Sequence[str], dense: Sequence[int]) -> list[str]:
     return out
 
 
-def curve(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, eval accuracy) of a run's evaluations, from its metrics file."""
+def curve(run_dir: Path, metric: str = "accuracy") -> list[tuple[int, float]]:
+    """(step, eval ``metric``) of a run's evaluations, from its metrics file."""
+    key = f"eval_{metric}"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(int(r["step"]), float(r["eval_accuracy"])) for r in rows if "eval_accuracy" in r]
+    return [(int(r["step"]), float(r[key])) for r in rows if key in r]
 
 
-def steps_to(points: Sequence[tuple[int, float]], target: float) -> int | None:
-    """The first evaluation's step at or above ``target``."""
+def steps_to(points: Sequence[tuple[int, float]], target: float,
+             lower_better: bool = False) -> int | None:
+    """The first evaluation's step at or above ``target`` (``lower_better``, perplexity: at or
+    below it, within :data:`SLACK` of it relatively)."""
+    if lower_better:
+        return next((s for s, a in points if a <= target * (1 + SLACK)), None)
     return next((s for s, a in points if a >= target - SLACK), None)
+
+
+def sentence_text(seed: int = CORPUS_SEED, size: int = CORPUS_BYTES) -> str:
+    """A generated text with a known structure: :data:`WORDS` made-up words of 2-7 letters, and
+    sentences of 4-11 words whose next word follows the last from 4 successors (probabilities
+    0.4, 0.3, 0.2, 0.1), all drawn from ``seed``. A byte-level model that learns the spellings
+    and the successors reaches its floor within a few hundred steps: a budget where ``none``
+    converges on this host."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, rng.integers(2, 8))) for _ in range(WORDS)]
+    after = rng.integers(0, WORDS, (WORDS, 4))
+    odds = np.array([0.4, 0.3, 0.2, 0.1])
+    parts: list[str] = []
+    length = 0
+    while length < size:
+        word = int(rng.integers(WORDS))
+        sentence = [words[word].capitalize()]
+        for _ in range(int(rng.integers(3, 11))):
+            word = int(after[word, rng.choice(4, p=odds)])
+            sentence.append(words[word])
+        parts.append(" ".join(sentence) + ".\n")
+        length += len(parts[-1])
+    return "".join(parts)[:size]
+
+
+def fixed_corpus(work: Path) -> Path:
+    """The GPT's corpus, :func:`sentence_text` written as ``hvdtrain data make-text`` writes a
+    file (byte tokens, the last tenth for evaluation); returns its root."""
+    from hvdtrain.data.text import make_text
+
+    root = work / "gpt-text"
+    for name in comp.CORPUS_FILES:  # a previous run's: make_text writes only into an empty one
+        (root / name).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sentences.txt"
+        path.write_text(sentence_text())
+        make_text([path], root)
+    return root
+
+
+def lm_budget(root: Path, steps: int) -> list[str]:
+    """The GPT's overrides: the corpus, and enough epochs for ``steps`` at 2 ranks, capped there
+    by ``train.max_steps``."""
+    windows = (root / "train.bin").stat().st_size // 65  # byte tokens, seq_len 64 + its target
+    per_epoch = max(1, windows // (2 * 16) - 1)  # fewer rather than more: max_steps caps it
+    return [*comp.lm_overrides(root, steps), *GPT,
+            f"train.epochs={max(1, math.ceil(steps / per_epoch))}"]
 
 
 def interval(values: Sequence[float]) -> tuple[float, float, float]:
@@ -116,11 +191,12 @@ def hook_job(seed: int, start: int | None, quick: bool,
 
 
 def hvdtrain_job(framework: str, dataset: str, seed: int, names: Sequence[str], out: Path,
-                 extra: Sequence[str]) -> dict[str, Any]:
+                 extra: Sequence[str], optimizer: str = "sgd") -> dict[str, Any]:
     """One seed's hvdtrain runs in one job; their records by variant, each with its eval curve."""
-    records = comp.job(framework, dataset, seed, names, out, extra=extra)
+    records = comp.job(framework, dataset, seed, names, out, extra=extra, optimizer=optimizer)
+    metric = comp.metric_of(dataset).name
     for r in records:
-        r["curve"] = curve(out / f"{dataset}-sgd-{r['method']}-s{seed}")
+        r["curve"] = curve(out / f"{dataset}-{optimizer}-{r['method']}-s{seed}", metric)
     return {r["method"]: r for r in records}
 
 
@@ -133,18 +209,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset == comp.IMAGES:
         images = (comp.make_image_set(work), 10 if args.quick else args.steps)
         extra = image_budget(*images)
+    elif args.dataset == comp.LM:
+        extra = lm_budget(fixed_corpus(work), 20 if args.quick else args.steps)
+        if args.hook_starts != "none":
+            raise harness.BenchError("--dataset lm has no anchor: add --hook-starts none")
     else:
         extra = ["train.epochs=2"] if args.quick else []
     if args.hook_only and args.hook_starts == "none":
         raise harness.BenchError("--hook-only runs the anchor: give --hook-starts")
     if args.framework != "torch" and args.hook_starts != "none":
         raise harness.BenchError("--framework tensorflow has no anchor: add --hook-starts none")
+    optimizer = args.optimizer or ("adam" if args.dataset == comp.LM else "sgd")
     out: dict[str, Any] = {"hvdtrain": {}, "hook": {}, "names": [] if args.hook_only else names,
-                           "framework": args.framework}
+                           "framework": args.framework, "dataset": args.dataset,
+                           "optimizer": optimizer}
     for seed in range(args.seed_from, args.seed_from + args.seeds):
         if not args.hook_only:
             out["hvdtrain"][seed] = hvdtrain_job(args.framework, args.dataset, seed, names,
-                                                 work / args.framework, extra)
+                                                 work / args.framework, extra, optimizer)
         starts: list[int | None] = [] if args.hook_starts == "none" else [
             None, *(int(s) for s in args.hook_starts.split(",") if s)]
         out["hook"][seed] = {("ddp" if s is None else f"hook{s}"):
@@ -162,6 +244,7 @@ def merge(paths: Sequence[str]) -> dict[str, Any]:
         if data["hvdtrain"]:
             out["names"] = out["names"] or data["names"]
             out["framework"] = out["framework"] or fw
+            out["dataset"] = data.get("dataset", DATASET)
             if (data["names"], fw) != (out["names"], out["framework"]):
                 raise harness.BenchError(f"{path}: other variants or framework than the first's")
         out["hvdtrain"].update({int(s): r for s, r in data["hvdtrain"].items()})
@@ -190,33 +273,39 @@ def against_hook(data: dict[str, Any], seeds: Sequence[int], hooks: Sequence[str
     return "\n\n" + "\n".join(out) if out else ""
 
 
+def spread(points: Sequence[tuple[int, float]], lm: bool) -> float:
+    """How far apart a curve's evaluations lie: points of accuracy, or for the GPT the highest
+    perplexity over the lowest, less 1."""
+    values = [a for _, a in points]
+    return max(values) / min(values) - 1 if lm else max(values) - min(values)
+
+
 def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
     """The section's tables; ``flat_epochs``: the last evaluations whose spread is printed."""
     seeds = sorted(data["hvdtrain"])
-    lines = ["| run | seeds | accuracy | loss vs none (points, 95% interval) | fewer bytes "
-             "than dense (run total) | steps to none's final | modeled s to it at 100 Mbit/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    flat = []
-    for seed in seeds:
-        c = data["hvdtrain"][seed]["none"]["curve"][-flat_epochs:]
-        flat.append(max(a for _, a in c) - min(a for _, a in c))
+    lm = data.get("dataset") == comp.LM
+    key, unit = ("perplexity", "%") if lm else ("accuracy", " points")
+    lines = [f"| run | seeds | {'eval perplexity' if lm else 'accuracy'} | "
+             f"{'increase vs none (%' if lm else 'loss vs none (points'}, 95% interval) | "
+             "fewer bytes than dense (run total) | steps to none's final | modeled s to it at "
+             "100 Mbit/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    flat = [spread(data["hvdtrain"][s]["none"]["curve"][-flat_epochs:], lm) for s in seeds]
     label = "hvdtrain" + (" TensorFlow" if data.get("framework") == "tensorflow" else "")
     for name in data["names"]:
         rs = [data["hvdtrain"][s][name] for s in seeds]
         base = [data["hvdtrain"][s]["none"] for s in seeds]
-        acc = [r["accuracy"] for r in rs]
-        loss = [b["accuracy"] - r["accuracy"] for b, r in zip(base, rs, strict=True)]
-        reach = [steps_to(r["curve"], b["accuracy"]) for b, r in zip(base, rs, strict=True)]
+        acc = [r[key] for r in rs]
+        loss = [r[key] / b[key] - 1 if lm else b[key] - r[key]
+                for b, r in zip(base, rs, strict=True)]
+        reach = [steps_to(r["curve"], b[key], lm) for b, r in zip(base, rs, strict=True)]
         got = [x for x in reach if x is not None]
         secs = [x * (r["step_ms"] / 1e3 + r["wire_per_step"] / LINK_BYTES_PER_S)
                 for x, r in zip(reach, rs, strict=True) if x is not None]
-        lines.append(f"| {label} `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
-                     f"{fmt_interval(loss) if name != 'none' else '—'} | "
-                     f"{statistics.median(r['ratio'] for r in rs):.1f}x | "
-                     f"{statistics.mean(got):.0f} ({len(got)}/{len(rs)} reach it)" if got else
-                     f"| {label} `{name}` | {len(rs)} | {statistics.mean(acc):.4f} | "
-                     f"{fmt_interval(loss) if name != 'none' else '—'} | "
-                     f"{statistics.median(r['ratio'] for r in rs):.1f}x | none reach it")
+        lines.append(f"| {label} `{name}` | {len(rs)} | {statistics.mean(acc):.{2 if lm else 4}f}"
+                     f" | {fmt_interval(loss) if name != 'none' else '—'} | "
+                     f"{statistics.median(r['ratio'] for r in rs):.1f}x | " +
+                     (f"{statistics.mean(got):.0f} ({len(got)}/{len(rs)} reach it)" if got else
+                      "none reach it"))
         lines[-1] += f" | {statistics.mean(secs):.1f} |" if secs else " | — |"
     hooked = [s for s in seeds if data["hook"].get(s)]  # seeds whose anchor ran
     hooks = sorted({k for s in hooked for k in data["hook"][s]})
@@ -231,7 +320,7 @@ def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
            for s in hooked if "ddp" in data["hook"][s]]
     return "\n".join(lines) + against_hook(data, hooked, hooks) + (
         f"\n\n`none` over its last {flat_epochs} evaluations moves at most "
-        f"{100 * max(flat):.2f} points (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
+        f"{100 * max(flat):.2f}{unit} (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
         + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points"
            if gap else "") + ".\n")
 
@@ -249,9 +338,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the first seed (a measurement split into jobs of a seed each)")
     p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
                    help="hvdtrain's runs' framework (tensorflow: --dataset images, no anchor)")
-    p.add_argument("--dataset", choices=(DATASET, comp.IMAGES), default=DATASET,
-                   help="images: ResNet-18 on generated images for --steps steps")
-    p.add_argument("--steps", type=int, default=1000, help="ResNet-18's steps (--dataset images)")
+    p.add_argument("--dataset", choices=(DATASET, comp.IMAGES, comp.LM), default=DATASET,
+                   help="images: ResNet-18 on generated images for --steps steps; lm: the "
+                        "built-in GPT for --steps steps")
+    p.add_argument("--steps", type=int, default=1000,
+                   help="ResNet-18's or the GPT's steps (--dataset images, lm)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="",
+                   help="the runs' optimizer (default: the GPT's config's Adam, else SGD momentum)")
     p.add_argument("--flat-epochs", type=int, default=FLAT_EPOCHS,
                    help="the last evaluations of none whose spread the report prints")
     p.add_argument("--methods", default="topk,powersgd")
