@@ -7,7 +7,8 @@ rank's optimizer steps its own shard only, so its optimizer state covers 1/N of 
 the updated shards are allgathered back into every rank's parameters (:class:`ShardedOptimizer`).
 Both collectives run in rounds of at most ``shard.chunk_kib`` per rank, so that neither Horovod nor
 this module holds a second copy of the whole gradient (Horovod's Gloo reduce-scatter copies its
-input); the gradients themselves live in one flat buffer. That is ZeRO stage 1's memory saving;
+input); the gradients themselves live in one flat buffer, and so do the parameters, whose own
+range is the shard the optimizer steps in place. That is ZeRO stage 1's memory saving;
 the arithmetic is the ring's (an average, then the same element-wise update), so a sharded run
 trains as a ring run of the same ranks.
 
@@ -116,7 +117,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bounds = [0, *itertools.accumulate(self.sizes)]
         self.grad_views = [self.flat_grad[a:b].view(p.shape)
                            for a, b, p in zip(bounds, bounds[1:], self.params, strict=False)]
-        self.shard = torch.nn.Parameter(torch.zeros(self.stop - self.start, device=device))
+        # The parameters become views of one flat buffer (as stages 2-3's units' are), so that
+        # the shard the optimizer steps is their own range of it, updated in place, rather than
+        # a float32 copy beside them (4/N bytes a parameter at the update's peak).
+        self.flat_param = flatten_into_one(self.params, device)
+        self.shard = torch.nn.Parameter(self.flat_param[self.start:self.stop])
         super().__init__([self.shard], dict(optimizer.defaults))
         # The same class and settings as the run's optimizer, over the shard alone.
         self.inner = same_optimizer(optimizer, [self.shard])
@@ -173,10 +178,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return any_rank(not all(bool(torch.isfinite(g).all()) for g in grads))
 
     def _load_shard(self) -> None:
-        # From the parameters each step: a broadcast or restore of the model reaches the shard.
+        # The shard is the parameters' own range already, unless something replaced a
+        # parameter's data since (then from the parameters: a restore of the model reaches it).
+        if self._aliased():
+            return
         for seg in segments(self.sizes, self.start, self.stop):
             src = self.params[seg.param].view(-1)[seg.offset:seg.offset + seg.length]
             self.shard.data[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+
+    def _aliased(self) -> bool:
+        """Whether every parameter is still its view of the flat buffer and the shard its range."""
+        at = self.flat_param.data_ptr() + self.start * self.flat_param.element_size()
+        if self.shard.data_ptr() != at:
+            return False
+        offset = 0
+        for p, n in zip(self.params, self.sizes, strict=True):
+            if p.data_ptr() != self.flat_param[offset:offset + n].data_ptr():
+                return False
+            offset += n
+        return True
 
     def allgather(self, shard: torch.Tensor, targets: Targets, tag: str) -> None:
         """Every rank's ``shard`` (a per-element tensor of this rank's shard) written into
@@ -300,6 +320,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if seg.param == param:
                 src = tensor.reshape(-1)[seg.offset:seg.offset + seg.length]
                 part[seg.flat - self.start:seg.flat - self.start + seg.length] = src
+
+
+def flatten_into_one(params: Sequence[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """One flat float32 buffer holding ``params``' values, each parameter made a view of its
+    range (its own storage freed as the next is copied: never a second whole model)."""
+    flat = torch.empty(sum(p.numel() for p in params), device=device)
+    at = 0
+    for p in params:
+        n = p.numel()
+        flat[at:at + n].copy_(p.detach().reshape(-1))
+        p.data = flat[at:at + n].view(p.shape)
+        at += n
+    return flat
 
 
 def step_in_pieces(optimizer: torch.optim.Optimizer, param: torch.nn.Parameter,
