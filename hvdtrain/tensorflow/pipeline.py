@@ -58,8 +58,15 @@ from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update, stepping_optimizer
 from hvdtrain.tensorflow.shard import FlatShard
+from hvdtrain.tensorflow.shard_grads import UnitShard
 from hvdtrain.tensorflow.stage_state import StageState
-from hvdtrain.tensorflow.stages import ShardedUpdate, ShardSlots, StageShardedExchange
+from hvdtrain.tensorflow.stages import (
+    ScatteredPasses,
+    ShardedUpdate,
+    ShardSlots,
+    StageShardedExchange,
+    StageUnitExchange,
+)
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
 # messages ---------------------------------------------------------------------------------------
@@ -222,6 +229,10 @@ class TensorFlowStageKernels(TensorFlowKernels, stage_step.StageKernels):
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
         if not self.first:
             self._in_grads[i] = grads.pop()
+        self._add(grads)
+
+    def _add(self, grads: list[tf.Tensor]) -> None:
+        """One micro-batch's gradients into the step's sums."""
         self._sums = [s + g for s, g in zip(self._sums, grads, strict=True)]
 
     def send_activation(self, i: int) -> None:
@@ -272,13 +283,19 @@ class ShardedStageKernels(ShardedUpdate, TensorFlowStageKernels):
     """A sharded stage's kernels (``shard.stage=1``): the stage's passes and messages, the
     sharded update of :class:`hvdtrain.tensorflow.stages.ShardedUpdate`."""
 
-    def __init__(self, *args: Any, shard: FlatShard, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, shard: FlatShard | UnitShard, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shard = shard
 
     def follow(self, exchange: Any, accumulation: int) -> None:
         self.sharded = exchange
         super().follow(exchange, accumulation)
+
+
+class UnitShardedStageKernels(ScatteredPasses, ShardedStageKernels):
+    """A stage's kernels at ``shard.stage=2``: each micro-batch's gradient reduce-scattered into
+    the copy's shard as its backward pass ends (:class:`hvdtrain.tensorflow.stages.
+    ScatteredPasses`), then :class:`ShardedStageKernels`' update."""
 
 
 # the exchange within a stage's copies -----------------------------------------------------------
@@ -393,24 +410,32 @@ class PipelineEngine(StageState, TensorFlowEngine):
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
                                      prefetch=cfg.data.prefetch, spec=self.spec)
+        pipe = cfg.pipeline
+        self.microbatches = microbatch_count(pipe.stages, pipe.microbatches, pipe.virtual_stages)
+        self.micro_size = cfg.data.batch_size // self.microbatches
         variables = self.model.trainable_variables
         self.trainable, self.all_trainable = self._trainable_names(variables)
         self.exchange, optimizer = make_stage_exchange(cfg, ExchangeRequest(
             cfg.comm, cfg.seed, self.copy, self.copies, variables,
             optimizer=make_optimizer(cfg.optim), settings=optimizer_settings(cfg.optim),
+            model=self.model, accumulation=self.microbatches,
             layout=self.layout, places=[self.all_trainable.index(n) for n in self.trainable],
             process_set=self.stage_set, root=self.root, shard=cfg.shard))
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
         self.optimizer = self.precision.wrap(optimizer)
-        # shard.stage=1 (tensorflow/stages.py): the optimizer steps the copy's shard.
-        shard = self.exchange.shard if isinstance(self.exchange, StageShardedExchange) else None
+        # shard.stage 1-2 (tensorflow/stages.py): the optimizer steps the copy's shard.
+        shard = (self.exchange.shard if isinstance(self.exchange, StageShardedExchange
+                                                   | StageUnitExchange) else None)
         self.optimizer.build([shard.var] if shard else variables)
         self.slots = ShardSlots(shard, self.optimizer, self.trainable) if shard else None
         self.stats: dict[str, float] = {}
         self.accumulation = 1
         kernels: type[TensorFlowStageKernels] = TensorFlowStageKernels
         extra: dict[str, Any] = {}
-        if shard is not None:
+        if isinstance(self.exchange, StageUnitExchange):
+            kernels = UnitShardedStageKernels
+            extra = {"shard": shard, "microbatches": self.microbatches}
+        elif shard is not None:
             kernels, extra = ShardedStageKernels, {"shard": shard}
         self.kernels = self.stage_kernels = kernels(
             self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
@@ -419,9 +444,6 @@ class PipelineEngine(StageState, TensorFlowEngine):
             prev=self._link(links, -1), next_=self._link(links, +1), **extra)
         self.kernels.follow(self.exchange, 1)
         self.runner = StageRunner(cfg.pipeline.schedule)
-        pipe = cfg.pipeline
-        self.microbatches = microbatch_count(pipe.stages, pipe.microbatches, pipe.virtual_stages)
-        self.micro_size = cfg.data.batch_size // self.microbatches
 
     @property
     def data_rank(self) -> int:

@@ -99,10 +99,13 @@ def unit_groups(unit_sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 class UnitShard:
     """This rank's slice of every trainable variable, and the collectives that move the slices,
-    grouped by units (``limit``: elements of a group, over all ranks)."""
+    grouped by units (``limit``: elements of a group, over all ranks). ``process_set``: Horovod's
+    set of the ranks that share the slices (a pipeline stage's copies; ``rank`` and ``size`` are
+    the place and number in it), every rank's by default."""
 
     def __init__(self, variables: Sequence[Any], units: Sequence[Sequence[int]], rank: int,
-                 size: int, limit: int) -> None:
+                 size: int, limit: int, process_set: Any = None) -> None:
+        self.process_set = hvd.global_process_set if process_set is None else process_set
         self.variables = list(variables)
         for v in self.variables:
             if v.dtype != "float32":
@@ -141,7 +144,8 @@ class UnitShard:
         got = []
         for group in self._group_vars:
             flats = [tf.reshape(grads[i], [-1]) for i in group]
-            got += hvd.grouped_reducescatter(flats, op=hvd.Average, compression=wire)
+            got += hvd.grouped_reducescatter(flats, op=hvd.Average, compression=wire,
+                                             process_set=self.process_set)
         return tf.concat(got, 0)
 
     def _gathered(self, mine: tf.Tensor, tag: str) -> list[tf.Tensor]:
@@ -151,7 +155,8 @@ class UnitShard:
         for g, group in enumerate(self._group_vars):
             pieces = [mine[self.starts[i]:self.starts[i] + self.owns[i]] for i in group]
             # A variable's slices, concatenated in rank order, are that variable whole.
-            whole += hvd.grouped_allgather(pieces, name=f"hvdtrain.shard2.{tag}.{g}")
+            whole += hvd.grouped_allgather(pieces, name=f"hvdtrain.shard2.{tag}.{g}",
+                                           process_set=self.process_set)
         return whole
 
     def allgather(self, mine: tf.Tensor, tag: str) -> tf.Tensor:

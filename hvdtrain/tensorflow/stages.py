@@ -1,6 +1,7 @@
-"""TensorFlow pipeline stages x sharded copies (``pipeline.stages`` > 1 with ``shard.stage=1``):
-each stage's data-parallel copies shard that stage's optimizer state in the stage's Horovod
-process set, as :func:`hvdtrain.torch.stages.stage_sharded` does in PyTorch.
+"""TensorFlow pipeline stages x sharded copies (``pipeline.stages`` > 1 with ``shard.stage`` 1
+or 2): each stage's data-parallel copies shard that stage's optimizer state (and at stage 2 its
+gradients) in the stage's Horovod process set, as :func:`hvdtrain.torch.stages.stage_sharded`
+does in PyTorch.
 
 - **The update.** The stage's exchange (:func:`stage_sharded`) is the sharded update of
   :mod:`hvdtrain.tensorflow.shard` over the stage's trainable variables, its collectives in the
@@ -8,6 +9,11 @@ process set, as :func:`hvdtrain.torch.stages.stage_sharded` does in PyTorch.
   shard of the stage's flat gradient, the run's Keras optimizer steps one variable holding the
   copy's shard of the stage's parameters (its slots cover 1/copies of the stage), and an
   all-gather in the set writes the shards back into the stage's layers (:class:`ShardedUpdate`).
+- **Stage 2.** The stage's layers are units (:class:`~hvdtrain.tensorflow.shard_grads.UnitShard`
+  in the stage's set); each micro-batch's gradient is reduce-scattered as its backward pass ends,
+  and a copy with fewer non-empty micro-batches in a short last step reduce-scatters zeros for
+  the rest, so the copies' collectives pair up (:class:`ScatteredPasses`); the update is stage
+  1's.
 - **Checkpoints.** A stage's part holds its optimizer state in the layout of a stage without
   sharding: each slot by the global name of its variable (``optimizer/<layer>.<j>/<slot>``,
   :mod:`hvdtrain.tensorflow.parts`), gathered whole in the stage's set before copy 0 writes it
@@ -30,6 +36,7 @@ from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import Exchanged, ExchangeRequest
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.tensorflow.shard import FlatShard, ShardedExchange
+from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitShard, layer_units
 from hvdtrain.tensorflow.step import _traced
 
 
@@ -47,16 +54,105 @@ class StageShardedExchange(ShardedExchange):
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
 
 
+class StageUnitExchange(UnitExchange):
+    """``shard.stage=2`` among one stage's copies: the reduce-scatters run in the stage's
+    backward passes (:class:`ScatteredPasses`), one for each of the step's micro-batches, so
+    :meth:`run` hands on the averaged shard they summed and counts their seconds. ``wire_bytes``:
+    the stage's whole gradient once per micro-batch and the float32 shard once."""
+
+    fusable = False  # the schedule's passes run eagerly, the exchange after them
+
+    def __init__(self, shard: UnitShard, compression: str, microbatches: int) -> None:
+        super().__init__(shard, compression, microbatches)
+        self.scatter_s = 0.0
+        """Seconds in the step's reduce-scatters so far (:class:`ScatteredPasses` adds)."""
+
+    def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        self.note_fused(self.scatter_s)
+        self.scatter_s = 0.0
+        return list(grads)
+
+    def any_rank(self, flag: bool) -> bool:
+        total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum,
+                              name="hvdtrain.stage.shard.any", process_set=self.shard.process_set)
+        return float(total[0]) > 0
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
+
+
 def stage_sharded(r: ExchangeRequest) -> Exchanged:
     """``sharded`` among a stage's copies (``r.process_set``; ``r.rank``, ``r.size``: this copy
-    and the copies): ``shard.stage=1``'s reduce-scatter, the shard's update and all-gather, in
-    rounds of ``shard.chunk_kib`` per copy. The engine steps the returned optimizer over the
-    shard's variable (:class:`ShardedUpdate`)."""
-    if r.shard is None or r.shard.stage != 1:
-        raise HvdtrainError("shard.stage: TensorFlow's pipeline stages shard at stage 1 only")
+    and the copies). ``shard.stage=1``: the reduce-scatter of the step's summed gradient, the
+    shard's update and all-gather, in rounds of ``shard.chunk_kib`` per copy. ``shard.stage=2``:
+    the stage's layers (``r.model.layers``) are units in groups of ``shard.unit_kib``, each
+    micro-batch's gradient is reduce-scattered by group (:class:`StageUnitExchange`) and only the
+    shard is summed. The engine steps the returned optimizer over the shard's variable
+    (:class:`ShardedUpdate`)."""
+    if r.shard is None or r.shard.stage not in (1, 2):
+        raise HvdtrainError("shard.stage: TensorFlow's pipeline stages shard at stages 1-2 only")
+    if r.shard.stage == 2:
+        variables = list(r.params)
+        units = layer_units(r.model.layers, variables)
+        unit = UnitShard(variables, units, r.rank, r.size, max(1, r.shard.unit_kib * 256),
+                         r.process_set)
+        return StageUnitExchange(unit, r.comm.compression, r.accumulation), r.optimizer
     shard = FlatShard(list(r.params), r.rank, r.size, chunk_elements(r.shard.chunk_kib),
                       r.process_set)
     return StageShardedExchange(shard, r.comm.compression), r.optimizer
+
+
+class ScatteredPasses:
+    """The passes of a stage at ``shard.stage=2`` (a mixin before the stage's kernels): each
+    micro-batch's gradient is reduce-scattered among the stage's copies as its backward pass
+    ends (a collective in the stage's set), and only the copy's averaged shard is summed over
+    the step, so no whole gradient outlives a pass.
+
+    The copies pair their reduce-scatters by their order in the step. A short last step can
+    leave one copy fewer non-empty micro-batches than another (the sampler deals the samples
+    out in turn); the runner skips a copy's empty ones, so after the schedule :meth:`gradients`
+    reduce-scatters zeros for each of them: every copy runs one reduce-scatter per micro-batch
+    of the step. Zeros add nothing to the average, whose weights (each copy's share of the
+    step's samples) already count the samples each copy had, so the update is still the mean
+    over the global batch."""
+
+    shard: Any
+    sharded: StageShardedExchange | StageUnitExchange
+    variables: list[Any]
+    microbatches: int
+
+    def __init__(self, *args: Any, microbatches: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.microbatches = microbatches
+        self._mine: tf.Tensor | None = None
+        self._scattered = 0
+        grads = [tf.TensorSpec(v.shape, tf.float32) for v in self.variables]
+        self._scatter_fn = _traced(self._scatter, [grads])
+
+    def _scatter(self, grads: list[tf.Tensor]) -> tf.Tensor:
+        return self.shard.reducescatter(grads, self.sharded.wire)
+
+    def begin(self) -> None:
+        self._mine, self._scattered = None, 0  # no whole sums (the stage's kernels keep them)
+
+    def _add(self, grads: list[tf.Tensor]) -> None:
+        began = time.perf_counter()
+        mine = self._scatter_fn(grads)
+        assert isinstance(self.sharded, StageUnitExchange), "stage 2's exchange"
+        self.sharded.scatter_s += time.perf_counter() - began
+        self._mine = mine if self._mine is None else self._mine + mine
+        self._scattered += 1
+
+    def gradients(self) -> list[tf.Tensor]:
+        """The averaged shard of the step's gradient, after a zero reduce-scatter for each
+        micro-batch this copy had no samples in."""
+        if self._scattered < self.microbatches:
+            zeros = [tf.zeros(v.shape, tf.float32) for v in self.variables]
+            while self._scattered < self.microbatches:
+                self._add(zeros)
+        assert self._mine is not None
+        mine, self._mine = self._mine, None
+        return [mine]
 
 
 class ShardedUpdate:
@@ -65,8 +161,8 @@ class ShardedUpdate:
     gradient steps the shard's variable, then the shards are all-gathered into the stage's
     layers. Forward, backward and the messages are the stage's own."""
 
-    shard: FlatShard
-    sharded: StageShardedExchange
+    shard: FlatShard | UnitShard
+    sharded: StageShardedExchange | StageUnitExchange
     optimizer: Any
     precision: Any
     l2: float
@@ -127,7 +223,8 @@ class ShardSlots:
     (see the module docstring). ``names``: the global names of the stage's trainable variables,
     in the shard's order."""
 
-    def __init__(self, shard: FlatShard, optimizer: Any, names: Sequence[str]) -> None:
+    def __init__(self, shard: FlatShard | UnitShard, optimizer: Any, names: Sequence[str]
+                 ) -> None:
         self.shard, self.optimizer, self.names = shard, optimizer, list(names)
         self.whole: dict[int, np.ndarray] = {}
         """Whole slots by optimizer variable index: gathered for a checkpoint, or restored."""

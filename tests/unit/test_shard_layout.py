@@ -72,9 +72,9 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
                                 "reduce-scatter carries none or fp16 only"),
     (["comm.compression=qsgd"], "comm.compression='qsgd' with shard.stage=1"),
     (["comm.topology=ps"], "comm.topology='ps' with shard.stage=1: the sharded update"),
-    (["pipeline.stages=2", "framework=tensorflow", "shard.stage=2"],
-     "pipeline.stages=2 with shard.stage=2 and framework='tensorflow': TensorFlow's stages shard "
-     "their copies at stage 1 only"),
+    (["pipeline.stages=2", "framework=tensorflow", "shard.stage=3"],
+     "pipeline.stages=2 with shard.stage=3 and framework='tensorflow': TensorFlow's stages shard "
+     "their copies at stages 1-2 only"),
 ])
 def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError) as info:

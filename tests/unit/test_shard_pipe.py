@@ -26,9 +26,10 @@ def test_torch_stages_with_pipeline_stages_are_accepted_and_shard_within_each_st
     assert exchange_path(cfg, stage=True) == "hvdtrain.torch.stages:stage_sharded"
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_tensorflow_stage_1_with_pipeline_stages_shards_within_each_stage(schedule):
-    cfg = load_config(None, [*PIPE, "shard.stage=1", f"pipeline.schedule={schedule}",
+def test_tensorflow_stages_1_2_with_pipeline_stages_shard_within_each_stage(stage, schedule):
+    cfg = load_config(None, [*PIPE, f"shard.stage={stage}", f"pipeline.schedule={schedule}",
                              "framework=tensorflow"], environ={})
     assert engine_path(cfg) == "hvdtrain.tensorflow.pipeline:PipelineEngine"
     assert exchange_path(cfg, stage=True) == "hvdtrain.tensorflow.stages:stage_sharded"
@@ -41,12 +42,10 @@ def test_tensorflow_stage_1_with_pipeline_stages_shards_within_each_stage(schedu
      "reduce-scatter in; use another schedule or shard.stage=1"),
     (["shard.stage=3", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
      "pipeline.stages=2 with shard.stage=3 and pipeline.schedule='interleaved_zero_bubble'"),
-    (["shard.stage=2", "framework=tensorflow"],
-     "pipeline.stages=2 with shard.stage=2 and framework='tensorflow': TensorFlow's stages shard "
-     "their copies at stage 1 only so far; use shard.stage=1 or framework=torch"),
     (["shard.stage=3", "framework=tensorflow"],
      "pipeline.stages=2 with shard.stage=3 and framework='tensorflow': TensorFlow's stages shard "
-     "their copies at stage 1 only"),
+     "their copies at stages 1-2 only so far (stage 3's units gather outside the stage's "
+     "passes); use shard.stage=2 or framework=torch"),
 ])
 def test_what_pipeline_stages_do_not_shard_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:
