@@ -58,6 +58,7 @@ from hvdtrain.tensorflow.shard3 import (
     Stage3Exchange,
     Stage3Kernels,
     Stage3Units,
+    build_in_slices,
     gather_model,
     make_stage3,
 )
@@ -261,6 +262,15 @@ class ShardedEngine(TensorFlowEngine):
         return_freed_memory()
         super().__init__(cfg, dataset)
 
+    def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
+        if cfg.shard.stage < 3:
+            return super()._build(cfg, dataset)
+        # Stage 3: each variable cut to this rank's slice as it is made (shard3.py).
+        model, slices = build_in_slices(lambda: super(ShardedEngine, self)._build(cfg, dataset),
+                                        cfg.seed, self.rank, self.size)
+        self._slices: list[np.ndarray] = slices  # Stage3Units takes them
+        return model
+
     def _make_update(self, cfg: Config, variables: Sequence[Any]) -> None:
         self.optimizer = self.precision.wrap(make_optimizer(cfg.optim))
         self.shard: FlatShard | UnitShard
@@ -271,7 +281,9 @@ class ShardedEngine(TensorFlowEngine):
             self.exchange = Stage3Exchange(self.shard, cfg.comm.compression, self.accumulation,
                                            2 if cfg.shard.reshard_after_forward else 1)
             self.units = Stage3Units(self.model, self.shard, cfg.shard.prefetch,
-                                     cfg.shard.reshard_after_forward, self.exchange.wire)
+                                     cfg.shard.reshard_after_forward, self.exchange.wire,
+                                     self._slices)
+            self._slices = []
             self.kernels = Stage3Kernels(
                 self.model, self.optimizer, self.adapter, self.data, self.precision, self.spec,
                 l2=l2_decay(cfg.optim, False), shard=self.shard, units=self.units)
@@ -383,7 +395,8 @@ class ShardedEngine(TensorFlowEngine):
         # (zeros where it restored none, as every rank's are on a fresh start), each rank
         # keeping its own slice.
         scalars = [v for v in self.optimizer.variables if not _per_element(v)]
-        hvd.broadcast_variables([v.value for v in [*self.model.variables, *scalars]], root_rank=0)
+        model = self.model.variables if self.units is None else []  # stage 3: Stage3Units.start
+        hvd.broadcast_variables([v.value for v in [*model, *scalars]], root_rank=0)
         told = hvd.broadcast_object((self._source, sorted(self._whole)) if self.rank == 0
                                     else None, root_rank=0, name="hvdtrain.shard.files")
         source, whole = told
@@ -405,7 +418,8 @@ class ShardedEngine(TensorFlowEngine):
             else:  # nothing to send: no whole vector is made (it would peak at 3 of them)
                 var.assign(tf.zeros([self.shard.own]))
         self._whole = {}
-        self.shard.load()  # the step keeps the shard and the parameters equal from here
-        if self.units is not None:  # stage 3: the rank keeps its slices only from here
-            self.units.release()
+        if self.units is not None:  # stage 3: the rank keeps its slices only
+            self.units.start()
+        else:
+            self.shard.load()  # the step keeps the shard and the parameters equal from here
         self._follow_world()

@@ -2,7 +2,12 @@
 
 Between steps a rank holds only its slice of every trainable variable (the stage-2 layout of
 :class:`hvdtrain.tensorflow.shard_grads.UnitShard`, in the one variable the optimizer steps): the
-model's own variables are emptied (:meth:`Stage3Units.release`). A unit is one of
+model's own variables are empty. No rank holds the model whole, not even while it is built
+(:func:`build_in_slices`): each trainable variable is cut to this rank's slice as it is created,
+before the next one is made, so building peaks at one variable whole beside the slices so far.
+Every rank builds with rank 0's seed, so the slices are those of the model that rank 0 would
+broadcast on the ring (and, resumed, rank 0's checkpoint is broadcast a variable at a time:
+:meth:`Stage3Units.start`). A unit is one of
 ``model.layers`` with trainable variables; its ``call`` is wrapped in a ``tf.custom_gradient``
 (:meth:`Stage3Units._unit`) whose forward all-gathers the unit's variables whole
 (``hvd.grouped_allgather``) and runs the layer on them through a ``keras.StatelessScope``, and
@@ -19,6 +24,11 @@ the unit p after it. ``shard.reshard_after_forward=false``: the backward pass re
 forward's gathered variables instead of gathering again, so the graph keeps every unit's gathered
 variables from the forward pass to the backward pass (what a plain tape would hold).
 
+Monitoring (``comm_time_s``): a step's wait for its collectives is the sum, over the units, of
+the time from a unit's input (forward) or output gradient (backward) being ready to its gathered
+variables being there, plus the time from the last unit's weight gradient to the last
+reduce-scatter's result (:meth:`Stage3Units.waited`), as PyTorch's stage 3 counts its waits.
+
 Checkpoints are stage 2's: every rank writes its slices of the optimizer's slots, and the
 variables are gathered one group at a time for rank 0's model entries (:func:`gather_model`),
 so stages 1-3 and any number of ranks resume each other's checkpoints.
@@ -34,9 +44,9 @@ import horovod.tensorflow as hvd
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
 
 from hvdtrain.errors import HvdtrainError
+from hvdtrain.shard import shard_bounds
 from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
 
 
@@ -65,19 +75,86 @@ def _owner(layers: Sequence[Any], var: Any) -> int | None:
     return None
 
 
+class _SliceCreator:
+    """A ``tf.variable_creator_scope`` creator that keeps this rank's slice of each trainable
+    float variable (flattened, split as Horovod's reduce-scatter splits it) and gives Keras an
+    empty storage of unknown shape instead: the variable's whole initial value lives only while
+    it is being created. Other variables (a seed generator's state) are made as usual."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.made: list[tuple[tf.Variable, np.ndarray]] = []
+
+    def __call__(self, next_creator: Callable[..., tf.Variable], **kwargs: Any) -> tf.Variable:
+        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+        if not kwargs.get("trainable", True) or not dtype.is_floating:
+            return next_creator(**kwargs)
+        init = kwargs["initial_value"]
+        with tf.init_scope():  # eagerly, even where Keras builds a layer inside a trace
+            flat = tf.reshape(tf.convert_to_tensor(init() if callable(init) else init, dtype),
+                              [-1])
+            lo, hi = shard_bounds(int(flat.shape[0]), self.size, self.rank)
+            # A copy of its own: a slice of a tensor may share (and keep) the whole buffer.
+            piece = np.array(flat[lo:hi].numpy(), copy=True)
+        del flat
+        kwargs.update(initial_value=tf.zeros([0], dtype), shape=tf.TensorShape(None))
+        storage = next_creator(**kwargs)
+        self.made.append((storage, piece))
+        return storage
+
+
+def build_in_slices(build: Callable[[], keras.Model], seed: int, rank: int, size: int
+                    ) -> tuple[keras.Model, list[np.ndarray]]:
+    """``build()``'s model with every trainable variable empty, and this rank's slice of each
+    (in ``model.trainable_variables``' order, flattened). It builds under rank 0's ``seed``, so
+    that every rank's slices are cut from the same initial values (the ring broadcasts rank 0's),
+    then gives ranks other than 0 their own stream (``seed + rank``) as the engine does. A layer
+    must work out its output shape without reading its weights (Keras's built-in layers do)."""
+    keras.utils.set_random_seed(seed)
+    creator = _SliceCreator(rank, size)
+    with tf.variable_creator_scope(creator):
+        model = build()
+    if rank:
+        keras.utils.set_random_seed(seed + rank)
+    by_storage = {id(storage): piece for storage, piece in creator.made}
+    try:  # outside a layer's call ``value`` is the storage itself (no autocast)
+        slices = [by_storage.pop(id(v.value)) for v in model.trainable_variables]
+    except KeyError:
+        raise HvdtrainError("shard.stage=3 with framework='tensorflow': a trainable variable was "
+                            "not created while the model was built; use shard.stage=2") from None
+    return model, slices
+
+
+def _autocast_now() -> Callable[[], Any]:
+    """The autocast scope in force (``Layer.__call__`` opens one around the call of a layer of a
+    mixed policy: float16 compute on float32 variables), as a factory of a context that
+    re-enters it: the backward pass recomputes the layer outside ``Layer.__call__``. Keras 3
+    has no public API to read or open that scope, so this one function reaches into
+    ``keras.src``."""
+    from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+
+    dtype = getattr(get_autocast_scope(), "dtype", None)
+    return (lambda: AutocastScope(dtype)) if dtype else contextlib.nullcontext
+
+
 class Stage3Units:
     """The model's layers wrapped to gather their variables from ``shard`` (see the module
-    docstring); ``wire``: Horovod's compression of the reduce-scatter."""
+    docstring); ``wire``: Horovod's compression of the reduce-scatter; ``slices``: this rank's
+    slice of each variable from :func:`build_in_slices` (whose empty variables the model has),
+    which :meth:`start` puts in the shard."""
 
     def __init__(self, model: keras.Model, shard: UnitShard, prefetch: int, reshard: bool,
-                 wire: Any) -> None:
+                 wire: Any, slices: list[np.ndarray]) -> None:
         self.model, self.shard = model, shard
         self.prefetch, self.reshard, self.wire = prefetch, reshard, wire
         self.variables = shard.variables
+        self._slices: list[np.ndarray] | None = slices
         self._inputs: dict[int, tf.Tensor] = {}  # the current trace's unit inputs, by unit
         self._douts: dict[int, tf.Tensor] = {}  # and output gradients
-        self.released = False
+        self.released = True  # built in slices
         self._split: tuple[Any, list[tf.Tensor]] | None = None
+        # The current trace's waits for gathers and its units' weight gradients' clocks.
+        self._clocks: tuple[Any, list[tf.Tensor], list[tf.Tensor]] | None = None
         k = 0
         for layer, unit in zip(_unit_layers(model, shard), shard.units, strict=True):
             layer.call = self._wrapped(k, layer.call, unit)
@@ -101,10 +178,10 @@ class Stage3Units:
         mapped = [self.variables[i] for i in unit]
 
         def run(x: tf.Tensor, full: Sequence[tf.Tensor], kwargs: dict[str, Any],
-                cast: str | None) -> Any:
-            # The layer's autocast (a mixed policy: float16 compute on float32 variables), which
-            # Layer.__call__ sets around the forward only, also around the backward's run.
-            with (AutocastScope(cast) if cast else contextlib.nullcontext()), \
+                autocast: Callable[[], Any]) -> Any:
+            # The layer's autocast, which Layer.__call__ sets around the forward only, also
+            # around the backward's run.
+            with autocast(), \
                     keras.StatelessScope(state_mapping=list(zip(mapped, full, strict=True))):
                 return call(x, **kwargs)
 
@@ -115,13 +192,14 @@ class Stage3Units:
             split = self.split()
             pieces = [split[i] for i in unit]
             float_input = args[0].dtype.is_floating
-            cast = getattr(get_autocast_scope(), "dtype", None)
+            cast = _autocast_now()
 
             @tf.custom_gradient
             def forward(x: tf.Tensor, *mine: tf.Tensor) -> Any:
                 self._inputs[k] = x
                 with tf.control_dependencies(self._after(self._inputs, max(0, k - self.prefetch))):
                     full = self._gather(unit, [tf.identity(p) for p in mine])
+                self._note_wait(x, full)
                 y = run(x, full, kwargs, cast)
 
                 def backward(dy: tf.Tensor) -> list[Any]:
@@ -131,6 +209,7 @@ class Stage3Units:
                     if self.reshard:  # gathered again: the forward's copies died after it
                         with tf.control_dependencies(self._after(self._douts, later)):
                             again = self._gather(unit, [tf.identity(p) for p in mine])
+                        self._note_wait(dy, again)
                     with tf.GradientTape() as tape:
                         tape.watch(again)
                         if float_input:
@@ -139,6 +218,8 @@ class Stage3Units:
                     grads = tape.gradient(y2, [x, *again], output_gradients=dy,
                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
                     flats = [tf.reshape(g, [-1]) for g in grads[1:]]
+                    with tf.control_dependencies(flats):
+                        self._trace_clocks()[2].append(tf.timestamp())
                     scattered = hvd.grouped_reducescatter(flats, op=hvd.Average,
                                                           compression=self.wire)
                     return [grads[0] if float_input else None, *scattered]
@@ -159,18 +240,71 @@ class Stage3Units:
                                            self.shard.owns))
         return self._split[1]
 
+    def _trace_clocks(self) -> tuple[Any, list[tf.Tensor], list[tf.Tensor]]:
+        """This trace's gather waits and the clocks read after each unit's weight gradient."""
+        graph = tf.compat.v1.get_default_graph()
+        if self._clocks is None or self._clocks[0] is not graph:
+            self._clocks = (graph, [], [])
+        return self._clocks
+
+    def _note_wait(self, needed: tf.Tensor, gathered: Sequence[tf.Tensor]) -> None:
+        """Records the seconds from ``needed`` (a unit's input or output gradient) being there
+        to the unit's ``gathered`` variables being there (0 where they came first): what the
+        computation waited for the gather."""
+        with tf.control_dependencies([needed]):
+            ready = tf.timestamp()
+        with tf.control_dependencies(list(gathered)):
+            done = tf.timestamp()
+        self._trace_clocks()[1].append(tf.maximum(done - ready, 0.0))
+
+    def waited(self, scattered: tf.Tensor) -> tf.Tensor:
+        """Inside a traced pass, after its gradients: the seconds it waited for collectives,
+        float64 (see the module docstring); ``scattered``: the shard's gradient, which the last
+        reduce-scatter completes."""
+        _, waits, computed = self._trace_clocks()
+        total = tf.add_n(waits) if waits else tf.constant(0.0, tf.float64)
+        if computed:
+            with tf.control_dependencies([scattered]):
+                done = tf.timestamp()
+            total += tf.maximum(done - tf.reduce_max(tf.stack(computed)), 0.0)
+        self._clocks = None
+        return total
+
+    def start(self) -> None:
+        """The shard's values at the start of a run (a collective): each variable's slice as
+        built, or, where rank 0 restored the model whole from a checkpoint, broadcast from it a
+        variable at a time (each rank keeping its slice); neither after the first start (the
+        shard is the current state). The model's variables are empty afterwards."""
+        whole = hvd.broadcast_object(
+            self.shard.rank == 0 and any(int(tf.size(v.value)) > 0 for v in self.variables),
+            root_rank=0, name="hvdtrain.shard3.restored")
+        pieces = self._slices
+        if whole:
+            pieces = []
+            for i, v in enumerate(self.variables):
+                value = v.value if self.shard.rank == 0 else tf.zeros(v.shape, v.dtype)
+                got = hvd.broadcast(tf.convert_to_tensor(value), root_rank=0,
+                                    name=f"hvdtrain.shard3.model.{i}")
+                lo, hi = self.shard.bounds[i]
+                pieces.append(tf.reshape(got, [-1])[lo:hi].numpy())
+                v.value.assign(tf.zeros([0], v.dtype))  # one variable whole at a time
+        if pieces is not None:
+            self.shard.var.assign(np.concatenate(pieces) if pieces else
+                                  np.zeros(0, np.float32))
+        self._slices = None
+        self.release()
+
     def release(self) -> None:
         """Empties the model's variables: the rank keeps its slices (in the shard variable)
-        only. Their storage becomes a variable of any shape (Keras still reports each one's)."""
+        only. Their storage (:func:`build_in_slices`) is a variable of any shape; Keras still
+        reports each one's shape."""
         for v in self.variables:
-            if not self.released:
-                v._value = tf.Variable(v._value, shape=tf.TensorShape(None), trainable=False,
-                                       name=v.name)
-            v._value.assign(tf.zeros([0], v._value.dtype))
+            v.value.assign(tf.zeros([0], v.dtype))
         self.released = True
 
     def materialise(self) -> None:
-        """Every variable whole again from the ranks' slices (a collective)."""
+        """Every variable whole again from the ranks' slices (a collective); :meth:`release`
+        empties them again."""
         if self.released:
             self.shard.store()
             self.released = False
@@ -228,6 +362,8 @@ class Stage3Kernels(UnitKernels):
     def __init__(self, *args: Any, units: Stage3Units, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units = units
+        # The step's wait for collectives so far: micro-batches before the last add theirs.
+        self.waited = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
 
     def _shard_gradients(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor
                          ) -> tuple[tf.Tensor, dict, tf.Tensor]:
@@ -236,15 +372,20 @@ class Stage3Kernels(UnitKernels):
             loss_sum, metrics = self.adapter.loss_and_metrics(self.model, x, y, training=True)
             target = self.precision.scale(self.optimizer, loss_sum * scale)
         grads = tape.gradient(target, pieces, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return loss_sum, metrics, tf.concat(grads, 0)
+        mine = tf.concat(grads, 0)
+        self.waited.assign_add(self.units.waited(mine))
+        return loss_sum, metrics, mine
 
     def _fused_step(self, x: tf.Tensor, y: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
-        """The last micro-batch and the shard's update: its loss sum and metrics, and 0 for the
-        communication's seconds (the gathers and reduce-scatters run inside the passes)."""
+        """The last micro-batch and the shard's update: its loss sum and metrics, and the
+        seconds the step's passes waited for their gathers and reduce-scatters
+        (:meth:`Stage3Units.waited`)."""
         loss_sum, metrics, grads = self._gradients(x, y, scale)
         self._metric_keys = sorted(metrics)
         self._step(grads)
-        values = [loss_sum, *(metrics[k] for k in self._metric_keys), tf.constant(0.0)]
+        comm_s = self.waited.read_value()  # ordered after the passes' adds, before the reset
+        self.waited.assign(tf.zeros_like(comm_s))
+        values = [loss_sum, *(metrics[k] for k in self._metric_keys), comm_s]
         return tf.stack([tf.cast(v, tf.float64) for v in values])
 
     def _apply(self, grads: list[tf.Tensor]) -> None:

@@ -5,7 +5,8 @@ checkpoints resume at stage 2 and stage 3 resumes stage 2's.
 
 ``make test``: one launch (-np 2, 2 micro-batches a step of 8 samples a rank, global batch 32,
 45 steps): the ring and stage 3 with Adam and weight decay (a checkpoint every 20 steps), and
-stage 2 resumed from stage 3's step-20 checkpoint. ``make test-long``: one launch of SGD with
+stage 2 resumed from stage 3's step-20 checkpoint; every log record of stage 3 has its wait for
+the collectives (``comm_time_s``). ``make test-long``: one launch of SGD with
 momentum clipped by global norm on the ring and at stage 3, AdamW on the ring and at stage 3
 without prefetch and keeping the forward's gathered parameters
 (``shard.reshard_after_forward=false``), stage 3 resumed from stage 2's step-20 checkpoint, and
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import read_jsonl
 from tests.multirank.conftest import Launch, launch_worker
 
 STAGE3 = "shard.stage=3,shard.unit_kib=16"  # 4,096 elements: each of the 2 layers a group
@@ -93,6 +95,10 @@ def test_stage3_equals_the_ring_and_stage2_resumes_its_checkpoint(stage3):
     assert model == [(64, 128), (128,), (128, 10), (10,)]
     summary = launch.summary("s3_adam")
     assert summary["shard_stage"] == 3 and summary["shard_ranks"] == summary["world_size"] == 2
+    # Monitoring: the passes' waits for their gathers and reduce-scatters, every log record.
+    logged = [r for r in read_jsonl(launch.out / "s3_adam" / "metrics.jsonl") if "wire_bytes" in r]
+    assert logged and all(r["comm_time_s"] > 0 for r in logged)
+    assert all(r["comm_time_s"] < r["step_time_s"] for r in logged)  # a part of a step
     # Every rank evaluated the same (its own batches): the summary's eval is the ring's.
     assert summary["final"]["eval_loss"] == pytest.approx(
         launch.summary("ring_adam")["final"]["eval_loss"], abs=1e-5)
