@@ -47,12 +47,8 @@ def _split_weights(cfg: Any) -> bool:
 
 
 def _elastic(cfg: Any) -> str:
-    given = f"elastic.enabled=true with {_given(cfg)}"
-    if cfg.framework == "tensorflow":
-        return (f"{given} and framework='tensorflow': re-sharding after a reset is built in "
-                "PyTorch only so far; use framework=torch or elastic.enabled=false")
-    return (f"{given} and shard.group='node': a reset changes the nodes' sizes, which the "
-            "node's shards need equal; use shard.group=all")
+    return (f"elastic.enabled=true with {_given(cfg)} and shard.group='node': a reset changes "
+            "the nodes' sizes, which the node's shards need equal; use shard.group=all")
 
 
 def _tensorflow(cfg: Any) -> str:
@@ -82,10 +78,9 @@ RULES = (
     Rule("shard", "powersgd",
          lambda cfg: cfg.comm.compression not in (*DENSE, *SPARSE), _compression,
          {**ONE, "comm.compression": "powersgd"}),
-    Rule("shard", "elastic", lambda cfg: cfg.elastic.enabled and (
-        cfg.framework == "tensorflow" or cfg.shard.group == "node"), _elastic,
-         {**ONE, "elastic.enabled": True, "framework": "tensorflow"},
-         only="in TensorFlow, and with shard.group=node"),
+    Rule("shard", "elastic", lambda cfg: cfg.elastic.enabled and cfg.shard.group == "node",
+         _elastic, {**ONE, "elastic.enabled": True, "shard.group": "node"},
+         only="with shard.group=node"),
     Rule("shard", "tensorflow", lambda cfg: cfg.framework == "tensorflow"
          and cfg.shard.group == "node", _tensorflow,
          {**ONE, "shard.group": "node", "framework": "tensorflow"}, only="with shard.group=node"),

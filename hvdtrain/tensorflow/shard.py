@@ -52,7 +52,9 @@ from hvdtrain.shard import (
     shard_bounds,
     step_bytes,
 )
+from hvdtrain.tensorflow import rng, syncbn
 from hvdtrain.tensorflow.collectives import any_rank
+from hvdtrain.tensorflow.data import batch_signature
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer
 from hvdtrain.tensorflow.shard3 import (
     Stage3Exchange,
@@ -62,7 +64,7 @@ from hvdtrain.tensorflow.shard3 import (
     gather_model,
     make_stage3,
 )
-from hvdtrain.tensorflow.shard_files import layout_of, read_slots, shard_part
+from hvdtrain.tensorflow.shard_files import layout_of, read_params, read_slots, shard_part
 from hvdtrain.tensorflow.shard_grads import (
     UnitExchange,
     UnitKernels,
@@ -260,7 +262,35 @@ class ShardedEngine(TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         return_freed_memory()
+        self._made = (cfg, dataset)  # elastic mode builds the model again to re-shard it
         super().__init__(cfg, dataset)
+
+    def resize(self, rank: int, size: int, accumulation: int) -> None:
+        if (rank, size) == (self.exchange.rank, self.exchange.size):
+            super().resize(rank, size, accumulation)
+            return
+        # The shards are cut for another world: reshard() makes them again for this one (until
+        # then a step refuses, in the exchange's resize).
+        self.rank, self.size, self.accumulation = rank, size, accumulation
+        self.layout = self.layout.resized(size)
+        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+
+    def reshard(self) -> None:
+        # The shards' bounds, units and traced functions are cut for one world: the model (at
+        # stage 3 its layers' calls are wrapped and its variables emptied), the optimizer and
+        # the update are made again for this one, as at the start, and the committed state is
+        # then loaded into them (load_state, broadcast_state). The random streams go on.
+        streams = rng.capture()
+        cfg, dataset = self._made
+        with self.precision.policy():
+            self.model = self._build(cfg, dataset)
+        if cfg.model.sync_batchnorm:
+            syncbn.convert(self.model)
+        self._source, self._model_whole = None, None  # _make_update empties _whole
+        self._make_update(cfg, self.model.trainable_variables)
+        self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
+                                    jit_compile=False)
+        rng.restore(streams)
 
     def _build(self, cfg: Config, dataset: Dataset) -> keras.Model:
         if cfg.shard.stage < 3:
@@ -317,22 +347,33 @@ class ShardedEngine(TensorFlowEngine):
     def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
         # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py).
         self._wrote_shards = True
+        params = None
         if self.units is not None and self.units.released:  # stage 3: the model for rank 0
-            self._model_whole = gather_model(self.units.shard, self.rank == 0)
-        return shard_part(self.shard, self._slots(), self.rank)
+            whole = gather_model(self.units.shard, self.rank == 0)
+            self._model_whole = whole if self.rank == 0 else None  # others: empty entries
+            # and every rank its slices of the parameters: in elastic mode any rank may be the
+            # rank 0 whose committed state a reset restores, or die with its slices.
+            params = self.shard.var
+        return shard_part(self.shard, self._slots(), self.rank, params)
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         if self._wrote_shards:  # the layout in the meta; empty slots (_optimizer_arrays)
             meta = {**meta, "shards": layout_of(self.shard, self._slots()).to_dict()}
         return super().state_bytes(meta)
 
+    _params_in_parts = False  # stage 3: the state's model entries were empty (elastic mode)
+
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
+        self._params_in_parts = False
         meta = super().load_state(data, where)
         if meta.get("shards") is not None:  # every rank reads its slices in broadcast_state
             if self.restore_from is None:
                 raise HvdtrainError(f"{where}: a checkpoint of shards is read from its file only")
             self._source = {"directory": str(self.restore_from.parent), "where": where,
-                            "entries": meta.get("parts") or [], "layout": meta["shards"]}
+                            "entries": meta.get("parts") or [], "layout": meta["shards"],
+                            "params": self._params_in_parts}
+        elif self._params_in_parts:
+            raise HvdtrainError(f"{where}: its model entries are empty and it has no parts")
         return meta
 
     def gather_state(self) -> None:
@@ -378,6 +419,10 @@ class ShardedEngine(TensorFlowEngine):
         return {}  # the optimizer's slots are flat, not by layer: no pipeline stage reads them
 
     def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
+        if (name.startswith("model/") and value.shape == (0,) and self.units is not None
+                and int(np.prod(var.shape)) > 0):  # stage 3: the parameters are in the parts
+            self._params_in_parts = True
+            return
         if name.startswith("optimizer/") and _per_element(var):
             if value.shape == (0,):  # in the parts (load_state checks the layout is there)
                 return
@@ -422,4 +467,6 @@ class ShardedEngine(TensorFlowEngine):
             self.units.start()
         else:
             self.shard.load()  # the step keeps the shard and the parameters equal from here
+        if source is not None and source.get("params"):  # stage 3, elastic: in the parts
+            self.shard.var.assign(read_params(source, self.shard))
         self._follow_world()

@@ -22,6 +22,7 @@ from hvdtrain.checkpoint import part_file
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import segments
 from hvdtrain.shard_files import (
+    PARAMS,
     PartFiles,
     ShardLayout,
     check_fits,
@@ -75,13 +76,17 @@ WRITE_ELEMENTS = 1 << 20
 """Elements of a slot read and written at a time: a part holds no slot's copy whole."""
 
 
-def shard_part(shard: Any, slots: Mapping[int, Any], rank: int
+def shard_part(shard: Any, slots: Mapping[int, Any], rank: int, params: Any = None
                ) -> tuple[str, dict[str, Any], Callable[[IO[bytes]], object]]:
     """This rank's part: its label, its manifest fields and the writer of its slices of each
     per-element slot (``slots``, by optimizer variable index: arrays, or variables that the
-    writer reads :data:`WRITE_ELEMENTS` at a time)."""
+    writer reads :data:`WRITE_ELEMENTS` at a time), and of the parameters where ``params``
+    (stage 3's shard variable: a rank's slices of the parameters die with it in elastic mode)."""
     tensors = [(tensor_key(u, f"s{i}"), slots[i], a, b) for i in slots
                for u, (a, b) in enumerate(_units(shard))]
+    if params is not None:
+        tensors += [(tensor_key(u, PARAMS), params, a, b)
+                    for u, (a, b) in enumerate(_units(shard))]
 
     def write(fileobj: IO[bytes]) -> None:
         fileobj.write(safetensors_header(
@@ -102,15 +107,11 @@ def read_slots(source: Mapping[str, Any], shard: Any, indices: Sequence[int]
     parts of a checkpoint of shards (``source``: its directory, parts, layout), written at any
     stage 1-2 and number of ranks: only the byte ranges it needs."""
     where = source["where"]
-    layout = ShardLayout.from_dict(source["layout"], where)
-    names = _names(shard)
-    check_fits(layout, list(zip(names, shard.sizes, strict=True)), where)
+    layout, names, paths = _opened(source, shard)
     missing = [i for i in indices if f"s{i}" not in layout.slots]
     if missing or len(indices) != len(layout.slots):
         raise HvdtrainError(f"{where} does not fit the optimizer: its slots are "
                             f"{sorted(layout.slots)}, this one's {[f's{i}' for i in indices]}")
-    paths = {s: part_file(Path(source["directory"]), e, where)
-             for s, e in shard_files(source["entries"], layout, where).items()}
     out: dict[int, np.ndarray] = {}
     with PartFiles(paths, layout, where) as parts:
         for i in indices:
@@ -120,3 +121,27 @@ def read_slots(source: Mapping[str, Any], shard: Any, indices: Sequence[int]
                 parts.fill(values[at:at + hi - lo], names[j], lo, kind)
             out[i] = values
     return out
+
+
+def read_params(source: Mapping[str, Any], shard: Any) -> np.ndarray:
+    """This rank's slices of the parameters (stage 3's shard variable) read from parts that hold
+    them (:func:`shard_part` with ``params``), written at stage 3 and any number of ranks."""
+    layout, names, paths = _opened(source, shard)
+    values = np.empty(shard.own, np.float32)
+    with PartFiles(paths, layout, source["where"]) as parts:
+        for j, lo, hi, at in pieces(shard):
+            parts.fill(values[at:at + hi - lo], names[j], lo, PARAMS)
+    return values
+
+
+def _opened(source: Mapping[str, Any], shard: Any) -> tuple[ShardLayout, list[str],
+                                                              dict[int, Path]]:
+    """The layout of a checkpoint of shards (checked against ``shard``'s variables), the
+    variables' names and the path of each shard's part."""
+    where = source["where"]
+    layout = ShardLayout.from_dict(source["layout"], where)
+    names = _names(shard)
+    check_fits(layout, list(zip(names, shard.sizes, strict=True)), where)
+    paths = {s: part_file(Path(source["directory"]), e, where)
+             for s, e in shard_files(source["entries"], layout, where).items()}
+    return layout, names, paths

@@ -63,9 +63,6 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["elastic.enabled=true", "framework=tensorflow"],
-     "elastic.enabled=true with shard.stage=1 and framework='tensorflow': re-sharding after a "
-     "reset is built in PyTorch only"),
     (["elastic.enabled=true", "shard.group=node"],
      "elastic.enabled=true with shard.stage=1 and shard.group='node': a reset changes"),
     (["comm.compression=topk"], "comm.compression='topk' with shard.stage=1: the sharded update's "
@@ -80,6 +77,14 @@ def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError) as info:
         load_config(None, ["shard.stage=1", *overrides], environ={})
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_elastic_mode_re_shards_every_stage_in_both_frameworks(framework, stage):
+    cfg = load_config(None, [f"shard.stage={stage}", "elastic.enabled=true",
+                             f"framework={framework}"], environ={})
+    assert cfg.shard.stage == stage and cfg.elastic.enabled
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -1,0 +1,94 @@
+"""Elastic mode with sharded data parallel in TensorFlow: three workers, the one on the second
+host SIGKILLs itself at a chosen step (``DoomedMLP`` of ``tf_elastic_models``; which rank it is
+varies), and the other two go back to the last commit, build the model and optimizer again for
+two ranks and read their new shards from the commit's parts. The run ends; every sample is
+trained on once per epoch; and the final parameters are those of a ring run
+(``shard.stage=0``) that lost its worker at the same step, which is what re-sharding the
+committed state over two ranks must give (as tests/multirank/test_shard_elastic.py in
+PyTorch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import read_jsonl
+from tests.multirank.test_elastic import check_every_index_once_per_epoch, elastic_job
+
+EPOCHS = 1
+COMMIT_EVERY = 5  # test_elastic's jobs commit every 10 steps: its helpers' checks use that
+DIE_AT = 13  # the worker on 127.0.0.1 dies in step 12 (a step is one micro-batch here)
+TOLERANCE = 1e-5
+"""As the PyTorch test's: the reduce-scatter may add in another order than the ring's
+allreduce; one step more or less moves parameters by 1e-3 or more."""
+
+
+def elastic_run(tmp_path: Path, name: str, *overrides: str) -> Path:
+    """A 3-worker elastic run (two slots on ``localhost``, one on ``127.0.0.1``) whose worker on
+    ``127.0.0.1`` dies at step ``DIE_AT - 1``; its host is blacklisted, and two workers go on."""
+    run, hosts = tmp_path / name / "run", tmp_path / name / "hosts.txt"
+    hosts.parent.mkdir(parents=True)
+    hosts.write_text("localhost:2\n127.0.0.1:1\n")
+    proc = elastic_job("tensorflow", run, "discover_hosts_file.sh", 3, f"train.epochs={EPOCHS}",
+                       f"elastic.commit_every={COMMIT_EVERY}", "checkpoint.every_steps=1000",
+                       "model.name=tests.multirank.tf_elastic_models:DoomedMLP",
+                       f"model.options={{hidden: [128], die_at: {DIE_AT}, host: 127.0.0.1}}",
+                       *overrides, max_np=3,
+                       # a loaded machine can take more than Gloo's 30 s to reach a rendezvous
+                       env={"HVDTRAIN_HOSTS_FILE": str(hosts),
+                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
+    try:
+        proc.wait(timeout=800)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (run.parent / "job.log").read_text()[-4000:]
+    return run
+
+
+def final_parameters(run: Path) -> dict[str, np.ndarray]:
+    """The model's entries of the run's last checkpoint (rank 0 writes them whole at every
+    stage: stage 3 gathers them)."""
+    path = sorted((run / "checkpoints").glob("step-*.ckpt"))[-1]
+    with np.load(path, allow_pickle=False) as npz:
+        return {name: npz[name] for name in npz.files if name.startswith("model/")}
+
+
+def check_resize(run: Path) -> None:
+    """One reset, from 3 workers to 2, back to the commit before the lost worker's step."""
+    events = read_jsonl(run / "elastic.jsonl")
+    assert [(e["event"], e["world_size"]) for e in events] == [("start", 3), ("reset", 2)]
+    reset = events[1]
+    assert reset["step"] == (DIE_AT - 1) // COMMIT_EVERY * COMMIT_EVERY, reset
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["elastic"]["resets"] == 1
+    check_every_index_once_per_epoch(run, EPOCHS)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory) -> Path:
+    """The ring's run with the same loss (shared by the rows)."""
+    run = elastic_run(tmp_path_factory.mktemp("ring"), "ring")
+    check_resize(run)
+    return run
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("stage", [
+    pytest.param(3, id="stage3"),
+    pytest.param(1, id="stage1", marks=pytest.mark.long),
+    pytest.param(2, id="stage2", marks=pytest.mark.long),
+])
+def test_sharded_tf_run_survives_a_lost_worker_as_the_ring(tmp_path, ring, stage):
+    run = elastic_run(tmp_path, f"stage{stage}", f"shard.stage={stage}")
+    check_resize(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["shard_stage"] == stage and summary["shard_ranks"] == 2
+    assert summary["elastic"]["commit_s"] > 0
+    assert not (run / "elastic-commits").exists()  # the commits' parts go with the run's end
+    got, want = final_parameters(run), final_parameters(ring)
+    assert got.keys() == want.keys() and len(want) == 4
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], atol=TOLERANCE, rtol=0, err_msg=key)
