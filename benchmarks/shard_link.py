@@ -10,8 +10,8 @@ A/A control), one job each a round, the order reversed on odd rounds.
 Targets (issue 57): stage 1 and stage 2 step time at most 1.05 x the ring's; stage 3 within 20% of
 1.5 x the ring's (1.2-1.8), as ZeRO's stage 3 moves 1.5 x the ring's bytes.
 
-Beside each step time, the collectives a rank runs a step (:func:`rounds`): the all-gathers and
-the reduce-scatters in rounds of ``PIECES`` KiB a rank, one after another.
+Beside each step time, the collectives a rank runs a step (:func:`collectives_a_step`): the
+all-gathers and the reduce-scatters in rounds of ``PIECES`` KiB a rank, one after another.
 
 Usage (from the repository root; about 7 minutes on 2 quiet cores at the defaults; run it under
 ``flock /work/brief/measure.lock`` where others measure)::
@@ -54,7 +54,7 @@ UNITS = (64 * ps_links.HIDDEN + ps_links.HIDDEN, ps_links.HIDDEN * ps_links.HIDD
 """The MLP's units at stages 2-3 (its three linear layers), in parameters."""
 
 
-def rounds(name: str, ranks: int = 2) -> int:
+def collectives_a_step(name: str, ranks: int = 2) -> int:
     """The collectives a rank runs a step at ``name``'s setting: all-gather and reduce-scatter
     rounds of :data:`PIECES` KiB a rank (stage 1 over the whole flat vector, stages 2-3 per
     unit, stage 3 gathering before the forward and the backward pass), beside the ring's one
@@ -122,7 +122,8 @@ def table(times: Times, rate: float) -> str:
         formula = BYTES_X[name] * ps_links.GRADIENT_BYTES * 8 / rate
         rows.append(f"| {label} | {statistics.median(t for t, _ in values):.3f} | {len(values)} "
                     f"| {ratio[name]:.3f} | {rounds} | "
-                    f"{statistics.median(o for _, o in values):.3f} | {rounds(name.strip())} | "
+                    f"{statistics.median(o for _, o in values):.3f} | "
+                    f"{collectives_a_step(name.strip())} | "
                     f"{BYTES_X[name]:.1f} | "
                     f"{formula:.3f} |")
     return "\n".join(rows)
