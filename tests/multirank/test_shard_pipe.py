@@ -28,7 +28,10 @@ trained in the test's own process, and stage 3's launch (full run and resumed ru
 launch is `long`. `long` (`make test-long`): MPI's launch, where the equality
 holds too (1F1B and interleaved 1F1B), a pipeline without sharding resumes from the sharded run's
 step 10, and the sharded pipeline from the step 10 of one without sharding and from that of a
-sharded run without stages (its per-rank shard files), each within 1e-5 of the uninterrupted run.
+sharded run without stages (its per-rank shard files), each within 1e-5 of the uninterrupted run;
+and stage 3 evaluating copies that hold uneven numbers of eval batches (361 test samples in
+batches of 20: 10 and 9), whose gathers pair up only because the copy with fewer runs an empty
+batch, against one process's evaluation.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 import pytest
 import torch
 
+from hvdtrain.data.sampler import eval_shards
 from hvdtrain.driver import train
 from tests.conftest import CONFIG, quiet_config, read_jsonl
 from tests.multirank.conftest import Launch
@@ -195,3 +199,31 @@ def test_stage_3_sharded_copies_of_two_stages_equal_one_process_and_resume(tmp_p
 def test_stage_2_sharded_copies_of_two_stages_equal_one_process_and_resume(tmp_path,
                                                                            one_process):
     check_units_sharded(tmp_path, one_process, 2)
+
+
+EVAL_FRACTION = 0.2005
+"""A test split of 361 samples: 181 for copy 0, 180 for copy 1."""
+UNEVEN_EVAL = (f"data.options.test_fraction={EVAL_FRACTION},data.eval_batch_size=20,"
+               "train.max_steps=3,checkpoint.enabled=false,checkpoint.every_steps=0")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_stage_3_evaluates_copies_with_uneven_eval_batches(tmp_path):
+    """At shard.stage=3 each eval batch's forward gathers the stage's units among its copies.
+    361 test samples in batches of 20: copy 0 holds 181 (10 batches, the last of 1), copy 1 180
+    (9 full ones). :func:`hvdtrain.data.sampler.eval_shards` gives copy 1 an empty tenth batch,
+    which the stage runs (padded, no real row) so that its gathers pair with copy 0's; without it
+    copy 0's tenth forward waits for ever (the run dies at the stall timeout). The evaluation then
+    counts every sample once and equals one process's after the same 3 steps."""
+    assert [[len(b) for b in eval_shards(361, c, 2, 20)][-1] for c in range(2)] == [1, 0]
+    out = tmp_path / "np4-uneven-eval"
+    launched = launch(4, "gloo", out, [f"uneven:{PIPE},shard.stage=3,{UNEVEN_EVAL}"])
+    ref = train(quiet_config(CONFIG, tmp_path / "ref", *WHOLE, *UNEVEN_EVAL.split(",")))
+    # The last stage of each copy (ranks 1 and 3) scored its own share of the test split.
+    counts = [launched.rank("uneven", r)[1]["local_eval"]["count"] for r in (1, 3)]
+    assert counts == [181, 180]
+    summary = launched.summary("uneven")
+    assert (summary["shard_stage"], summary["steps"]) == (3, 3)
+    for key in ("eval_loss", "eval_accuracy", "train_loss"):
+        assert summary["final"][key] == pytest.approx(ref.summary["final"][key], rel=1e-4), key
