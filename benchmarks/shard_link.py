@@ -183,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
              "rate (and at a high load one reduce-scatter too), rounds of 128 KiB at the rate, "
              "0-2 ms a round beyond the bytes when timed alone "
              "(docs/investigations/shard-link/rounds.py and README.md). A sharded step's loss "
-             "against the ring beyond that is what the job adds between rounds."]
+             "against the ring beyond that is what the job adds between rounds: a stage-2 job's "
+             "Horovod timeline at load 28-42 (docs/investigations/shard-link/timeline.py) had its "
+             "all-gather rounds near the rate and 11 ms (median) of gap between its "
+             "reduce-scatter rounds in the backward pass, about 1 s a step."]
     entry = harness.Entry(label="Sharded data parallel against the ring, 100 Mbit/s",
                           script="shard_link.py",
                           target="stage 1-2 / ring step time <= 1.05; stage 3 / ring 1.2-1.8 "
