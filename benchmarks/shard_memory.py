@@ -18,6 +18,11 @@ Usage (from the repository root; about 10 minutes on 2 cores)::
 
     .venv/bin/python benchmarks/shard_memory.py
     .venv/bin/python benchmarks/shard_memory.py --quick     # a narrower GPT, one round
+    .venv/bin/python benchmarks/shard_memory.py --ranks 2 --stages 0,1,3 --piece-kib 1024
+
+``--stages`` runs some stages only (stage 0, the ring, is what "of the ring's peak" divides by);
+``--piece-kib`` sets stage 3's ``shard.piece_kib`` (Horovod's reduce-scatter copies its input
+and allocates two buffers of its size, so rounds bound what one unit's collective holds).
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ def formula(stage: int, n: int) -> float:
 
 
 def settings(corpus: str, width: int, layers: int, steps: int, stage: int, unit_kib: int,
-             out: str) -> list[str]:
-    """The config overrides of one job."""
+             out: str, piece_kib: int = 0) -> list[str]:
+    """The config overrides of one job (``piece_kib``: stage 3's ``shard.piece_kib``)."""
     units = [f"shard.unit_kib={unit_kib}"] if stage >= 2 else []
+    units += [f"shard.piece_kib={piece_kib}"] if stage == 3 and piece_kib else []
     return [f"data.options.root={corpus}", f"model.options.d_model={width}",
             f"model.options.layers={layers}", "model.options.heads=4", "data.batch_size=2",
             "data.eval_batch_size=8", f"train.max_steps={steps}", "optim.warmup_steps=0",
@@ -60,13 +66,14 @@ def settings(corpus: str, width: int, layers: int, steps: int, stage: int, unit_
 
 
 def worker(out: str, corpus: str, width: int, layers: int, steps: int, stage: int,
-           unit_kib: int) -> None:
+           unit_kib: int, piece_kib: int) -> None:
     """Under horovodrun: trains once and prints this rank's record (one JSON line)."""
     from hvdtrain.config import load_config
     from hvdtrain.driver import train
 
     cfg = load_config(harness.ROOT / "configs" / "lm_torch.yaml",
-                      settings(corpus, width, layers, steps, stage, unit_kib, out), environ={})
+                      settings(corpus, width, layers, steps, stage, unit_kib, out, piece_kib),
+                      environ={})
     result = train(cfg)
     engine = result.engine
     assert engine is not None, "a worker's rank trains"
@@ -123,7 +130,7 @@ def measure(args: Any) -> tuple[dict[tuple[int, str], list[dict[str, Any]]], flo
     results: dict[tuple[int, str], list[dict[str, Any]]] = {}
     settings = [(n, name, width, layers, stage) for n in args.ranks for name, width, layers, stage
                 in [("tiny", 64, 1, 0), *((f"stage {s}", args.width, args.layers, s)
-                                          for s in STAGES)]]
+                                          for s in args.stages)]]
     with tempfile.TemporaryDirectory(prefix="hvdtrain-bench-shardmem-") as tmp:
         text = corpus(Path(tmp))
         saved = harness.run_job([str(harness.python()), __file__, "--activations", str(text),
@@ -135,14 +142,15 @@ def measure(args: Any) -> tuple[dict[tuple[int, str], list[dict[str, Any]]], flo
                 argv = [harness.horovodrun(), "-np", str(n), "--gloo", str(harness.python()),
                         __file__, "--worker", str(Path(tmp) / f"{name.replace(' ', '')}-{n}"),
                         str(text), str(width), str(layers), str(args.steps), str(stage),
-                        str(args.unit_kib)]
+                        str(args.unit_kib), str(args.piece_kib)]
                 results.setdefault((n, name), []).extend(harness.run_job(argv, "peak_rss_mb",
                                                                          args.timeout))
     return results, saved
 
 
 def table(results: dict[tuple[int, str], list[dict[str, Any]]], ranks: Sequence[int],
-          saved: float) -> tuple[str, dict[tuple[int, int], float], dict[int, float], int]:
+          saved: float, stages: Sequence[int] = STAGES
+          ) -> tuple[str, dict[tuple[int, int], float], dict[int, float], int]:
     """The Markdown table (medians over rounds and ranks), each (ranks, stage)'s measured /
     (formula plus ``saved``, the activations' MiB), stage 3's peak over the ring's at each rank
     count, and the parameter count."""
@@ -156,12 +164,13 @@ def table(results: dict[tuple[int, str], list[dict[str, Any]]], ranks: Sequence[
     for n in ranks:
         base = statistics.median(r["peak_rss_mb"] for r in results[(n, "tiny")])
         ring = statistics.median(r["peak_rss_mb"] for r in results[(n, "stage 0")])
-        for stage in STAGES:
+        for stage in stages:
             peaks = [r["peak_rss_mb"] for r in results[(n, f"stage {stage}")]]
             peak = statistics.median(peaks)
             states, want = peak - base, formula(stage, n) * params / 2**20 + saved
             ratios[(n, stage)] = states / want
-            of_ring[n] = peak / ring  # the last written is stage 3's
+            if stage == 3:
+                of_ring[n] = peak / ring
             lines.append(f"| {n} | {stage} | {peak:.0f} ({min(peaks):.0f}-{max(peaks):.0f}) | "
                          f"{peak / ring:.2f} | {states:.0f} | {want:.0f} | {states / want:.2f} |")
         lines.append(f"| {n} | runtime (tiny GPT, stage 0) | {base:.0f} | | | | |")
@@ -175,11 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--unit-kib", type=int, default=16384,
                    help="shard.unit_kib at stages 2-3 (16384: a GPT block of width 1024 is cut "
                         "into its linear layers and norms)")
+    p.add_argument("--stages", default="0,1,2,3",
+                   help="the stages, comma-separated (0 is the ring every ratio is taken of)")
+    p.add_argument("--piece-kib", type=int, default=0,
+                   help="shard.piece_kib at stage 3 (0: one collective a unit)")
     args = harness.parse(p, argv)
+    args.stages = [int(s) for s in args.stages.split(",")]
     machine = harness.machine_record()
     args.ranks = [int(n) for n in args.ranks.split(",")]
     results, saved = measure(args)
-    grid, ratios, of_ring, params = table(results, args.ranks, saved)
+    grid, ratios, of_ring, params = table(results, args.ranks, saved, args.stages)
     worst = max(abs(r - 1) for r in ratios.values())
     verdict = ("formula met" if worst <= TARGET else f"formula missed by {worst - TARGET:.2f}") + \
         " (measured / formula " + ", ".join(f"{s}@{n} {r:.2f}" for (n, s), r in ratios.items())
@@ -200,8 +214,9 @@ if __name__ == "__main__":
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     if sys.argv[1:2] == ["--worker"]:
-        out, text, width, layers, steps, stage, unit_kib = sys.argv[2:9]
-        worker(out, text, int(width), int(layers), int(steps), int(stage), int(unit_kib))
+        out, text, width, layers, steps, stage, unit_kib, piece_kib = sys.argv[2:10]
+        worker(out, text, int(width), int(layers), int(steps), int(stage), int(unit_kib),
+               int(piece_kib))
         sys.exit(0)
     if sys.argv[1:2] == ["--activations"]:
         text, width, layers = sys.argv[2:5]
