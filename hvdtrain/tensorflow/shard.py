@@ -61,6 +61,7 @@ from hvdtrain.tensorflow.shard3 import (
     Stage3Kernels,
     Stage3Units,
     build_in_slices,
+    free_fusion_buffer,
     gather_model,
     make_stage3,
 )
@@ -262,6 +263,8 @@ class ShardedEngine(TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         return_freed_memory()
+        if cfg.shard.stage >= 3:  # before Horovod starts
+            free_fusion_buffer()
         self._made = (cfg, dataset)  # elastic mode builds the model again to re-shard it
         super().__init__(cfg, dataset)
 

@@ -29,6 +29,9 @@ the time from a unit's input (forward) or output gradient (backward) being ready
 variables being there, plus the time from the last unit's weight gradient to the last
 reduce-scatter's result (:meth:`Stage3Units.waited`), as PyTorch's stage 3 counts its waits.
 
+Memory: a stage-3 engine turns Horovod's fusion buffer off unless the user sized it
+(:func:`free_fusion_buffer`).
+
 Checkpoints are stage 2's: every rank writes its slices of the optimizer's slots, and the
 variables are gathered one group at a time for rank 0's model entries (:func:`gather_model`),
 so stages 1-3 and any number of ranks resume each other's checkpoints.
@@ -37,6 +40,7 @@ so stages 1-3 and any number of ranks resume each other's checkpoints.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,6 +127,19 @@ def build_in_slices(build: Callable[[], keras.Model], seed: int, rank: int, size
         raise HvdtrainError("shard.stage=3 with framework='tensorflow': a trainable variable was "
                             "not created while the model was built; use shard.stage=2") from None
     return model, slices
+
+
+FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+"""Horovod's fusion buffer size in bytes (64 MiB by default), read when Horovod starts."""
+
+
+def free_fusion_buffer() -> None:
+    """Turns Horovod's fusion buffer off (unless the user set ``HOROVOD_FUSION_THRESHOLD``),
+    before Horovod starts: stage 3 groups a unit's tensors into one grouped collective itself,
+    and the buffer, once a collective used it, stays resident at its full size (64 MiB above
+    ZeRO's formula on every rank: docs/benchmarks.md, "TensorFlow sharded data parallel: peak
+    memory per rank"). A process whose Horovod already started keeps its buffer."""
+    os.environ.setdefault(FUSION_THRESHOLD, "0")
 
 
 def _autocast_now() -> Callable[[], Any]:
