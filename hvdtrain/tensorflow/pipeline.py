@@ -19,6 +19,8 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 - **Data parallelism.** Each stage's gradients are averaged over that stage's copies by the run's
   exchange (dense or compressing) in the stage's Horovod process set, once per step, with the loss
   weighted as :mod:`hvdtrain.step` weights it: every copy's exact share of the step's samples.
+  With ``shard.stage`` 1-2 the copies shard the stage (:mod:`hvdtrain.tensorflow.stages`; at
+  stage 2 each micro-batch's gradient is reduce-scattered as its backward pass ends).
 - **Checkpoints.** In parts by global layer index, which do not depend on the split, with the
   exchange's state by variable name (:mod:`hvdtrain.tensorflow.stage_state`).
 """
