@@ -203,7 +203,8 @@ class CommConfig:
     correction. The residual accumulates each rank's velocity, not its gradient, and the exchange
     applies the momentum, so the optimizer becomes plain SGD (needs ``error_feedback`` and
     ``optim.momentum`` > 0; refused where it would not run, :mod:`hvdtrain.strategies.comm`).
-    Off by default: its gain is not yet measured over seeds on every model (docs/benchmarks.md)."""
+    Off by default: over 5 seeds at convergence on the MNIST-1D CNN it gained nothing over plain
+    error feedback (docs/benchmarks.md)."""
     momentum_masking: bool = False
     """With ``momentum_correction``: clear a rank's velocity where it sent entries (DGC's
     momentum factor masking). Off by default: it cost accuracy on the MNIST-1D CNN
