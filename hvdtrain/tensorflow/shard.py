@@ -444,7 +444,11 @@ class ShardedEngine(TensorFlowEngine):
         # keeping its own slice.
         scalars = [v for v in self.optimizer.variables if not _per_element(v)]
         model = self.model.variables if self.units is None else []  # stage 3: Stage3Units.start
-        hvd.broadcast_variables([v.value for v in [*model, *scalars]], root_rank=0)
+        # By position: Horovod names a broadcast after its variable, and Keras's names count the
+        # objects a process made, so a worker joining an elastic run has other names.
+        for i, v in enumerate([*model, *scalars]):
+            v.assign(hvd.broadcast(tf.convert_to_tensor(v.value), root_rank=0,
+                                   name=f"hvdtrain.shard.state.{i}"))
         told = hvd.broadcast_object((self._source, sorted(self._whole)) if self.rank == 0
                                     else None, root_rank=0, name="hvdtrain.shard.files")
         source, whole = told

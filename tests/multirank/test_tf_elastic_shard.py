@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import read_jsonl
 from tests.multirank.test_elastic import check_every_index_once_per_epoch, elastic_job
+from tests.multirank.test_stop_resume import wait_for_records
 
 EPOCHS = 1
 COMMIT_EVERY = 5  # test_elastic's jobs commit every 10 steps: its helpers' checks use that
@@ -92,3 +93,33 @@ def test_sharded_tf_run_survives_a_lost_worker_as_the_ring(tmp_path, ring, stage
     assert got.keys() == want.keys() and len(want) == 4
     for key in want:
         np.testing.assert_allclose(got[key], want[key], atol=TOLERANCE, rtol=0, err_msg=key)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+def test_a_worker_joining_a_stage3_tf_run_gets_its_slices(tmp_path):
+    """One worker at shard.stage=3; a host added to the hosts file joins at a commit, every
+    rank builds the model again for two and reads its half of each variable from the commit's
+    parts, and the run ends at two workers, every sample once an epoch."""
+    run, hosts = tmp_path / "run", tmp_path / "hosts.txt"
+    hosts.write_text("localhost:1\n")
+    proc = elastic_job("tensorflow", run, "discover_hosts_file.sh", 1, "train.epochs=6",
+                       "optim.schedule=constant", "optim.warmup_steps=0", "shard.stage=3",
+                       "model.name=tests.multirank.tf_elastic_models:PacedMLP",
+                       "model.options={hidden: [128], pause: 0.25}",  # a newcomer starts in 60 s+
+                       env={"HVDTRAIN_HOSTS_FILE": str(hosts),
+                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
+    try:
+        wait_for_records(run / "metrics.jsonl", 3, timeout=800)
+        hosts.write_text("localhost:1\n127.0.0.1:1\n")
+        proc.wait(timeout=1000)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, (run.parent / "job.log").read_text()[-4000:]
+    events = read_jsonl(run / "elastic.jsonl")
+    assert [(e["event"], e["world_size"]) for e in events] == [("start", 1), ("reset", 2)]
+    assert events[1]["lost_steps"] == 0  # a join interrupts at a commit: nothing to redo
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["shard_ranks"] == 2
+    assert summary["final"]["eval_accuracy"] >= 0.9
+    check_every_index_once_per_epoch(run, 6)

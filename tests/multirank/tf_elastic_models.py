@@ -1,7 +1,9 @@
-"""TensorFlow models for the elastic tests: the built-in MLP killing one worker at a chosen step."""
+"""TensorFlow models for the elastic tests: the built-in MLP killing one worker at a chosen step,
+or paced so that a test can act mid-run."""
 
 import os
 import signal
+import time
 
 import tensorflow as tf
 
@@ -28,4 +30,24 @@ class DoomedMLP(MLP):
     def loss_and_metrics(self, model, x, y, training: bool = True):
         if training:
             tf.py_function(self._count, [], tf.int64)
+        return super().loss_and_metrics(model, x, y, training)
+
+
+class PacedMLP(MLP):
+    """The ``mlp`` whose every training batch takes at least ``pause`` seconds more (a
+    ``tf.py_function`` in the traced step), so that a worker joining (which takes seconds to
+    start) arrives while there is still training to do, as
+    :class:`tests.multirank.elastic_models.PacedMLP` in PyTorch."""
+
+    def __init__(self, pause: float = 0.05, **options) -> None:
+        super().__init__(**options)
+        self.pause = pause
+
+    def _sleep(self) -> float:
+        time.sleep(self.pause)
+        return self.pause
+
+    def loss_and_metrics(self, model, x, y, training: bool = True):
+        if training:
+            tf.py_function(self._sleep, [], tf.float64)
         return super().loss_and_metrics(model, x, y, training)
