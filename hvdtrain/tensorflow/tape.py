@@ -195,6 +195,7 @@ class TapeTrainer(OwnLoop):
         self.batches: GlobalBatches | None = None
         self.logger: MetricsLogger | None = None
         self.saved_step = -1
+        self._total: tuple[GlobalBatches, Position, int, int] | None = None  # total_steps's
         self.stop = StopRequest().__enter__()  # until close(): the loop is the user's
 
     # -- set-up -------------------------------------------------------------------------------
@@ -226,8 +227,16 @@ class TapeTrainer(OwnLoop):
         """The step at which ``train.epochs`` (capped by ``train.max_steps``) end."""
         if self.batches is None:
             return self.cfg.train.max_steps
-        return total_steps(self.cfg.train, self.batches.sampler, self.size,
-                           dataclasses.replace(self.position))
+        # Read every step: computed once per world size, dataset and position object. A step
+        # moves the position by one global batch, which leaves the end where it was; a resume
+        # replaces the position, and an epoch skipped by the loop resets the cache.
+        cached = self._total
+        if cached is None or cached[0] is not self.batches or cached[1] is not self.position \
+                or cached[2] != self.size:
+            total = total_steps(self.cfg.train, self.batches.sampler, self.size,
+                                dataclasses.replace(self.position))
+            self._total = cached = (self.batches, self.position, self.size, total)
+        return cached[3]
 
     def lr(self) -> float:
         """The config's learning rate for the coming step (warm-up, scaling, schedule)."""
@@ -241,6 +250,7 @@ class TapeTrainer(OwnLoop):
         """Called by :class:`GlobalBatches` as an epoch's iteration starts."""
         if epoch != self.position.epoch:
             self.position.epoch, self.position.in_epoch = epoch, 0
+            self._total = None  # the loop moved the position itself: the end may move
         self.plan, self.cursor, self.micro, self.accumulated = plan, 0, 0, []
 
     def apply_gradients(self, tape: tf.GradientTape, loss: tf.Tensor) -> bool:

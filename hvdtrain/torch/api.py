@@ -210,7 +210,8 @@ class Trainer(OwnLoop):
         # ranks' sum rides beside that step's gradients instead of stopping them for it.
         self.stop_sum: Callable[[], dict[str, float]] | None = None
         self.stop_agreed = False  # a resolved check found a stop request: sticky
-        self._total: tuple[tuple[int, Any], int] | None = None  # total_steps, by (size, sampler)
+        # total_steps, by (size, sampler, position)
+        self._total: tuple[tuple[int, Any, Position], int] | None = None
         self.stop = StopRequest().__enter__()  # until close(): the loop is the user's
 
     # -- set-up -------------------------------------------------------------------------------
@@ -274,7 +275,9 @@ class Trainer(OwnLoop):
             return self.cfg.train.max_steps
         # Read twice a step: computed once per world size and loader. A step moves the position
         # by one global batch, which leaves the end where it was; a reset or a load may not.
-        key = (self.engine.data_size, self.sampler)
+        # The position object is part of the key: a resume in setup() replaces it (an equal
+        # one ends at the same step).
+        key = (self.engine.data_size, self.sampler, self.position)
         if self._total is None or self._total[0] != key:
             self._total = key, total_steps(self.cfg.train, self.sampler.sampler,
                                            self.engine.data_size, dataclasses.replace(self.position))
@@ -295,6 +298,7 @@ class Trainer(OwnLoop):
         """Called by the loader's sampler as an epoch's iteration starts."""
         if epoch != self.position.epoch:
             self.position.epoch, self.position.in_epoch = epoch, 0
+            self._total = None  # the loop moved the position itself: the end may move
         self.plan, self.cursor, self.micro = plan, 0, 0
 
     def backward(self, loss: torch.Tensor) -> None:
