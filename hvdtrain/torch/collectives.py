@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,22 +58,49 @@ class Pieces:
     """A collective started with Horovod and waited for with :meth:`wait`: one of Horovod's
     asynchronous collectives, or several smaller ones (pieces) run one after another, each
     started when the one before has arrived, so that one is in flight at a time (pieces started
-    together would be fused by Horovod into one again)."""
+    together would be fused by Horovod into one again). Pieces after the first are driven by a
+    thread of their own, so that they keep going while the caller computes (the backward pass
+    of the next unit); left to :meth:`wait`, a unit's rounds would all run after its successor's
+    backward pass, none of them beside it."""
 
     def __init__(self, count: int, start: Callable[[int], Any],
                  take: Callable[[int, torch.Tensor], None],
                  result: Callable[[], torch.Tensor]) -> None:
         self._count, self._start, self._take, self._result = count, start, take, result
-        self._done = 0
+        self._error: Exception | None = None
         self._handle = start(0)
+        self._thread: threading.Thread | None = None
+        if count > 1:
+            self._thread = threading.Thread(target=self._drive, daemon=True,
+                                            name="hvdtrain-pieces")
+            self._thread.start()
+
+    def _drive(self) -> None:
+        try:
+            for k in range(self._count):
+                # hvd.poll and a short sleep, not hvd.synchronize: Horovod's wait keeps the
+                # GIL while it sleeps, which would stall the caller's thread.
+                while not hvd.poll(self._handle):
+                    time.sleep(_POLL_S)
+                self._take(k, hvd.synchronize(self._handle))
+                self._handle = self._start(k + 1) if k + 1 < self._count else None
+        except Exception as error:  # noqa: BLE001 -- re-raised in the caller's thread by wait()
+            self._error = error
 
     def wait(self) -> torch.Tensor:
         """The collective's result, once every piece has arrived."""
-        while self._handle is not None:
-            self._take(self._done, hvd.synchronize(self._handle))
-            self._done += 1
-            self._handle = self._start(self._done) if self._done < self._count else None
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is not None:
+                raise self._error
+        elif self._handle is not None:
+            self._take(0, hvd.synchronize(self._handle))
+            self._handle = None
         return self._result()
+
+
+_POLL_S = 0.0005
+"""How long the pieces' thread sleeps between polls of the piece in flight."""
 
 
 def _whole(handle: Any) -> Pieces:
