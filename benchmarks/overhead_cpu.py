@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -87,8 +87,9 @@ def cpu_figures(clock: CpuClock, epochs: int, steps: int) -> dict[str, float]:
     }
 
 
-def instrumented_run(spec: str, epochs: int, out_dir: Path) -> dict[str, Any]:
-    """One run of ``spec`` with :class:`CpuClock` in place of the workers' clock."""
+def instrumented_run(run: Callable[[int, Path], dict[str, Any]], epochs: int,
+                     out_dir: Path) -> dict[str, Any]:
+    """One ``run`` of a variant with :class:`CpuClock` in place of the workers' clock."""
     clocks: list[CpuClock] = []
     clock, measurement = workload.Clock, workload.measurement
 
@@ -102,7 +103,7 @@ def instrumented_run(spec: str, epochs: int, out_dir: Path) -> dict[str, Any]:
 
     workload.Clock, workload.measurement = make_clock, measured  # type: ignore[assignment, misc]
     try:
-        return workload.load_variant(spec)(epochs, out_dir)
+        return run(epochs, out_dir)
     finally:
         workload.Clock, workload.measurement = clock, measurement  # type: ignore[misc]
 
@@ -112,13 +113,16 @@ def job(args: argparse.Namespace) -> int:
     specs = [VARIANTS[args.framework][name] for name in ("handwritten", args.candidate)]
     specs.append(specs[0])  # A', the A/A control
     profile = VARIANTS[args.framework].get(args.profile or "")
+    # Every variant imported up front, in order, as workload.job_main does (Horovod's process
+    # sets follow the framework imported last).
+    runs = {spec: workload.load_variant(spec) for spec in specs}
     for round_index in range(-args.warmup, args.rounds):
         for slot, spec in harness.round_order(list(enumerate(specs)), round_index):
             gc.collect()
             profiler = cProfile.Profile() if spec == profile and round_index >= 0 else None
             if profiler is not None:
                 profiler.enable()
-            record = instrumented_run(spec, args.epochs, args.out_dir / f"slot{slot}")
+            record = instrumented_run(runs[spec], args.epochs, args.out_dir / f"slot{slot}")
             if profiler is not None:
                 profiler.disable()
                 if record["rank"] == 0:
