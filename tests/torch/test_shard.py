@@ -1,6 +1,6 @@
 """The sharded update (``shard.stage=1``) in one process (Horovod size 1): a model with a
-frozen layer trains as the ring does, and the checkpoint's optimizer state names the
-parameters as the ring's."""
+frozen layer trains as the ring does (the shard stepped in place, the trainable parameters' own
+flat buffer), and the checkpoint's optimizer state names the parameters as the ring's."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def test_a_frozen_layer_stays_and_the_rest_trains_as_the_ring(tmp_path):
     assert got.keys() == want.keys()
     for key in want:  # 256-element pieces: the 330 trainable elements in two rounds
         assert np.array_equal(got[key], want[key]), key
+    # The shard the optimizer stepped in place is the trainable parameters' own flat buffer.
+    opt = shard.engine.optimizer
+    trainable = [p for p in shard.engine.model.parameters() if p.requires_grad]
+    assert opt._aliased() and opt.shard.data_ptr() == trainable[0].data_ptr()
+    assert opt.shard.numel() == sum(p.numel() for p in trainable) == 330
     paths = [tmp_path / run / "run" / "checkpoints" / "step-00000020.ckpt"
              for run in ("ring", "shard")]
     saved = [torch.load(path, weights_only=True)["optimizer"] for path in paths]
