@@ -14,7 +14,8 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/overhead.py --candidate api        # a user loop on the API as B
 
 ``--candidate api`` measures the hand-written loop on hvdtrain's library API instead of the
-trainer (``api_worker.py``, docs/own-loop.md).
+trainer (``api_worker.py``, docs/own-loop.md). On a loaded machine, where step time measures the
+neighbours, ``overhead_cpu.py`` compares the same variants by CPU time a step instead.
 """
 
 from __future__ import annotations

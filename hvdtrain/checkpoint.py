@@ -92,22 +92,28 @@ class CheckpointManager:
         self._pending: threading.Thread | None = None
         self._failure: BaseException | None = None  # of the write in flight; set by its thread
         self._held: BaseException | None = None  # of rank 0's other writes (hold_failure)
+        self.begun = 0  # saves begun, counted alike on every rank (each calls save)
 
     def due(self, step: int) -> bool:
         """Whether the periodic policy asks for a checkpoint after optimizer step ``step``."""
         every = self.cfg.every_steps
         return self.cfg.enabled and every > 0 and step % every == 0
 
-    def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any]) -> Path | None:
+    def save(self, engine: Engine, rank: int, step: int, meta: dict[str, Any],
+             holds: bool = True) -> Path | None:
         """Called on every rank; rank 0 writes ``step-<step>.ckpt`` (after every rank's part, for
         an engine that writes in parts). Returns the path written (on rank 0; None elsewhere).
 
         Every rank first learns whether rank 0's previous write failed (:meth:`share_failure`),
-        and then all raise its error together, rather than rank 0 alone.
+        and then all raise its error together, rather than rank 0 alone. ``holds=False``: the
+        caller never calls :meth:`hold_failure`, so before the first save there is nothing to
+        share and its collective is left out (the own-loop APIs' single final save).
         """
         if not self.cfg.enabled:
             return None
-        self.share_failure(engine.collectives, rank)
+        if holds or self.begun:
+            self.share_failure(engine.collectives, rank)
+        self.begun += 1
         parts = None
         if isinstance(engine, PartedState):
             # A collective: every rank's part is on disk when it returns.

@@ -181,7 +181,9 @@ class OwnLoop:
                 "framework": self.cfg.framework, "config": self.cfg.to_dict(),
                 "objects": {name: obj.state_dict() for name, obj in self.objects.items()}}
         self.saved_step = self.position.step
-        return self.checkpoints.save(self.engine, self.engine.rank, self.position.step, meta)
+        # holds=False: these APIs hold no failures of other writes (only the trainer's loop does).
+        return self.checkpoints.save(self.engine, self.engine.rank, self.position.step, meta,
+                                     holds=False)
 
     def load(self, path: str | Path | None = None) -> bool:
         """Restores ``path`` (None: ``checkpoint.resume``'s choice, else the newest valid
