@@ -40,6 +40,7 @@ declare -A OTHERS=(
   [shard_memory.py]="about 20 minutes at 2 and 4 ranks of a 150 M-parameter GPT"
   [shard_elastic_commit.py]="elastic jobs of a 4.3 M-parameter MLP: about 10 minutes a round on a busy machine"
   [shard_memory_profile.py]="a profile of one job, not a claim: the phases of a step's peak memory"
+  [overhead_cpu.py]="overhead.py's loops by CPU time a step, for a loaded machine: a profile, not a claim"
   [tf_shard_memory.py]="peak memory, not time: run beside shard_memory.py"
   [shard_fsdp2.py]="torchrun's FSDP2 beside hvdtrain's stage 3: longer than make bench's 30 minutes leave room for"
   [compression_convergence.py]="hours: every method to convergence over seeds, beside torch's hook"
