@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -12,6 +12,7 @@ from horovod.common.elastic import run_fn
 from horovod.common.exceptions import HorovodInternalError
 
 from hvdtrain.engine import HorovodCollectives
+from hvdtrain.shard import pieces, round_ranges
 
 
 class TensorFlowCollectives(HorovodCollectives):
@@ -54,3 +55,46 @@ def any_rank(flag: bool) -> bool:
 def _reset() -> None:
     hvd.shutdown()
     hvd.init()
+
+
+SCATTER_PIECE = 1 << 20
+"""Elements a rank in one round of :func:`grouped_reducescatter`'s large tensors (4 MiB of
+float32). Horovod 0.28.1's TensorFlow ``reducescatter`` of one tensor of some 20 M elements
+returns wrong values now and then (about one call in twenty, both under Gloo; tensors of 12 M
+and below never did, docs/sharding.md), so no tensor that large goes to it whole."""
+
+
+def grouped_reducescatter(flats: Sequence[tf.Tensor], op: Any, compression: Any = None,
+                          process_set: Any = None) -> list[tf.Tensor]:
+    """``hvd.grouped_reducescatter`` of 1-D ``flats``, each rank's shard of each as Horovod's
+    would give it; a tensor above :data:`SCATTER_PIECE` elements a rank goes alone, in rounds
+    of at most that many per rank (each round carries every rank's next piece, so the shards
+    come out where one call would put them)."""
+    kwargs: dict[str, Any] = {"op": op}
+    if compression is not None:
+        kwargs["compression"] = compression
+    if process_set is not None:
+        kwargs["process_set"] = process_set
+    size = process_set.size() if process_set is not None else hvd.size()
+    out: list[tf.Tensor] = []
+    small: list[tf.Tensor] = []
+
+    def flush() -> None:
+        if small:
+            out.extend(hvd.grouped_reducescatter(list(small), **kwargs))
+            small.clear()
+
+    for flat in flats:
+        total = int(flat.shape[0])
+        if -(-total // size) <= SCATTER_PIECE:
+            small.append(flat)
+            continue
+        flush()
+        got = []
+        for k in range(pieces(total, size, SCATTER_PIECE)):
+            ranges = round_ranges(total, size, SCATTER_PIECE, k)
+            send = tf.concat([flat[lo:hi] for lo, hi in ranges], 0)
+            got.append(hvd.reducescatter(send, **kwargs))
+        out.append(tf.concat(got, 0))  # each round's result: this rank's next piece
+    flush()
+    return out

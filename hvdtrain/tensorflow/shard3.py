@@ -51,6 +51,7 @@ import tensorflow as tf
 
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.shard import shard_bounds
+from hvdtrain.tensorflow.collectives import grouped_reducescatter
 from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitKernels, UnitShard, layer_units
 
 
@@ -237,8 +238,8 @@ class Stage3Units:
                     flats = [tf.reshape(g, [-1]) for g in grads[1:]]
                     with tf.control_dependencies(flats):
                         self._trace_clocks()[2].append(tf.timestamp())
-                    scattered = hvd.grouped_reducescatter(flats, op=hvd.Average,
-                                                          compression=self.wire)
+                    scattered = grouped_reducescatter(flats, op=hvd.Average,
+                                                      compression=self.wire)
                     return [grads[0] if float_input else None, *scattered]
 
                 return y, backward

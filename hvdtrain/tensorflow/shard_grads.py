@@ -37,7 +37,7 @@ import tensorflow as tf
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import GradientExchange
 from hvdtrain.shard import check_resize, shard_bounds
-from hvdtrain.tensorflow.collectives import any_rank
+from hvdtrain.tensorflow.collectives import any_rank, grouped_reducescatter
 from hvdtrain.tensorflow.data import batch_signature
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced, clip
 
@@ -144,8 +144,8 @@ class UnitShard:
         got = []
         for group in self._group_vars:
             flats = [tf.reshape(grads[i], [-1]) for i in group]
-            got += hvd.grouped_reducescatter(flats, op=hvd.Average, compression=wire,
-                                             process_set=self.process_set)
+            got += grouped_reducescatter(flats, op=hvd.Average, compression=wire,
+                                         process_set=self.process_set)
         return tf.concat(got, 0)
 
     def _gathered(self, mine: tf.Tensor, tag: str) -> list[tf.Tensor]:
