@@ -46,9 +46,12 @@ class TensorFlowCollectives(HorovodCollectives):
         return run_fn(wrapper, _reset)
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (one small allreduce)."""
-    total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum, name="hvdtrain.any_rank")
+def any_rank(flag: bool, process_set: Any = None) -> bool:
+    """Whether ``flag`` is true on any rank (of ``process_set``; default every rank): one small
+    allreduce."""
+    group = hvd.global_process_set if process_set is None else process_set
+    total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum, name="hvdtrain.any_rank",
+                          process_set=group)
     return float(total[0]) > 0
 
 

@@ -35,26 +35,31 @@ import tensorflow as tf
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.exchange import Exchanged, ExchangeRequest
 from hvdtrain.ps.layout import chunk_elements
+from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.shard import FlatShard, ShardedExchange
 from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitShard, layer_units
 from hvdtrain.tensorflow.step import _traced
 
 
-class StageShardedExchange(ShardedExchange):
-    """:class:`~hvdtrain.tensorflow.shard.ShardedExchange` among one stage's copies: the shard's
-    collectives run in the stage's process set (``shard.process_set``), and so does the overflow
-    vote of loss scaling."""
+class _AmongCopies:
+    """What a sharded exchange among one stage's copies changes: the overflow vote of loss
+    scaling runs in the stage's process set (``shard.process_set``), and it never resizes."""
+
+    shard: Any
 
     def any_rank(self, flag: bool) -> bool:
-        total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum,
-                              name="hvdtrain.stage.shard.any", process_set=self.shard.process_set)
-        return float(total[0]) > 0
+        return any_rank(flag, self.shard.process_set)
 
     def resize(self, rank: int, size: int, accumulation: int) -> None:
         raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
 
 
-class StageUnitExchange(UnitExchange):
+class StageShardedExchange(_AmongCopies, ShardedExchange):
+    """:class:`~hvdtrain.tensorflow.shard.ShardedExchange` among one stage's copies: the shard's
+    collectives run in the stage's process set, and so does the overflow vote."""
+
+
+class StageUnitExchange(_AmongCopies, UnitExchange):
     """``shard.stage=2`` among one stage's copies: the reduce-scatters run in the stage's
     backward passes (:class:`ScatteredPasses`), one for each of the step's micro-batches, so
     :meth:`run` hands on the averaged shard they summed and counts their seconds. ``wire_bytes``:
@@ -71,14 +76,6 @@ class StageUnitExchange(UnitExchange):
         self.note_fused(self.scatter_s)
         self.scatter_s = 0.0
         return list(grads)
-
-    def any_rank(self, flag: bool) -> bool:
-        total = hvd.allreduce(tf.constant([float(flag)]), op=hvd.Sum,
-                              name="hvdtrain.stage.shard.any", process_set=self.shard.process_set)
-        return float(total[0]) > 0
-
-    def resize(self, rank: int, size: int, accumulation: int) -> None:
-        raise HvdtrainError("pipeline stages do not resize (elastic mode is refused with them)")
 
 
 def stage_sharded(r: ExchangeRequest) -> Exchanged:

@@ -1,9 +1,10 @@
-"""Elastic mode with sharded data parallel (PyTorch): three workers, the one on the second host
-SIGKILLs itself at a chosen step (``DoomedMLP``; which rank it is varies), and the other two go
-back to the last commit and read their new shards from its parts. The run ends; every sample is
-trained on once per epoch; and the final parameters are those of a ring run (``shard.stage=0``)
-that lost its worker at the same step, which is what re-sharding the committed state over two
-ranks must give."""
+"""Elastic mode with sharded data parallel, in both frameworks: three workers, the one on the
+second host SIGKILLs itself at a chosen step (``DoomedMLP`` of ``elastic_models`` or
+``tf_elastic_models``; which rank it is varies), and the other two go back to the last commit,
+build the model and optimizer again for two ranks and read their new shards from the commit's
+parts. The run ends; every sample is trained on once per epoch; and the final parameters are
+those of a ring run (``shard.stage=0``) of the same framework that lost its worker at the same
+step, which is what re-sharding the committed state over two ranks must give."""
 
 from __future__ import annotations
 
@@ -25,30 +26,43 @@ DIE_AT = 13  # the worker on 127.0.0.1 dies in step 12 (a step is one micro-batc
 TOLERANCE = 1e-5
 """As test_shard.py: the reduce-scatter may add in another order than the ring's allreduce (seen
 2.1e-7 at 4 ranks after 115 steps); one step more or less moves parameters by 1e-3 or more."""
+MODELS = {"torch": "tests.multirank.elastic_models",
+          "tensorflow": "tests.multirank.tf_elastic_models"}
+"""Each framework's test models (``DoomedMLP``, ``PacedMLP``)."""
+PAUSE = {"torch": 0.05, "tensorflow": 0.25}
+"""``PacedMLP``'s pause a step: TensorFlow's newcomer takes 60 s and more to start."""
+# A loaded machine can take more than Gloo's 30 s to start a newcomer. Not for the lost
+# worker's runs: their survivors wait that long for the dead peer before the reset.
+GLOO_TIMEOUT = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "120"}
 
 
-def elastic_run(tmp_path: Path, name: str, *overrides: str) -> Path:
+def elastic_run(tmp_path: Path, framework: str, name: str, *overrides: str) -> Path:
     """A 3-worker elastic run (two slots on ``localhost``, one on ``127.0.0.1``) whose worker on
     ``127.0.0.1`` dies at step ``DIE_AT - 1``; its host is blacklisted, and two workers go on."""
     run, hosts = tmp_path / name / "run", tmp_path / name / "hosts.txt"
     hosts.parent.mkdir(parents=True)
     hosts.write_text("localhost:2\n127.0.0.1:1\n")
-    proc = elastic_job("torch", run, "discover_hosts_file.sh", 3, f"train.epochs={EPOCHS}",
+    proc = elastic_job(framework, run, "discover_hosts_file.sh", 3, f"train.epochs={EPOCHS}",
                        f"elastic.commit_every={COMMIT_EVERY}", "checkpoint.every_steps=1000",
-                       "model.name=tests.multirank.elastic_models:DoomedMLP",
+                       f"model.name={MODELS[framework]}:DoomedMLP",
                        f"model.options={{hidden: [128], die_at: {DIE_AT}, host: 127.0.0.1}}",
-                       *overrides, max_np=3, env={"HVDTRAIN_HOSTS_FILE": str(hosts)})
+                       *overrides, max_np=3,
+                       env={"HVDTRAIN_HOSTS_FILE": str(hosts)})
     try:
-        proc.wait(timeout=600)
+        proc.wait(timeout=800)
     finally:
         proc.kill()
     assert proc.returncode == 0, (run.parent / "job.log").read_text()[-4000:]
     return run
 
 
-def final_parameters(run: Path) -> dict[str, np.ndarray]:
-    """The parameters of the run's last checkpoint (a sharded run's assembled from its parts)."""
+def final_parameters(run: Path, framework: str) -> dict[str, np.ndarray]:
+    """The parameters of the run's last checkpoint (a sharded PyTorch run's assembled from its
+    parts; TensorFlow's rank 0 writes the model's entries whole at every stage)."""
     path = sorted((run / "checkpoints").glob("step-*.ckpt"))[-1]
+    if framework == "tensorflow":
+        with np.load(path, allow_pickle=False) as npz:
+            return {name: npz[name] for name in npz.files if name.startswith("model/")}
     state = torch.load(path, map_location="cpu", weights_only=True)
     source = sources(state, path, str(path))
     params = state["model"] if source is None else whole_params(source)
@@ -67,51 +81,60 @@ def check_resize(run: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory) -> Path:
-    """The ring's run with the same loss (shared by the rows)."""
-    run = elastic_run(tmp_path_factory.mktemp("ring"), "ring")
-    check_resize(run)
-    return run
+def rings(tmp_path_factory) -> dict[str, Path]:
+    """Each framework's ring run with the same loss (made on first use, shared by the rows)."""
+    return {}
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("stage", [
-    pytest.param(3, id="stage3"),
-    pytest.param(1, id="stage1", marks=pytest.mark.long),
-    pytest.param(2, id="stage2", marks=pytest.mark.long),
+def ring(rings: dict[str, Path], tmp_path_factory, framework: str) -> Path:
+    """``framework``'s ring run, from ``rings`` or made now."""
+    if framework not in rings:
+        rings[framework] = elastic_run(tmp_path_factory.mktemp("ring"), framework, "ring")
+        check_resize(rings[framework])
+    return rings[framework]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("framework,stage", [
+    pytest.param("torch", 3, id="torch-stage3"),
+    pytest.param("tensorflow", 3, id="tensorflow-stage3"),
+    *(pytest.param(f, k, id=f"{f}-stage{k}", marks=pytest.mark.long)
+      for f in ("torch", "tensorflow") for k in (1, 2)),
 ])
-def test_sharded_run_survives_a_lost_worker_as_the_ring(tmp_path, ring, stage):
-    run = elastic_run(tmp_path, f"stage{stage}", f"shard.stage={stage}")
+def test_sharded_run_survives_a_lost_worker_as_the_ring(tmp_path, tmp_path_factory, rings,
+                                                        framework, stage):
+    want = final_parameters(ring(rings, tmp_path_factory, framework), framework)
+    run = elastic_run(tmp_path, framework, f"stage{stage}", f"shard.stage={stage}")
     check_resize(run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["shard_stage"] == stage and summary["shard_ranks"] == 2
     assert summary["elastic"]["commit_s"] > 0
     assert not (run / "elastic-commits").exists()  # the commits' parts go with the run's end
-    got, want = final_parameters(run), final_parameters(ring)
+    got = final_parameters(run, framework)
     assert got.keys() == want.keys() and len(want) == 4
     for key in want:
         np.testing.assert_allclose(got[key], want[key], atol=TOLERANCE, rtol=0, err_msg=key)
 
 
 @pytest.mark.long
-@pytest.mark.timeout(900)
-def test_a_worker_joining_a_stage3_run_gets_its_shards(tmp_path):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_worker_joining_a_stage3_run_gets_its_shards(tmp_path, framework):
     """One worker at shard.stage=3; a host added to the hosts file joins at a commit, every
-    rank builds the model again for two and reads its half of each unit from the commit's
-    parts, and the run ends at two workers, every sample once an epoch."""
+    rank builds the model again for two and reads its half of each unit (PyTorch) or variable
+    (TensorFlow) from the commit's parts, and the run ends at two workers, every sample once an
+    epoch."""
     run, hosts = tmp_path / "run", tmp_path / "hosts.txt"
     hosts.write_text("localhost:1\n")
-    proc = elastic_job("torch", run, "discover_hosts_file.sh", 1, "train.epochs=6",
+    proc = elastic_job(framework, run, "discover_hosts_file.sh", 1, "train.epochs=6",
                        "optim.schedule=constant", "optim.warmup_steps=0", "shard.stage=3",
-                       "model.name=tests.multirank.elastic_models:PacedMLP",
-                       "model.options={hidden: [128], pause: 0.05}",
-                       # a loaded machine takes more than Gloo's 30 s to start the newcomer
-                       env={"HVDTRAIN_HOSTS_FILE": str(hosts),
-                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "120"})
+                       f"model.name={MODELS[framework]}:PacedMLP",
+                       f"model.options={{hidden: [128], pause: {PAUSE[framework]}}}",
+                       env={"HVDTRAIN_HOSTS_FILE": str(hosts), **GLOO_TIMEOUT})
     try:
-        wait_for_records(run / "metrics.jsonl", 3, timeout=600)
+        wait_for_records(run / "metrics.jsonl", 3, timeout=800)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
-        proc.wait(timeout=800)
+        proc.wait(timeout=1000)
     finally:
         proc.kill()
     assert proc.returncode == 0, (run.parent / "job.log").read_text()[-4000:]
