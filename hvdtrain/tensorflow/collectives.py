@@ -88,12 +88,14 @@ def grouped_reducescatter(flats: Sequence[tf.Tensor], op: Any, compression: Any 
             small.clear()
 
     for flat in flats:
-        total = int(flat.shape[0])
-        if -(-total // size) <= SCATTER_PIECE:
+        total = flat.shape[0]
+        # Unknown length (a gradient of dynamic shape, such as an embedding's): one call.
+        if total is None or -(-int(total) // size) <= SCATTER_PIECE:
             small.append(flat)
             continue
         flush()
         got = []
+        total = int(total)
         for k in range(pieces(total, size, SCATTER_PIECE)):
             ranges = round_ranges(total, size, SCATTER_PIECE, k)
             send = tf.concat([flat[lo:hi] for lo, hi in ranges], 0)
