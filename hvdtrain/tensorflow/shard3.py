@@ -181,7 +181,7 @@ class Stage3Units:
 
     def _gather(self, unit: Sequence[int], pieces: Sequence[tf.Tensor]) -> list[tf.Tensor]:
         """The unit's variables whole, each in its shape (a collective)."""
-        flats = hvd.grouped_allgather(list(pieces))
+        flats = hvd.grouped_allgather(list(pieces), process_set=self.shard.process_set)
         return [tf.reshape(f, self.variables[i].shape) for f, i in zip(flats, unit, strict=True)]
 
     def _after(self, held: dict[int, tf.Tensor], k: int) -> list[tf.Tensor]:
@@ -239,7 +239,8 @@ class Stage3Units:
                     with tf.control_dependencies(flats):
                         self._trace_clocks()[2].append(tf.timestamp())
                     scattered = grouped_reducescatter(flats, op=hvd.Average,
-                                                      compression=self.wire)
+                                                      compression=self.wire,
+                                                      process_set=self.shard.process_set)
                     return [grads[0] if float_input else None, *scattered]
 
                 return y, backward
