@@ -9,7 +9,9 @@ Every stage of a pipeline copy is handed the same step (the copy's sample indice
 every micro-batch's size without loading it: only the first stage needs the inputs and only the last
 the targets. A micro-batch that is empty for this copy (an epoch's short last step) is left out
 on every stage of the copy alike: the schedule runs over the others, and a short one travels as
-it is, so every sample counts once and none is padded.
+it is, so every sample counts once and none is padded. Kernels whose passes hold collectives
+among a stage's copies (``StageKernels.runs_empty``) run an empty micro-batch as a pass of no
+rows instead, so that every copy runs the same passes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class StageKernels(StepKernels):
 
     stage: int
     stages: int
+    runs_empty = False
+    """Whether a micro-batch with no samples for this copy runs as a pass of no rows instead of
+    being left out: a stage whose passes hold collectives among the stage's copies (TensorFlow's
+    ``shard.stage=3`` gathers) needs every copy to run every micro-batch, in the same order."""
 
     @abc.abstractmethod
     def forward(self, i: int, batch: Any, weight: float) -> tuple[Any, dict[str, Any]] | None:
@@ -89,7 +95,8 @@ class StageRunner:
                  weight: float) -> tuple[dict[str, float], float, float | None]:
         assert isinstance(kernels, StageKernels)
         sizes = [len(idx) for idx in step.micro]
-        live = [i for i, n in enumerate(sizes) if n]  # the micro-batches this copy has samples in
+        # The micro-batches this copy has samples in (all of them where empty ones run too).
+        live = [i for i, n in enumerate(sizes) if n or kernels.runs_empty]
         sums = kernels.zero_sums()
         batches = _Batches(kernels.batches(step))
         self.wait_s = 0.0

@@ -30,14 +30,10 @@ def _compression(cfg: Any) -> str:
 
 
 def _pipeline(cfg: Any) -> str:
-    given = f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)}"
-    if cfg.framework != "tensorflow":
-        return (f"{given} and pipeline.schedule={cfg.pipeline.schedule!r}: its weight passes "
-                "set the gradients apart from the backward pass that stages 2-3 reduce-scatter "
-                "in; use another schedule or shard.stage=1")
-    return (f"{given} and framework='tensorflow': TensorFlow's stages shard their copies at "
-            "stages 1-2 only so far (stage 3's units gather outside the stage's passes); use "
-            "shard.stage=2 or framework=torch")
+    return (f"pipeline.stages={cfg.pipeline.stages} with {_given(cfg)} and "
+            f"pipeline.schedule={cfg.pipeline.schedule!r}: its weight passes set the gradients "
+            "apart from the backward pass that stages 2-3 reduce-scatter in; use another "
+            "schedule or shard.stage=1")
 
 
 def _split_weights(cfg: Any) -> bool:
@@ -63,12 +59,10 @@ RULES = (
                      "own; use comm.topology=ring",
          {**ONE, "comm.topology": "ps"}),
     Rule("shard", "pipeline",
-         lambda cfg: cfg.pipeline.stages > 1 and (
-             (cfg.framework == "tensorflow" and cfg.shard.stage >= 3)
-             or (cfg.shard.stage >= 2 and _split_weights(cfg))),
+         lambda cfg: cfg.pipeline.stages > 1 and cfg.shard.stage >= 2 and _split_weights(cfg),
          _pipeline, {"shard.stage": 2, "pipeline.stages": 2, "pipeline.virtual_stages": 2,
                      "pipeline.schedule": "interleaved_zero_bubble"},
-         only="at stage 3 in TensorFlow, at stages 2-3 with a zero-bubble schedule"),
+         only="at stages 2-3 with a zero-bubble schedule"),
     Rule("shard", "pipeline", lambda cfg: cfg.pipeline.stages > 1 and cfg.shard.group == "node",
          lambda cfg: f"pipeline.stages={cfg.pipeline.stages} with shard.group='node': a "
                      "stage's shards within a node are not built; use shard.group=all",

@@ -19,14 +19,16 @@ Nothing like ``torch.distributed.pipelining`` exists for Keras, so the pieces ar
 - **Data parallelism.** Each stage's gradients are averaged over that stage's copies by the run's
   exchange (dense or compressing) in the stage's Horovod process set, once per step, with the loss
   weighted as :mod:`hvdtrain.step` weights it: every copy's exact share of the step's samples.
-  With ``shard.stage`` 1-2 the copies shard the stage (:mod:`hvdtrain.tensorflow.stages`; at
-  stage 2 each micro-batch's gradient is reduce-scattered as its backward pass ends).
+  With ``shard.stage`` 1-3 the copies shard the stage (:mod:`hvdtrain.tensorflow.stages`; at
+  stage 2 each micro-batch's gradient is reduce-scattered as its backward pass ends; at stage 3
+  the stage's parameters too, gathered per layer in each pass).
 - **Checkpoints.** In parts by global layer index, which do not depend on the split, with the
   exchange's state by variable name (:mod:`hvdtrain.tensorflow.stage_state`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -60,6 +62,7 @@ from hvdtrain.tensorflow.data import TensorFlowLoader
 from hvdtrain.tensorflow.engine import TensorFlowEngine, l2_decay, make_optimizer, optimizer_settings
 from hvdtrain.tensorflow.exchange import applies_update, stepping_optimizer
 from hvdtrain.tensorflow.shard import FlatShard
+from hvdtrain.tensorflow.shard3 import free_fusion_buffer
 from hvdtrain.tensorflow.shard_grads import UnitShard
 from hvdtrain.tensorflow.stage_state import StageState
 from hvdtrain.tensorflow.stages import (
@@ -67,7 +70,11 @@ from hvdtrain.tensorflow.stages import (
     ShardedUpdate,
     ShardSlots,
     StageShardedExchange,
+    StageStage3Exchange,
     StageUnitExchange,
+    StageUnits,
+    slice_creator,
+    stage_slices,
 )
 from hvdtrain.tensorflow.step import TensorFlowKernels
 
@@ -300,6 +307,30 @@ class UnitShardedStageKernels(ScatteredPasses, ShardedStageKernels):
     ScatteredPasses`), then :class:`ShardedStageKernels`' update."""
 
 
+class Stage3StageKernels(ShardedStageKernels):
+    """A stage's kernels at ``shard.stage=3``: the passes take the gradient with respect to the
+    shard variable, which the layers' calls (:class:`hvdtrain.tensorflow.stages.StageUnits`)
+    gather from and reduce-scatter into; the step sums those averaged shards and steps the shard,
+    with nothing gathered after it. Every micro-batch runs on every copy (``runs_empty``)."""
+
+    runs_empty = True
+
+    def __init__(self, *args: Any, units: StageUnits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units = units
+        self.variables = [self.shard.var.value]  # what the passes differentiate
+
+    def _compile(self) -> None:
+        super()._compile()
+        # One trace for every micro-batch size (an empty one too): the copies' gathers, named
+        # after the traced graph's tensors, then pair up whatever rows each copy has.
+        spec = tf.TensorSpec([None, *self.model.input.shape[1:]], self.model.input.dtype)
+        self._forward_fn = tf.function(self._forward, input_signature=[spec], jit_compile=False)
+
+    def _update(self, grads: list[tf.Tensor]) -> None:
+        self._apply_shard_fn(grads)  # the layers gather the new slices in the next passes
+
+
 # the exchange within a stage's copies -----------------------------------------------------------
 
 class StageExchange(compression.CompressingExchange):
@@ -398,6 +429,8 @@ class PipelineEngine(StageState, TensorFlowEngine):
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
         check_schedule(cfg.pipeline.schedule)
+        if cfg.shard.stage >= 3:  # before Horovod starts, as the pipeline-free stage 3
+            free_fusion_buffer()
         self._restored: dict[str, Any] | None = None  # rank 0's: where each rank reads its share
         self._start(cfg)  # with dynamic process sets: the stage groups and links are added now
         # self.layout (the job's layout of ranks) was made as Horovod started.
@@ -406,8 +439,13 @@ class PipelineEngine(StageState, TensorFlowEngine):
         stage_sets, links = register_process_sets(self.layout)
         self.stage_set = stage_sets[self.stage]
         self.spec = dataset.spec()
-        with self.precision.policy():
+        # shard.stage=3: each trainable variable cut to the copy's slice as it is made.
+        creator = slice_creator(self.copy, self.copies) if cfg.shard.stage >= 3 else None
+        with self.precision.policy(), (tf.variable_creator_scope(creator) if creator
+                                       else contextlib.nullcontext()):
             self.model, self.layers, self.first_layer = self._build_stage(cfg, links)
+        slices = stage_slices(creator, self.model) if creator else None
+        del creator  # the other stages' slices (split: auto builds every layer)
         keras.utils.set_random_seed(cfg.seed + self.rank)  # after the weights: dropout per rank
         self.data = TensorFlowLoader(dataset.train(), dataset.test(), seed=cfg.seed, rank=self.rank,
                                      workers=loader_workers(cfg.data.workers, self.local_size),
@@ -425,9 +463,15 @@ class PipelineEngine(StageState, TensorFlowEngine):
             process_set=self.stage_set, root=self.root, shard=cfg.shard))
         plain = applies_update(self.exchange)  # the exchange applies the optimizer's rule
         self.optimizer = self.precision.wrap(optimizer)
-        # shard.stage 1-2 (tensorflow/stages.py): the optimizer steps the copy's shard.
-        shard = (self.exchange.shard if isinstance(self.exchange, StageShardedExchange
-                                                   | StageUnitExchange) else None)
+        # shard.stage 1-3 (tensorflow/stages.py): the optimizer steps the copy's shard.
+        shard = (self.exchange.shard if isinstance(
+            self.exchange, StageShardedExchange | StageUnitExchange | StageStage3Exchange)
+            else None)
+        self.units: StageUnits | None = None
+        if isinstance(self.exchange, StageStage3Exchange):
+            assert slices is not None
+            self.units = StageUnits(self.model, self.exchange.shard, cfg.shard.prefetch,
+                                    cfg.shard.reshard_after_forward, self.exchange.wire, slices)
         self.optimizer.build([shard.var] if shard else variables)
         self.slots = ShardSlots(shard, self.optimizer, self.trainable) if shard else None
         self.stats: dict[str, float] = {}
@@ -437,6 +481,8 @@ class PipelineEngine(StageState, TensorFlowEngine):
         if isinstance(self.exchange, StageUnitExchange):
             kernels = UnitShardedStageKernels
             extra = {"shard": shard, "microbatches": self.microbatches}
+        elif self.units is not None:
+            kernels, extra = Stage3StageKernels, {"shard": shard, "units": self.units}
         elif shard is not None:
             kernels, extra = ShardedStageKernels, {"shard": shard}
         self.kernels = self.stage_kernels = kernels(
@@ -541,16 +587,20 @@ class PipelineEngine(StageState, TensorFlowEngine):
             self._load_share(restored)
         hvd.broadcast_variables(self._state_variables(), root_rank=self.root,
                                 process_set=self.stage_set)
+        if self.units is not None:  # stage 3: each copy keeps its slices of the parameters
+            self.units.start_from(restored is not None, self.root)
         if self.slots is not None:  # each copy's slice of the slots copy 0 restored
-            self.slots.scatter(restored is not None, self.root)
+            self.slots.scatter(restored is not None, self.root, load=self.units is None)
         self._follow_world()
         self.exchange.broadcast(root_rank=self.root)
 
     def _state_variables(self) -> list[tf.Variable]:
         if self.slots is None:
             return super()._state_variables()
-        # A shard's slots differ per copy (ShardSlots.scatter hands them out).
-        return [v.value for v in [*self.model.variables, *self.slots.scalars()]]
+        # A shard's slots differ per copy (ShardSlots.scatter hands them out); at stage 3 so do
+        # the parameters (StageUnits.start_from), and the model has no other variables.
+        model = [] if self.units is not None else self.model.variables
+        return [v.value for v in [*model, *self.slots.scalars()]]
 
     def _follow_world(self) -> None:
         self.kernels.follow(self.exchange, 1)  # a pipeline's world does not change (no elastic)
@@ -575,7 +625,21 @@ class PipelineEngine(StageState, TensorFlowEngine):
         return result.sums
 
     def evaluate(self, batches: Iterable[np.ndarray]) -> dict[str, float]:
-        return self.stage_kernels.evaluate(batches)
+        with self.whole_stage():  # stage 3: no gathers per batch (copies' counts may differ)
+            return self.stage_kernels.evaluate(batches)
+
+    @contextlib.contextmanager
+    def whole_stage(self) -> Iterator[None]:
+        """At ``shard.stage=3``, the stage's variables whole for the block (a collective in the
+        stage's set on entry), released after it; nothing otherwise."""
+        if self.units is None:
+            yield
+            return
+        self.units.materialise()
+        try:
+            yield
+        finally:
+            self.units.release()
 
     def pipeline_stages(self) -> list[int]:
         return [self.layout.stage_of(r) for r in range(self.size)]
@@ -585,9 +649,15 @@ class PipelineEngine(StageState, TensorFlowEngine):
 
     def parameters(self) -> dict[str, np.ndarray]:
         # By global layer index: the same names whatever the split.
-        return {f"{k}.{j}.{v.name}": v.numpy().copy()
-                for k, layer in enumerate(self.layers, start=self.first_layer)
-                for j, v in enumerate(layer.trainable_variables)}
+        with self.whole_stage():
+            found = {f"{k}.{j}.{v.name}": v.numpy().copy()
+                     for k, layer in enumerate(self.layers, start=self.first_layer)
+                     for j, v in enumerate(layer.trainable_variables)}
+        if self.units is not None:
+            # Every rank waits for the others' gathers: a rank that returns and exits while
+            # another stage's copies still gather would shut Horovod down under them.
+            self.collectives.allgather_object([None])
+        return found
 
 
 def first_input(spec: DatasetSpec) -> tuple[tuple[int, ...], str]:

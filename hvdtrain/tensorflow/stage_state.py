@@ -43,7 +43,9 @@ class StageState(PartedState):
     all_trainable: list[str]
     """The whole model's, in the order of its exchange (a checkpoint written whole)."""
     slots: ShardSlots | None
-    """A sharded stage's optimizer slots (``shard.stage=1``), else None."""
+    """A sharded stage's optimizer slots (``shard.stage`` 1-3), else None."""
+    units: Any
+    """A stage-3 stage's :class:`hvdtrain.tensorflow.stages.StageUnits`, else None."""
     restore_from: Path | None
     _restored: dict[str, Any] | None
 
@@ -84,7 +86,17 @@ class StageState(PartedState):
     def part_bytes(self) -> tuple[str, list[int], bytes] | None:
         """Copy 0's ranks write their layers, with every copy's exchange state (residuals differ
         per copy: gathered first, a collective in the stage's process set); the other copies
-        hold the same layers."""
+        hold the same layers. At ``shard.stage=3`` the layers are gathered whole for the write
+        (a collective in the stage's set), then released."""
+        if self.units is None:
+            return self._part_bytes()
+        self.units.materialise()
+        try:
+            return self._part_bytes()
+        finally:
+            self.units.release()
+
+    def _part_bytes(self) -> tuple[str, list[int], bytes] | None:
         self.exchange.gather()
         if self.slots is not None:  # every copy's shard of each slot, whole (in the stage's set)
             self.slots.gather()

@@ -1,5 +1,5 @@
-"""TensorFlow pipeline stages x sharded copies (``pipeline.stages`` > 1 with ``shard.stage`` 1
-or 2): each stage's data-parallel copies shard that stage's optimizer state (and at stage 2 its
+"""TensorFlow pipeline stages x sharded copies (``pipeline.stages`` > 1 with ``shard.stage`` 1,
+2 or 3): each stage's data-parallel copies shard that stage's optimizer state (and at stage 2 its
 gradients) in the stage's Horovod process set, as :func:`hvdtrain.torch.stages.stage_sharded`
 does in PyTorch.
 
@@ -14,18 +14,32 @@ does in PyTorch.
   and a copy with fewer non-empty micro-batches in a short last step reduce-scatters zeros for
   the rest, so the copies' collectives pair up (:class:`ScatteredPasses`); the update is stage
   1's.
+- **Stage 3.** The stage's layers are built in slices (each trainable variable cut to the copy's
+  slice as it is made, :func:`hvdtrain.tensorflow.shard3.build_in_slices`' creator) and wrapped
+  in :class:`StageUnits`: each layer's call all-gathers its variables among the stage's copies
+  for the forward pass, gathers them again in the backward pass and reduce-scatters their
+  gradient into the copy's slices (:class:`hvdtrain.tensorflow.shard3.Stage3Units`, in the
+  stage's set). The gradient of a micro-batch's pass with respect to the shard variable is
+  therefore the copies' average of its slices already; the step sums them and the optimizer
+  steps the shard; nothing is gathered after the step. Every copy runs every micro-batch (an
+  empty one as a pass of no rows: ``StageKernels.runs_empty``), so the copies' gathers pair up.
+  Evaluation, ``parameters()`` and a checkpoint gather the stage's variables whole for their
+  duration (:meth:`StageUnits.materialise`), then release them.
 - **Checkpoints.** A stage's part holds its optimizer state in the layout of a stage without
   sharding: each slot by the global name of its variable (``optimizer/<layer>.<j>/<slot>``,
   :mod:`hvdtrain.tensorflow.parts`), gathered whole in the stage's set before copy 0 writes it
   (:class:`ShardSlots`). A sharded pipeline therefore resumes from a pipeline checkpoint with or
   without sharding, of any split, and one without sharding from a sharded one. On resume copy 0
-  reads the whole slots, and each copy takes its slice from copy 0's broadcast in the set.
+  reads the whole slots, and each copy takes its slice from copy 0's broadcast in the set. At
+  stage 3 the part holds the stage's parameters whole too (gathered in the set while it is
+  written), and on resume copy 0 hands each variable to the copies one at a time, each keeping
+  its slice (:meth:`StageUnits.start_from`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -37,6 +51,7 @@ from hvdtrain.exchange import Exchanged, ExchangeRequest
 from hvdtrain.ps.layout import chunk_elements
 from hvdtrain.tensorflow.collectives import any_rank
 from hvdtrain.tensorflow.shard import FlatShard, ShardedExchange
+from hvdtrain.tensorflow.shard3 import Stage3Exchange, Stage3Units, _SliceCreator, check_model
 from hvdtrain.tensorflow.shard_grads import UnitExchange, UnitShard, layer_units
 from hvdtrain.tensorflow.step import _traced
 
@@ -78,16 +93,39 @@ class StageUnitExchange(_AmongCopies, UnitExchange):
         return list(grads)
 
 
+class StageStage3Exchange(_AmongCopies, Stage3Exchange):
+    """``shard.stage=3`` among one stage's copies: the reduce-scatters run inside the stage's
+    backward passes (:class:`StageUnits`), so :meth:`run` hands on the averaged shard they
+    summed. ``wire_bytes``: per micro-batch the stage's whole gradient once and the copy's
+    float32 slices once per gather. ``comm_s`` is 0: the gathers and reduce-scatters run inside
+    the passes, whose time counts as compute."""
+
+    fusable = False  # the schedule's passes run eagerly, the exchange after them
+
+    def run(self, grads: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        self.note_fused(0.0)
+        return list(grads)
+
+
 def stage_sharded(r: ExchangeRequest) -> Exchanged:
     """``sharded`` among a stage's copies (``r.process_set``; ``r.rank``, ``r.size``: this copy
     and the copies). ``shard.stage=1``: the reduce-scatter of the step's summed gradient, the
     shard's update and all-gather, in rounds of ``shard.chunk_kib`` per copy. ``shard.stage=2``:
     the stage's layers (``r.model.layers``) are units in groups of ``shard.unit_kib``, each
     micro-batch's gradient is reduce-scattered by group (:class:`StageUnitExchange`) and only the
-    shard is summed. The engine steps the returned optimizer over the shard's variable
-    (:class:`ShardedUpdate`)."""
-    if r.shard is None or r.shard.stage not in (1, 2):
-        raise HvdtrainError("shard.stage: TensorFlow's pipeline stages shard at stages 1-2 only")
+    shard is summed. ``shard.stage=3``: the same units, gathered and reduce-scattered by the
+    engine's :class:`StageUnits` (:class:`StageStage3Exchange`). The engine steps the returned
+    optimizer over the shard's variable (:class:`ShardedUpdate`)."""
+    if r.shard is None or r.shard.stage not in (1, 2, 3):
+        raise HvdtrainError("shard.stage: TensorFlow's pipeline stages shard at stages 1-3 only")
+    if r.shard.stage == 3:
+        check_model(r.model)
+        variables = list(r.params)
+        unit = UnitShard(variables, layer_units(r.model.layers, variables), r.rank, r.size,
+                         max(1, r.shard.unit_kib * 256), r.process_set)
+        gathers = 2 if r.shard.reshard_after_forward else 1
+        return (StageStage3Exchange(unit, r.comm.compression, r.accumulation, gathers),
+                r.optimizer)
     if r.shard.stage == 2:
         variables = list(r.params)
         units = layer_units(r.model.layers, variables)
@@ -97,6 +135,61 @@ def stage_sharded(r: ExchangeRequest) -> Exchanged:
     shard = FlatShard(list(r.params), r.rank, r.size, chunk_elements(r.shard.chunk_kib),
                       r.process_set)
     return StageShardedExchange(shard, r.comm.compression), r.optimizer
+
+
+def slice_creator(copy: int, copies: int) -> _SliceCreator:
+    """The ``tf.variable_creator_scope`` creator under which a stage-3 stage builds its layers:
+    each trainable variable cut to the copy's slice as it is made (:func:`stage_slices` finds
+    them afterwards)."""
+    return _SliceCreator(copy, copies)
+
+
+def stage_slices(creator: _SliceCreator, model: Any) -> list[np.ndarray]:
+    """The copy's slice of each of ``model``'s trainable variables, made under ``creator``, in
+    ``model.trainable_variables``' order."""
+    by_storage = {id(storage): piece for storage, piece in creator.made}
+    try:  # outside a layer's call ``value`` is the storage itself (no autocast)
+        return [by_storage.pop(id(v.value)) for v in model.trainable_variables]
+    except KeyError:
+        raise HvdtrainError("shard.stage=3 with pipeline stages: a trainable variable was not "
+                            "created while the stage was built; use shard.stage=2") from None
+
+
+class StageUnits(Stage3Units):
+    """:class:`~hvdtrain.tensorflow.shard3.Stage3Units` among one stage's copies (the shard's
+    process set). While the variables are whole (:meth:`materialise`: evaluation,
+    ``parameters()``, a checkpoint) a layer's call runs on them without gathering, so that each
+    copy may evaluate its own number of batches."""
+
+    def _wrapped(self, k: int, call: Callable[..., Any], unit: list[int]) -> Callable[..., Any]:
+        gathering = super()._wrapped(k, call, unit)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            # Read when traced: a training pass is traced while the variables are released.
+            return gathering(*args, **kwargs) if self.released else call(*args, **kwargs)
+
+        return wrapped
+
+    def start_from(self, restored: bool, root: int) -> None:
+        """The shard's values at the start of a run (a collective in the stage's set): each
+        variable's slice as built, or, where copy 0 (job rank ``root``) restored the stage whole
+        from a checkpoint, broadcast from it a variable at a time, each copy keeping its slice.
+        The stage's variables are empty afterwards."""
+        pieces = self._slices
+        if restored:
+            pieces = []
+            for i, v in enumerate(self.variables):
+                value = v.value if self.shard.rank == 0 else tf.zeros(v.shape, v.dtype)
+                got = hvd.broadcast(tf.convert_to_tensor(value), root_rank=root,
+                                    name=f"hvdtrain.stage.shard3.model.{i}",
+                                    process_set=self.shard.process_set)
+                lo, hi = self.shard.bounds[i]
+                pieces.append(tf.reshape(got, [-1])[lo:hi].numpy())
+                v.value.assign(tf.zeros([0], v.dtype))  # one variable whole at a time
+        if pieces is not None:
+            self.shard.var.assign(np.concatenate(pieces) if pieces else np.zeros(0, np.float32))
+        self._slices = None
+        self.release()
 
 
 class ScatteredPasses:
@@ -249,10 +342,11 @@ class ShardSlots:
         self.whole = {i: self.shard.allgather(tf.convert_to_tensor(
             self.optimizer.variables[i].value), f"state.{i}").numpy() for i in self._kinds}
 
-    def scatter(self, restored: bool, root: int) -> None:
+    def scatter(self, restored: bool, root: int, load: bool = True) -> None:
         """After a restore (``restored``: on every copy), each copy's slice of copy 0's whole
-        slots (a broadcast in the stage's set from ``root``, copy 0's job rank); the shard
-        variable from the stage's parameters (which the broadcasts made equal)."""
+        slots (a broadcast in the stage's set from ``root``, copy 0's job rank); where
+        ``load``, the shard variable from the stage's parameters (which the broadcasts made
+        equal; at stage 3 :meth:`StageUnits.start_from` set it)."""
         if restored:
             for i in self._kinds:
                 mine = self.whole.get(i)
@@ -261,7 +355,8 @@ class ShardSlots:
                                     process_set=self.shard.process_set)
                 self.optimizer.variables[i].assign(self.shard.take(got))
         self.whole = {}
-        self.shard.load()
+        if load:
+            self.shard.load()
 
     def scalars(self) -> list[Any]:
         """The optimizer's variables that every copy holds whole (broadcast as they are)."""

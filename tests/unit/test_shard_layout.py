@@ -69,9 +69,9 @@ def test_pieces_bring_every_shard_back_within_the_chunk():
                                 "reduce-scatter carries none or fp16 only"),
     (["comm.compression=qsgd"], "comm.compression='qsgd' with shard.stage=1"),
     (["comm.topology=ps"], "comm.topology='ps' with shard.stage=1: the sharded update"),
-    (["pipeline.stages=2", "framework=tensorflow", "shard.stage=3"],
-     "pipeline.stages=2 with shard.stage=3 and framework='tensorflow': TensorFlow's stages shard "
-     "their copies at stages 1-2 only"),
+    (["pipeline.stages=2", "shard.stage=2", "pipeline.schedule=interleaved_zero_bubble",
+      "pipeline.virtual_stages=2"],
+     "pipeline.stages=2 with shard.stage=2 and pipeline.schedule='interleaved_zero_bubble'"),
 ])
 def test_the_sharded_update_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -1,8 +1,7 @@
 """Pipeline stages with sharded data parallel in the config: PyTorch's stages 1-3 compose (each
 stage's copies shard that stage's optimizer state, and at 2-3 its gradients and parameters);
-TensorFlow's stage 1 composes too; stages 2-3 with a zero-bubble schedule or in TensorFlow are
-refused with one line. The runs themselves: tests/multirank/test_shard_pipe.py and
-test_tf_shard_pipe.py."""
+TensorFlow's stages 1-3 compose too; stages 2-3 with a zero-bubble schedule are refused with one
+line. The runs themselves: tests/multirank/test_shard_pipe.py and test_tf_shard_pipe*.py."""
 
 from __future__ import annotations
 
@@ -26,9 +25,9 @@ def test_torch_stages_with_pipeline_stages_are_accepted_and_shard_within_each_st
     assert exchange_path(cfg, stage=True) == "hvdtrain.torch.stages:stage_sharded"
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_tensorflow_stages_1_2_with_pipeline_stages_shard_within_each_stage(stage, schedule):
+def test_tensorflow_stages_1_3_with_pipeline_stages_shard_within_each_stage(stage, schedule):
     cfg = load_config(None, [*PIPE, f"shard.stage={stage}", f"pipeline.schedule={schedule}",
                              "framework=tensorflow"], environ={})
     assert engine_path(cfg) == "hvdtrain.tensorflow.pipeline:PipelineEngine"
@@ -42,10 +41,6 @@ def test_tensorflow_stages_1_2_with_pipeline_stages_shard_within_each_stage(stag
      "reduce-scatter in; use another schedule or shard.stage=1"),
     (["shard.stage=3", "pipeline.schedule=interleaved_zero_bubble", "pipeline.virtual_stages=2"],
      "pipeline.stages=2 with shard.stage=3 and pipeline.schedule='interleaved_zero_bubble'"),
-    (["shard.stage=3", "framework=tensorflow"],
-     "pipeline.stages=2 with shard.stage=3 and framework='tensorflow': TensorFlow's stages shard "
-     "their copies at stages 1-2 only so far (stage 3's units gather outside the stage's "
-     "passes); use shard.stage=2 or framework=torch"),
 ])
 def test_what_pipeline_stages_do_not_shard_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,156 @@
+"""TensorFlow pipeline stages x sharded copies at ``shard.stage=3`` (``pipeline.stages=2``,
+``horovodrun -np 4``): each stage's two copies hold half of each of the stage's trainable
+variables (and of their Adam slots); each layer's call all-gathers its variables in the stage's
+process set for the forward pass, gathers them again in the backward pass and reduce-scatters
+their gradient into the copy's slices.
+
+On the digits MLP with a hidden layer of 32 (stage 0: ``fc1``, 2,080 parameters; stage 1: the
+head, 330), Adam with L2 weight decay, 1F1B, one epoch over a training split of 337 samples
+(``test_fraction=0.8124``): 6 steps of a global batch of 64 (a copy's 32 in 4 micro-batches of
+8), the last one short: 9 samples to copy 0 (micro-batches of 8 and 1) and 8 to copy 1 (one of
+8), which runs its three empty micro-batches as passes of no rows so that the copies' gathers
+pair up (without them, the copies' collectives no longer pair and the run stalls). Asserted:
+
+- after the epoch each copy's parameters equal one process trained on the global batch without
+  stages or sharding, within 1e-5 (the copies identical), and so do the logged train losses and
+  the final train and eval losses;
+- every step hands Horovod, per micro-batch, the stage's whole gradient and the copy's float32
+  slices twice (the forward's and the backward's gathers): 32 bytes a stage parameter over the
+  two copies, where stage 2 hands 18;
+- the stage's checkpoint part holds its parameters and optimizer state whole, by global name, as
+  a stage without sharding writes them; a run resumed from step 3 ends bit-identical to the
+  uninterrupted run.
+
+`make test` runs Gloo's launch (the run and its resumed run) against one process. `long`: MPI's
+launch; resumes across stages 2 and 3 of the same layout, and a pipeline without sharding
+resumed from stage 3's step 3, each within 1e-5 of the uninterrupted run;
+``shard.reshard_after_forward=false`` (the forward's gathered variables reused) within 1e-5 of
+the default, with gpipe.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hvdtrain.checkpoint import parts_of
+from tests.conftest import read_jsonl
+from tests.multirank.conftest import Launch, launch_worker
+from tests.multirank.test_tf_shard_pipe import assert_close, assert_copies_equal, step_losses
+from tests.multirank.test_tf_shard_pipe_units import COMMON, ONE, PIPE, STAGE_PARAMETERS, UNITS
+
+SHARD3 = PIPE + ",shard.stage=3"
+AT, STEPS = 3, 6
+LONG = pytest.mark.long
+pytestmark = pytest.mark.timeout(1500)
+
+
+def resume(out: Path, run: str) -> str:
+    return f"checkpoint.resume={out / run / 'checkpoints' / f'step-{AT:08d}.ckpt'}"
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """``launches(np, controller, group)``: one launch on first use; ``np`` 1 is the one-process
+    reference, ``group`` "main" the stage-3 run and its resumed run, "cross" the resumes across
+    stages 2 and 3 and without sharding, and the other schedule and resharding."""
+    cache: dict[tuple[int, str, str], Launch] = {}
+
+    def get(np_: int, controller: str, group: str = "main") -> Launch:
+        if (np_, controller, group) not in cache:
+            out = tmp_path_factory.mktemp(f"tf-shard3-pipe-np{np_}-{controller}-{group}")
+            if np_ == 1:
+                runs = [f"one:{ONE}"]
+            elif group == "main":
+                runs = [f"shard3:{SHARD3}", f"resumed:{SHARD3},{resume(out, 'shard3')}"]
+            else:
+                runs = [f"shard3:{SHARD3}", f"units:{UNITS}",
+                        f"shard3_from_units:{SHARD3},{resume(out, 'units')}",
+                        f"units_from_shard3:{UNITS},{resume(out, 'shard3')}",
+                        f"plain_from_shard3:{PIPE},{resume(out, 'shard3')}",
+                        f"kept:{SHARD3},shard.reshard_after_forward=false,"
+                        "pipeline.schedule=gpipe"]
+            cache[np_, controller, group] = launch_worker(np_, controller, "tensorflow", out, runs)
+        return cache[np_, controller, group]
+
+    return get
+
+
+def reference(launches) -> tuple[list[np.ndarray], dict]:
+    params, record = launches(1, "gloo").rank("one", 0)
+    return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))], record
+
+
+def check_shard3_launch(launches, controller: str) -> None:
+    want, one = reference(launches)
+    launch = launches(4, controller)
+    got = assert_copies_equal(launch, "shard3")
+    assert_close(got, want, f"stage-3 sharded stages against one process ({controller})")
+    losses, ones = step_losses(launch.out, "shard3"), step_losses(launches(1, "gloo").out, "one")
+    assert [s for s, _ in losses] == [s for s, _ in ones] == [2, 4, 6]
+    np.testing.assert_allclose([v for _, v in losses], [v for _, v in ones], rtol=1e-5)
+    summary, final = launch.summary("shard3"), one["summary"]["final"]
+    assert (summary["steps"], one["summary"]["steps"]) == (STEPS, STEPS)
+    for key in ("train_loss", "eval_loss"):
+        assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
+    for rank in range(4):  # resumed from step 3: the very bits of the uninterrupted run
+        resumed, _ = launch.rank("resumed", rank)
+        for key, value in launch.rank("shard3", rank)[0].items():
+            assert np.array_equal(resumed[key], value), (rank, key)
+    assert read_jsonl(launch.out / "resumed" / "metrics.jsonl")[0]["step"] == 4
+
+
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=LONG)])
+def test_stage_3_sharded_stages_train_as_one_process_and_resume_exactly(launches, controller):
+    check_shard3_launch(launches, controller)
+
+
+def test_each_step_gathers_the_slices_twice_a_micro_batch(launches):
+    logged = [r for r in read_jsonl(launches(4, "gloo").out / "shard3" / "metrics.jsonl")
+              if "wire_bytes" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    # The mean over the 4 ranks, per micro-batch: the float32 gradient (4 bytes a stage
+    # parameter on each copy) and two gathers of the copy's float32 half (2 x 2): 4 x 8 bytes a
+    # stage parameter over the stage's two copies; the short step (6) too.
+    for record in logged:
+        assert record["wire_bytes"] == pytest.approx(32 * sum(STAGE_PARAMETERS) / 2, abs=8)
+
+
+def test_a_stage_3_part_holds_the_stage_whole_by_global_name(launches):
+    checkpoint = launches(4, "gloo").out / "shard3" / "checkpoints" / f"step-{AT:08d}.ckpt"
+    parts = parts_of(checkpoint)
+    assert [p.name for p in parts] == [f"step-{AT:08d}.stage-{k}.part" for k in (0, 1)]
+    for part, parameters in zip(parts, STAGE_PARAMETERS, strict=True):
+        with np.load(part) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        model = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
+        slots = {k[len("optimizer/"):]: v for k, v in arrays.items()
+                 if k.startswith("optimizer/") and not k.startswith("optimizer/opt/")}
+        assert sum(v.size for v in model.values()) == parameters
+        assert all(np.any(v != 0) for v in model.values())
+        assert sorted(slots) == sorted(f"{n}/{kind}" for n in model
+                                       for kind in ("momentum", "velocity"))
+        for name, slot in slots.items():
+            assert slot.shape == model[name.split("/")[0]].shape and np.any(slot != 0), name
+        assert int(arrays["optimizer/opt/iteration"]) == AT
+
+
+@LONG
+def test_resumes_across_stages_2_and_3_and_unsharded_agree(launches):
+    launch = launches(4, "gloo", "cross")
+    shard3, units = (assert_copies_equal(launch, run) for run in ("shard3", "units"))
+    assert_close(units, shard3, "stage 2 against stage 3")
+    assert_close(assert_copies_equal(launch, "shard3_from_units"), units,
+                 "stage 3 resumed from stage 2's step 3")
+    assert_close(assert_copies_equal(launch, "units_from_shard3"), shard3,
+                 "stage 2 resumed from stage 3's step 3")
+    assert_close(assert_copies_equal(launch, "plain_from_shard3"), shard3,
+                 "a pipeline without sharding resumed from stage 3's step 3")
+    assert_close(assert_copies_equal(launch, "kept"), shard3,
+                 "gpipe, the forward's gathered variables kept, against 1f1b resharded")
+
+
+def test_common_settings_are_the_stage_2_tests():
+    assert "test_fraction=0.8124" in COMMON and SHARD3.startswith(PIPE)
