@@ -266,7 +266,10 @@ class TensorFlowEngine(Engine):
                 arrays = {name: npz[name] for name in npz.files}
             meta = json.loads(str(arrays["meta"]))
             parted = isinstance(meta, dict) and bool(meta.get("parts")) and "shards" not in meta
-            expected = [] if parted else [f"{prefix}/{i}" for prefix, variables in (
+            # Sharded data parallel's on a run that keeps its variables whole: from its parts.
+            unsharded = isinstance(meta, dict) and meta.get("shards") is not None and (
+                not self.reads_shards)
+            expected = [] if parted or unsharded else [f"{prefix}/{i}" for prefix, variables in (
                 ("model", self.model.variables), ("optimizer", self.optimizer.variables))
                 for i in range(len(variables))]
             missing = [name for name in expected if name not in arrays]
@@ -276,6 +279,11 @@ class TensorFlowEngine(Engine):
             raise not_a_checkpoint(where, exc) from None
         if parted:  # written by pipeline stages: every part, by global names
             self._load_parts(meta["parts"], where)
+            self._restore_rest(arrays, where)
+            return meta
+        if unsharded:  # one variable whole at a time (hvdtrain/tensorflow/shard_files.py)
+            from hvdtrain.tensorflow.shard_files import restore_whole
+            restore_whole(self.model, self.optimizer, arrays, meta, self.restore_from, where)
             self._restore_rest(arrays, where)
             return meta
         try:
@@ -290,6 +298,9 @@ class TensorFlowEngine(Engine):
             raise HvdtrainError(f"{where} does not fit the model: {type(exc).__name__}: "
                                 f"{(str(exc).strip().splitlines() or [''])[0][:160]}") from None
         return meta
+
+    reads_shards = False
+    """Whether this engine reads a checkpoint of shards itself (sharded data parallel's)."""
 
     def _restore_rest(self, arrays: dict[str, np.ndarray], where: str) -> None:
         """The random states and the exchange's state of a checkpoint's arrays."""

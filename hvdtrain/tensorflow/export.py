@@ -6,7 +6,10 @@ read from the file, saved whole (``keras``: ``model.keras``) or as weights only 
 A checkpoint written whole holds the model's variables by position (``model/<i>``); one written
 in parts by pipeline stages lists its parts, which hold them by global name (``model/<layer>.<j>``,
 :mod:`hvdtrain.tensorflow.parts`): they are read as a run resumed without stages reads them
-(each part checked against its sha256), one variable at a time."""
+(each part checked against its sha256), one variable at a time. One written by sharded data
+parallel (``shard.stage`` 1-3) holds at stage 3 its trainable variables in the ranks' parts
+(rank 0's file: empty entries for them): each is assembled whole from the parts' slices, one at
+a time (:func:`assign_shards`)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from hvdtrain.config import Config
 from hvdtrain.errors import HvdtrainError
 from hvdtrain.pipeline.state import parts_misfit
 from hvdtrain.registry import MODELS
-from hvdtrain.tensorflow import parts
+from hvdtrain.tensorflow import parts, shard_files
 from hvdtrain.tensorflow.models import ClassifierAdapter
 
 FILES = {"keras": "model.keras", "weights.h5": "model.weights.h5"}
@@ -64,8 +67,8 @@ def open_checkpoint(path: Path) -> tuple[Any, Any]:
 
 def stage_parts(meta: Any) -> list[dict[str, Any]] | None:
     """The parts that a checkpoint's ``meta`` lists when pipeline stages wrote it, else None.
-    Sharded data parallel's parts (``shards`` in the meta) hold optimizer slots only: at
-    TensorFlow's stages 1-2 the model is whole on every rank and in rank 0's file."""
+    Sharded data parallel's parts (``shards`` in the meta) are not pipeline stages' (read by
+    :func:`assign_shards`)."""
     if isinstance(meta, dict) and meta.get("parts") and "shards" not in meta:
         return list(meta["parts"])
     return None
@@ -87,6 +90,22 @@ def assign_parts(model: Any, checkpoint: Path, manifest: list[dict[str, Any]]) -
         raise HvdtrainError(f"{where} does not fit the model: {problem}")
     parts.assign_each(entries, ((name, value) for _, name, value in parts.iter_parts(
         checkpoint.parent, manifest, entries, where)), where)
+
+
+def assign_shards(model: Any, checkpoint: Path, meta: dict[str, Any]) -> None:
+    """Assigns ``model``'s variables from a checkpoint of sharded data parallel (``meta``: its
+    rank 0 file's): each entry of that file read when reached, and each trainable variable that
+    stage 3 wrote in the ranks' parts assembled whole from them, one at a time
+    (:func:`hvdtrain.tensorflow.shard_files.assign_model`)."""
+    where = f"export: {checkpoint}"
+    source = shard_files.sharded_source(meta, checkpoint, where)
+    count, arrays = checkpoint_arrays(checkpoint)
+    with closing(arrays):
+        if count != len(model.variables):
+            raise HvdtrainError(f"{where} holds {count} model variables, the run's model has "
+                                f"{len(model.variables)}")
+        shard_files.assign_model(model.variables, model.trainable_variables,
+                                 lambda _: next(arrays), source)
 
 
 def not_ours(path: Path, exc: BaseException) -> HvdtrainError:
@@ -121,6 +140,9 @@ def trained_model(cfg: Config, checkpoint: Path) -> Any:
     manifest = stage_parts(meta)
     if manifest is not None:
         assign_parts(model, checkpoint, manifest)
+        return model
+    if isinstance(meta, dict) and meta.get("shards") is not None:  # sharded data parallel's
+        assign_shards(model, checkpoint, meta)
         return model
     count, arrays = checkpoint_arrays(checkpoint)
     with closing(arrays):

@@ -46,7 +46,7 @@ def optimizer_variables(optimizer: Any, model: Mapping[str, Any]) -> dict[str, A
     paths = {v.path.replace("/", "_"): name for name, v in model.items()}
     named: dict[str, Any] = {}
     for var in optimizer.variables:
-        ref = _reference(var.name, paths)
+        ref = reference(var.name, paths)
         key = f"{paths[ref]}/{var.name[len(ref) + 1:]}" if ref else f"opt/{var.name}"
         if key in named:
             raise HvdtrainError(f"optimizer variables {named[key].path} and {var.path} have the "
@@ -55,7 +55,7 @@ def optimizer_variables(optimizer: Any, model: Mapping[str, Any]) -> dict[str, A
     return named
 
 
-def _reference(slot: str, paths: Collection[str]) -> str | None:
+def reference(slot: str, paths: Collection[str]) -> str | None:
     """The longest ``path`` such that ``slot`` is ``"<path>_<kind>"`` (the longest:
     ``dense_1_kernel`` must not take ``dense_1_kernel_2``'s slots), or None."""
     cut = len(slot)

@@ -17,12 +17,13 @@ because oneDNN's pool would keep every step's transients; and no whole vector of
 is made, in a step or in the start-up broadcast.
 
 Checkpoints (:class:`ShardedEngine`): every rank writes its slices of each per-element optimizer
-slot to its own part (:mod:`hvdtrain.tensorflow.shard_files`), rank 0 the model and the
-optimizer's scalars (the step count, the learning rate); a run resumes at stage 1 or 2 and any
-world size, each rank reading its own slices. A checkpoint written before holds every slot whole,
-as one flat vector in the parameters' flat order: rank 0 reads it and every rank takes its own
-slice. The ring's checkpoints hold one slot per variable instead: the two do not resume each
-other.
+slot, and at stage 3 of the parameters, to its own part (:mod:`hvdtrain.tensorflow.shard_files`);
+rank 0's file holds the rest (the model whole at stages 1-2, empty trainable entries at stage 3;
+the optimizer's scalars). A run resumes at any stage 1-3 and world size, each rank reading its
+own slices; the ring reads such a checkpoint a variable at a time (``TensorFlowEngine.load_state``).
+A checkpoint that holds variables whole (the ring's, or one written before) is handed out by
+rank 0 a variable at a time (:mod:`hvdtrain.tensorflow.shard_whole`); one of every slot whole as
+a flat vector: rank 0 broadcasts it, every rank takes its own slice.
 
 Keras 3: a Keras variable is not a ``tf.Variable``; values are read and assigned through Keras.
 """
@@ -65,7 +66,14 @@ from hvdtrain.tensorflow.shard3 import (
     gather_model,
     make_stage3,
 )
-from hvdtrain.tensorflow.shard_files import layout_of, read_params, read_slots, shard_part
+from hvdtrain.tensorflow.shard_files import (
+    SLOT_KINDS,
+    layout_of,
+    read_params,
+    read_slots,
+    shard_part,
+    slot_kinds,
+)
 from hvdtrain.tensorflow.shard_grads import (
     UnitExchange,
     UnitKernels,
@@ -75,6 +83,7 @@ from hvdtrain.tensorflow.shard_grads import (
     layer_units,
     unit_groups,
 )
+from hvdtrain.tensorflow.shard_whole import hand_out, ring_names, ring_scalars, ring_slots
 from hvdtrain.tensorflow.step import TensorFlowKernels, _traced
 
 _WIRE = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
@@ -257,8 +266,8 @@ def return_freed_memory() -> None:
 
 
 class ShardedEngine(TensorFlowEngine):
-    """The TensorFlow engine with ``shard.stage=1``: the update of :class:`ShardedKernels`, and
-    checkpoints whose per-element optimizer slots are whole flat vectors (see the module
+    """The TensorFlow engine with ``shard.stage`` 1-3 (the update of :class:`ShardedKernels`,
+    of shard_grads.py or of shard3.py) and its checkpoints written by every rank (see the module
     docstring)."""
 
     def __init__(self, cfg: Config, dataset: Dataset) -> None:
@@ -289,7 +298,7 @@ class ShardedEngine(TensorFlowEngine):
             self.model = self._build(cfg, dataset)
         if cfg.model.sync_batchnorm:
             syncbn.convert(self.model)
-        self._source, self._model_whole = None, None  # _make_update empties _whole
+        self._source, self._file = None, None  # _make_update empties _whole
         self._make_update(cfg, self.model.trainable_variables)
         self._eval_fn = tf.function(self._eval_batch, input_signature=batch_signature(self.spec),
                                     jit_compile=False)
@@ -348,27 +357,41 @@ class ShardedEngine(TensorFlowEngine):
         return {i: v for i, v in enumerate(self.optimizer.variables) if _per_element(v)}
 
     def shard_part(self) -> tuple[str, dict[str, Any], Any] | None:
-        # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py).
+        # Every rank its own slices of each slot (hvdtrain/tensorflow/shard_files.py), and at
+        # stage 3 of the parameters: nothing is gathered, and rank 0's file holds the model's
+        # trainable variables as the rank does between steps, empty.
         self._wrote_shards = True
-        params = None
-        if self.units is not None and self.units.released:  # stage 3: the model for rank 0
-            whole = gather_model(self.units.shard, self.rank == 0)
-            self._model_whole = whole if self.rank == 0 else None  # others: empty entries
-            # and every rank its slices of the parameters: in elastic mode any rank may be the
-            # rank 0 whose committed state a reset restores, or die with its slices.
-            params = self.shard.var
+        params = self.shard.var if self.units is not None and self.units.released else None
         return shard_part(self.shard, self._slots(), self.rank, params)
 
     def state_bytes(self, meta: dict[str, Any]) -> bytes:
         if self._wrote_shards:  # the layout in the meta; empty slots (_optimizer_arrays)
-            meta = {**meta, "shards": layout_of(self.shard, self._slots()).to_dict()}
+            slots = self._slots()
+            meta = {**meta, "shards": layout_of(self.shard, slots).to_dict(),
+                    SLOT_KINDS: slot_kinds(slots, self.shard.var)}
         return super().state_bytes(meta)
 
-    _params_in_parts = False  # stage 3: the state's model entries were empty (elastic mode)
+    reads_shards = True
+    _params_in_parts = False  # the state's model entries were empty: stage 3 wrote them in parts
+    _file: dict[str, Any] | None = None  # rank 0: a whole checkpoint's entries to hand out
+    _ring: dict[str, int] | None = None  # a ring's checkpoint: its optimizer's global names
 
     def load_state(self, data: bytes, where: str) -> dict[str, Any]:
-        self._params_in_parts = False
+        self._params_in_parts, self._file = False, {"params": {}, "slots": {}}
+        self._ring = ring_names(data, where)
         meta = super().load_state(data, where)
+        if self._ring is not None:  # its slots per variable: handed out in broadcast_state
+            self._file["slots"] = ring_slots(data, self._ring, self.model, self._slots(),
+                                             self.shard.var, where)
+            ring_scalars(data, self._ring, self.optimizer, _per_element, where)
+        got = self._file["params"]
+        if got and len(got) != len(self.shard.sizes):
+            raise HvdtrainError(f"{where}: its model entries are partly empty")
+        self._file = self._file if any(self._file.values()) else None
+        if self._file is not None:  # read again from the file, a variable at a time
+            if self.restore_from is None:
+                raise HvdtrainError(f"{where}: a whole checkpoint is read from its file only")
+            self._file["path"] = str(self.restore_from)
         if meta.get("shards") is not None:  # every rank reads its slices in broadcast_state
             if self.restore_from is None:
                 raise HvdtrainError(f"{where}: a checkpoint of shards is read from its file only")
@@ -403,14 +426,6 @@ class ShardedEngine(TensorFlowEngine):
         self._whole = {}
         return arrays
 
-    _model_whole: list[np.ndarray] | None = None  # stage 3, rank 0: gathered for a checkpoint
-
-    def _model_arrays(self) -> list[np.ndarray]:
-        if self._model_whole is None:
-            return super()._model_arrays()
-        whole, self._model_whole = self._model_whole, None  # the trainable ones only (check_model)
-        return whole
-
     def parameters(self) -> dict[str, np.ndarray]:
         if self.units is None or not self.units.released:
             return super().parameters()
@@ -422,10 +437,20 @@ class ShardedEngine(TensorFlowEngine):
         return {}  # the optimizer's slots are flat, not by layer: no pipeline stage reads them
 
     def _restore(self, var: Any, value: np.ndarray, name: str, where: str) -> None:
-        if (name.startswith("model/") and value.shape == (0,) and self.units is not None
-                and int(np.prod(var.shape)) > 0):  # stage 3: the parameters are in the parts
-            self._params_in_parts = True
-            return
+        size = int(np.prod(var.shape))
+        if name.startswith("model/") and var.trainable and size > 0:
+            if value.shape == (0,):  # stage 3 wrote the parameters in the parts
+                self._params_in_parts = True
+                return
+            if self.units is not None and value.shape == tuple(var.shape):
+                # Stage 3 from a whole model: rank 0 hands it out a variable at a time from
+                # the file (broadcast_state); the rank's variables stay empty.
+                assert self._file is not None
+                j = [id(v) for v in self.model.trainable_variables].index(id(var))
+                self._file["params"][j] = name
+                return
+        if name.startswith("optimizer/") and self._ring is not None:
+            return  # a ring's: by global names (load_state)
         if name.startswith("optimizer/") and _per_element(var):
             if value.shape == (0,):  # in the parts (load_state checks the layout is there)
                 return
@@ -449,10 +474,12 @@ class ShardedEngine(TensorFlowEngine):
         for i, v in enumerate([*model, *scalars]):
             v.assign(hvd.broadcast(tf.convert_to_tensor(v.value), root_rank=0,
                                    name=f"hvdtrain.shard.state.{i}"))
-        told = hvd.broadcast_object((self._source, sorted(self._whole)) if self.rank == 0
-                                    else None, root_rank=0, name="hvdtrain.shard.files")
-        source, whole = told
-        self._source = None
+        told = hvd.broadcast_object((self._source, sorted(self._whole), self._file)
+                                    if self.rank == 0 else None, root_rank=0,
+                                    name="hvdtrain.shard.files")
+        source, whole, file = told
+        self._source, self._file = None, None
+        slots = {} if file is None else file["slots"]
         if source is not None:  # from a checkpoint of shards: each rank reads its own slices
             indices = [i for i, v in enumerate(self.optimizer.variables) if _per_element(v)]
             slots = read_slots(source, self.shard, indices)
@@ -461,7 +488,9 @@ class ShardedEngine(TensorFlowEngine):
         for i, var in enumerate(self.optimizer.variables):
             if not _per_element(var) or source is not None:
                 continue
-            if i in whole:  # restored whole on rank 0: one slot at a time, each its slice
+            if i in slots:  # a ring's: a variable at a time
+                var.assign(hand_out(self.shard, slots[i], file, f"slot.{i}"))
+            elif i in whole:  # restored whole on rank 0: one slot at a time, each its slice
                 mine = self._whole.get(i) if self.rank == 0 else None
                 got = hvd.broadcast(tf.constant(mine) if mine is not None
                                     else tf.zeros([self.shard.total]), root_rank=0,
@@ -472,8 +501,12 @@ class ShardedEngine(TensorFlowEngine):
         self._whole = {}
         if self.units is not None:  # stage 3: the rank keeps its slices only
             self.units.start()
+            if file is not None and file["params"]:  # a whole model: a variable at a time
+                self.shard.var.assign(hand_out(self.shard, file["params"], file, "params"))
         else:
             self.shard.load()  # the step keeps the shard and the parameters equal from here
-        if source is not None and source.get("params"):  # stage 3, elastic: in the parts
+        if source is not None and source.get("params"):  # stage 3 wrote them in the parts
             self.shard.var.assign(read_params(source, self.shard))
+            if self.units is None:  # stages 1-2: the model whole on every rank
+                self.shard.store()
         self._follow_world()

@@ -32,9 +32,9 @@ reduce-scatter's result (:meth:`Stage3Units.waited`), as PyTorch's stage 3 count
 Memory: a stage-3 engine turns Horovod's fusion buffer off unless the user sized it
 (:func:`free_fusion_buffer`).
 
-Checkpoints are stage 2's: every rank writes its slices of the optimizer's slots, and the
-variables are gathered one group at a time for rank 0's model entries (:func:`gather_model`),
-so stages 1-3 and any number of ranks resume each other's checkpoints.
+Checkpoints: every rank writes its slices of the variables and of the optimizer's slots to its
+own part, nothing gathered (:meth:`hvdtrain.tensorflow.shard.ShardedEngine.shard_part`), so
+stages 1-3, the ring and any number of ranks resume each other's checkpoints.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ stages) and the optimizer's scalars.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +31,7 @@ from hvdtrain.shard_files import (
     shard_files,
     tensor_key,
 )
+from hvdtrain.tensorflow.parts import assign_one, reference
 
 DTYPES: dict[np.dtype[Any], str] = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
                                     np.dtype(np.float64): "F64"}
@@ -145,3 +146,120 @@ def _opened(source: Mapping[str, Any], shard: Any) -> tuple[ShardLayout, list[st
     paths = {s: part_file(Path(source["directory"]), e, where)
              for s, e in shard_files(source["entries"], layout, where).items()}
     return layout, names, paths
+
+
+SLOT_KINDS = "slot_kinds"
+"""The meta key of a checkpoint of shards that names each slot's kind (``{"s2": "momentum"}``):
+what a run on the ring or an export matches its per-variable slots by."""
+
+
+def slot_kinds(slots: Mapping[int, Any], shard_var: Any) -> dict[str, str]:
+    """The kind of each per-element slot (``slots``: the optimizer's, by index), from its Keras
+    name ``"<shard variable's path>_<kind>"``."""
+    prefix = shard_var.path.replace("/", "_") + "_"
+    return {f"s{i}": v.name[len(prefix):] if v.name.startswith(prefix) else v.name
+            for i, v in slots.items()}
+
+
+def whole_values(source: Mapping[str, Any], sizes: Sequence[int], wanted: Sequence[
+        tuple[int, str]]) -> Iterator[tuple[int, str, np.ndarray]]:
+    """``(j, kind, values)`` for each of ``wanted`` (variable ``j`` of the model's trainable
+    ones, sized ``sizes``; ``kind``: ``params`` or a slot ``s<i>``): that variable's flat values
+    whole, assembled from every part that holds some, one at a time (the reader drops each
+    before the next is read)."""
+    where = source["where"]
+    layout = ShardLayout.from_dict(source["layout"], where)
+    names = [f"v{j}" for j in range(len(sizes))]
+    check_fits(layout, list(zip(names, sizes, strict=True)), where)
+    paths = {s: part_file(Path(source["directory"]), e, where)
+             for s, e in shard_files(source["entries"], layout, where).items()}
+    with PartFiles(paths, layout, where) as parts:
+        for j, kind in wanted:
+            dtype = np.float32 if kind == PARAMS else NUMPY[layout.slots[kind]]
+            values = np.empty(sizes[j], dtype)
+            parts.fill(values, names[j], 0, kind)
+            yield j, kind, values
+
+
+def sharded_source(meta: Mapping[str, Any], restore_from: Path | None, where: str
+                   ) -> dict[str, Any]:
+    """The parts of a checkpoint of shards (``meta``: rank 0's file's), for
+    :func:`whole_values`: they lie beside ``restore_from``."""
+    if restore_from is None:
+        raise HvdtrainError(f"{where}: a checkpoint of shards is read from its file only")
+    return {"directory": str(restore_from.parent), "where": where,
+            "entries": meta.get("parts") or [], "layout": meta["shards"]}
+
+
+def assign_model(variables: Sequence[Any], trainable: Sequence[Any],
+                 entries: Callable[[int], np.ndarray], source: Mapping[str, Any]) -> None:
+    """Assigns a whole model's ``variables`` (``trainable``: its trainable ones, in the
+    layout's order) from a checkpoint of shards: ``entries(i)`` reads ``model/<i>`` of rank 0's
+    file, which is empty where the parts hold a trainable variable's values (stage 3); those are
+    assembled from the parts one variable at a time."""
+    where = source["where"]
+    index = {id(v): j for j, v in enumerate(trainable)}
+    in_parts: dict[int, Any] = {}
+    for i, var in enumerate(variables):
+        value = entries(i)
+        if value.shape == (0,) and int(np.prod(var.shape)) > 0 and id(var) in index:
+            in_parts[index[id(var)]] = var
+            continue
+        assign_one(var, f"model/{i}", value, where)
+    sizes = [int(np.prod(v.shape)) for v in trainable]
+    for j, _, values in whole_values(source, sizes, [(j, PARAMS) for j in sorted(in_parts)]):
+        in_parts[j].assign(values.reshape(tuple(in_parts[j].shape)))
+
+
+def assign_optimizer(optimizer: Any, trainable: Sequence[Any], arrays: Mapping[str, Any],
+                     source: Mapping[str, Any], kinds: Mapping[str, str] | None) -> None:
+    """Assigns the ring's ``optimizer`` (a slot per trainable variable) from a checkpoint of
+    shards: each slot whole from the parts, one at a time, matched by its kind (``kinds``: the
+    checkpoint's :data:`SLOT_KINDS`); the scalars (step count, learning rate, loss scale) from
+    rank 0's file (``arrays``: its ``optimizer/<i>`` entries) in their order."""
+    where = source["where"]
+    layout = ShardLayout.from_dict(source["layout"], where)
+    if layout.slots and not kinds:
+        raise HvdtrainError(f"{where} does not name its optimizer slots' kinds (written before "
+                            "hvdtrain did): resume it sharded (shard.stage 1-3)")
+    by_kind = {kind: key for key, kind in (kinds or {}).items()}
+    paths = {v.path.replace("/", "_"): j for j, v in enumerate(trainable)}
+    wanted: dict[tuple[int, str], Any] = {}
+    scalars = []
+    for var in optimizer.variables:
+        ref = reference(var.name, paths)
+        if ref is None:
+            scalars.append(var)
+            continue
+        kind = var.name[len(ref) + 1:]
+        if kind not in by_kind:
+            raise HvdtrainError(f"{where} does not fit the optimizer: it has no slot {kind!r} "
+                                f"(its slots: {sorted(by_kind)})")
+        wanted[paths[ref], by_kind[kind]] = var
+    theirs = {f"optimizer/{s[1:]}" for s in layout.slots}
+    positions = sorted(int(k.split("/")[1]) for k in arrays
+                        if k.startswith("optimizer/") and k not in theirs)
+    if len(positions) != len(scalars):
+        raise HvdtrainError(f"{where} does not fit the optimizer: {len(positions)} scalars, "
+                            f"this one has {len(scalars)}")
+    for var, i in zip(scalars, positions, strict=True):
+        assign_one(var, f"optimizer/{i}", np.asarray(arrays[f"optimizer/{i}"]), where)
+    sizes = [int(np.prod(v.shape)) for v in trainable]
+    for j, kind, values in whole_values(source, sizes, sorted(wanted)):
+        var = wanted[j, kind]
+        var.assign(values.reshape(tuple(var.shape)))
+
+
+def restore_whole(model: Any, optimizer: Any, arrays: Mapping[str, np.ndarray],
+                  meta: Mapping[str, Any], restore_from: Path | None, where: str) -> None:
+    """A run that keeps its variables whole (the ring) given a checkpoint of shards (``arrays``
+    and ``meta``: rank 0's file's): each trainable variable and each slot assembled whole from
+    the parts one at a time, the rest from rank 0's file."""
+    source = sharded_source(meta, restore_from, where)
+    count = sum(1 for name in arrays if name.startswith("model/"))
+    if count != len(model.variables):
+        raise HvdtrainError(f"{where} holds {count} model variables, the model has "
+                            f"{len(model.variables)}")
+    trainable = model.trainable_variables
+    assign_model(model.variables, trainable, lambda i: np.asarray(arrays[f"model/{i}"]), source)
+    assign_optimizer(optimizer, trainable, arrays, source, meta.get(SLOT_KINDS))

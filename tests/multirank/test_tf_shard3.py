@@ -91,8 +91,8 @@ def test_stage3_equals_the_ring_and_stage2_resumes_its_checkpoint(stage3):
     with np.load(checkpoint(launch, "s3_adam", 20)) as npz:
         slots = [npz[k].shape for k in npz.files if k.startswith("optimizer/") and npz[k].ndim == 1]
         model = [npz[f"model/{i}"].shape for i in range(4)]
-    assert slots == [(0,), (0,)]  # Adam's moments are in the ranks' parts, the model whole
-    assert model == [(64, 128), (128,), (128, 10), (10,)]
+    assert slots == [(0,), (0,)]  # Adam's moments are in the ranks' parts, and so are the
+    assert model == [(0,)] * 4  # parameters (test_tf_shard3_ckpt.py)
     summary = launch.summary("s3_adam")
     assert summary["shard_stage"] == 3 and summary["shard_ranks"] == summary["world_size"] == 2
     # Monitoring: the passes' waits for their gathers and reduce-scatters, every log record.

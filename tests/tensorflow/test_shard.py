@@ -1,5 +1,6 @@
 """Sharded data parallel in TensorFlow, in one process (Horovod size 1): at ``shard.stage=1`` SGD
-with momentum and Adam with weight decay train as the ring does and a checkpoint resumes exactly;
+with momentum and Adam with weight decay train as the ring does and a checkpoint resumes exactly
+(and the ring's resumes at stage 1);
 at ``shard.stage=2`` (gradients reduce-scattered by layer) Adam with weight decay and AdamW with
 gradient accumulation train as the ring does, units and groups are cut as documented, and stage 1
 resumes stage 2's checkpoint; ``optim.clip_norm`` clips stages 1 and 2 as the ring."""
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 
 from hvdtrain.driver import train
-from hvdtrain.errors import HvdtrainError
 from hvdtrain.tensorflow.shard import ShardedEngine
 from hvdtrain.tensorflow.shard_grads import UnitShard, layer_units, unit_groups
 from tests.conftest import TF_CONFIG, quiet_config
@@ -37,17 +37,18 @@ def test_the_sharded_update_trains_as_the_ring(tmp_path, optim):
     assert sharded.summary["shard_stage"] == 1 and sharded.summary["shard_ranks"] == 1
 
 
-def test_a_sharded_checkpoint_resumes_exactly_and_a_ring_one_is_refused(tmp_path):
+def test_a_sharded_checkpoint_resumes_exactly_and_a_ring_one_too(tmp_path):
     whole = train(quiet_config(TF_CONFIG, tmp_path / "whole", *ADAM, *SHARDED))
     saved = tmp_path / "whole" / "run" / "checkpoints" / "step-00000060.ckpt"
     resumed = train(quiet_config(TF_CONFIG, tmp_path / "resumed", *ADAM, *SHARDED,
                                  f"checkpoint.resume={saved}"))
     assert_same(resumed.engine.parameters(), whole.engine.parameters(), "resumed at step 60")
-    train(quiet_config(TF_CONFIG, tmp_path / "ring", *ADAM))
+    ring = train(quiet_config(TF_CONFIG, tmp_path / "ring", *ADAM))
     ring_saved = tmp_path / "ring" / "run" / "checkpoints" / "step-00000060.ckpt"
-    with pytest.raises(HvdtrainError, match=r"resumes from checkpoints of shard\.stage 1 or 2 only"):
-        train(quiet_config(TF_CONFIG, tmp_path / "mixed", *ADAM, *SHARDED,
-                           f"checkpoint.resume={ring_saved}"))
+    # The ring's slots, one per variable, are handed out a variable at a time (shard_whole.py).
+    mixed = train(quiet_config(TF_CONFIG, tmp_path / "mixed", *ADAM, *SHARDED,
+                               f"checkpoint.resume={ring_saved}"))
+    assert_same(mixed.engine.parameters(), ring.engine.parameters(), "from the ring's step 60")
 
 
 STAGE2 = ["shard.stage=2", "shard.unit_kib=4"]  # 1,024 elements: each layer a group of its own
