@@ -9,8 +9,9 @@ step-100 checkpoint, the sharded update from the Adam ring's step-23 checkpoint)
 wire. The 9,610
 parameters in 8 KiB pieces (2,048 elements) come back from each rank's shard of 4,805 in three
 allgather rounds. They are compared with the ring's run of test_engines.py, launched anyway.
-Under MPI, make test launches the sharded equivalence run alone for the first test; the rest of
-the MPI launch and 4 ranks are marked ``long``.
+Under MPI the sharded equivalence run alone for the first test, ``long`` with the rest of the MPI
+launch and 4 ranks: make test trains stage 1 under MPI as the ring in test_shard_units.py's MPI
+launch, beside stages 2 and 3.
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ def optimizer_state(path: Path) -> dict:
     return state["optimizer"] if source is None else whole_optimizer(source)
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=pytest.mark.long)])
 def test_two_ranks_equal_the_ring_bitwise_and_write_its_checkpoint(sharded, two_ranks,
                                                                    controller):
-    # Under MPI the equivalence run alone (make test's MPI row); the rest of its launch is long.
+    # Under MPI the equivalence run alone; its launch is long (test_shard_units.py's MPI launch
+    # trains stage 1 under MPI in make test).
     launch = sharded(controller, 2, alone=controller == "mpi")
     ring = two_ranks("torch", controller)
     p0, _ = launch.rank("shard", 0)

@@ -8,8 +8,10 @@ steps, a checkpoint every 12), stages 2 and 3 with the same settings, stage 3 wi
 checkpointing, stage 3 resumed from the ring's step-12 checkpoint and the ring resumed from stage
 3's, stages 2 and 3 with their collectives in pieces of 1 KiB a rank (``shard.piece_kib``); then
 one epoch of SGD with momentum, unclipped and clipped (optim.clip_norm) on the ring and at stages
-1-3. Under MPI (make test's MPI row) stages 2 and 3 of the equivalence run of test_engines.py (SGD
-with momentum), against the ring's run that test launches. The rest is marked ``long``.
+1-3. Under MPI (make test's MPI row of PyTorch's sharding) stages 1, 2 and 3 of the equivalence
+run of test_engines.py (SGD with momentum), against the ring's run that test launches (stage 1's
+MPI row of test_shard.py, which checks its checkpoint and bytes too, is ``long``). The rest is
+marked ``long``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def units(tmp_path_factory) -> Callable[[str], Launch]:
             out = tmp_path_factory.mktemp(f"shard-units-{controller}")
             if controller == "mpi":
                 equiv = EQUIV.format(b=16, lr=0.05)
-                runs = [f"s2:{equiv},shard.stage=2", f"s3:{equiv},shard.stage=3"]
+                # stage 1 in test_shard.py's pieces (8 KiB): its allgather in three rounds
+                runs = [f"s1:{equiv},shard.stage=1,shard.chunk_kib=8",
+                        f"s2:{equiv},shard.stage=2", f"s3:{equiv},shard.stage=3"]
             else:
                 runs = [f"ring:{ADAMW}", f"s2:{ADAMW},shard.stage=2", f"s3:{ADAMW},shard.stage=3",
                         f"s3_recompute:{ADAMW},shard.stage=3,model.activation_checkpointing=true",
@@ -86,11 +90,18 @@ def test_stages_two_and_three_train_as_the_ring(units, two_ranks, controller):
     launch = units(controller)
     ring = (two_ranks("torch", "mpi").rank("equiv", 0)[0] if controller == "mpi"
             else launch.rank("ring", 0)[0])
-    for run in ("s2", "s3"):
+    for run in ("s1", "s2", "s3") if controller == "mpi" else ("s2", "s3"):
         assert_near(assert_ranks_agree(launch, run), ring, f"stage {run[1]} against the ring")
         summary = launch.summary(run)
         assert summary["shard_stage"] == int(run[1]) and summary["shard_ranks"] == 2
     if controller == "mpi":
+        # Stage 1 updates as the ring does, to the bit (as test_shard.py's Gloo row checks); per
+        # step the whole gradient to reduce-scatter and the rank's shard of 4,805 to all-gather.
+        s1 = launch.rank("s1", 0)[0]
+        for key in ring:
+            assert np.array_equal(s1[key], ring[key]), f"stage 1 against the ring at {key}"
+        logged = [r for r in read_jsonl(launch.out / "s1" / "metrics.jsonl") if "wire_bytes" in r]
+        assert logged and {r["wire_bytes"] for r in logged} == {4 * PARAMETERS + 2 * PARAMETERS}
         return
     # Clipping by global norm: over the shards, the ring's; and it clips (not the unclipped run).
     clipped = launch.rank("ring_clip", 0)[0]
