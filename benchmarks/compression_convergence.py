@@ -23,12 +23,14 @@ draws and schedule. ``--framework tensorflow`` trains hvdtrain's runs with Tenso
 ``--hook-only`` runs the anchor alone (a seed's hook runs, merged with ``--merge`` beside that
 seed's hvdtrain runs from another job).
 
-``--dataset lm`` trains the built-in GPT (``configs/lm_torch.yaml`` at d_model 32, :data:`GPT`: 2
-blocks, byte tokens, Adam at 0.0015 x 2 ranks with 20 warm-up steps, cosine; ``--optimizer sgd``:
-SGD momentum 0.9 at 0.05) for ``--steps`` steps on a fixed corpus generated at run time from a
-seed, no download (:func:`sentence_text`), evaluated every epoch (56 steps); its figure is eval
-perplexity and a method's loss its relative increase over ``none``'s (percent). No anchor runs
-for it (``--hook-starts none``).
+``--dataset lm`` trains the built-in GPT (``configs/lm_torch.yaml`` at d_model ``--width``, 32 by
+default, :data:`GPT_WIDTH`: 2 blocks, byte tokens, Adam at 0.0015 x 2 ranks with 20 warm-up
+steps, cosine; ``--optimizer sgd``: SGD momentum 0.9 at 0.05) for ``--steps`` steps on a fixed
+corpus generated at run time from a seed, no download (:func:`sentence_text`), evaluated every
+epoch (53 steps); its figure is eval perplexity and a method's loss its relative increase over
+``none``'s (percent). Its anchor runs the same GPT, corpus, sampler, Adam and schedule under
+``torchrun`` (``compression_hook.py --dataset lm``), the hook's increase taken over plain DDP's
+perplexity.
 
 Usage (from the repository root)::
 
@@ -72,9 +74,11 @@ CORPUS_BYTES = 120_000
 curve has an evaluation every 56 steps."""
 WORDS = 40
 """The generated corpus's vocabulary of made-up words (300 took a d_model 32 GPT past 400 steps)."""
-GPT = ["model.options.d_model=32"]
-"""The GPT's overrides of ``configs/lm_torch.yaml``: half its width (2 blocks, d_model 32, 4
-heads; 33,000 parameters), small enough for 5 seeds of each method on a loaded 2-core host."""
+GPT_WIDTH = 32
+"""The GPT's default ``model.options.d_model`` here (``--width``): half ``configs/lm_torch.yaml``'s
+64 (2 blocks, 4 heads; 43,904 parameters), small enough for 5 seeds of each method on a loaded
+2-core host. At the config's 64 (136,960 parameters) PowerSGD's matrices are 64 x 192 and larger,
+so rank 2 sends about 18x fewer bytes a step, not 10x."""
 
 
 def variants(methods: Sequence[str], dense: Sequence[int]) -> list[str]:
@@ -142,12 +146,12 @@ def fixed_corpus(work: Path) -> Path:
     return root
 
 
-def lm_budget(root: Path, steps: int) -> list[str]:
-    """The GPT's overrides: the corpus, and enough epochs for ``steps`` at 2 ranks, capped there
-    by ``train.max_steps``."""
+def lm_budget(root: Path, steps: int, width: int = GPT_WIDTH) -> list[str]:
+    """The GPT's overrides: the corpus, its width (``model.options.d_model``), and enough epochs
+    for ``steps`` at 2 ranks, capped there by ``train.max_steps``."""
     windows = (root / "train.bin").stat().st_size // 65  # byte tokens, seq_len 64 + its target
     per_epoch = max(1, windows // (2 * 16) - 1)  # fewer rather than more: max_steps caps it
-    return [*comp.lm_overrides(root, steps), *GPT,
+    return [*comp.lm_overrides(root, steps), f"model.options.d_model={width}",
             f"train.epochs={max(1, math.ceil(steps / per_epoch))}"]
 
 
@@ -169,9 +173,11 @@ def image_budget(root: Path, steps: int) -> list[str]:
 
 
 def hook_job(seed: int, start: int | None, quick: bool,
-             images: tuple[Path, int] | None = None) -> dict[str, Any]:
+             images: tuple[Path, int] | None = None,
+             lm: tuple[Path, int, int] | None = None) -> dict[str, Any]:
     """One torchrun run of the anchor (``start`` None: plain DDP); ``images``: ResNet-18 on
-    these images for this many steps, else the MNIST-1D CNN."""
+    these images for this many steps; ``lm``: the GPT on this corpus for this many steps at
+    this width; else the MNIST-1D CNN."""
     argv = [str(harness.python().parent / "torchrun"), "--standalone", "--nproc-per-node=2",
             str(Path(__file__).with_name("compression_hook.py")), "--seed", str(seed)]
     if start is not None:
@@ -180,6 +186,10 @@ def hook_job(seed: int, start: int | None, quick: bool,
         epochs = image_budget(*images)[-1].split("=")[1]
         argv += ["--dataset", "images", "--images", str(images[0]), "--max-steps",
                  str(images[1]), "--epochs", epochs]
+    elif lm is not None:
+        epochs = lm_budget(*lm)[-1].split("=")[1]
+        argv += ["--dataset", "lm", "--corpus", str(lm[0]), "--max-steps", str(lm[1]),
+                 "--width", str(lm[2]), "--epochs", epochs]
     elif quick:
         argv += ["--epochs", "2"]
     harness.log(f"torchrun seed {seed}: {'DDP' if start is None else f'powerSGD_hook {start}'}")
@@ -205,14 +215,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names = variants(args.methods.split(","), [int(d) for d in args.dense.split(",")])
     names += [v for v in args.variants.split(",") if v]
     work = Path(args.work)
-    images = None
+    images, lm = None, None
     if args.dataset == comp.IMAGES:
         images = (comp.make_image_set(work), 10 if args.quick else args.steps)
         extra = image_budget(*images)
     elif args.dataset == comp.LM:
-        extra = lm_budget(fixed_corpus(work), 20 if args.quick else args.steps)
-        if args.hook_starts != "none":
-            raise harness.BenchError("--dataset lm has no anchor: add --hook-starts none")
+        lm = (fixed_corpus(work), 20 if args.quick else args.steps, args.width)
+        extra = lm_budget(*lm)
     else:
         extra = ["train.epochs=2"] if args.quick else []
     if args.hook_only and args.hook_starts == "none":
@@ -230,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         starts: list[int | None] = [] if args.hook_starts == "none" else [
             None, *(int(s) for s in args.hook_starts.split(",") if s)]
         out["hook"][seed] = {("ddp" if s is None else f"hook{s}"):
-                             hook_job(seed, s, args.quick, images) for s in starts}
+                             hook_job(seed, s, args.quick, images, lm) for s in starts}
     return out
 
 
@@ -261,14 +270,19 @@ def fmt_interval(values: Sequence[float], scale: float = 100.0) -> str:
 
 def against_hook(data: dict[str, Any], seeds: Sequence[int], hooks: Sequence[str]) -> str:
     """Lines pairing each hvdtrain PowerSGD variant with each hook start by seed: its accuracy
-    less the hook's (positive: hvdtrain's is higher), mean and 95% interval, in points."""
+    less the hook's (positive: hvdtrain's is higher), mean and 95% interval, in points; for the
+    GPT its perplexity over the hook's, less 1, in percent (negative: hvdtrain's is lower)."""
+    lm = data.get("dataset") == comp.LM
     out = []
     for name in (n for n in data["names"] if n.split("+")[0] == "powersgd"):
         for hook in (h for h in hooks if h != "ddp"):
-            diff = [data["hvdtrain"][s][name]["accuracy"] - data["hook"][s][hook]["accuracy"]
-                    for s in seeds]
-            out.append(f"- hvdtrain `{name}` less torch's powerSGD_hook start {hook[4:]}, by "
-                       f"seed: {fmt_interval(diff)} points (per seed: "
+            ours = [data["hvdtrain"][s][name] for s in seeds]
+            theirs = [data["hook"][s][hook] for s in seeds]
+            diff = [a["perplexity"] / b["perplexity"] - 1 if lm else
+                    a["accuracy"] - b["accuracy"] for a, b in zip(ours, theirs, strict=True)]
+            what = "perplexity over" if lm else "less"
+            out.append(f"- hvdtrain `{name}` {what} torch's powerSGD_hook start {hook[4:]}, by "
+                       f"seed: {fmt_interval(diff)}{'%' if lm else ' points'} (per seed: "
                        f"{', '.join(f'{100 * d:+.1f}' for d in diff)})")
     return "\n\n" + "\n".join(out) if out else ""
 
@@ -312,22 +326,26 @@ def report(data: dict[str, Any], flat_epochs: int = FLAT_EPOCHS) -> str:
     for name in hooks:
         rs = [data["hook"][s][name] for s in hooked]
         base = [data["hook"][s]["ddp"] for s in hooked]
-        loss = [b["accuracy"] - r["accuracy"] for b, r in zip(base, rs, strict=True)]
+        loss = [r[key] / b[key] - 1 if lm else b[key] - r[key]
+                for b, r in zip(base, rs, strict=True)]
         label = "torch DDP" if name == "ddp" else f"torch powerSGD_hook, start {name[4:]}"
-        lines.append(f"| {label} | {len(rs)} | {statistics.mean(r['accuracy'] for r in rs):.4f}"
+        lines.append(f"| {label} | {len(rs)} | "
+                     f"{statistics.mean(r[key] for r in rs):.{2 if lm else 4}f}"
                      f" | {fmt_interval(loss) + ' vs DDP' if name != 'ddp' else '—'} | — | — | — |")
-    gap = [data["hook"][s]["ddp"]["accuracy"] - data["hvdtrain"][s]["none"]["accuracy"]
+    gap = [(data["hook"][s]["ddp"][key] / data["hvdtrain"][s]["none"][key] - 1) if lm else
+           data["hook"][s]["ddp"][key] - data["hvdtrain"][s]["none"][key]
            for s in hooked if "ddp" in data["hook"][s]]
     return "\n".join(lines) + against_hook(data, hooked, hooks) + (
         f"\n\n`none` over its last {flat_epochs} evaluations moves at most "
         f"{100 * max(flat):.2f}{unit} (per seed: {', '.join(f'{100 * f:.2f}' for f in flat)})"
-        + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)} points"
+        + (f"; torch DDP against hvdtrain `none`, same seeds: {fmt_interval(gap)}{unit}"
            if gap else "") + ".\n")
 
 
 def hook_lines(data: dict[str, Any]) -> str:
     """A ``--hook-only`` job's anchor runs, a line each (the report pairs them after ``--merge``)."""
-    return "\n".join(f"seed {s} {name}: accuracy {r['accuracy']:.4f}"
+    key = "perplexity" if data.get("dataset") == comp.LM else "accuracy"
+    return "\n".join(f"seed {s} {name}: {key} {r[key]:.4f}"
                      for s, runs in sorted(data["hook"].items()) for name, r in runs.items())
 
 
@@ -343,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "built-in GPT for --steps steps")
     p.add_argument("--steps", type=int, default=1000,
                    help="ResNet-18's or the GPT's steps (--dataset images, lm)")
+    p.add_argument("--width", type=int, default=GPT_WIDTH,
+                   help="the GPT's d_model (--dataset lm; configs/lm_torch.yaml's is 64)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="",
                    help="the runs' optimizer (default: the GPT's config's Adam, else SGD momentum)")
     p.add_argument("--flat-epochs", type=int, default=FLAT_EPOCHS,

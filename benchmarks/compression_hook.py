@@ -13,6 +13,13 @@ the anchor trains what hvdtrain's ``none`` trains); with ``--hook powersgd`` it 
 otherwise). Rank 0 prints one JSON line: the final eval accuracy, the accuracy after every epoch
 and the steps.
 
+``--dataset images`` trains ResNet-18 on ``configs/images_torch.yaml``; ``--dataset lm`` the
+built-in GPT on ``configs/lm_torch.yaml`` (Adam as configured, ``--width`` its ``d_model``) over
+the text corpus at ``--corpus``, and its figure is eval perplexity (``perplexity``, ``curve``):
+the exponential of the mean token cross-entropy over the evaluation windows, as hvdtrain's loop
+computes ``eval_perplexity``. The optimizer is hvdtrain's own
+(:func:`hvdtrain.torch.engine.make_optimizer`).
+
 ::
 
     torchrun --standalone --nproc-per-node 2 benchmarks/compression_hook.py --seed 0 \\
@@ -38,18 +45,25 @@ KEY = "bench_compression_hook"
 
 def overrides(seed: int, dataset: str = "mnist1d-cnn") -> list[str]:
     """The config the hvdtrain runs of the study train: the MNIST-1D CNN on the digits config, or
-    ResNet-18 on ``configs/images_torch.yaml`` (both SGD momentum)."""
-    from compression import DATASETS, IMAGE_OPTIMIZERS, OPTIMIZERS
+    ResNet-18 on ``configs/images_torch.yaml`` (both SGD momentum), or the GPT on
+    ``configs/lm_torch.yaml`` (its own Adam)."""
+    from compression import DATASETS, IMAGE_OPTIMIZERS, LM_OPTIMIZERS, OPTIMIZERS
 
+    if dataset == "lm":
+        return [f"seed={seed}", *LM_OPTIMIZERS["adam"]]
     if dataset == "images":
         return [f"seed={seed}", *IMAGE_OPTIMIZERS["sgd"]]
     return [f"seed={seed}", *DATASETS[dataset], *OPTIMIZERS["sgd"]]
 
 
-def evaluate(model: Any, source: Any, rank: int, size: int, batch: int) -> float:
+def evaluate(model: Any, source: Any, rank: int, size: int, batch: int,
+             adapter: Any = None) -> float:
     """Accuracy over the test split as hvdtrain's loop scores it: each rank its own shard
     (:func:`hvdtrain.data.sampler.eval_shards`) on its own model (batch-norm statistics are a
-    rank's own in hvdtrain), the correct counts summed over the ranks."""
+    rank's own in hvdtrain), the correct counts summed over the ranks. With ``adapter`` (the
+    GPT's): the perplexity, ``exp`` of the adapter's loss sums over the windows' count."""
+    import math
+
     import torch
     import torch.distributed as dist
 
@@ -61,12 +75,17 @@ def evaluate(model: Any, source: Any, rank: int, size: int, batch: int) -> float
         for idx in eval_shards(len(source), rank, size, batch):
             if len(idx):
                 b = source.load(idx)
-                out = model(torch.from_numpy(b.x))
-                counts += torch.tensor([float((out.argmax(1) == torch.from_numpy(b.y)).sum()),
-                                        float(len(idx))], dtype=torch.float64)
+                x, y = torch.from_numpy(b.x), torch.from_numpy(b.y)
+                if adapter is not None:
+                    loss, _ = adapter.loss_and_metrics(model, x, y, training=False)
+                    good = float(loss)
+                else:
+                    good = float((model(x).argmax(1) == y).sum())
+                counts += torch.tensor([good, float(len(idx))], dtype=torch.float64)
     model.train()
     dist.all_reduce(counts)
-    return float(counts[0] / counts[1])
+    mean = float(counts[0] / counts[1])
+    return math.exp(mean) if adapter is not None else mean
 
 
 def config(args: argparse.Namespace) -> Any:
@@ -76,9 +95,12 @@ def config(args: argparse.Namespace) -> Any:
     extra = [f"train.epochs={args.epochs}"] if args.epochs else []
     if args.dataset == "images":
         extra += [f"data.options.root={args.images}", f"train.max_steps={args.max_steps}"]
+    elif args.dataset == "lm":
+        extra += [f"data.options.root={args.corpus}", f"train.max_steps={args.max_steps}",
+                  f"model.options.d_model={args.width}"]
     elif args.max_steps:
         extra.append(f"train.max_steps={args.max_steps}")
-    name = "images_torch" if args.dataset == "images" else "digits_torch"
+    name = {"images": "images_torch", "lm": "lm_torch"}.get(args.dataset, "digits_torch")
     return load_config(ROOT / "configs" / f"{name}.yaml",
                        [*overrides(args.seed, args.dataset), *extra], environ={})
 
@@ -96,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hvdtrain.driver import make_dataset
     from hvdtrain.registry import MODELS
     from hvdtrain.schedule import lr_at
+    from hvdtrain.torch.engine import make_optimizer
     from hvdtrain.torch.models import ClassifierAdapter
 
     dist.init_process_group("gloo")
@@ -119,8 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    warm_start=True, random_seed=cfg.seed)
         model.register_comm_hook(state, psgd.powerSGD_hook)
     o = cfg.optim
-    opt = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                          weight_decay=o.weight_decay)
+    opt = make_optimizer(o, model)
+    lm = adapter if args.dataset == "lm" else None
     sampler = ShardedSampler(len(train), cfg.data.batch_size, seed=cfg.seed,
                              shuffle=cfg.data.shuffle)
     total = cfg.train.epochs * sampler.steps_in_epoch(size)
@@ -141,12 +164,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (loss * size / plan.global_count).backward()
             opt.step()
             step += 1
-        curve.append([step, evaluate(model.module, test, rank, size, cfg.data.eval_batch_size)])
+        curve.append([step, evaluate(model.module, test, rank, size, cfg.data.eval_batch_size,
+                                     lm)])
         if step == total:
             break
     dist.destroy_process_group()
+    metric = "perplexity" if lm is not None else "accuracy"
     return {KEY: 1, "hook": args.hook, "start": args.start_iter if args.hook else 0,
-            "seed": args.seed, "accuracy": curve[-1][1], "curve": curve, "steps": step}
+            "seed": args.seed, metric: curve[-1][1], "curve": curve, "steps": step}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,8 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--start-iter", type=int, default=2,
                    help="start_powerSGD_iter: dense steps first (torch's minimum: 2)")
     p.add_argument("--epochs", type=int, default=0, help="train.epochs (0: the config's)")
-    p.add_argument("--dataset", choices=("mnist1d-cnn", "images"), default="mnist1d-cnn",
-                   help="images: ResNet-18 on configs/images_torch.yaml")
+    p.add_argument("--dataset", choices=("mnist1d-cnn", "images", "lm"), default="mnist1d-cnn",
+                   help="images: ResNet-18 on configs/images_torch.yaml; lm: the GPT on "
+                        "configs/lm_torch.yaml")
+    p.add_argument("--corpus", default="", help="the text corpus's root (--dataset lm)")
+    p.add_argument("--width", type=int, default=64, help="the GPT's d_model (--dataset lm)")
     p.add_argument("--images", default="", help="the generated images' root (--dataset images)")
     p.add_argument("--max-steps", type=int, default=0, help="train.max_steps (0: none)")
     args = p.parse_args(argv)
