@@ -19,10 +19,14 @@ Usage (from the repository root; about 10 minutes on 2 cores)::
     .venv/bin/python benchmarks/shard_memory.py
     .venv/bin/python benchmarks/shard_memory.py --quick     # a narrower GPT, one round
     .venv/bin/python benchmarks/shard_memory.py --ranks 2 --stages 0,1,3 --piece-kib 1024
+    .venv/bin/python benchmarks/shard_memory.py --ranks 4 --stages 0,3 --width 1152 --layers 14 \
+        --piece-kib 1024 --prefetch 0
 
 ``--stages`` runs some stages only (stage 0, the ring, is what "of the ring's peak" divides by);
 ``--piece-kib`` sets stage 3's ``shard.piece_kib`` (Horovod's reduce-scatter copies its input
-and allocates two buffers of its size, so rounds bound what one unit's collective holds).
+and allocates two buffers of its size, so rounds bound what one unit's collective holds);
+``--prefetch`` sets stage 3's ``shard.prefetch`` (0: no unit's gather is started ahead, so no
+next unit's parameters are held beside the one computing).
 """
 
 from __future__ import annotations
@@ -53,10 +57,12 @@ def formula(stage: int, n: int) -> float:
 
 
 def settings(corpus: str, width: int, layers: int, steps: int, stage: int, unit_kib: int,
-             out: str, piece_kib: int = 0) -> list[str]:
-    """The config overrides of one job (``piece_kib``: stage 3's ``shard.piece_kib``)."""
+             out: str, piece_kib: int = 0, prefetch: int = -1) -> list[str]:
+    """The config overrides of one job (``piece_kib``, ``prefetch``: stage 3's
+    ``shard.piece_kib`` and ``shard.prefetch``, the latter left at its default where negative)."""
     units = [f"shard.unit_kib={unit_kib}"] if stage >= 2 else []
     units += [f"shard.piece_kib={piece_kib}"] if stage == 3 and piece_kib else []
+    units += [f"shard.prefetch={prefetch}"] if stage == 3 and prefetch >= 0 else []
     return [f"data.options.root={corpus}", f"model.options.d_model={width}",
             f"model.options.layers={layers}", "model.options.heads=4", "data.batch_size=2",
             "data.eval_batch_size=8", f"train.max_steps={steps}", "optim.warmup_steps=0",
@@ -66,13 +72,14 @@ def settings(corpus: str, width: int, layers: int, steps: int, stage: int, unit_
 
 
 def worker(out: str, corpus: str, width: int, layers: int, steps: int, stage: int,
-           unit_kib: int, piece_kib: int) -> None:
+           unit_kib: int, piece_kib: int, prefetch: int = -1) -> None:
     """Under horovodrun: trains once and prints this rank's record (one JSON line)."""
     from hvdtrain.config import load_config
     from hvdtrain.driver import train
 
     cfg = load_config(harness.ROOT / "configs" / "lm_torch.yaml",
-                      settings(corpus, width, layers, steps, stage, unit_kib, out, piece_kib),
+                      settings(corpus, width, layers, steps, stage, unit_kib, out, piece_kib,
+                               prefetch),
                       environ={})
     result = train(cfg)
     engine = result.engine
@@ -142,7 +149,7 @@ def measure(args: Any) -> tuple[dict[tuple[int, str], list[dict[str, Any]]], flo
                 argv = [harness.horovodrun(), "-np", str(n), "--gloo", str(harness.python()),
                         __file__, "--worker", str(Path(tmp) / f"{name.replace(' ', '')}-{n}"),
                         str(text), str(width), str(layers), str(args.steps), str(stage),
-                        str(args.unit_kib), str(args.piece_kib)]
+                        str(args.unit_kib), str(args.piece_kib), str(args.prefetch)]
                 results.setdefault((n, name), []).extend(harness.run_job(argv, "peak_rss_mb",
                                                                          args.timeout))
     return results, saved
@@ -188,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the stages, comma-separated (0 is the ring every ratio is taken of)")
     p.add_argument("--piece-kib", type=int, default=0,
                    help="shard.piece_kib at stage 3 (0: one collective a unit)")
+    p.add_argument("--prefetch", type=int, default=-1,
+                   help="shard.prefetch at stage 3 (-1: the default, 1 unit ahead)")
     args = harness.parse(p, argv)
     args.stages = [int(s) for s in args.stages.split(",")]
     machine = harness.machine_record()
@@ -216,7 +225,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         out, text, width, layers, steps, stage, unit_kib, piece_kib = sys.argv[2:10]
         worker(out, text, int(width), int(layers), int(steps), int(stage), int(unit_kib),
-               int(piece_kib))
+               int(piece_kib), int(sys.argv[10]) if len(sys.argv) > 10 else -1)
         sys.exit(0)
     if sys.argv[1:2] == ["--activations"]:
         text, width, layers = sys.argv[2:5]

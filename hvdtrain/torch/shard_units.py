@@ -15,7 +15,8 @@ of every unit, which its optimizer (the run's class and settings) steps.
   pass (a forward pre-hook) and, when ``shard.reshard_after_forward``, freed after it and
   gathered again before its backward pass (a backward pre-hook); the gathers of the next
   ``shard.prefetch`` units start ahead (Horovod's async handles). After the unit's backward pass
-  its gradient is reduce-scattered and the gathered parameters are freed. The parameters stay
+  the gathered parameters are freed, then its gradient is made flat and reduce-scattered. The
+  parameters stay
   sharded after training; :meth:`UnitSharding.gather_all` makes them whole (a collective).
 
 Checkpoints: every rank writes its own shards (:mod:`hvdtrain.torch.shard_files`), so a run
@@ -221,7 +222,8 @@ class UnitSharding:
     def _arrived(self, unit: Unit, p: nn.Parameter) -> None:
         if self.whole:
             return
-        unit.take_grad(p)  # into the unit's flat gradient, which the reduce-scatter sends
+        if self.stage == 2:  # into the unit's flat gradient, which the reduce-scatter sends
+            unit.take_grad(p)  # (stage 3 keeps p.grad until the unit's gathered values go)
         unit.arrived += 1
         if unit.arrived == len(unit.params):
             self._scatter(unit)
@@ -229,12 +231,18 @@ class UnitSharding:
     def _scatter(self, unit: Unit) -> None:
         """Starts the reduce-scatter of the unit's gradient and drops the whole gradients (and,
         at stage 3, the gathered parameters)."""
+        if self.stage == 3:
+            # The gathered parameters go before the flat gradient is made: a whole parameter's
+            # gradient, the flat gradient and the gathered unit are never all held at once
+            # (the backward pass's peak, one unit less). The same values land in the same
+            # places as when each gradient was moved in on arrival.
+            unit.free()
+            for p in unit.params:
+                unit.take_grad(p)
         flat = unit.flat_grad()
         unit.arrived = 0
         for p in unit.params:
             p.grad = None
-        if self.stage == 3:
-            unit.free()
         # At most one in flight: the unit before's, which overlapped this unit's backward pass,
         # is received before this one starts (Horovod runs them in order anyway). A second in
         # flight through the next unit's backward pass held one more unit's gradient and
