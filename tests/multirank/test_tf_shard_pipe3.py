@@ -25,57 +25,32 @@ pair up (without them, the copies' collectives no longer pair and the run stalls
 launch; resumes across stages 2 and 3 of the same layout, and a pipeline without sharding
 resumed from stage 3's step 3, each within 1e-5 of the uninterrupted run;
 ``shard.reshard_after_forward=false`` (the forward's gathered variables reused) within 1e-5 of
-the default, with gpipe.
+the default, with gpipe. The runs are in test_tf_shard_pipe_units.py's launches (one launch
+and one reference for both stages).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import numpy as np
 import pytest
 
 from hvdtrain.checkpoint import parts_of
 from tests.conftest import read_jsonl
-from tests.multirank.conftest import Launch, launch_worker
+from tests.multirank import test_tf_shard_pipe_units as units
 from tests.multirank.test_tf_shard_pipe import assert_close, assert_copies_equal, step_losses
-from tests.multirank.test_tf_shard_pipe_units import COMMON, ONE, PIPE, STAGE_PARAMETERS, UNITS
+from tests.multirank.test_tf_shard_pipe_units import AT, STAGE_PARAMETERS, STEPS
 
-SHARD3 = PIPE + ",shard.stage=3"
-AT, STEPS = 3, 6
 LONG = pytest.mark.long
 pytestmark = pytest.mark.timeout(1500)
 
 
-def resume(out: Path, run: str) -> str:
-    return f"checkpoint.resume={out / run / 'checkpoints' / f'step-{AT:08d}.ckpt'}"
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """``launches(np, controller, group)``: one launch on first use; ``np`` 1 is the one-process
-    reference, ``group`` "main" the stage-3 run and its resumed run, "cross" the resumes across
-    stages 2 and 3 and without sharding, and the other schedule and resharding."""
-    cache: dict[tuple[int, str, str], Launch] = {}
-
-    def get(np_: int, controller: str, group: str = "main") -> Launch:
-        if (np_, controller, group) not in cache:
-            out = tmp_path_factory.mktemp(f"tf-shard3-pipe-np{np_}-{controller}-{group}")
-            if np_ == 1:
-                runs = [f"one:{ONE}"]
-            elif group == "main":
-                runs = [f"shard3:{SHARD3}", f"resumed:{SHARD3},{resume(out, 'shard3')}"]
-            else:
-                runs = [f"shard3:{SHARD3}", f"units:{UNITS}",
-                        f"shard3_from_units:{SHARD3},{resume(out, 'units')}",
-                        f"units_from_shard3:{UNITS},{resume(out, 'shard3')}",
-                        f"plain_from_shard3:{PIPE},{resume(out, 'shard3')}",
-                        f"kept:{SHARD3},shard.reshard_after_forward=false,"
-                        "pipeline.schedule=gpipe"]
-            cache[np_, controller, group] = launch_worker(np_, controller, "tensorflow", out, runs)
-        return cache[np_, controller, group]
-
-    return get
+    """``launches(np, controller, group)``: test_tf_shard_pipe_units.py's launches (see there),
+    which hold this module's stage-3 runs."""
+    return functools.partial(units.launch, tmp_path_factory)
 
 
 def reference(launches) -> tuple[list[np.ndarray], dict]:
@@ -96,10 +71,10 @@ def check_shard3_launch(launches, controller: str) -> None:
     for key in ("train_loss", "eval_loss"):
         assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
     for rank in range(4):  # resumed from step 3: the very bits of the uninterrupted run
-        resumed, _ = launch.rank("resumed", rank)
+        resumed, _ = launch.rank("resumed3", rank)
         for key, value in launch.rank("shard3", rank)[0].items():
             assert np.array_equal(resumed[key], value), (rank, key)
-    assert read_jsonl(launch.out / "resumed" / "metrics.jsonl")[0]["step"] == 4
+    assert read_jsonl(launch.out / "resumed3" / "metrics.jsonl")[0]["step"] == 4
 
 
 @pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=LONG)])
@@ -151,6 +126,3 @@ def test_resumes_across_stages_2_and_3_and_unsharded_agree(launches):
     assert_close(assert_copies_equal(launch, "kept"), shard3,
                  "gpipe, the forward's gathered variables kept, against 1f1b resharded")
 
-
-def test_common_settings_are_the_stage_2_tests():
-    assert "test_fraction=0.8124" in COMMON and SHARD3.startswith(PIPE)

@@ -26,6 +26,7 @@ and a pipeline without sharding from stage 2's, each within 1e-5 of the uninterr
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,8 @@ PIPE = ("data.batch_size=32,pipeline.stages=2,pipeline.microbatches=4,pipeline.s
         "checkpoint.every_steps=3,checkpoint.keep=3," + COMMON)
 """2 copies of 32 samples a step: the global batch of 64, at the same rate (no scaling)."""
 UNITS = PIPE + ",shard.stage=2"
+SHARD3 = PIPE + ",shard.stage=3"
+"""Stage 3 (test_tf_shard_pipe3.py), whose runs share this module's launches."""
 FLAT = PIPE + ",shard.stage=1,shard.chunk_kib=4"
 ONE = "data.batch_size=64,checkpoint.enabled=false,checkpoint.every_steps=0," + COMMON
 ATOL = 1e-5  # float32 sums in another order over 6 steps; a wrong weight moves 1e-3
@@ -58,29 +61,40 @@ def resume(out: Path, run: str) -> str:
     return f"checkpoint.resume={out / run / 'checkpoints' / f'step-{AT:08d}.ckpt'}"
 
 
+_LAUNCHES: dict[tuple[int, str, str], Launch] = {}
+"""The launches of this pytest process, by (np, controller, group): shared with
+test_tf_shard_pipe3.py, whose stage-3 runs are in them (a launch and a reference fewer)."""
+
+
+def launch(tmp_path_factory, np_: int, controller: str, group: str = "main") -> Launch:
+    """One launch on first use; ``np_`` 1 is the one-process reference, ``group`` "main" the
+    stage-2 and stage-3 runs and their resumed runs, "cross" the resumes across sharding (stages
+    1-3 and none) and stage 3 with GPipe keeping the forward's gathered variables."""
+    if (np_, controller, group) not in _LAUNCHES:
+        out = tmp_path_factory.mktemp(f"tf-units-pipe-np{np_}-{controller}-{group}")
+        if np_ == 1:
+            runs = [f"one:{ONE}"]
+        elif group == "main":
+            runs = [f"units:{UNITS}", f"resumed:{UNITS},{resume(out, 'units')}",
+                    f"shard3:{SHARD3}", f"resumed3:{SHARD3},{resume(out, 'shard3')}"]
+        else:
+            runs = [f"units:{UNITS}", f"flat:{FLAT}", f"shard3:{SHARD3}",
+                    f"units_from_flat:{UNITS},{resume(out, 'flat')}",
+                    f"flat_from_units:{FLAT},{resume(out, 'units')}",
+                    f"plain_from_units:{PIPE},{resume(out, 'units')}",
+                    f"shard3_from_units:{SHARD3},{resume(out, 'units')}",
+                    f"units_from_shard3:{UNITS},{resume(out, 'shard3')}",
+                    f"plain_from_shard3:{PIPE},{resume(out, 'shard3')}",
+                    f"kept:{SHARD3},shard.reshard_after_forward=false,pipeline.schedule=gpipe"]
+        _LAUNCHES[np_, controller, group] = launch_worker(np_, controller, "tensorflow", out,
+                                                          runs)
+    return _LAUNCHES[np_, controller, group]
+
+
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """``launches(np, controller, group)``: one launch on first use; ``np`` 1 is the one-process
-    reference, ``group`` "main" the stage-2 run and its resumed run, "cross" the resumes across
-    sharding."""
-    cache: dict[tuple[int, str, str], Launch] = {}
-
-    def get(np_: int, controller: str, group: str = "main") -> Launch:
-        if (np_, controller, group) not in cache:
-            out = tmp_path_factory.mktemp(f"tf-units-pipe-np{np_}-{controller}-{group}")
-            if np_ == 1:
-                runs = [f"one:{ONE}"]
-            elif group == "main":
-                runs = [f"units:{UNITS}", f"resumed:{UNITS},{resume(out, 'units')}"]
-            else:
-                runs = [f"units:{UNITS}", f"flat:{FLAT}",
-                        f"units_from_flat:{UNITS},{resume(out, 'flat')}",
-                        f"flat_from_units:{FLAT},{resume(out, 'units')}",
-                        f"plain_from_units:{PIPE},{resume(out, 'units')}"]
-            cache[np_, controller, group] = launch_worker(np_, controller, "tensorflow", out, runs)
-        return cache[np_, controller, group]
-
-    return get
+    """``launches(np, controller, group)``: :func:`launch`."""
+    return functools.partial(launch, tmp_path_factory)
 
 
 def reference(launches) -> tuple[list[np.ndarray], dict]:
