@@ -114,7 +114,7 @@ def test_a_stage_3_part_holds_the_stage_whole_by_global_name(launches):
 
 @LONG
 def test_resumes_across_stages_2_and_3_and_unsharded_agree(launches):
-    launch = launches(4, "gloo", "cross")
+    launch = launches(4, "gloo", "cross3")
     shard3, units = (assert_copies_equal(launch, run) for run in ("shard3", "units"))
     assert_close(units, shard3, "stage 2 against stage 3")
     assert_close(assert_copies_equal(launch, "shard3_from_units"), units,

@@ -68,8 +68,9 @@ test_tf_shard_pipe3.py, whose stage-3 runs are in them (a launch and a reference
 
 def launch(tmp_path_factory, np_: int, controller: str, group: str = "main") -> Launch:
     """One launch on first use; ``np_`` 1 is the one-process reference, ``group`` "main" the
-    stage-2 and stage-3 runs and their resumed runs, "cross" the resumes across sharding (stages
-    1-3 and none) and stage 3 with GPipe keeping the forward's gathered variables."""
+    stage-2 and stage-3 runs and their resumed runs, "cross" the resumes across stages 1-2 and
+    none, "cross3" those across stages 2-3 and none and stage 3 with GPipe keeping the
+    forward's gathered variables (apart: a launch has 600 s)."""
     if (np_, controller, group) not in _LAUNCHES:
         out = tmp_path_factory.mktemp(f"tf-units-pipe-np{np_}-{controller}-{group}")
         if np_ == 1:
@@ -77,11 +78,13 @@ def launch(tmp_path_factory, np_: int, controller: str, group: str = "main") -> 
         elif group == "main":
             runs = [f"units:{UNITS}", f"resumed:{UNITS},{resume(out, 'units')}",
                     f"shard3:{SHARD3}", f"resumed3:{SHARD3},{resume(out, 'shard3')}"]
-        else:
-            runs = [f"units:{UNITS}", f"flat:{FLAT}", f"shard3:{SHARD3}",
+        elif group == "cross":
+            runs = [f"units:{UNITS}", f"flat:{FLAT}",
                     f"units_from_flat:{UNITS},{resume(out, 'flat')}",
                     f"flat_from_units:{FLAT},{resume(out, 'units')}",
-                    f"plain_from_units:{PIPE},{resume(out, 'units')}",
+                    f"plain_from_units:{PIPE},{resume(out, 'units')}"]
+        else:
+            runs = [f"shard3:{SHARD3}", f"units:{UNITS}",
                     f"shard3_from_units:{SHARD3},{resume(out, 'units')}",
                     f"units_from_shard3:{UNITS},{resume(out, 'shard3')}",
                     f"plain_from_shard3:{PIPE},{resume(out, 'shard3')}",
