@@ -122,6 +122,11 @@ def test_torch_worker_joins_through_the_hosts_file_then_one_is_killed(tmp_path):
     check_every_index_once_per_epoch(run, 20)
 
 
+# `long` (13 s in make test): make test has TensorFlow's lost worker twice in
+# test_shard_elastic.py, whose TensorFlow row runs the ring (shard.stage=0) and stage 3 with a
+# worker SIGKILLed mid-epoch: one reset from 3 workers to 2, back to the commit before the loss,
+# every sample once an epoch, and the stage-3 parameters equal to the ring's.
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_tensorflow_survives_a_worker_killed_mid_epoch(tmp_path):
     run = tmp_path / "run"

@@ -87,7 +87,8 @@ def rings(tmp_path_factory) -> dict[str, Path]:
 
 
 def ring(rings: dict[str, Path], tmp_path_factory, framework: str) -> Path:
-    """``framework``'s ring run, from ``rings`` or made now."""
+    """``framework``'s ring run, from ``rings`` or made now. TensorFlow's is make test's case of
+    a TensorFlow worker lost in elastic mode (test_elastic.py's is ``long``)."""
     if framework not in rings:
         rings[framework] = elastic_run(tmp_path_factory.mktemp("ring"), framework, "ring")
         check_resize(rings[framework])
