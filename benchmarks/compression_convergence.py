@@ -37,8 +37,8 @@ Usage (from the repository root)::
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --seeds 3
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
         --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 5
-    nice -n 5 .venv/bin/python benchmarks/compression_convergence.py --dataset lm --steps 600 \
-        --methods topk,powersgd --dense -1 --hook-starts none --flat-epochs 3 --seeds 5
+    nice -n 5 .venv/bin/python benchmarks/compression_convergence.py --dataset lm --width 64 \
+        --steps 1200 --methods topk,powersgd --dense -1 --hook-starts 120 --flat-epochs 4 --seeds 5
     nice -n 10 .venv/bin/python benchmarks/compression_convergence.py --dataset images --steps 1000 \
         --seeds 1 --seed-from 3 --hook-only --hook-starts 30 --json /tmp/hook-s3.json
     .venv/bin/python benchmarks/compression_convergence.py --quick   # a tiny end-to-end check
