@@ -60,7 +60,7 @@ def reference(launches) -> tuple[list[np.ndarray], dict]:
 
 def check_shard3_launch(launches, controller: str) -> None:
     want, one = reference(launches)
-    launch = launches(4, controller)
+    launch = launches(4, controller, "main" if controller == "gloo" else "main3")
     got = assert_copies_equal(launch, "shard3")
     assert_close(got, want, f"stage-3 sharded stages against one process ({controller})")
     losses, ones = step_losses(launch.out, "shard3"), step_losses(launches(1, "gloo").out, "one")
