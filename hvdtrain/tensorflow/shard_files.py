@@ -12,6 +12,7 @@ stages) and the optimizer's scalars.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -69,7 +70,8 @@ def layout_of(shard: Any, slots: Mapping[int, Any]) -> ShardLayout:
     named = list(zip(_names(shard), shard.sizes, strict=True))
     units = [[entry] for entry in named] if _per_variable(shard) else [named]
     return ShardLayout(units, shard.size, 2 if _per_variable(shard) else 1,
-                       {name: [size] for name, size in named},
+                       {name: [int(d) for d in v.shape]
+                        for (name, _), v in zip(named, shard.variables, strict=True)},
                        {f"s{i}": DTYPES[np.dtype(str(value.dtype))] for i, value in slots.items()})
 
 
@@ -263,3 +265,27 @@ def restore_whole(model: Any, optimizer: Any, arrays: Mapping[str, np.ndarray],
     trainable = model.trainable_variables
     assign_model(model.variables, trainable, lambda i: np.asarray(arrays[f"model/{i}"]), source)
     assign_optimizer(optimizer, trainable, arrays, source, meta.get(SLOT_KINDS))
+
+
+def model_entries(path: Path) -> dict[str, np.ndarray]:
+    """The ``model/<i>`` entries of a TensorFlow checkpoint file, where stage 3 left them empty
+    (its model's variables are all trainable, in the layout's order) assembled from the parts
+    beside it, each in its shape: the model a checkpoint holds, for a reader without a model
+    (a test, a tool)."""
+    where = str(path)
+    with np.load(path, allow_pickle=False) as npz:
+        meta = json.loads(str(npz["meta"]))
+        entries = {n: npz[n] for n in npz.files if n.startswith("model/")}
+    if not isinstance(meta, dict) or meta.get("shards") is None:
+        return entries
+    source = sharded_source(meta, path, where)
+    layout = ShardLayout.from_dict(meta["shards"], where)
+    empty = sorted((n for n, v in entries.items() if v.shape == (0,)),
+                   key=lambda n: int(n.split("/")[1]))
+    sizes = [size for unit in layout.units for _, size in unit]
+    if not empty or len(empty) != len(sizes):
+        return entries
+    for j, _, values in whole_values(source, sizes, [(j, PARAMS) for j in range(len(sizes))]):
+        shape = layout.shapes.get(f"v{j}", [sizes[j]])
+        entries[empty[j]] = values.reshape(shape if int(np.prod(shape)) == sizes[j] else [-1])
+    return entries

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from hvdtrain.tensorflow.shard_files import model_entries  # (its package sets TF_CPP_MIN_LOG_LEVEL)
 from hvdtrain.torch.shard_files import sources, whole_params
 from tests.conftest import read_jsonl
 from tests.multirank.test_elastic import check_every_index_once_per_epoch, elastic_job
@@ -57,12 +58,11 @@ def elastic_run(tmp_path: Path, framework: str, name: str, *overrides: str) -> P
 
 
 def final_parameters(run: Path, framework: str) -> dict[str, np.ndarray]:
-    """The parameters of the run's last checkpoint (a sharded PyTorch run's assembled from its
-    parts; TensorFlow's rank 0 writes the model's entries whole at every stage)."""
+    """The parameters of the run's last checkpoint (a sharded run's stage-3 parameters assembled
+    from its parts)."""
     path = sorted((run / "checkpoints").glob("step-*.ckpt"))[-1]
     if framework == "tensorflow":
-        with np.load(path, allow_pickle=False) as npz:
-            return {name: npz[name] for name in npz.files if name.startswith("model/")}
+        return model_entries(path)
     state = torch.load(path, map_location="cpu", weights_only=True)
     source = sources(state, path, str(path))
     params = state["model"] if source is None else whole_params(source)
