@@ -39,8 +39,8 @@ import pytest
 from hvdtrain.checkpoint import parts_of
 from tests.conftest import read_jsonl
 from tests.multirank import test_tf_shard_pipe_units as units
-from tests.multirank.test_tf_shard_pipe import assert_close, assert_copies_equal, step_losses
-from tests.multirank.test_tf_shard_pipe_units import AT, STAGE_PARAMETERS, STEPS
+from tests.multirank.test_tf_shard_pipe import assert_close, assert_copies_equal
+from tests.multirank.test_tf_shard_pipe_units import AT, STAGE_PARAMETERS
 
 LONG = pytest.mark.long
 pytestmark = pytest.mark.timeout(1500)
@@ -53,28 +53,9 @@ def launches(tmp_path_factory):
     return functools.partial(units.launch, tmp_path_factory)
 
 
-def reference(launches) -> tuple[list[np.ndarray], dict]:
-    params, record = launches(1, "gloo").rank("one", 0)
-    return [params[k] for k in sorted(params, key=lambda n: int(n.split(".")[0]))], record
-
-
 def check_shard3_launch(launches, controller: str) -> None:
-    want, one = reference(launches)
-    launch = launches(4, controller, "main" if controller == "gloo" else "main3")
-    got = assert_copies_equal(launch, "shard3")
-    assert_close(got, want, f"stage-3 sharded stages against one process ({controller})")
-    losses, ones = step_losses(launch.out, "shard3"), step_losses(launches(1, "gloo").out, "one")
-    assert [s for s, _ in losses] == [s for s, _ in ones] == [2, 4, 6]
-    np.testing.assert_allclose([v for _, v in losses], [v for _, v in ones], rtol=1e-5)
-    summary, final = launch.summary("shard3"), one["summary"]["final"]
-    assert (summary["steps"], one["summary"]["steps"]) == (STEPS, STEPS)
-    for key in ("train_loss", "eval_loss"):
-        assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
-    for rank in range(4):  # resumed from step 3: the very bits of the uninterrupted run
-        resumed, _ = launch.rank("resumed3", rank)
-        for key, value in launch.rank("shard3", rank)[0].items():
-            assert np.array_equal(resumed[key], value), (rank, key)
-    assert read_jsonl(launch.out / "resumed3" / "metrics.jsonl")[0]["step"] == 4
+    units.check_units_launch(launches, controller, "shard3", "resumed3",
+                             "main" if controller == "gloo" else "main3", "stage-3")
 
 
 @pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=LONG)])

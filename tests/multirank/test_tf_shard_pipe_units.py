@@ -120,23 +120,26 @@ def test_the_last_step_leaves_the_copies_unequal_micro_batch_counts():
     assert live == [[8, 1, 0, 0], [8, 0, 0, 0]]
 
 
-def check_units_launch(launches, controller: str) -> None:
+def check_units_launch(launches, controller: str, run: str = "units", resumed: str = "resumed",
+                       group: str = "main", what: str = "stage-2") -> None:
+    """The launch's ``run`` (its copies equal, one process within 1e-5, losses alike) and
+    ``resumed`` from step 3 (the very bits of ``run``); stage 3 passes its own names."""
     want, one = reference(launches)
-    launch = launches(4, controller)
-    got = assert_copies_equal(launch, "units")
-    assert_close(got, want, f"stage-2 sharded stages against one process ({controller})")
-    losses, ones = step_losses(launch.out, "units"), step_losses(launches(1, "gloo").out, "one")
+    launch = launches(4, controller, group)
+    got = assert_copies_equal(launch, run)
+    assert_close(got, want, f"{what} sharded stages against one process ({controller})")
+    losses, ones = step_losses(launch.out, run), step_losses(launches(1, "gloo").out, "one")
     assert [s for s, _ in losses] == [s for s, _ in ones] == [2, 4, 6]
     np.testing.assert_allclose([v for _, v in losses], [v for _, v in ones], rtol=1e-5)
-    summary, final = launch.summary("units"), one["summary"]["final"]
+    summary, final = launch.summary(run), one["summary"]["final"]
     assert (summary["steps"], one["summary"]["steps"]) == (STEPS, STEPS)
     for key in ("train_loss", "eval_loss"):
         assert summary["final"][key] == pytest.approx(final[key], rel=1e-4), key
     for rank in range(4):  # resumed from step 3: the very bits of the uninterrupted run
-        resumed, _ = launch.rank("resumed", rank)
-        for key, value in launch.rank("units", rank)[0].items():
-            assert np.array_equal(resumed[key], value), (rank, key)
-    assert read_jsonl(launch.out / "resumed" / "metrics.jsonl")[0]["step"] == 4
+        again, _ = launch.rank(resumed, rank)
+        for key, value in launch.rank(run, rank)[0].items():
+            assert np.array_equal(again[key], value), (rank, key)
+    assert read_jsonl(launch.out / resumed / "metrics.jsonl")[0]["step"] == 4
 
 
 @pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=LONG)])
