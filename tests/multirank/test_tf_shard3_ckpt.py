@@ -9,8 +9,8 @@ batch 48, Adam with weight decay, one epoch of 30 steps, a checkpoint every 20 s
 stage 3 resumed from its step-20 checkpoint (bit-identical), and the ring resumed from its last
 checkpoint, which holds it exactly, as does the export of that checkpoint. ``make test-long``:
 at 3 ranks the ring and stage 3 resumed from the ring's step-20 checkpoint (SGD with momentum;
-a known defect, xfail), and at 2 ranks (12 samples a rank: the same global batch) stage 3,
-stage 1 and the ring resumed from stage 3's step-20 checkpoint.
+a known defect that some launches show, xfail), and at 2 ranks (12 samples a rank: the same
+global batch) stage 3, stage 1 and the ring resumed from stage 3's step-20 checkpoint.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def test_stage3_writes_slices_only_and_every_reader_resumes_them(ckpt3):
 
 
 @pytest.mark.long
-@pytest.mark.xfail(strict=True, reason="stage 3 from the ring's checkpoint at 3 ranks with SGD "
-                   "momentum ends 1e-3 from the ring (fresh stage 3: 7e-9): not found yet")
+@pytest.mark.xfail(strict=False, reason="stage 3 from the ring's checkpoint at 3 ranks with SGD "
+                   "momentum ends 1e-3 from the ring in some launches, 7e-9 in others (rank 0's "
+                   "slices of the last two variables): a race, not found yet")
 def test_stage3_resumes_the_rings_checkpoint(ckpt3):
     launch = ckpt3("ring")
     assert_near(params(launch, "s3_from_ring", 3), params(launch, "ring", 3),
