@@ -139,23 +139,33 @@ def test_each_step_sends_the_stage_gradient_and_its_shard(launches):
         assert record["wire_bytes"] == 1.5 * 4 * sum(STAGE_PARAMETERS) / 2
 
 
-def test_a_stage_part_holds_its_optimizer_state_whole_by_global_name(launches):
-    checkpoint = launches(4, "gloo").out / "sharded" / "checkpoints" / f"step-{AT:08d}.ckpt"
+def assert_parts_hold_stages_whole(checkpoint: Path, at: int, stage_parameters: list[int]
+                                   ) -> list[dict[str, np.ndarray]]:
+    """A stage's checkpoint part holds its parameters and Adam's two moments whole, by global
+    name, each moment in its variable's shape and none of them zero; returns each part's model."""
     parts = parts_of(checkpoint)
-    assert [p.name for p in parts] == [f"step-{AT:08d}.stage-{k}.part" for k in (0, 1)]
-    for part, parameters in zip(parts, STAGE_PARAMETERS, strict=True):
+    assert [p.name for p in parts] == [f"step-{at:08d}.stage-{k}.part" for k in (0, 1)]
+    models = []
+    for part, parameters in zip(parts, stage_parameters, strict=True):
         with np.load(part) as npz:
             arrays = {k: npz[k] for k in npz.files}
         model = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
         slots = {k[len("optimizer/"):]: v for k, v in arrays.items()
                  if k.startswith("optimizer/") and not k.startswith("optimizer/opt/")}
-        # Adam's two moments of each trainable variable, in its shape, none of them zero.
         assert sorted(slots) == sorted(f"{n}/{kind}" for n in model
                                        for kind in ("momentum", "velocity"))
         for name, slot in slots.items():
             assert slot.shape == model[name.split("/")[0]].shape and np.any(slot != 0), name
         assert sum(v.size for v in model.values()) == parameters
-        assert int(arrays["optimizer/opt/iteration"]) == AT
+        assert int(arrays["optimizer/opt/iteration"]) == at
+        models.append(model)
+    return models
+
+
+def test_a_stage_part_holds_its_optimizer_state_whole_by_global_name(launches):
+    assert_parts_hold_stages_whole(
+        launches(4, "gloo").out / "sharded" / "checkpoints" / f"step-{AT:08d}.ckpt", AT,
+        STAGE_PARAMETERS)
 
 
 @LONG

@@ -36,10 +36,13 @@ import functools
 import numpy as np
 import pytest
 
-from hvdtrain.checkpoint import parts_of
 from tests.conftest import read_jsonl
 from tests.multirank import test_tf_shard_pipe_units as units
-from tests.multirank.test_tf_shard_pipe import assert_close, assert_copies_equal
+from tests.multirank.test_tf_shard_pipe import (
+    assert_close,
+    assert_copies_equal,
+    assert_parts_hold_stages_whole,
+)
 from tests.multirank.test_tf_shard_pipe_units import AT, STAGE_PARAMETERS
 
 LONG = pytest.mark.long
@@ -53,14 +56,10 @@ def launches(tmp_path_factory):
     return functools.partial(units.launch, tmp_path_factory)
 
 
-def check_shard3_launch(launches, controller: str) -> None:
-    units.check_units_launch(launches, controller, "shard3", "resumed3",
-                             "main" if controller == "gloo" else "main3", "stage-3")
-
-
 @pytest.mark.parametrize("controller", ["gloo", pytest.param("mpi", marks=LONG)])
 def test_stage_3_sharded_stages_train_as_one_process_and_resume_exactly(launches, controller):
-    check_shard3_launch(launches, controller)
+    units.check_units_launch(launches, controller, "shard3", "resumed3",
+                             "main" if controller == "gloo" else "main3", "stage-3")
 
 
 def test_each_step_gathers_the_slices_twice_a_micro_batch(launches):
@@ -76,21 +75,8 @@ def test_each_step_gathers_the_slices_twice_a_micro_batch(launches):
 
 def test_a_stage_3_part_holds_the_stage_whole_by_global_name(launches):
     checkpoint = launches(4, "gloo").out / "shard3" / "checkpoints" / f"step-{AT:08d}.ckpt"
-    parts = parts_of(checkpoint)
-    assert [p.name for p in parts] == [f"step-{AT:08d}.stage-{k}.part" for k in (0, 1)]
-    for part, parameters in zip(parts, STAGE_PARAMETERS, strict=True):
-        with np.load(part) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-        model = {k[len("model/"):]: v for k, v in arrays.items() if k.startswith("model/")}
-        slots = {k[len("optimizer/"):]: v for k, v in arrays.items()
-                 if k.startswith("optimizer/") and not k.startswith("optimizer/opt/")}
-        assert sum(v.size for v in model.values()) == parameters
+    for model in assert_parts_hold_stages_whole(checkpoint, AT, STAGE_PARAMETERS):
         assert all(np.any(v != 0) for v in model.values())
-        assert sorted(slots) == sorted(f"{n}/{kind}" for n in model
-                                       for kind in ("momentum", "velocity"))
-        for name, slot in slots.items():
-            assert slot.shape == model[name.split("/")[0]].shape and np.any(slot != 0), name
-        assert int(arrays["optimizer/opt/iteration"]) == AT
 
 
 @LONG
