@@ -9,7 +9,7 @@ in parts by pipeline stages lists its parts, which hold them by global name (``m
 (each part checked against its sha256), one variable at a time. One written by sharded data
 parallel (``shard.stage`` 1-3) holds at stage 3 its trainable variables in the ranks' parts
 (rank 0's file: empty entries for them): each is assembled whole from the parts' slices, one at
-a time (:func:`assign_shards`)."""
+a time (:func:`hvdtrain.tensorflow.shard_files.assign_model`)."""
 
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def open_checkpoint(path: Path) -> tuple[Any, Any]:
 
 def stage_parts(meta: Any) -> list[dict[str, Any]] | None:
     """The parts that a checkpoint's ``meta`` lists when pipeline stages wrote it, else None.
-    Sharded data parallel's parts (``shards`` in the meta) are not pipeline stages' (read by
-    :func:`assign_shards`)."""
+    Sharded data parallel's parts (``shards`` in the meta) are not pipeline stages'
+    (:func:`trained_model` assembles them)."""
     if isinstance(meta, dict) and meta.get("parts") and "shards" not in meta:
         return list(meta["parts"])
     return None
@@ -90,22 +90,6 @@ def assign_parts(model: Any, checkpoint: Path, manifest: list[dict[str, Any]]) -
         raise HvdtrainError(f"{where} does not fit the model: {problem}")
     parts.assign_each(entries, ((name, value) for _, name, value in parts.iter_parts(
         checkpoint.parent, manifest, entries, where)), where)
-
-
-def assign_shards(model: Any, checkpoint: Path, meta: dict[str, Any]) -> None:
-    """Assigns ``model``'s variables from a checkpoint of sharded data parallel (``meta``: its
-    rank 0 file's): each entry of that file read when reached, and each trainable variable that
-    stage 3 wrote in the ranks' parts assembled whole from them, one at a time
-    (:func:`hvdtrain.tensorflow.shard_files.assign_model`)."""
-    where = f"export: {checkpoint}"
-    source = shard_files.sharded_source(meta, checkpoint, where)
-    count, arrays = checkpoint_arrays(checkpoint)
-    with closing(arrays):
-        if count != len(model.variables):
-            raise HvdtrainError(f"{where} holds {count} model variables, the run's model has "
-                                f"{len(model.variables)}")
-        shard_files.assign_model(model.variables, model.trainable_variables,
-                                 lambda _: next(arrays), source)
 
 
 def not_ours(path: Path, exc: BaseException) -> HvdtrainError:
@@ -141,14 +125,17 @@ def trained_model(cfg: Config, checkpoint: Path) -> Any:
     if manifest is not None:
         assign_parts(model, checkpoint, manifest)
         return model
-    if isinstance(meta, dict) and meta.get("shards") is not None:  # sharded data parallel's
-        assign_shards(model, checkpoint, meta)
-        return model
+    sharded = isinstance(meta, dict) and meta.get("shards") is not None
     count, arrays = checkpoint_arrays(checkpoint)
     with closing(arrays):
         if count != len(model.variables):
             raise HvdtrainError(f"export: {checkpoint} holds {count} model variables, the "
                                 f"run's model has {len(model.variables)}")
+        if sharded:  # sharded data parallel's: stage 3's trainable variables from the parts
+            source = shard_files.sharded_source(meta, checkpoint, f"export: {checkpoint}")
+            shard_files.assign_model(model.variables, model.trainable_variables,
+                                     lambda _: next(arrays), source)
+            return model
         for i, (var, value) in enumerate(zip(model.variables, arrays, strict=True)):
             if tuple(var.shape) != value.shape:
                 raise HvdtrainError(f"export: {checkpoint}: model/{i} has shape {value.shape}, "
