@@ -72,6 +72,7 @@ from hvdtrain.tensorflow.shard_files import (
     read_params,
     read_slots,
     shard_part,
+    sharded_source,
     slot_kinds,
 )
 from hvdtrain.tensorflow.shard_grads import (
@@ -393,10 +394,7 @@ class ShardedEngine(TensorFlowEngine):
                 raise HvdtrainError(f"{where}: a whole checkpoint is read from its file only")
             self._file["path"] = str(self.restore_from)
         if meta.get("shards") is not None:  # every rank reads its slices in broadcast_state
-            if self.restore_from is None:
-                raise HvdtrainError(f"{where}: a checkpoint of shards is read from its file only")
-            self._source = {"directory": str(self.restore_from.parent), "where": where,
-                            "entries": meta.get("parts") or [], "layout": meta["shards"],
+            self._source = {**sharded_source(meta, self.restore_from, where),
                             "params": self._params_in_parts}
         elif self._params_in_parts:
             raise HvdtrainError(f"{where}: its model entries are empty and it has no parts")

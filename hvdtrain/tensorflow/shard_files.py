@@ -110,7 +110,7 @@ def read_slots(source: Mapping[str, Any], shard: Any, indices: Sequence[int]
     parts of a checkpoint of shards (``source``: its directory, parts, layout), written at any
     stage 1-2 and number of ranks: only the byte ranges it needs."""
     where = source["where"]
-    layout, names, paths = _opened(source, shard)
+    layout, names, paths = _opened(source, shard.sizes)
     missing = [i for i in indices if f"s{i}" not in layout.slots]
     if missing or len(indices) != len(layout.slots):
         raise HvdtrainError(f"{where} does not fit the optimizer: its slots are "
@@ -129,7 +129,7 @@ def read_slots(source: Mapping[str, Any], shard: Any, indices: Sequence[int]
 def read_params(source: Mapping[str, Any], shard: Any) -> np.ndarray:
     """This rank's slices of the parameters (stage 3's shard variable) read from parts that hold
     them (:func:`shard_part` with ``params``), written at stage 3 and any number of ranks."""
-    layout, names, paths = _opened(source, shard)
+    layout, names, paths = _opened(source, shard.sizes)
     values = np.empty(shard.own, np.float32)
     with PartFiles(paths, layout, source["where"]) as parts:
         for j, lo, hi, at in pieces(shard):
@@ -137,14 +137,14 @@ def read_params(source: Mapping[str, Any], shard: Any) -> np.ndarray:
     return values
 
 
-def _opened(source: Mapping[str, Any], shard: Any) -> tuple[ShardLayout, list[str],
-                                                              dict[int, Path]]:
-    """The layout of a checkpoint of shards (checked against ``shard``'s variables), the
-    variables' names and the path of each shard's part."""
+def _opened(source: Mapping[str, Any], sizes: Sequence[int]) -> tuple[ShardLayout, list[str],
+                                                                       dict[int, Path]]:
+    """The layout of a checkpoint of shards (checked against the trainable variables' ``sizes``),
+    the variables' names and the path of each shard's part."""
     where = source["where"]
     layout = ShardLayout.from_dict(source["layout"], where)
-    names = _names(shard)
-    check_fits(layout, list(zip(names, shard.sizes, strict=True)), where)
+    names = [f"v{j}" for j in range(len(sizes))]
+    check_fits(layout, list(zip(names, sizes, strict=True)), where)
     paths = {s: part_file(Path(source["directory"]), e, where)
              for s, e in shard_files(source["entries"], layout, where).items()}
     return layout, names, paths
@@ -169,13 +169,8 @@ def whole_values(source: Mapping[str, Any], sizes: Sequence[int], wanted: Sequen
     ones, sized ``sizes``; ``kind``: ``params`` or a slot ``s<i>``): that variable's flat values
     whole, assembled from every part that holds some, one at a time (the reader drops each
     before the next is read)."""
-    where = source["where"]
-    layout = ShardLayout.from_dict(source["layout"], where)
-    names = [f"v{j}" for j in range(len(sizes))]
-    check_fits(layout, list(zip(names, sizes, strict=True)), where)
-    paths = {s: part_file(Path(source["directory"]), e, where)
-             for s, e in shard_files(source["entries"], layout, where).items()}
-    with PartFiles(paths, layout, where) as parts:
+    layout, names, paths = _opened(source, sizes)
+    with PartFiles(paths, layout, source["where"]) as parts:
         for j, kind in wanted:
             dtype = np.float32 if kind == PARAMS else NUMPY[layout.slots[kind]]
             values = np.empty(sizes[j], dtype)
