@@ -62,9 +62,9 @@ def _reset() -> None:
 
 SCATTER_PIECE = 1 << 20
 """Elements a rank in one round of :func:`grouped_reducescatter`'s large tensors (4 MiB of
-float32). Horovod 0.28.1's TensorFlow ``reducescatter`` of one tensor of some 20 M elements
-returns wrong values now and then (about one call in twenty, both under Gloo; tensors of 12 M
-and below never did, docs/sharding.md), so no tensor that large goes to it whole."""
+float32). Gloo's reduce-scatter allocates two temporary copies of the whole tensor a call, which
+the rounds bound; they came in when large calls returned wrong values now and then, whose cause
+(Gloo overwriting its buffer under queued sends) patches/0012 fixes (docs/sharding.md)."""
 
 
 def grouped_reducescatter(flats: Sequence[tf.Tensor], op: Any, compression: Any = None,

@@ -1,7 +1,6 @@
-"""hvdtrain's TensorFlow reduce-scatter in rounds (``tensorflow/collectives.py``): Horovod
-0.28.1's TensorFlow ``reducescatter`` of one tensor of some 20 M elements returns wrong values
-now and then, so the sharded engines send a large tensor in rounds. The rounds must give every
-rank exactly the shard one call would."""
+"""hvdtrain's TensorFlow reduce-scatter in rounds (``tensorflow/collectives.py``): the sharded
+engines send a large tensor in rounds (docs/sharding.md, Gloo's reduce-scatter and large
+tensors). The rounds must give every rank exactly the shard one call would."""
 
 from tests.horovod import BIN, horovodrun, rank_records
 
