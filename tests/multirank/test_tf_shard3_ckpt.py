@@ -38,7 +38,7 @@ TOLERANCE = 1e-5
 (seen 1e-7 after 45 Adam steps at 2 ranks in test_tf_shard3.py); a slice read from the wrong
 place moves the parameters by 1e-3 or more within the 10 steps after the resume. The 3-rank
 comparison with the ring uses SGD with momentum (the ring's checkpoint hands out a slot other
-than Adam's); Adam there once ended 2e-3 off, which was Gloo's reduce-scatter (patches/0012):
+than Adam's); Adam there once ended 2e-3 off, most likely Gloo's reduce-scatter (patches/0012):
 with it, within 3e-8 in 3 launches."""
 
 
