@@ -39,8 +39,9 @@ DTYPES: dict[np.dtype[Any], str] = {np.dtype(np.float32): "F32", np.dtype(np.flo
 NUMPY: dict[str, np.dtype[Any]] = {name: dtype for dtype, name in DTYPES.items()}
 
 
-def _names(shard: Any) -> list[str]:
-    return [f"v{j}" for j in range(len(shard.sizes))]
+def _names(count: int) -> list[str]:
+    """The parts' names of the first ``count`` trainable variables, in the model's order."""
+    return [f"v{j}" for j in range(count)]
 
 
 def _per_variable(shard: Any) -> bool:
@@ -67,7 +68,7 @@ def _units(shard: Any) -> list[tuple[int, int]]:
 def layout_of(shard: Any, slots: Mapping[int, Any]) -> ShardLayout:
     """The layout of the parts this run writes; ``slots``: the per-element optimizer variables
     by index (this rank's values, or the variables)."""
-    named = list(zip(_names(shard), shard.sizes, strict=True))
+    named = list(zip(_names(len(shard.sizes)), shard.sizes, strict=True))
     units = [[entry] for entry in named] if _per_variable(shard) else [named]
     return ShardLayout(units, shard.size, 2 if _per_variable(shard) else 1,
                        {name: [int(d) for d in v.shape]
@@ -143,7 +144,7 @@ def _opened(source: Mapping[str, Any], sizes: Sequence[int]) -> tuple[ShardLayou
     the variables' names and the path of each shard's part."""
     where = source["where"]
     layout = ShardLayout.from_dict(source["layout"], where)
-    names = [f"v{j}" for j in range(len(sizes))]
+    names = _names(len(sizes))
     check_fits(layout, list(zip(names, sizes, strict=True)), where)
     paths = {s: part_file(Path(source["directory"]), e, where)
              for s, e in shard_files(source["entries"], layout, where).items()}
@@ -280,7 +281,8 @@ def model_entries(path: Path) -> dict[str, np.ndarray]:
     sizes = [size for unit in layout.units for _, size in unit]
     if not empty or len(empty) != len(sizes):
         return entries
+    names = _names(len(sizes))
     for j, _, values in whole_values(source, sizes, [(j, PARAMS) for j in range(len(sizes))]):
-        shape = layout.shapes.get(f"v{j}", [sizes[j]])
+        shape = layout.shapes.get(names[j], [sizes[j]])
         entries[empty[j]] = values.reshape(shape if int(np.prod(shape)) == sizes[j] else [-1])
     return entries
